@@ -1,0 +1,42 @@
+# The two commands of the README: `make demo` and `make test`. Both set up .venv themselves.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+FL     := $(BIN)/forgeline
+STAMP  := $(VENV)/.installed
+
+.PHONY: demo test test-all up down lint format clean
+
+# torch first, pinned to the CPU wheel on this machine's disk: resolving `torch` through the
+# project's dependencies could pull a multi-GB CUDA build.
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet torch==2.13.0
+	$(BIN)/pip install --quiet -e '.[test]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(FL) up --nodes 2 --gpus-per-node 1
+	$(FL) run examples/shakespeare-char.toml
+
+test: $(STAMP)
+	$(BIN)/pytest
+
+up: $(STAMP)
+	$(FL) up --nodes 2 --gpus-per-node 1
+
+down: $(STAMP)
+	$(FL) down
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+format: $(STAMP)
+	$(BIN)/ruff format .
+	$(BIN)/ruff check --fix .
+
+clean:
+	-$(FL) down
+	rm -rf .forgeline

@@ -1,0 +1,210 @@
+"""Activities of the control worker: data preparation, checkpoint lookup, evaluation,
+registration and the approval record. They are synchronous (run in a thread pool) because the
+domain code they call is."""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from importlib import metadata
+from pathlib import Path
+
+from temporalio import activity
+
+from activities.errors import domain_errors
+from activities.fetch import NodeCache
+from dataprep.snapshot import SnapshotSettings, prepare_snapshot
+from infra.code_version import code_version
+from infra.settings import Settings
+from infra.store import open_store
+from registry.tracking import Registration, register
+from registry.tracking import record_decision as record_version_decision
+from trainer.evaluate import evaluate_checkpoint, load_model
+from trainer.manifest import find_latest
+from workflows.models import (
+    CheckpointRef,
+    DatasetRef,
+    DecisionInput,
+    EvalResult,
+    EvaluateInput,
+    LatestCheckpointInput,
+    ModelVersionRef,
+    PrepareDatasetInput,
+    RegisterInput,
+)
+
+_SERVING_PACKAGES = ("torch", "tokenizers", "safetensors", "numpy", "mlflow")
+
+
+class ControlActivities:
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.store = open_store(settings.store)
+        self.cache = NodeCache(settings.home / "cache" / "control", self.store)
+
+    @activity.defn(name="prepare_dataset")
+    def prepare_dataset(self, inp: PrepareDatasetInput) -> DatasetRef:
+        data = inp.spec.data
+        settings = SnapshotSettings(
+            split=data.split,
+            tokenizer=data.tokenizer,
+            val_fraction=data.val_fraction,
+            shard_tokens=data.shard_tokens,
+        )
+        with domain_errors():
+            snapshot = prepare_snapshot(
+                [Path(s) for s in data.sources], settings, self.store, activity.heartbeat
+            )
+        manifest = snapshot.manifest
+        return DatasetRef(
+            snapshot_id=snapshot.snapshot_id,
+            manifest_key=snapshot.manifest_key,
+            manifest_sha256=snapshot.manifest_sha256,
+            vocab_size=manifest["tokenizer"]["vocab_size"],
+            train_tokens=manifest["splits"]["train"]["tokens"],
+            val_tokens=manifest["splits"]["val"]["tokens"],
+            documents=manifest["documents"]["read"],
+            duplicates_removed=manifest["documents"]["duplicates_removed"],
+            reused=snapshot.reused,
+        )
+
+    @activity.defn(name="latest_checkpoint")
+    def latest_checkpoint(self, inp: LatestCheckpointInput) -> CheckpointRef | None:
+        # Read the store, never heartbeat details: the last beats before a crash are lost.
+        found = find_latest(
+            self.store,
+            inp.run_id,
+            inp.max_generation,
+            lambda why: activity.logger.warning("skipping checkpoint %s", why),
+        )
+        if found is None:
+            return None
+        return CheckpointRef(
+            manifest_key=found.key,
+            step=found.step,
+            generation=found.generation,
+            tokens_seen=found.tokens_seen,
+        )
+
+    @activity.defn(name="evaluate")
+    def evaluate(self, inp: EvaluateInput) -> EvalResult:
+        with domain_errors():
+            dataset = self.cache.dataset_manifest(inp.dataset)
+            folder, manifest = self.cache.checkpoint(inp.checkpoint)
+            activity.heartbeat("checkpoint fetched")
+            result = evaluate_checkpoint(
+                checkpoint_folder=folder,
+                model_config=manifest["model_config"],
+                val_shards=self.cache.split(dataset, "val"),
+                dtype=dataset["dtype"],
+                tokenizer_file=self.cache.tokenizer(dataset),
+                batch_size=inp.spec.train.batch_size,
+                max_batches=inp.spec.train.eval_batches,
+                prompt=inp.spec.registry.sample_prompt,
+                sample_tokens=inp.spec.registry.sample_tokens,
+                seed=inp.spec.train.seed,
+            )
+        return EvalResult(
+            step=inp.checkpoint.step,
+            val_loss=result.val_loss,
+            perplexity=result.perplexity,
+            val_tokens=result.val_tokens,
+            sample=result.sample,
+        )
+
+    @activity.defn(name="register_model")
+    def register_model(self, inp: RegisterInput) -> ModelVersionRef:
+        # Imported here: it pulls in mlflow.pyfunc, which only registration needs.
+        from trainer.serving import GPTTextModel, export_model, signature
+
+        info = activity.info()
+        with domain_errors(), tempfile.TemporaryDirectory(prefix="forgeline-export-") as tmp:
+            dataset = self.cache.dataset_manifest(inp.dataset)
+            folder, manifest = self.cache.checkpoint(inp.checkpoint)
+            model = load_model(folder, manifest["model_config"])
+            artifacts = export_model(model, self.cache.tokenizer(dataset), Path(tmp))
+            code = code_version()
+            lineage = {
+                "forgeline.git_commit": code.commit,
+                "forgeline.git_dirty": str(code.dirty).lower(),
+                "forgeline.dataset_snapshot": inp.dataset.snapshot_id,
+                "forgeline.dataset_manifest_key": inp.dataset.manifest_key,
+                "forgeline.dataset_manifest_sha256": inp.dataset.manifest_sha256,
+                "forgeline.spec_sha256": inp.spec_sha256,
+                "forgeline.checkpoint_manifest_key": inp.checkpoint.manifest_key,
+                "forgeline.checkpoint_step": str(inp.checkpoint.step),
+                "forgeline.temporal_workflow_id": info.workflow_id,
+                "forgeline.run": inp.run_id,
+                "forgeline.owner": inp.spec.owner,
+                "forgeline.val_loss": f"{inp.evaluation.val_loss:.4f}",
+            }
+            final = inp.training[0] if inp.training else None
+            metrics = {
+                "val_loss": inp.evaluation.val_loss,
+                "val_perplexity": inp.evaluation.perplexity,
+                "restarts": float(inp.attempts),
+                "tokens_seen": float(inp.checkpoint.tokens_seen),
+            }
+            if final is not None:
+                metrics |= {
+                    k: v
+                    for k, v in {
+                        "final_train_loss": final.final_loss,
+                        "tokens_per_s": final.tokens_per_s,
+                        "mfu": final.mfu,
+                    }.items()
+                    if v is not None
+                }
+            registered = register(
+                self.settings.mlflow_uri,
+                Registration(
+                    model_name=inp.spec.model_name,
+                    run_name=inp.run_id,
+                    params={
+                        **inp.spec.model_dump(exclude={"name", "owner"}),
+                        "dataset": inp.dataset.model_dump(),
+                    },
+                    metrics=metrics,
+                    metric_series={
+                        "train_loss": [(int(s), float(v)) for s, v in manifest["loss_history"]]
+                    },
+                    run_tags=lineage,
+                    version_tags=lineage,
+                    artifacts=artifacts,
+                    python_model=GPTTextModel(),
+                    signature=signature(),
+                    pip_requirements=[f"{p}=={metadata.version(p)}" for p in _SERVING_PACKAGES],
+                    idempotency_key=inp.workflow_run_id,
+                    texts={
+                        "sample.txt": inp.evaluation.sample,
+                        "spec.json": json.dumps(inp.spec.model_dump(), indent=2),
+                    },
+                ),
+            )
+        return ModelVersionRef(
+            model_name=registered.model_name,
+            version=registered.version,
+            mlflow_run_id=registered.mlflow_run_id,
+        )
+
+    @activity.defn(name="record_decision")
+    def record_decision(self, inp: DecisionInput) -> None:
+        with domain_errors():
+            record_version_decision(
+                self.settings.mlflow_uri,
+                inp.version.model_name,
+                inp.version.version,
+                approver=inp.decision.approver,
+                approve=inp.decision.approve,
+                reason=inp.decision.reason,
+                decided_at=inp.decided_at,
+            )
+
+    def all(self) -> list:
+        return [
+            self.prepare_dataset,
+            self.latest_checkpoint,
+            self.evaluate,
+            self.register_model,
+            self.record_decision,
+        ]

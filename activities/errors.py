@@ -1,0 +1,31 @@
+"""Map domain errors to Temporal failures: bad input and corrupt data are not retried."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from temporalio.exceptions import ApplicationError
+
+from dataprep.errors import DataprepError
+from infra.errors import IntegrityError, InvalidKey
+from registry.errors import VersionNotFound
+from trainer.errors import CheckpointError, DataError
+
+# Retrying these cannot help: the input or the stored data itself is wrong.
+NON_RETRYABLE = (
+    DataprepError,
+    IntegrityError,
+    InvalidKey,
+    CheckpointError,
+    DataError,
+    VersionNotFound,
+)
+
+
+@contextmanager
+def domain_errors() -> Iterator[None]:
+    try:
+        yield
+    except NON_RETRYABLE as err:
+        raise ApplicationError(str(err), type=type(err).__name__, non_retryable=True) from err

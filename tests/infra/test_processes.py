@@ -1,0 +1,40 @@
+import sys
+import time
+from pathlib import Path
+
+from infra.processes import ManagedProcess, free_port, port_is_open
+
+
+def test_start_find_and_stop_a_process_group(tmp_path: Path) -> None:
+    process = ManagedProcess(tmp_path, "sleeper")
+    # The child forks a grandchild: stopping the group must take both.
+    script = "import subprocess, time; subprocess.Popen(['sleep', '300']); time.sleep(300)"
+    pid = process.start([sys.executable, "-c", script])
+    assert process.pid() == pid
+    assert process.stop(timeout=5)
+    assert not process.running()
+    time.sleep(0.2)
+    # Exited children of this test process stay zombies until reaped; they hold nothing.
+    alive = [p for p in Path("/proc").iterdir() if p.name.isdigit() and _group_member(p, pid)]
+    assert alive == []
+
+
+def test_a_recycled_pid_is_not_ours(tmp_path: Path) -> None:
+    process = ManagedProcess(tmp_path, "ghost")
+    process.pid_file.parent.mkdir(parents=True)
+    # Our own pid with a start time that is not ours: never treated as the managed process.
+    process.pid_file.write_text(f"{__import__('os').getpid()} 1\n")
+    assert process.pid() is None
+    assert not process.stop()
+
+
+def test_free_port_is_free() -> None:
+    assert not port_is_open("127.0.0.1", free_port())
+
+
+def _group_member(proc: Path, pgid: int) -> bool:
+    try:
+        fields = (proc / "stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return False
+    return fields[0] != "Z" and int(fields[2]) == pgid

@@ -1,0 +1,146 @@
+"""Registration against a real MLflow tracking store (SQLite), as the registry activity does it."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from pathlib import Path
+
+import mlflow
+import pytest
+import torch
+from mlflow.tracking import MlflowClient
+
+from dataprep.tokenizer import char_tokenizer
+from registry.errors import VersionNotFound
+from registry.tracking import (
+    CANDIDATE,
+    PRODUCTION,
+    Registration,
+    flatten,
+    record_decision,
+    register,
+)
+from trainer.model import GPT, GPTConfig
+from trainer.serving import GPTTextModel, export_model, signature
+
+
+@pytest.fixture(scope="module")
+def tracking_uri(tmp_path_factory: pytest.TempPathFactory) -> str:
+    root = tmp_path_factory.mktemp("mlflow")
+    return f"sqlite:///{root / 'mlflow.db'}"
+
+
+@pytest.fixture(scope="module")
+def artifacts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("export")
+    text = "To be, or not to be, that is the question."
+    tokenizer = char_tokenizer([text])
+    tokenizer.save(str(root / "tokenizer.json"))
+    torch.manual_seed(0)
+    model = GPT(
+        GPTConfig(
+            vocab_size=tokenizer.get_vocab_size(), n_layer=1, n_head=1, n_embd=16, block_size=16
+        )
+    )
+    return export_model(model, root / "tokenizer.json", root / "model")
+
+
+def registration(artifacts: dict[str, str], key: str) -> Registration:
+    return Registration(
+        model_name="tiny-lm",
+        run_name="tiny",
+        params={"train": {"steps": 10, "batch_size": 4}},
+        metrics={"val_loss": 2.5},
+        metric_series={"train_loss": [(5, 3.0), (10, 2.6)]},
+        run_tags={"forgeline.run": "tiny"},
+        version_tags={"forgeline.dataset_snapshot": "abc123", "forgeline.git_commit": "deadbeef"},
+        artifacts=artifacts,
+        python_model=GPTTextModel(),
+        signature=signature(),
+        pip_requirements=["torch", "tokenizers", "safetensors"],
+        idempotency_key=key,
+        texts={"sample.txt": "To be"},
+    )
+
+
+def test_register_is_idempotent_and_sets_candidate(
+    tracking_uri: str, artifacts: dict[str, str]
+) -> None:
+    first = register(tracking_uri, registration(artifacts, "wf-run-1"))
+    again = register(tracking_uri, registration(artifacts, "wf-run-1"))
+    assert again == first
+    client = MlflowClient(tracking_uri=tracking_uri, registry_uri=tracking_uri)
+    version = client.get_model_version_by_alias("tiny-lm", CANDIDATE)
+    assert version.version == first.version
+    assert version.tags["forgeline.dataset_snapshot"] == "abc123"
+    run = client.get_run(first.mlflow_run_id)
+    assert run.data.params["train.steps"] == "10"
+    assert [m.value for m in client.get_metric_history(first.mlflow_run_id, "train_loss")] == [
+        3.0,
+        2.6,
+    ]
+
+    second = register(tracking_uri, registration(artifacts, "wf-run-2"))
+    assert int(second.version) == int(first.version) + 1
+
+
+def test_decision_moves_production_and_is_recorded(
+    tracking_uri: str, artifacts: dict[str, str]
+) -> None:
+    registered = register(tracking_uri, registration(artifacts, "wf-run-3"))
+    when = datetime(2026, 11, 29, 12, 0, tzinfo=UTC)
+    record_decision(
+        tracking_uri,
+        "tiny-lm",
+        registered.version,
+        approver="bob",
+        approve=True,
+        reason="ok",
+        decided_at=when,
+    )
+    client = MlflowClient(tracking_uri=tracking_uri, registry_uri=tracking_uri)
+    production = client.get_model_version_by_alias("tiny-lm", PRODUCTION)
+    assert production.version == registered.version
+    assert production.tags["forgeline.decided_by"] == "bob"
+    assert production.tags["forgeline.decided_at"] == when.isoformat()
+
+    rejected = register(tracking_uri, registration(artifacts, "wf-run-4"))
+    record_decision(
+        tracking_uri,
+        "tiny-lm",
+        rejected.version,
+        approver="carol",
+        approve=False,
+        reason="too high",
+        decided_at=when,
+    )
+    assert client.get_model_version_by_alias("tiny-lm", PRODUCTION).version == registered.version
+    assert (
+        client.get_model_version("tiny-lm", rejected.version).tags["forgeline.decision"]
+        == "rejected"
+    )
+    with pytest.raises(VersionNotFound):
+        record_decision(
+            tracking_uri, "tiny-lm", "999", approver="bob", approve=True, reason="", decided_at=when
+        )
+
+
+def test_registered_model_generates_text(tracking_uri: str, artifacts: dict[str, str]) -> None:
+    registered = register(tracking_uri, registration(artifacts, "wf-run-5"))
+    mlflow.set_tracking_uri(tracking_uri)
+    model = mlflow.pyfunc.load_model(f"models:/tiny-lm/{registered.version}")
+    (text,) = model.predict(["To be"], params={"max_new_tokens": 12, "seed": 1})
+    # Special tokens (end-of-document) decode to nothing, so the length is at most 5 + 12.
+    assert text.startswith("To be") and len("To be") < len(text) <= len("To be") + 12
+
+
+def test_flatten() -> None:
+    assert flatten({"a": {"b": 1, "c": {"d": "x"}}, "e": [1, 2]}) == {
+        "a.b": "1",
+        "a.c.d": "x",
+        "e": "[1, 2]",
+    }
+
+
+def test_export_round_trip(artifacts: dict[str, str]) -> None:
+    assert Path(artifacts["weights"]).stat().st_size > 0

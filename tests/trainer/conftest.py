@@ -1,0 +1,72 @@
+"""A real dataset snapshot and real torchrun training jobs for the trainer's tests."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from dataprep.snapshot import Snapshot, SnapshotSettings, prepare_snapshot
+from infra.processes import free_port
+from infra.store import LocalStore
+from tests.conftest import SHAKESPEARE
+from trainer.job import ResumePoint, TrainJob
+from trainer.launch import ProgressTail, Rendezvous, run_ranks
+from workflows.spec import ModelSpec, TrainSpec
+
+MODEL = ModelSpec(n_layer=2, n_head=2, n_embd=32, block_size=32)
+
+
+@dataclass
+class Trainer:
+    """Runs single-node torchrun jobs against one store, each in its own folder."""
+
+    root: Path
+    store: LocalStore
+    snapshot: Snapshot
+    jobs: int = field(default=0)
+
+    @property
+    def shards(self) -> list[str]:
+        return [
+            str(self.store.root / s["key"])
+            for s in self.snapshot.manifest["splits"]["train"]["shards"]
+        ]
+
+    def job(
+        self, run_id: str, train: TrainSpec, resume: ResumePoint | None = None, generation: int = 1
+    ) -> TrainJob:
+        self.jobs += 1
+        work = self.root / f"job-{self.jobs}"
+        return TrainJob(
+            run_id=run_id,
+            node_id="n0",
+            generation=generation,
+            model={
+                **MODEL.model_dump(),
+                "vocab_size": self.snapshot.manifest["tokenizer"]["vocab_size"],
+            },
+            train=train.model_dump(),
+            train_shards=self.shards,
+            dtype=self.snapshot.manifest["dtype"],
+            store_url=self.store.url,
+            staging_dir=str(work / "staging"),
+            progress_file=str(work / "progress.jsonl"),
+            resume=resume,
+        )
+
+    def run(self, job: TrainJob, ranks: int) -> ProgressTail:
+        rdzv = Rendezvous(f"127.0.0.1:{free_port()}", f"{job.run_id}-{self.jobs}", 1, ranks)
+        workdir = Path(job.progress_file).parent
+        return asyncio.run(run_ranks(job, workdir, rdzv, on_progress=lambda _: None))
+
+
+@pytest.fixture(scope="module")
+def trainer(tmp_path_factory: pytest.TempPathFactory) -> Trainer:
+    root = tmp_path_factory.mktemp("trainer")
+    corpus = root / "corpus.txt"
+    corpus.write_text(SHAKESPEARE.read_text()[:300_000])
+    store = LocalStore(root / "store")
+    return Trainer(root, store, prepare_snapshot([corpus], SnapshotSettings(), store))

@@ -1,0 +1,185 @@
+"""Real torchrun ranks (gloo): exact resume after a SIGKILL, resharding, corrupt checkpoints."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from infra.errors import IntegrityError
+from infra.processes import free_port
+from tests.trainer.conftest import Trainer
+from trainer.checkpoint import fetch_checkpoint, load_model_weights
+from trainer.evaluate import evaluate_checkpoint
+from trainer.job import ResumePoint
+from trainer.launch import Rendezvous, run_ranks
+from trainer.manifest import committed_steps, find_latest, manifest_key, verify_files
+from trainer.model import GPT, GPTConfig
+from workflows.spec import TrainSpec
+
+TRAIN = TrainSpec(
+    steps=120, batch_size=8, learning_rate=3e-3, warmup_steps=10, log_every=5,
+    checkpoint_every=20, keep_checkpoints=10, seed=11,
+)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def reference(trainer: Trainer) -> dict:
+    """An uninterrupted 2-rank run: the curve every resumed run must reproduce."""
+    trainer.run(trainer.job("reference", TRAIN), ranks=2)
+    found = find_latest(trainer.store, "reference", max_generation=1)
+    assert found is not None and found.step == 120
+    return found.manifest
+
+
+def weights(trainer: Trainer, manifest: dict, tag: str) -> dict[str, torch.Tensor]:
+    folder = fetch_checkpoint(trainer.store, manifest, trainer.root / "fetched" / tag)
+    model = GPT(GPTConfig(**manifest["model_config"]))
+    load_model_weights(model, folder)
+    return model.state_dict()
+
+
+def resume_point(trainer: Trainer, manifest: dict, tag: str, key: str) -> ResumePoint:
+    folder = fetch_checkpoint(trainer.store, manifest, trainer.root / "fetched" / tag)
+    return ResumePoint(
+        folder=str(folder),
+        step=manifest["step"],
+        tokens_seen=manifest["tokens_seen"],
+        manifest_key=key,
+        loss_history=manifest["loss_history"],
+    )
+
+
+def test_checkpoints_commit_with_a_manifest_listing_every_file(
+    trainer: Trainer, reference: dict
+) -> None:
+    assert committed_steps(trainer.store, "reference") == [120, 100, 80, 60, 40, 20]
+    assert reference["world_size"] == 2 and reference["generation"] == 1
+    assert {f["name"] for f in reference["files"]} >= {".metadata", "__0_0.distcp"}
+    verify_files(trainer.store, reference)
+    assert [s for s, _ in reference["loss_history"]] == list(range(5, 121, 5))
+
+
+def test_killed_run_resumes_exactly(trainer: Trainer, reference: dict) -> None:
+    """SIGKILL the ranks after the first commit; the resumed run matches bit for bit."""
+    job = trainer.job("killed", TRAIN)
+    rdzv = Rendezvous(
+        f"127.0.0.1:{__import__('infra.processes').processes.free_port()}", "k1", 1, 2
+    )
+    workdir = Path(job.progress_file).parent
+
+    async def run_and_kill() -> None:
+        task = asyncio.create_task(run_ranks(job, workdir, rdzv, on_progress=lambda _: None))
+        deadline = time.monotonic() + 120
+        while not committed_steps(trainer.store, "killed"):
+            assert time.monotonic() < deadline and not task.done()
+            await asyncio.sleep(0.02)
+        for pid in _rank_pids(workdir / "job.json"):
+            os.kill(pid, signal.SIGKILL)
+        with pytest.raises(Exception, match="exited with status"):
+            await task
+
+    asyncio.run(run_and_kill())
+    found = find_latest(trainer.store, "killed", max_generation=1)
+    assert found is not None and found.step < 120, "the kill came too late to test resume"
+
+    resume = resume_point(trainer, found.manifest, "killed", found.key)
+    trainer.run(trainer.job("killed", TRAIN, resume=resume, generation=2), ranks=2)
+    final = find_latest(trainer.store, "killed", max_generation=2)
+    assert final is not None and final.step == 120 and final.generation == 2
+    assert final.manifest["loss_history"] == reference["loss_history"]
+    assert final.tokens_seen == reference["tokens_seen"]
+    for name, tensor in weights(trainer, reference, "ref").items():
+        assert torch.equal(tensor, weights(trainer, final.manifest, "killed-final")[name]), name
+
+
+def test_resume_on_a_different_world_size(trainer: Trainer, reference: dict) -> None:
+    """A 2-rank checkpoint resumes on 1 rank: same global batch, same curve (to rounding)."""
+    key = manifest_key("reference", 60)
+    manifest = json.loads(trainer.store.get_bytes(key))
+    resume = resume_point(trainer, manifest, "reshard", key)
+    trainer.run(trainer.job("reshard", TRAIN, resume=resume, generation=2), ranks=1)
+    final = find_latest(trainer.store, "reshard", max_generation=2)
+    assert final is not None and final.manifest["world_size"] == 1
+    ours = dict((int(s), v) for s, v in final.manifest["loss_history"])
+    theirs = dict((int(s), v) for s, v in reference["loss_history"])
+    for step in range(65, 121, 5):
+        assert ours[step] == pytest.approx(theirs[step], abs=2e-3), step
+
+
+def test_corrupt_and_torn_checkpoints_fall_back(trainer: Trainer, reference: dict) -> None:
+    store = trainer.store
+    # Copy the reference's last two checkpoints to a new run so the others stay intact.
+    for step in (100, 120):
+        for key in store.list(f"runs/reference/checkpoints/step-{step}/"):
+            store.put_bytes(key.replace("runs/reference/", "runs/damaged/"), store.get_bytes(key))
+    for key in store.list("runs/damaged/"):
+        if key.endswith("MANIFEST.json"):
+            manifest = json.loads(store.get_bytes(key))
+            for entry in manifest["files"]:
+                entry["key"] = entry["key"].replace("runs/reference/", "runs/damaged/")
+            store.put_bytes(key, json.dumps(manifest).encode())
+    shard = next(
+        k for k in store.list("runs/damaged/checkpoints/step-120/") if k.endswith(".distcp")
+    )
+    data = bytearray(store.get_bytes(shard))
+    data[len(data) // 2] ^= 0xFF
+    store.put_bytes(shard, bytes(data))
+    # A torn save: files of step 140 but no manifest.
+    store.put_bytes("runs/damaged/checkpoints/step-140/__0_0.distcp", b"partial")
+
+    skipped: list[str] = []
+    found = find_latest(store, "damaged", max_generation=1, on_skip=skipped.append)
+    assert found is not None and found.step == 100
+    assert len(skipped) == 1 and shard in skipped[0] and "corrupt" in skipped[0]
+    with pytest.raises(IntegrityError, match="is corrupt"):
+        fetch_checkpoint(
+            store, json.loads(store.get_bytes(manifest_key("damaged", 120))), trainer.root / "bad"
+        )
+    # Manifests from a later generation than the caller's are never used.
+    assert find_latest(store, "damaged", max_generation=0) is None
+
+
+def test_evaluation_in_a_plain_process(trainer: Trainer, reference: dict) -> None:
+    folder = fetch_checkpoint(trainer.store, reference, trainer.root / "fetched" / "eval")
+    manifest = trainer.snapshot.manifest
+    tokenizer = trainer.root / "tokenizer.json"
+    trainer.store.get_file(manifest["tokenizer"]["key"], tokenizer)
+    result = evaluate_checkpoint(
+        checkpoint_folder=folder,
+        model_config=reference["model_config"],
+        val_shards=[trainer.store.root / s["key"] for s in manifest["splits"]["val"]["shards"]],
+        dtype=manifest["dtype"],
+        tokenizer_file=tokenizer,
+        batch_size=8,
+        max_batches=5,
+        prompt="ROMEO:",
+        sample_tokens=30,
+        seed=0,
+    )
+    assert result.val_tokens == 5 * 8 * 32
+    assert 1.0 < result.val_loss < reference["loss_history"][0][1]  # it learned something
+    assert result.sample.startswith("ROMEO:") and len(result.sample) > len("ROMEO:")
+
+
+def _rank_pids(job_file: Path) -> list[int]:
+    """The rank processes running `trainer.train <job_file>`."""
+    pids = []
+    for proc in Path("/proc").iterdir():
+        try:
+            argv = (proc / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if (
+            b"trainer.train" in argv
+            and str(job_file).encode() in argv
+            and b"torch.distributed.run" not in argv
+        ):
+            pids.append(int(proc.name))
+    return pids

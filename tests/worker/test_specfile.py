@@ -1,0 +1,72 @@
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO
+from worker.specfile import SpecError, load_spec, parse_spec, spec_sha256
+
+VALID = {"name": "r1", "data": {"sources": ["corpus.txt"]}}
+
+
+@pytest.mark.parametrize("example", ["tiny.toml", "shakespeare-char.toml"])
+def test_examples_are_valid(example: str) -> None:
+    spec = load_spec(REPO / "examples" / example)
+    assert Path(spec.data.sources[0]).is_file()
+    assert spec.train.batch_size % spec.resources.world_size == 0
+
+
+def test_sources_resolve_against_the_spec_folder(tmp_path: Path) -> None:
+    spec = parse_spec(VALID, tmp_path)
+    assert spec.data.sources == [str(tmp_path / "corpus.txt")]
+
+
+@pytest.mark.parametrize(
+    ("patch", "message"),
+    [
+        ({"name": "../etc"}, "name: '../etc' is not a valid name"),
+        ({"name": "Has Space"}, "name: 'Has Space' is not a valid name"),
+        ({"steps": 5}, "steps: unknown key"),
+        ({"train": {"steps": 0}}, "train.steps: Input should be greater than or equal to 1"),
+        ({"train": {"steps": "many"}}, "train.steps: Input should be a valid integer"),
+        (
+            {"train": {"batch_size": 3}, "resources": {"nodes": 2}},
+            "must be a multiple of the world",
+        ),
+        ({"model": {"n_embd": 100, "n_head": 3}}, "n_embd (100) must be a multiple of n_head (3)"),
+        ({"data": {"sources": []}}, "data.sources: List should have at least 1 item"),
+        ({"data": {"sources": ["x"], "tokenizer": "bpe"}}, "data.tokenizer: Input should be"),
+        ({"train": {"learning_rate": 1e-4, "min_lr": 1e-3}}, "min_lr (0.001) must not exceed"),
+    ],
+)
+def test_bad_specs_name_the_field(tmp_path: Path, patch: dict, message: str) -> None:
+    with pytest.raises(SpecError) as raised:
+        parse_spec({**VALID, **patch}, tmp_path)
+    assert message in str(raised.value)
+
+
+def test_missing_name_and_data(tmp_path: Path) -> None:
+    with pytest.raises(SpecError) as raised:
+        parse_spec({}, tmp_path)
+    assert "name: required but missing" in str(raised.value)
+    assert "data: required but missing" in str(raised.value)
+
+
+def test_missing_source_file_is_rejected_before_submission(tmp_path: Path) -> None:
+    spec_file = tmp_path / "spec.toml"
+    spec_file.write_text('name = "r1"\n[data]\nsources = ["nope.txt"]\n')
+    with pytest.raises(SpecError, match="data.sources: no such file: .*nope.txt"):
+        load_spec(spec_file)
+
+
+def test_invalid_toml(tmp_path: Path) -> None:
+    spec_file = tmp_path / "spec.toml"
+    spec_file.write_text("name = \n")
+    with pytest.raises(SpecError, match="is not valid TOML"):
+        load_spec(spec_file)
+
+
+def test_spec_hash_changes_with_any_field(tmp_path: Path) -> None:
+    a = parse_spec(VALID, tmp_path)
+    b = parse_spec({**VALID, "train": {"steps": 7}}, tmp_path)
+    assert spec_sha256(a) == spec_sha256(parse_spec(VALID, tmp_path))
+    assert spec_sha256(a) != spec_sha256(b)

@@ -1,0 +1,1 @@
+"""Distributed training: the model, the torchrun loop, deterministic data, checkpoints, metrics."""

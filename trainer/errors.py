@@ -1,0 +1,17 @@
+"""Errors of the trainer. Corrupt or missing inputs will not pass on a retry; rank crashes may."""
+
+
+class TrainerError(Exception):
+    """Base class for trainer errors."""
+
+
+class CheckpointError(TrainerError):
+    """No usable checkpoint: every candidate manifest is missing files or fails its hashes."""
+
+
+class DataError(TrainerError):
+    """The token shards cannot feed the model as configured (too short, wrong dtype)."""
+
+
+class RanksFailed(TrainerError):
+    """The torchrun ranks of this node exited with an error."""

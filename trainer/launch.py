@@ -1,0 +1,152 @@
+"""Start this node's torchrun, follow its progress file, and stop it cleanly.
+
+Plain asyncio, no Temporal: the node agent's activity passes a callback that heartbeats.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import json
+import os
+import signal
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from trainer.errors import RanksFailed
+from trainer.job import TrainJob
+
+_PR_SET_PDEATHSIG = 1
+_STEP_FIELDS = ("step", "loss", "lr", "tokens_per_s", "mfu", "checkpoint_step")
+
+
+def _die_with_parent() -> None:
+    """Runs in the child between fork and exec: SIGTERM it when the node agent dies, so
+    torchrun stops its ranks even if the agent was SIGKILLed."""
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+@dataclass
+class Rendezvous:
+    endpoint: str  # host:port of the c10d store
+    run_id: str  # unique per generation, so a new gang never joins an old one's rendezvous
+    nnodes: int
+    nproc_per_node: int
+
+
+def torchrun_argv(job_file: Path, rdzv: Rendezvous) -> list[str]:
+    return [
+        sys.executable, "-m", "torch.distributed.run",
+        "--nnodes", str(rdzv.nnodes),
+        "--nproc-per-node", str(rdzv.nproc_per_node),
+        "--rdzv-backend", "c10d",
+        "--rdzv-endpoint", rdzv.endpoint,
+        "--rdzv-id", rdzv.run_id,
+        "--max-restarts", "0",
+        "--monitor-interval", "0.5",
+        "-m", "trainer.train", str(job_file),
+    ]  # fmt: skip
+
+
+class ProgressTail:
+    """Reads complete new lines of the progress file; keeps the newest step and checkpoint."""
+
+    def __init__(self, path: Path, start_step: int = 0) -> None:
+        self.path = path
+        self._offset = 0
+        self.latest: dict = {"step": start_step}
+        self.events: list[dict] = []
+
+    def poll(self) -> None:
+        if not self.path.exists():
+            return
+        with open(self.path) as handle:
+            handle.seek(self._offset)
+            chunk = handle.read()
+        complete, _, _ = chunk.rpartition("\n")
+        if not complete:
+            return
+        self._offset += len(complete.encode()) + 1
+        for line in complete.splitlines():
+            event = json.loads(line)
+            self.events.append(event)
+            if event["event"] == "checkpoint":
+                self.latest["checkpoint_step"] = event["step"]
+            elif event["event"] == "step":
+                self.latest.update({k: event[k] for k in _STEP_FIELDS if k in event})
+            self.latest["state"] = "training" if event["event"] != "done" else "done"
+
+
+async def run_ranks(
+    job: TrainJob,
+    workdir: Path,
+    rdzv: Rendezvous,
+    on_progress: Callable[[dict], None],
+    threads_per_rank: int = 1,
+    report_every_s: float = 1.0,
+) -> ProgressTail:
+    """Run torchrun to completion; report progress every `report_every_s` (also when idle, so
+    the caller can heartbeat); raise RanksFailed with the log tail if the ranks fail."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    job_file = job.write(workdir / "job.json")
+    log_file = workdir / "torchrun.log"
+    Path(job.progress_file).unlink(missing_ok=True)
+    tail = ProgressTail(Path(job.progress_file), job.resume.step if job.resume else 0)
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": str(threads_per_rank),
+        "PYTHONUNBUFFERED": "1",
+        # Ranks talk over loopback on the local stack; real nodes name their fabric instead.
+        "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo"),
+    }
+    with open(log_file, "ab") as log:
+        proc = await asyncio.create_subprocess_exec(
+            *torchrun_argv(job_file, rdzv),
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=log,
+            stderr=asyncio.subprocess.STDOUT,
+            env=env,
+            cwd=workdir,
+            preexec_fn=_die_with_parent,
+        )
+    try:
+        while True:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(proc.wait(), timeout=report_every_s)
+            tail.poll()
+            on_progress(dict(tail.latest))
+            if proc.returncode is not None:
+                break
+    except BaseException:
+        await _stop(proc)
+        raise
+    if proc.returncode != 0:
+        raise RanksFailed(
+            f"torchrun exited with status {proc.returncode} on node {job.node_id}; "
+            f"last lines of {log_file}:\n{_last_lines(log_file)}"
+        )
+    return tail
+
+
+async def _stop(proc: asyncio.subprocess.Process, grace_s: float = 10.0) -> None:
+    """SIGTERM torchrun (it stops its ranks), then SIGKILL if it lingers."""
+    if proc.returncode is not None:
+        return
+    with contextlib.suppress(ProcessLookupError):
+        proc.send_signal(signal.SIGTERM)
+    try:
+        await asyncio.wait_for(proc.wait(), timeout=grace_s)
+    except TimeoutError:
+        with contextlib.suppress(ProcessLookupError):
+            proc.kill()
+        await proc.wait()
+
+
+def _last_lines(path: Path, lines: int = 30) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return ""

@@ -1,0 +1,117 @@
+"""Checkpoint manifests: the record that makes a set of checkpoint files a checkpoint.
+
+A checkpoint lives under `runs/<run>/checkpoints/step-<n>/`; its `MANIFEST.json` is written
+last with create-if-absent and lists every file with its size and sha256. Finding the latest
+checkpoint means walking manifests from the newest step down and taking the first whose files
+all verify, so a torn upload (no manifest) or a flipped byte (hash mismatch) costs one
+checkpoint interval, never the run.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from infra.errors import IntegrityError, ObjectNotFound
+from infra.store import ObjectStore
+
+MANIFEST_NAME = "MANIFEST.json"
+MANIFEST_FORMAT = "forgeline.checkpoint/1"
+_STEP_DIR = re.compile(r"/step-(\d+)/")
+
+
+def checkpoint_prefix(run_id: str, step: int) -> str:
+    return f"runs/{run_id}/checkpoints/step-{step}"
+
+
+def manifest_key(run_id: str, step: int) -> str:
+    return f"{checkpoint_prefix(run_id, step)}/{MANIFEST_NAME}"
+
+
+@dataclass(frozen=True)
+class CommittedCheckpoint:
+    key: str
+    manifest: dict
+
+    @property
+    def step(self) -> int:
+        return int(self.manifest["step"])
+
+    @property
+    def generation(self) -> int:
+        return int(self.manifest["generation"])
+
+    @property
+    def tokens_seen(self) -> int:
+        return int(self.manifest["tokens_seen"])
+
+
+def committed_steps(store: ObjectStore, run_id: str) -> list[int]:
+    """Steps that have a manifest, newest first."""
+    steps = []
+    for key in store.list(f"runs/{run_id}/checkpoints/"):
+        match = _STEP_DIR.search(key)
+        if match and key.endswith(f"/{MANIFEST_NAME}"):
+            steps.append(int(match.group(1)))
+    return sorted(steps, reverse=True)
+
+
+def read_manifest(store: ObjectStore, key: str) -> dict:
+    manifest = json.loads(store.get_bytes(key))
+    if manifest.get("format") != MANIFEST_FORMAT:
+        raise IntegrityError(f"{key} is not a {MANIFEST_FORMAT} manifest")
+    return manifest
+
+
+def verify_files(store: ObjectStore, manifest: dict) -> None:
+    """Check every file the manifest lists is in the store with its recorded size and sha256."""
+    for entry in manifest["files"]:
+        try:
+            size, sha256 = store.digest(entry["key"])
+        except ObjectNotFound:
+            raise IntegrityError(f"checkpoint file {entry['key']} is missing") from None
+        if size != entry["bytes"] or sha256 != entry["sha256"]:
+            raise IntegrityError(
+                f"checkpoint file {entry['key']} is corrupt: expected {entry['bytes']} bytes "
+                f"with sha256 {entry['sha256'][:12]}…, found {size} bytes with {sha256[:12]}…"
+            )
+
+
+def find_latest(
+    store: ObjectStore,
+    run_id: str,
+    max_generation: int,
+    on_skip: Callable[[str], None] = lambda _: None,
+) -> CommittedCheckpoint | None:
+    """The newest checkpoint that verifies and was committed by generation ≤ max_generation."""
+    for step in committed_steps(store, run_id):
+        key = manifest_key(run_id, step)
+        try:
+            manifest = read_manifest(store, key)
+            if int(manifest["generation"]) > max_generation:
+                on_skip(f"{key}: generation {manifest['generation']} > {max_generation}")
+                continue
+            verify_files(store, manifest)
+        except (IntegrityError, ObjectNotFound, ValueError, KeyError) as err:
+            on_skip(f"{key}: {err}")
+            continue
+        return CommittedCheckpoint(key, manifest)
+    return None
+
+
+def prune(store: ObjectStore, run_id: str, keep: int) -> list[int]:
+    """Delete all but the newest `keep` committed checkpoints; manifest first, then files.
+
+    Deleting the manifest first means a crash halfway leaves orphan files, never a manifest
+    that points at files which are gone.
+    """
+    removed = []
+    for step in committed_steps(store, run_id)[keep:]:
+        key = manifest_key(run_id, step)
+        store.delete(key)
+        for leftover in store.list(checkpoint_prefix(run_id, step) + "/"):
+            store.delete(leftover)
+        removed.append(step)
+    return removed

@@ -1,0 +1,1 @@
+"""The processes a person starts: the CLI, the control worker, node agents, the local stack."""

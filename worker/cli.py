@@ -1,0 +1,332 @@
+"""`forgeline`: bring up the local stack, submit runs, watch them, approve what they produce."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import re
+import sys
+import time
+from collections.abc import Awaitable
+from pathlib import Path
+from typing import Annotated, TypeVar
+
+import typer
+from rich.console import Console
+from temporalio.client import WorkflowExecutionStatus, WorkflowUpdateFailedError
+from temporalio.service import RPCError
+
+from infra.errors import StackError
+from infra.settings import Settings, load_settings, state_home
+from worker import stack
+from worker.render import nodes_table, progress_line, run_link, runs_table, status_text
+from worker.runs import RunNotFound, list_run_names, submit, view
+from worker.specfile import SpecError, load_spec, spec_sha256
+from worker.temporal_client import connect
+from workflows.models import ClusterState, Decision, Phase, RunStatus
+from workflows.names import CLUSTER_WORKFLOW_ID
+from workflows.spec import NAME_PATTERN, NAME_RULE
+
+app = typer.Typer(help=__doc__, no_args_is_help=True, add_completion=False)
+worker_app = typer.Typer(help="Processes started by `forgeline up` (not for direct use).")
+app.add_typer(worker_app, name="worker", hidden=True)
+console = Console(highlight=False, soft_wrap=True)
+T = TypeVar("T")
+
+
+class CliError(Exception):
+    """Shown to the user as one line, without a traceback."""
+
+
+def _run(coro: Awaitable[T]) -> T:
+    return asyncio.run(coro)  # type: ignore[arg-type]
+
+
+def _settings() -> Settings:
+    return load_settings()
+
+
+async def _client(settings: Settings):
+    try:
+        return await connect(settings)
+    except RuntimeError as err:
+        raise CliError(
+            f"cannot reach Temporal at {settings.temporal_address} ({err}): "
+            "start the local stack with `forgeline up`"
+        ) from None
+
+
+def _check_name(name: str, what: str = "run name") -> str:
+    if not re.match(NAME_PATTERN, name):
+        raise CliError(f"{what} {name!r} is not valid: use {NAME_RULE}")
+    return name
+
+
+def _print_links(settings: Settings) -> None:
+    namespace = settings.temporal_namespace
+    console.print(f"Temporal UI  {settings.temporal_ui_url}/namespaces/{namespace}/workflows")
+    console.print(f"MLflow UI    {settings.mlflow_uri}")
+
+
+# --- the local stack ----------------------------------------------------------------------------
+
+
+@app.command()
+def up(
+    nodes: Annotated[int, typer.Option(min=1, max=64, help="node agents to run")] = 2,
+    gpus_per_node: Annotated[int, typer.Option(min=1, max=64, help="rank slots per node")] = 1,
+    temporal_port: Annotated[int | None, typer.Option(help="default 7233, or a free port")] = None,
+    ui_port: Annotated[int | None, typer.Option(help="default 8233, or a free port")] = None,
+    mlflow_port: Annotated[int | None, typer.Option(help="default 5000, or a free port")] = None,
+) -> None:
+    """Start the local stack (idempotent): Temporal, MLflow, control worker, node agents."""
+    ports = stack.Ports(temporal=temporal_port, ui=ui_port, mlflow=mlflow_port)
+    try:
+        settings = stack.up(state_home(), nodes, gpus_per_node, ports, say=console.print)
+    except StackError as err:
+        raise CliError(str(err)) from None
+    console.print(f"state folder {settings.home}")
+    _print_links(settings)
+
+
+@app.command()
+def down() -> None:
+    """Stop everything `forgeline up` started from this state folder."""
+    stack.down(state_home(), say=console.print)
+
+
+# --- runs ---------------------------------------------------------------------------------------
+
+
+@app.command()
+def run(
+    spec_file: Annotated[Path, typer.Argument(help="run spec (TOML)")],
+    detach: Annotated[bool, typer.Option(help="submit and return at once")] = False,
+    owner: Annotated[str | None, typer.Option(help="overrides the spec's owner")] = None,
+) -> None:
+    """Submit a run (or attach to the run of that name) and follow it to approval."""
+    try:
+        spec = load_spec(spec_file, {"owner": owner} if owner else None)
+    except SpecError as err:
+        raise CliError(f"{spec_file}: {err}") from None
+    settings = _settings()
+
+    async def go() -> int:
+        client = await _client(settings)
+        _handle, started = await submit(client, spec, spec_sha256(spec))
+        if started:
+            console.print(f"submitted run {spec.name}")
+        else:
+            console.print(f"run {spec.name} exists: attaching to it")
+        console.print(f"Temporal     {run_link(settings, spec.name)}")
+        if detach:
+            return 0
+        status = await _follow(client, spec.name)
+        if not started and status.spec_sha256 and status.spec_sha256 != spec_sha256(spec):
+            console.print(
+                f"[yellow]note: run {spec.name} was submitted with a different spec; give the "
+                "new one another name to start a new run[/yellow]"
+            )
+        _print_links(settings)
+        return 0 if status.phase in (Phase.AWAITING_APPROVAL, Phase.APPROVED) else 1
+
+    raise typer.Exit(_run(go()))
+
+
+async def _follow(client, name: str, poll_s: float = 1.0) -> RunStatus:
+    """Print a line whenever the run's progress changes, until it waits for a person or ends."""
+    last: tuple = ()
+    while True:
+        current = await view(client, name)
+        beat = current.progress
+        # Throughput jitters every second; print when something a person waits for changes.
+        key = (current.status.model_dump_json(), beat.step if beat else None, current.retrying)
+        if key != last:
+            console.print(f"{time.strftime('%H:%M:%S')}  {progress_line(current)}")
+            last = key
+        phase = current.status.phase
+        if phase == Phase.AWAITING_APPROVAL:
+            console.print(
+                f"model waiting for approval: forgeline approve {name} --as APPROVER"
+                f"  |  forgeline reject {name} --as APPROVER --reason '…'"
+            )
+            return current.status
+        if phase.final:
+            if current.status.error:
+                console.print(f"[red]{current.status.error}[/red]")
+            return current.status
+        if current.execution not in (None, WorkflowExecutionStatus.RUNNING):
+            return current.status
+        await asyncio.sleep(poll_s)
+
+
+@app.command()
+def runs() -> None:
+    """Table of runs: name, phase, step, loss, attempts."""
+    settings = _settings()
+
+    async def go():
+        client = await _client(settings)
+        names = await list_run_names(client)
+        return await asyncio.gather(*(view(client, n) for n in names))
+
+    views = _run(go())
+    if not views:
+        console.print("no runs yet: `forgeline run examples/tiny.toml`")
+        return
+    console.print(runs_table(sorted(views, key=lambda v: v.status.name)))
+
+
+@app.command()
+def status(name: Annotated[str, typer.Argument(help="run name")]) -> None:
+    """Phase, allocation and generation, last committed checkpoint, metrics."""
+    settings = _settings()
+    _check_name(name)
+
+    async def go():
+        return await view(await _client(settings), name)
+
+    console.print(status_text(_run(go()), settings))
+
+
+def _decide(name: str, decision: Decision) -> None:
+    settings = _settings()
+    _check_name(name)
+    _check_name(decision.approver, "approver")
+
+    async def go() -> RunStatus:
+        client = await _client(settings)
+        current = await view(client, name)
+        if current.status.phase != Phase.AWAITING_APPROVAL:
+            raise CliError(
+                f"run {name} is {current.status.phase.value}: only a run AWAITING_APPROVAL "
+                "can be approved or rejected"
+            )
+        handle = client.get_workflow_handle(name)
+        try:
+            return await handle.execute_update("decide", decision, result_type=RunStatus)
+        except WorkflowUpdateFailedError as err:
+            cause = err.cause
+            raise CliError(str(getattr(cause, "message", cause) or err)) from None
+
+    status = _run(go())
+    mv = status.model_version
+    console.print(
+        f"run {name}: {status.phase.value}" + (f" ({mv.model_name} v{mv.version})" if mv else "")
+    )
+    if status.phase == Phase.APPROVED and mv:
+        console.print(f"alias 'production' -> {mv.model_name} version {mv.version}")
+
+
+@app.command()
+def approve(
+    name: Annotated[str, typer.Argument(help="run name")],
+    approver: Annotated[str, typer.Option("--as", help="who approves")],
+    note: Annotated[str, typer.Option(help="recorded on the model version")] = "",
+) -> None:
+    """Approve the run's model: alias `production` moves to its version."""
+    _decide(name, Decision(approver=approver, approve=True, reason=note))
+
+
+@app.command()
+def reject(
+    name: Annotated[str, typer.Argument(help="run name")],
+    approver: Annotated[str, typer.Option("--as", help="who rejects")],
+    reason: Annotated[str, typer.Option(help="why; recorded on the model version")],
+) -> None:
+    """Reject the run's model; the reason is recorded on the version."""
+    _decide(name, Decision(approver=approver, approve=False, reason=reason))
+
+
+@app.command()
+def cancel(
+    name: Annotated[str, typer.Argument(help="run name")],
+    wait_s: Annotated[float, typer.Option(help="how long to wait for the ranks to stop")] = 120,
+) -> None:
+    """Cancel a run: its ranks are stopped and its gang is released."""
+    settings = _settings()
+    _check_name(name)
+
+    async def go() -> RunStatus:
+        client = await _client(settings)
+        current = await view(client, name)
+        if current.execution != WorkflowExecutionStatus.RUNNING:
+            raise CliError(f"run {name} is not running ({current.status.phase.value})")
+        handle = client.get_workflow_handle(name)
+        await handle.cancel()
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline:
+            description = await handle.describe()
+            if description.status != WorkflowExecutionStatus.RUNNING:
+                return (await view(client, name)).status
+            await asyncio.sleep(0.5)
+        raise CliError(
+            f"run {name} is still stopping after {wait_s:.0f} s; check `forgeline status {name}`"
+        )
+
+    final = _run(go())
+    console.print(f"run {name}: {final.phase.value}; its nodes are released")
+
+
+@app.command()
+def nodes() -> None:
+    """The cluster's nodes: state, run and generation."""
+    settings = _settings()
+
+    async def go() -> ClusterState:
+        client = await _client(settings)
+        handle = client.get_workflow_handle(CLUSTER_WORKFLOW_ID)
+        return await handle.query("state", result_type=ClusterState)
+
+    console.print(nodes_table(_run(go())))
+
+
+# --- processes of the stack --------------------------------------------------------------------
+
+
+@worker_app.command("control")
+def control_worker() -> None:
+    from worker.processes_main import run_control_worker
+
+    _run(run_control_worker(_settings()))
+
+
+@worker_app.command("node")
+def node_agent(
+    node_id: Annotated[str, typer.Option()],
+    gpus: Annotated[int, typer.Option()] = 1,
+    incarnation: Annotated[str | None, typer.Option()] = None,
+) -> None:
+    from worker.processes_main import run_node_agent
+
+    _run(run_node_agent(_settings(), _check_name(node_id, "node id"), gpus, incarnation))
+
+
+def main() -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    code = 0
+    try:
+        app()
+    except SystemExit as done:  # typer ends every command this way
+        code = done.code if isinstance(done.code, int) else (0 if done.code is None else 1)
+    except (CliError, RunNotFound) as err:
+        console.print(f"[red]error:[/red] {err}")
+        code = 2
+    except (RPCError, TimeoutError) as err:
+        console.print(
+            f"[red]error:[/red] Temporal did not answer ({err or type(err).__name__}): "
+            "is the stack up? `forgeline up`"
+        )
+        code = 2
+    # Skip interpreter finalisation: the Temporal client's core threads can still hold Python
+    # objects then, and releasing them in a finalising interpreter aborts the process
+    # ("PyGILState_Release ... finalizing", seen in about one `up` in five here). Everything
+    # this process owns is flushed or closed by now.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,74 @@
+"""Entry points of the control worker and the node agent (started by `forgeline up`)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
+
+from temporalio.worker import Worker
+
+from activities.control import ControlActivities
+from activities.node import NodeActivities
+from infra.processes import free_port
+from infra.settings import Settings
+from worker.temporal_client import connect, ensure_cluster, register_node
+from workflows.cluster import ClusterWorkflow
+from workflows.models import NodeInfo
+from workflows.names import CLUSTER_WORKFLOW_ID, CONTROL_TASK_QUEUE, node_task_queue
+from workflows.training_run import TrainingRun
+
+
+async def _run_until_signalled(worker: Worker) -> None:
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, lambda: asyncio.ensure_future(worker.shutdown()))
+    await worker.run()
+
+
+async def run_control_worker(settings: Settings) -> None:
+    client = await connect(settings)
+    await ensure_cluster(client)
+    activities = ControlActivities(settings)
+    with ThreadPoolExecutor(max_workers=4, thread_name_prefix="activity") as pool:
+        worker = Worker(
+            client,
+            task_queue=CONTROL_TASK_QUEUE,
+            workflows=[TrainingRun, ClusterWorkflow],
+            activities=activities.all(),
+            activity_executor=pool,
+        )
+        logging.info("control worker polling %s", CONTROL_TASK_QUEUE)
+        await _run_until_signalled(worker)
+
+
+async def run_node_agent(
+    settings: Settings, node_id: str, gpus: int, incarnation: str | None = None
+) -> None:
+    client = await connect(settings)
+    info = NodeInfo(
+        node_id=node_id,
+        gpus=gpus,
+        rdzv_port=free_port(),
+        incarnation=incarnation or uuid.uuid4().hex,
+    )
+    activities = NodeActivities(settings, node_id)
+    worker = Worker(
+        client,
+        task_queue=node_task_queue(node_id),
+        activities=[activities.train_on_node],
+        # Send every heartbeat within a second: progress shows live and cancellation
+        # reaches the ranks fast (the default throttle is 0.8 × the heartbeat timeout).
+        max_heartbeat_throttle_interval=timedelta(seconds=1),
+    )
+    # Stopping the agent (SIGTERM) cancels its running activity at once, which stops the
+    # ranks before the worker exits.
+    await register_node(client, info)
+    logging.info(
+        "node %s (%d GPUs) registered, polling %s", node_id, gpus, node_task_queue(node_id)
+    )
+    await _run_until_signalled(worker)
+    await client.get_workflow_handle(CLUSTER_WORKFLOW_ID).signal("node_stopped", info)

@@ -1,0 +1,146 @@
+"""How runs and nodes look in the terminal."""
+
+from __future__ import annotations
+
+from rich.table import Table
+
+from infra.settings import Settings
+from worker.runs import RunView
+from workflows.models import ClusterState
+
+
+def _num(value: float | None, fmt: str) -> str:
+    return "-" if value is None else format(value, fmt)
+
+
+def step_of(view: RunView) -> int:
+    if view.progress is not None:
+        return view.progress.step
+    checkpoint = view.status.last_checkpoint
+    return checkpoint.step if checkpoint else 0
+
+
+def loss_of(view: RunView) -> float | None:
+    if view.progress is not None and view.progress.loss is not None:
+        return view.progress.loss
+    return view.status.final_loss
+
+
+def progress_line(view: RunView) -> str:
+    status, beat = view.status, view.progress
+    line = f"{status.phase.value:<17}"
+    if beat is not None:
+        line += f" step {beat.step}/{status.total_steps}"
+        line += f"  loss {_num(beat.loss, '.4f')}"
+        line += f"  tokens/s {_num(beat.tokens_per_s, ',.0f')}"
+    if status.generation is not None and not status.phase.final:
+        line += f"  gen {status.generation}"
+    committed = beat.checkpoint_step if beat else None
+    if committed is None and status.last_checkpoint:
+        committed = status.last_checkpoint.step
+    if committed is not None:
+        line += f"  ckpt {committed}"
+    if status.evaluation:
+        line += f"  val_loss {status.evaluation.val_loss:.4f}"
+    if status.model_version:
+        mv = status.model_version
+        line += f"  model {mv.model_name} v{mv.version}"
+    for retry in view.retrying:
+        line += f"\n    retrying {retry}"
+    return line
+
+
+def runs_table(views: list[RunView]) -> Table:
+    table = Table(title="runs")
+    for column in ("name", "phase", "step", "loss", "attempts", "generation", "model"):
+        table.add_column(column)
+    for view in views:
+        status = view.status
+        model = status.model_version
+        table.add_row(
+            status.name,
+            status.phase.value,
+            f"{step_of(view)}/{status.total_steps}",
+            _num(loss_of(view), ".4f"),
+            str(status.attempts),
+            str(status.generation or "-"),
+            f"{model.model_name} v{model.version}" if model else "-",
+        )
+    return table
+
+
+def status_text(view: RunView, settings: Settings) -> str:
+    s, beat = view.status, view.progress
+    lines = [
+        f"run            {s.name}  (owner {s.owner})",
+        f"phase          {s.phase.value}",
+        f"allocation     generation {s.generation or '-'} on {', '.join(s.nodes)}"
+        if s.nodes
+        else f"allocation     none held (last generation {s.generation or '-'})",
+        f"attempts       {s.attempts} restart(s)",
+        f"progress       step {step_of(view)}/{s.total_steps}  loss {_num(loss_of(view), '.4f')}"
+        f"  tokens/s {_num(beat.tokens_per_s if beat else s.tokens_per_s, ',.0f')}"
+        f"  MFU {_num(beat.mfu if beat else s.mfu, '.2%')}",
+    ]
+    if s.last_checkpoint:
+        c = s.last_checkpoint
+        lines.append(
+            f"checkpoint     step {c.step} (generation {c.generation}, "
+            f"{c.tokens_seen:,} tokens)  {c.manifest_key}"
+        )
+    else:
+        lines.append("checkpoint     none committed yet")
+    if s.dataset:
+        d = s.dataset
+        lines.append(
+            f"dataset        {d.snapshot_id}  {d.documents:,} documents "
+            f"({d.duplicates_removed:,} duplicates removed), train {d.train_tokens:,} / "
+            f"val {d.val_tokens:,} tokens, vocab {d.vocab_size}"
+            + ("  (reused)" if d.reused else "")
+        )
+    if s.evaluation:
+        e = s.evaluation
+        lines.append(
+            f"evaluation     val_loss {e.val_loss:.4f}  perplexity {e.perplexity:.2f}  "
+            f"on {e.val_tokens:,} tokens at step {e.step}"
+        )
+    if s.model_version:
+        mv = s.model_version
+        lines.append(f"model          {mv.model_name} version {mv.version} (alias {mv.alias})")
+        lines.append(
+            f"               {settings.mlflow_uri}/#/models/{mv.model_name}/versions/{mv.version}"
+        )
+    if s.decision:
+        verb = "approved" if s.decision.approve else "rejected"
+        lines.append(f"decision       {verb} by {s.decision.approver} {s.decision.reason}".rstrip())
+    for failure in s.failures:
+        lines.append(
+            f"failure        gen {failure.generation} at {failure.at:%H:%M:%S}: {failure.reason}"
+        )
+    if s.error:
+        lines.append(f"error          {s.error}")
+    for retry in view.retrying:
+        lines.append(f"retrying       {retry}")
+    lines.append(f"temporal       {run_link(settings, s.name)}")
+    return "\n".join(lines)
+
+
+def run_link(settings: Settings, name: str) -> str:
+    return f"{settings.temporal_ui_url}/namespaces/{settings.temporal_namespace}/workflows/{name}"
+
+
+def nodes_table(state: ClusterState) -> Table:
+    table = Table(title="nodes")
+    for column in ("node", "state", "gpus", "pod", "run", "generation", "note"):
+        table.add_column(column)
+    for node in sorted(state.nodes, key=lambda n: n.info.node_id):
+        table.add_row(
+            node.info.node_id,
+            node.state.value,
+            str(node.info.gpus),
+            node.info.pod,
+            node.run_id or "-",
+            str(node.generation or "-"),
+            node.down_reason or "",
+        )
+    return table

@@ -1,0 +1,78 @@
+"""Client-side view of runs: submit, attach, read status and live training progress."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+from temporalio.client import Client, WorkflowExecutionStatus, WorkflowHandle
+from temporalio.common import WorkflowIDReusePolicy
+from temporalio.exceptions import WorkflowAlreadyStartedError
+from temporalio.service import RPCError, RPCStatusCode
+
+from workflows.models import RunStatus, TrainingRunInput, TrainProgress
+from workflows.names import CONTROL_TASK_QUEUE
+from workflows.spec import RunSpec
+
+QUERY_TIMEOUT = timedelta(seconds=10)
+
+
+class RunNotFound(Exception):
+    pass
+
+
+@dataclass
+class RunView:
+    status: RunStatus
+    progress: TrainProgress | None  # the newest heartbeat of the current generation
+    execution: WorkflowExecutionStatus | None
+    retrying: list[str] = field(default_factory=list)  # activities failing and being retried
+
+
+async def submit(client: Client, spec: RunSpec, spec_sha256: str) -> tuple[WorkflowHandle, bool]:
+    """Start the run, or attach to the one with this name; True when this call started it."""
+    try:
+        handle = await client.start_workflow(
+            "TrainingRun",
+            TrainingRunInput(spec=spec, spec_sha256=spec_sha256, submitted_by=spec.owner),
+            id=spec.name,
+            task_queue=CONTROL_TASK_QUEUE,
+            # A name is a run forever: submitting it again attaches instead of retraining.
+            id_reuse_policy=WorkflowIDReusePolicy.REJECT_DUPLICATE,
+        )
+        return handle, True
+    except WorkflowAlreadyStartedError:
+        return client.get_workflow_handle(spec.name), False
+
+
+async def view(client: Client, name: str) -> RunView:
+    handle = client.get_workflow_handle(name)
+    try:
+        description = await handle.describe()
+    except RPCError as err:
+        if err.status == RPCStatusCode.NOT_FOUND:
+            raise RunNotFound(f"no run named {name!r}: see `forgeline runs`") from None
+        raise
+    status = await handle.query("status", result_type=RunStatus, rpc_timeout=QUERY_TIMEOUT)
+    progress = None
+    retrying = []
+    for pending in description.raw_description.pending_activities:
+        if pending.attempt > 1 and pending.last_failure.message:
+            retrying.append(
+                f"{pending.activity_type.name} attempt {pending.attempt}: "
+                f"{pending.last_failure.message.splitlines()[0]}"
+            )
+        details = pending.heartbeat_details.payloads
+        if pending.activity_type.name != "train_on_node" or not details:
+            continue
+        (beat,) = await client.data_converter.decode(details, [TrainProgress])
+        if beat.generation == status.generation and (progress is None or beat.step > progress.step):
+            progress = beat
+    return RunView(status, progress, description.status, retrying)
+
+
+async def list_run_names(client: Client, limit: int = 200) -> list[str]:
+    names = []
+    async for execution in client.list_workflows("WorkflowType = 'TrainingRun'", limit=limit):
+        names.append(execution.id)
+    return names

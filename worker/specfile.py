@@ -1,0 +1,65 @@
+"""Read a run spec from TOML and validate it completely before anything is submitted."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import tomllib
+from pathlib import Path
+
+from pydantic import ValidationError
+
+from workflows.spec import NAME_RULE, RunSpec
+
+
+class SpecError(Exception):
+    """The spec file cannot be used; the message names the field and what is allowed."""
+
+
+def _explain(error: dict) -> str:
+    where = ".".join(str(part) for part in error["loc"]) or "(top level)"
+    kind = error["type"]
+    if kind == "extra_forbidden":
+        return f"{where}: unknown key (check its spelling)"
+    if kind == "missing":
+        return f"{where}: required but missing"
+    if kind == "string_pattern_mismatch":
+        return f"{where}: {error['input']!r} is not a valid name: use {NAME_RULE}"
+    message = error["msg"].removeprefix("Value error, ")
+    return f"{where}: {message} (got {error['input']!r})" if "input" in error else message
+
+
+def parse_spec(data: dict, spec_dir: Path, overrides: dict | None = None) -> RunSpec:
+    """Validate a spec; data sources become absolute paths, resolved against the spec's folder."""
+    data = {**data, **(overrides or {})}
+    sources = data.get("data", {}).get("sources") if isinstance(data.get("data"), dict) else None
+    if isinstance(sources, list):
+        data["data"] = {
+            **data["data"],
+            "sources": [
+                str((spec_dir / s).resolve()) if isinstance(s, str) else s for s in sources
+            ],
+        }
+    try:
+        return RunSpec.model_validate(data)
+    except ValidationError as err:
+        problems = "\n  ".join(_explain(e) for e in err.errors(include_url=False))
+        raise SpecError(f"invalid run spec:\n  {problems}") from None
+
+
+def load_spec(path: Path, overrides: dict | None = None) -> RunSpec:
+    try:
+        data = tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        raise SpecError(f"spec file {path} does not exist") from None
+    except tomllib.TOMLDecodeError as err:
+        raise SpecError(f"{path} is not valid TOML: {err}") from None
+    spec = parse_spec(data, path.resolve().parent, overrides)
+    missing = [s for s in spec.data.sources if not Path(s).is_file()]
+    if missing:
+        raise SpecError(f"invalid run spec:\n  data.sources: no such file: {', '.join(missing)}")
+    return spec
+
+
+def spec_sha256(spec: RunSpec) -> str:
+    return hashlib.sha256(json.dumps(spec.model_dump(), sort_keys=True).encode()).hexdigest()

@@ -1,0 +1,204 @@
+"""`forgeline up` / `down`: the whole local stack as processes under the state folder.
+
+Temporal dev server (history in a SQLite file, so it survives down/up), MLflow server (SQLite +
+artifact folder), one control worker, N node agents. Each has a pid file and a log; `up` starts
+only what is missing and `down` stops only what it started.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+
+from temporalio.client import Client
+
+from infra.errors import StackError
+from infra.local_servers import (
+    MLFLOW_SERVER_ENV,
+    mlflow_server_argv,
+    temporal_dev_server_argv,
+)
+from infra.processes import ManagedProcess, free_port, http_ok, port_is_open, wait_until
+from infra.settings import Settings, load_settings
+from worker.temporal_client import connect, ensure_cluster
+from workflows.models import ClusterState, NodeState
+from workflows.names import CLUSTER_WORKFLOW_ID
+
+TEMPORAL, MLFLOW, CONTROL = "temporal", "mlflow", "control-worker"
+NODE_PREFIX = "node-"
+DEFAULT_PORTS = {"temporal": 7233, "ui": 8233, "mlflow": 5000}
+
+
+@dataclass
+class Ports:
+    temporal: int | None = None
+    ui: int | None = None
+    mlflow: int | None = None
+
+
+def _port(requested: int | None, default: int) -> int:
+    """The requested port, else the conventional one if free, else any free port."""
+    if requested:
+        if port_is_open("127.0.0.1", requested):
+            raise StackError(f"port {requested} is already in use: choose another or omit it")
+        return requested
+    return default if not port_is_open("127.0.0.1", default) else free_port()
+
+
+def node_name(index: int) -> str:
+    return f"{NODE_PREFIX}{index}"
+
+
+def _worker_argv(*args: str) -> list[str]:
+    return [sys.executable, "-m", "worker.cli", "worker", *args]
+
+
+def up(
+    home: Path,
+    nodes: int,
+    gpus_per_node: int,
+    ports: Ports,
+    say: Callable[[str], None] = print,
+) -> Settings:
+    # One event loop for the whole command: the Temporal client's core runtime is not meant
+    # to hop between loops.
+    return asyncio.run(_up(home, nodes, gpus_per_node, ports, say))
+
+
+async def _up(
+    home: Path, nodes: int, gpus_per_node: int, ports: Ports, say: Callable[[str], None]
+) -> Settings:
+    home.mkdir(parents=True, exist_ok=True)
+    recorded = load_settings(home)
+    env = {"FORGELINE_HOME": str(home)}
+
+    temporal = ManagedProcess(home, TEMPORAL)
+    if temporal.running():
+        temporal_address, ui_url = recorded.temporal_address, recorded.temporal_ui_url
+        say(f"temporal      running (pid {temporal.pid()}) at {temporal_address}")
+    else:
+        port = _port(ports.temporal, DEFAULT_PORTS["temporal"])
+        ui_port = _port(ports.ui, DEFAULT_PORTS["ui"])
+        temporal.start(temporal_dev_server_argv(home / "temporal.db", port, ui_port), env)
+        wait_until(lambda: port_is_open("127.0.0.1", port), 60, "Temporal dev server", temporal)
+        temporal_address, ui_url = f"127.0.0.1:{port}", f"http://127.0.0.1:{ui_port}"
+        say(f"temporal      started (pid {temporal.pid()}) at {temporal_address}")
+
+    mlflow = ManagedProcess(home, MLFLOW)
+    if mlflow.running():
+        mlflow_uri = recorded.mlflow_uri
+        say(f"mlflow        running (pid {mlflow.pid()}) at {mlflow_uri}")
+    else:
+        port = _port(ports.mlflow, DEFAULT_PORTS["mlflow"])
+        mlflow.start(mlflow_server_argv(home, port), {**env, **MLFLOW_SERVER_ENV})
+        mlflow_uri = f"http://127.0.0.1:{port}"
+        wait_until(lambda: http_ok(f"{mlflow_uri}/health"), 120, "MLflow server", mlflow)
+        say(f"mlflow        started (pid {mlflow.pid()}) at {mlflow_uri}")
+
+    settings = Settings(
+        home=home,
+        temporal_address=temporal_address,
+        temporal_namespace=recorded.temporal_namespace,
+        temporal_ui_url=ui_url,
+        mlflow_uri=mlflow_uri,
+        store_url=recorded.store_url,
+    )
+    settings.save()
+    client = await connect(settings)
+    await ensure_cluster(client)
+
+    control = ManagedProcess(home, CONTROL)
+    if control.running():
+        say(f"control       running (pid {control.pid()})")
+    else:
+        control.start(_worker_argv("control"), env)
+        say(f"control       started (pid {control.pid()})")
+
+    expected: dict[str, str | None] = {}
+    for index in range(nodes):
+        agent = ManagedProcess(home, node_name(index))
+        if agent.running():
+            expected[node_name(index)] = None
+            say(f"{node_name(index):<13} running (pid {agent.pid()})")
+            continue
+        incarnation = uuid.uuid4().hex
+        agent.start(
+            _worker_argv(
+                "node", "--node-id", node_name(index), "--gpus", str(gpus_per_node),
+                "--incarnation", incarnation,
+            ),
+            env,
+        )  # fmt: skip
+        expected[node_name(index)] = incarnation
+        say(f"{node_name(index):<13} started (pid {agent.pid()}, {gpus_per_node} GPU slots)")
+
+    await _wait_for_nodes(client, expected, [control, *_node_processes(home)])
+    return settings
+
+
+async def _wait_for_nodes(
+    client: Client,
+    expected: dict[str, str | None],
+    processes: list[ManagedProcess],
+    timeout: float = 120.0,
+) -> None:
+    """Until every node agent has registered (with the incarnation we just started it with)
+    and the control worker answers queries: then a run submitted next is scheduled at once."""
+    handle = client.get_workflow_handle(CLUSTER_WORKFLOW_ID)
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while True:
+        for process in processes:
+            if not process.running():
+                raise StackError(f"{process.name} exited during start-up:\n{process.log_tail()}")
+        try:
+            # rpc_timeout, not asyncio.wait_for: a cancelled query left running inside the
+            # client's core can call back into a finalizing interpreter and abort it.
+            state = await handle.query(
+                "state", result_type=ClusterState, rpc_timeout=timedelta(seconds=5)
+            )
+        except Exception:  # the control worker is still starting: queries need a worker
+            state = None
+        if state is not None:
+            ready = {
+                n.info.node_id
+                for n in state.nodes
+                if n.state != NodeState.DOWN
+                and expected.get(n.info.node_id) in (None, n.info.incarnation)
+            }
+            if set(expected) <= ready:
+                return
+        if loop.time() > deadline:
+            raise StackError(f"node agents did not register within {timeout:.0f} s")
+        await asyncio.sleep(0.5)
+
+
+def _node_processes(home: Path) -> list[ManagedProcess]:
+    run_dir = home / "run"
+    names = sorted(p.stem for p in run_dir.glob(f"{NODE_PREFIX}*.pid")) if run_dir.is_dir() else []
+    return [ManagedProcess(home, name) for name in names]
+
+
+def down(home: Path, say: Callable[[str], None] = print) -> None:
+    """Stop node agents first (they stop their ranks), then the control worker, then servers."""
+    for process in [
+        *_node_processes(home),
+        ManagedProcess(home, CONTROL),
+        ManagedProcess(home, MLFLOW),
+        ManagedProcess(home, TEMPORAL),
+    ]:
+        if process.stop(timeout=20):
+            say(f"{process.name:<13} stopped")
+
+
+def status_lines(home: Path) -> list[str]:
+    processes = [ManagedProcess(home, n) for n in (TEMPORAL, MLFLOW, CONTROL)]
+    return [
+        f"{p.name:<13} {'running (pid ' + str(p.pid()) + ')' if p.running() else 'stopped'}"
+        for p in [*processes, *_node_processes(home)]
+    ]

@@ -1,0 +1,251 @@
+"""Pydantic models that cross the wire between workflows, activities and the CLI.
+
+New fields always get defaults, so histories recorded by an older version still replay.
+Payloads carry keys into the object store, never data.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from enum import StrEnum
+
+from pydantic import BaseModel, Field
+
+from workflows.spec import RunSpec
+
+
+class Phase(StrEnum):
+    PREPARING = "PREPARING"
+    QUEUED = "QUEUED"
+    TRAINING = "TRAINING"
+    RECOVERING = "RECOVERING"
+    EVALUATING = "EVALUATING"
+    REGISTERING = "REGISTERING"
+    AWAITING_APPROVAL = "AWAITING_APPROVAL"
+    APPROVED = "APPROVED"
+    REJECTED = "REJECTED"
+    FAILED = "FAILED"
+    CANCELLED = "CANCELLED"
+
+    @property
+    def final(self) -> bool:
+        return self in _FINAL_PHASES
+
+
+_FINAL_PHASES = {Phase.APPROVED, Phase.REJECTED, Phase.FAILED, Phase.CANCELLED}
+
+
+# --- cluster ---------------------------------------------------------------------------------
+
+
+class NodeState(StrEnum):
+    IDLE = "idle"
+    ALLOCATED = "allocated"
+    DOWN = "down"
+
+
+class NodeInfo(BaseModel):
+    """What a node agent announces when it registers."""
+
+    node_id: str
+    host: str = "127.0.0.1"
+    gpus: int = 1
+    gpu_type: str = "cpu"
+    pod: str = "local"
+    rdzv_port: int = Field(description="port this node serves the c10d rendezvous on as head")
+    incarnation: str = Field(description="changes every time the agent process starts")
+
+
+class Node(BaseModel):
+    info: NodeInfo
+    state: NodeState = NodeState.IDLE
+    run_id: str | None = None
+    generation: int | None = None
+    down_reason: str | None = None
+
+
+class GangRequest(BaseModel):
+    run_id: str
+    nodes: int
+    gpus_per_node: int
+
+
+class Allocation(BaseModel):
+    run_id: str
+    generation: int
+    nodes: list[NodeInfo]
+
+    @property
+    def rdzv_endpoint(self) -> str:
+        head = self.nodes[0]
+        return f"{head.host}:{head.rdzv_port}"
+
+
+class Release(BaseModel):
+    run_id: str
+    generation: int
+
+
+class NodeFailure(BaseModel):
+    run_id: str
+    generation: int
+    node_id: str
+    reason: str
+
+
+class ClusterState(BaseModel):
+    nodes: list[Node] = []
+    queue: list[GangRequest] = []
+    allocations: list[Allocation] = []
+    next_generation: int = 1
+
+
+# --- data, training, evaluation, registry ------------------------------------------------------
+
+
+class PrepareDatasetInput(BaseModel):
+    run_id: str
+    spec: RunSpec
+
+
+class DatasetRef(BaseModel):
+    snapshot_id: str
+    manifest_key: str
+    manifest_sha256: str
+    vocab_size: int
+    train_tokens: int
+    val_tokens: int
+    documents: int
+    duplicates_removed: int
+    reused: bool = False
+
+
+class CheckpointRef(BaseModel):
+    manifest_key: str
+    step: int
+    generation: int
+    tokens_seen: int
+
+
+class LatestCheckpointInput(BaseModel):
+    run_id: str
+    max_generation: int = Field(description="manifests from later generations are ignored")
+
+
+class NodeTrainInput(BaseModel):
+    run_id: str
+    spec: RunSpec
+    dataset: DatasetRef
+    allocation: Allocation
+    node_id: str
+    resume: CheckpointRef | None = None
+
+
+class TrainProgress(BaseModel):
+    """One heartbeat of the training activity: small on purpose (it is stored on every beat)."""
+
+    node_id: str
+    generation: int
+    step: int = 0
+    total_steps: int = 0
+    loss: float | None = None
+    lr: float | None = None
+    tokens_per_s: float | None = None
+    mfu: float | None = None
+    checkpoint_step: int | None = None
+    state: str = "starting"
+
+
+class NodeTrainResult(BaseModel):
+    node_id: str
+    generation: int
+    final_step: int
+    final_loss: float | None
+    tokens_per_s: float | None = None
+    mfu: float | None = None
+    # (step, loss) every `log_every` steps of this generation, for the tracking server.
+    loss_curve: list[tuple[int, float]] = []
+
+
+class EvaluateInput(BaseModel):
+    run_id: str
+    spec: RunSpec
+    dataset: DatasetRef
+    checkpoint: CheckpointRef
+
+
+class EvalResult(BaseModel):
+    step: int
+    val_loss: float
+    perplexity: float
+    val_tokens: int
+    sample: str
+
+
+class RegisterInput(BaseModel):
+    run_id: str
+    workflow_run_id: str
+    spec: RunSpec
+    spec_sha256: str
+    dataset: DatasetRef
+    checkpoint: CheckpointRef
+    evaluation: EvalResult
+    training: list[NodeTrainResult] = []
+    attempts: int = 0
+
+
+class ModelVersionRef(BaseModel):
+    model_name: str
+    version: str
+    mlflow_run_id: str
+    alias: str = "candidate"
+
+
+class Decision(BaseModel):
+    approver: str
+    approve: bool
+    reason: str = ""
+
+
+class DecisionInput(BaseModel):
+    version: ModelVersionRef
+    decision: Decision
+    decided_at: datetime
+
+
+# --- the run as a whole ----------------------------------------------------------------------
+
+
+class TrainingRunInput(BaseModel):
+    spec: RunSpec
+    spec_sha256: str
+    submitted_by: str = "anonymous"
+
+
+class Failure(BaseModel):
+    generation: int
+    node_id: str | None
+    reason: str
+    at: datetime
+
+
+class RunStatus(BaseModel):
+    name: str
+    phase: Phase
+    owner: str
+    total_steps: int
+    spec_sha256: str = ""
+    attempts: int = 0
+    generation: int | None = None
+    nodes: list[str] = []
+    dataset: DatasetRef | None = None
+    last_checkpoint: CheckpointRef | None = None
+    evaluation: EvalResult | None = None
+    model_version: ModelVersionRef | None = None
+    decision: Decision | None = None
+    failures: list[Failure] = []
+    final_loss: float | None = None
+    tokens_per_s: float | None = None
+    mfu: float | None = None
+    error: str | None = None
+    updated_at: datetime | None = None

@@ -1,0 +1,9 @@
+"""Well-known workflow ids and task queues shared by workflows, workers and the CLI."""
+
+CLUSTER_WORKFLOW_ID = "forgeline-cluster"
+CONTROL_TASK_QUEUE = "forgeline-control"
+
+
+def node_task_queue(node_id: str) -> str:
+    """Each node agent polls its own queue, so an activity lands on exactly that node."""
+    return f"forgeline-node-{node_id}"

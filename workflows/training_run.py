@@ -1,0 +1,388 @@
+"""The `TrainingRun` workflow: one durable state machine per run, from corpus to approval.
+
+Its id is the run name, so submitting the same name twice attaches to the same run. The
+workflow decides order, timeouts, retries and waiting; the activities do the work.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from datetime import timedelta
+
+from temporalio import workflow
+from temporalio.common import RetryPolicy
+from temporalio.exceptions import (
+    ActivityError,
+    ApplicationError,
+    CancelledError,
+    TimeoutError,
+    TimeoutType,
+)
+
+with workflow.unsafe.imports_passed_through():
+    from workflows.cluster import GANG_GRANTED_SIGNAL
+    from workflows.models import (
+        Allocation,
+        CheckpointRef,
+        DatasetRef,
+        Decision,
+        DecisionInput,
+        EvalResult,
+        EvaluateInput,
+        Failure,
+        GangRequest,
+        LatestCheckpointInput,
+        ModelVersionRef,
+        NodeFailure,
+        NodeTrainInput,
+        NodeTrainResult,
+        Phase,
+        PrepareDatasetInput,
+        RegisterInput,
+        Release,
+        RunStatus,
+        TrainingRunInput,
+    )
+    from workflows.names import CLUSTER_WORKFLOW_ID, CONTROL_TASK_QUEUE, node_task_queue
+
+# Activities that only talk to the store or MLflow retry until they succeed: an outage of the
+# tracking server or a bug fixed by redeploying the worker costs time, never the trained model.
+# Bad input and corrupt data fail at once (activities raise them as non-retryable).
+_PATIENT_RETRY = RetryPolicy(
+    initial_interval=timedelta(seconds=1), maximum_interval=timedelta(minutes=1)
+)
+# A gang attempt is never retried by Temporal: the workflow itself restarts the whole gang.
+_NO_RETRY = RetryPolicy(maximum_attempts=1)
+# A node agent that does not pick up its activity within this long is treated as down.
+_NODE_PICKUP_TIMEOUT = timedelta(seconds=60)
+
+
+class GangFailed(Exception):
+    """One attempt of the gang ended in failure; carries what was learned about the nodes."""
+
+    def __init__(self, failures: list[Failure]) -> None:
+        super().__init__("; ".join(f.reason for f in failures))
+        self.failures = failures
+
+
+@workflow.defn(name="TrainingRun")
+class TrainingRun:
+    @workflow.init
+    def __init__(self, inp: TrainingRunInput) -> None:
+        self._input = inp
+        self._spec = inp.spec
+        self._status = RunStatus(
+            name=inp.spec.name,
+            phase=Phase.PREPARING,
+            owner=inp.spec.owner,
+            total_steps=inp.spec.train.steps,
+            spec_sha256=inp.spec_sha256,
+        )
+        self._grant: Allocation | None = None
+        self._allocation: Allocation | None = None
+        self._decision: Decision | None = None
+
+    @workflow.run
+    async def run(self, inp: TrainingRunInput) -> RunStatus:
+        try:
+            dataset = await self._prepare()
+            checkpoint, results = await self._train(dataset)
+            evaluation = await self._evaluate(dataset, checkpoint)
+            version = await self._register(dataset, checkpoint, evaluation, results)
+            await self._await_decision(version)
+        except asyncio.CancelledError:
+            self._set_phase(Phase.CANCELLED)
+            await self._release_gang()
+            raise
+        except (ActivityError, ApplicationError) as err:
+            self._status.error = _describe(err)
+            self._set_phase(Phase.FAILED)
+            await self._release_gang()
+            raise ApplicationError(f"run {self._spec.name} failed: {self._status.error}") from err
+        return self._status
+
+    # --- interface -------------------------------------------------------------------------
+
+    @workflow.query
+    def status(self) -> RunStatus:
+        return self._status
+
+    @workflow.signal(name=GANG_GRANTED_SIGNAL)
+    def gang_granted(self, allocation: Allocation) -> None:
+        current = self._allocation.generation if self._allocation else 0
+        if allocation.run_id == self._spec.name and allocation.generation > current:
+            self._grant = allocation
+
+    @workflow.update
+    async def decide(self, decision: Decision) -> RunStatus:
+        self._decision = decision
+        await workflow.wait_condition(lambda: self._status.phase.final)
+        return self._status
+
+    @decide.validator
+    def _validate_decision(self, decision: Decision) -> None:
+        if self._status.phase != Phase.AWAITING_APPROVAL:
+            raise ApplicationError(
+                f"run {self._spec.name} is {self._status.phase.value}, not AWAITING_APPROVAL: "
+                "only a registered model waiting for approval can be approved or rejected"
+            )
+        if self._decision is not None:
+            raise ApplicationError(f"run {self._spec.name} already has a decision")
+        if not decision.approve and not decision.reason.strip():
+            raise ApplicationError("a rejection needs a reason: pass --reason")
+
+    # --- phases ----------------------------------------------------------------------------
+
+    async def _prepare(self) -> DatasetRef:
+        self._set_phase(Phase.PREPARING)
+        dataset = await workflow.execute_activity(
+            "prepare_dataset",
+            PrepareDatasetInput(run_id=self._spec.name, spec=self._spec),
+            result_type=DatasetRef,
+            task_queue=CONTROL_TASK_QUEUE,
+            start_to_close_timeout=timedelta(hours=2),
+            heartbeat_timeout=timedelta(minutes=2),
+            retry_policy=_PATIENT_RETRY,
+        )
+        self._status.dataset = dataset
+        return dataset
+
+    async def _train(self, dataset: DatasetRef) -> tuple[CheckpointRef, list[NodeTrainResult]]:
+        while True:
+            self._set_phase(Phase.QUEUED if self._status.attempts == 0 else Phase.RECOVERING)
+            allocation = await self._acquire_gang()
+            resume = await self._latest_checkpoint(allocation.generation)
+            self._status.last_checkpoint = resume
+            self._set_phase(Phase.TRAINING)
+            try:
+                results = await self._run_gang(allocation, dataset, resume)
+            except GangFailed as failed:
+                await self._recover(allocation, failed.failures)
+                continue
+            await self._release_gang()
+            final = await self._latest_checkpoint(allocation.generation)
+            if final is None or final.step < self._spec.train.steps:
+                raise ApplicationError(
+                    f"training finished but the store holds no committed checkpoint at step "
+                    f"{self._spec.train.steps} (found {final.step if final else 'none'})",
+                    non_retryable=True,
+                )
+            self._status.last_checkpoint = final
+            head = results[0]
+            self._status.final_loss = head.final_loss
+            self._status.tokens_per_s = head.tokens_per_s
+            self._status.mfu = head.mfu
+            return final, results
+
+    async def _acquire_gang(self) -> Allocation:
+        request = GangRequest(
+            run_id=self._spec.name,
+            nodes=self._spec.resources.nodes,
+            gpus_per_node=self._spec.resources.gpus_per_node,
+        )
+        self._grant = None
+        cluster = workflow.get_external_workflow_handle(CLUSTER_WORKFLOW_ID)
+        await cluster.signal("request_gang", request)
+        await workflow.wait_condition(lambda: self._grant is not None)
+        assert self._grant is not None
+        self._allocation = self._grant
+        self._status.generation = self._grant.generation
+        self._status.nodes = [n.node_id for n in self._grant.nodes]
+        return self._grant
+
+    async def _release_gang(self) -> None:
+        if self._allocation is None:
+            return
+        release = Release(run_id=self._spec.name, generation=self._allocation.generation)
+        self._allocation = None
+        self._status.nodes = []
+        await workflow.get_external_workflow_handle(CLUSTER_WORKFLOW_ID).signal("release", release)
+
+    async def _latest_checkpoint(self, generation: int) -> CheckpointRef | None:
+        return await workflow.execute_activity(
+            "latest_checkpoint",
+            LatestCheckpointInput(run_id=self._spec.name, max_generation=generation),
+            result_type=CheckpointRef | None,
+            task_queue=CONTROL_TASK_QUEUE,
+            start_to_close_timeout=timedelta(minutes=10),
+            retry_policy=_PATIENT_RETRY,
+        )
+
+    async def _run_gang(
+        self, allocation: Allocation, dataset: DatasetRef, resume: CheckpointRef | None
+    ) -> list[NodeTrainResult]:
+        """One attempt: a training activity on every node of the gang, all or nothing."""
+        handles = [
+            workflow.start_activity(
+                "train_on_node",
+                NodeTrainInput(
+                    run_id=self._spec.name,
+                    spec=self._spec,
+                    dataset=dataset,
+                    allocation=allocation,
+                    node_id=node.node_id,
+                    resume=resume,
+                ),
+                result_type=NodeTrainResult,
+                task_queue=node_task_queue(node.node_id),
+                activity_id=f"train-g{allocation.generation}-{node.node_id}",
+                schedule_to_start_timeout=_NODE_PICKUP_TIMEOUT,
+                start_to_close_timeout=timedelta(days=30),
+                heartbeat_timeout=timedelta(seconds=self._spec.recovery.heartbeat_timeout_s),
+                retry_policy=_NO_RETRY,
+                # Wait for the ranks to be gone before the nodes are released to someone else.
+                cancellation_type=workflow.ActivityCancellationType.WAIT_CANCELLATION_COMPLETED,
+            )
+            for node in allocation.nodes
+        ]
+        try:
+            await workflow.wait(handles, return_when=asyncio.FIRST_EXCEPTION)
+        except asyncio.CancelledError:
+            await _cancel_all(handles)
+            raise
+        if all(h.done() and h.exception() is None for h in handles):
+            return [h.result() for h in handles]
+        await _cancel_all(handles)
+        failures = []
+        for node, handle in zip(allocation.nodes, handles, strict=True):
+            err = handle.exception()
+            if err is None or _is_cancel(err):
+                continue
+            failures.append(
+                Failure(
+                    generation=allocation.generation,
+                    node_id=node.node_id if _node_is_suspect(err) else None,
+                    reason=f"{node.node_id}: {_describe(err)}",
+                    at=workflow.now(),
+                )
+            )
+        if not failures:
+            failures.append(
+                Failure(
+                    generation=allocation.generation,
+                    node_id=None,
+                    reason="the gang stopped without a reported cause",
+                    at=workflow.now(),
+                )
+            )
+        raise GangFailed(failures)
+
+    async def _recover(self, allocation: Allocation, failures: list[Failure]) -> None:
+        """Drain the nodes at fault, give the gang back, and back off before the next attempt."""
+        self._set_phase(Phase.RECOVERING)
+        self._status.failures.extend(failures)
+        cluster = workflow.get_external_workflow_handle(CLUSTER_WORKFLOW_ID)
+        for failure in failures:
+            if failure.node_id is not None:
+                await cluster.signal(
+                    "report_failure",
+                    NodeFailure(
+                        run_id=self._spec.name,
+                        generation=allocation.generation,
+                        node_id=failure.node_id,
+                        reason=failure.reason,
+                    ),
+                )
+        await self._release_gang()
+        self._status.attempts += 1
+        if self._status.attempts > self._spec.recovery.max_restarts:
+            raise ApplicationError(
+                f"gave up after {self._status.attempts} failed attempts "
+                f"(recovery.max_restarts = {self._spec.recovery.max_restarts}); "
+                f"last failure: {failures[-1].reason}",
+                non_retryable=True,
+            )
+        await workflow.sleep(timedelta(seconds=min(2 ** (self._status.attempts - 1), 30)))
+
+    async def _evaluate(self, dataset: DatasetRef, checkpoint: CheckpointRef) -> EvalResult:
+        self._set_phase(Phase.EVALUATING)
+        evaluation = await workflow.execute_activity(
+            "evaluate",
+            EvaluateInput(
+                run_id=self._spec.name, spec=self._spec, dataset=dataset, checkpoint=checkpoint
+            ),
+            result_type=EvalResult,
+            task_queue=CONTROL_TASK_QUEUE,
+            start_to_close_timeout=timedelta(hours=2),
+            heartbeat_timeout=timedelta(minutes=2),
+            retry_policy=_PATIENT_RETRY,
+        )
+        self._status.evaluation = evaluation
+        return evaluation
+
+    async def _register(
+        self,
+        dataset: DatasetRef,
+        checkpoint: CheckpointRef,
+        evaluation: EvalResult,
+        results: list[NodeTrainResult],
+    ) -> ModelVersionRef:
+        self._set_phase(Phase.REGISTERING)
+        version = await workflow.execute_activity(
+            "register_model",
+            RegisterInput(
+                run_id=self._spec.name,
+                workflow_run_id=workflow.info().run_id,
+                spec=self._spec,
+                spec_sha256=self._input.spec_sha256,
+                dataset=dataset,
+                checkpoint=checkpoint,
+                evaluation=evaluation,
+                training=results,
+                attempts=self._status.attempts,
+            ),
+            result_type=ModelVersionRef,
+            task_queue=CONTROL_TASK_QUEUE,
+            start_to_close_timeout=timedelta(minutes=30),
+            retry_policy=_PATIENT_RETRY,
+        )
+        self._status.model_version = version
+        return version
+
+    async def _await_decision(self, version: ModelVersionRef) -> None:
+        self._set_phase(Phase.AWAITING_APPROVAL)
+        await workflow.wait_condition(lambda: self._decision is not None)
+        assert self._decision is not None
+        await workflow.execute_activity(
+            "record_decision",
+            DecisionInput(version=version, decision=self._decision, decided_at=workflow.now()),
+            task_queue=CONTROL_TASK_QUEUE,
+            start_to_close_timeout=timedelta(minutes=5),
+            retry_policy=_PATIENT_RETRY,
+        )
+        self._status.decision = self._decision
+        self._set_phase(Phase.APPROVED if self._decision.approve else Phase.REJECTED)
+
+    def _set_phase(self, phase: Phase) -> None:
+        self._status.phase = phase
+        self._status.updated_at = workflow.now()
+
+
+async def _cancel_all(handles: list[workflow.ActivityHandle]) -> None:
+    for handle in handles:
+        if not handle.done():
+            handle.cancel()
+    await asyncio.gather(*handles, return_exceptions=True)
+
+
+def _is_cancel(err: BaseException) -> bool:
+    return isinstance(err, ActivityError) and isinstance(err.cause, CancelledError)
+
+
+def _node_is_suspect(err: BaseException) -> bool:
+    """A node that stopped heartbeating or never picked up its work is presumed dead."""
+    cause = err.cause if isinstance(err, ActivityError) else None
+    return isinstance(cause, TimeoutError) and cause.type in (
+        TimeoutType.HEARTBEAT,
+        TimeoutType.SCHEDULE_TO_START,
+    )
+
+
+def _describe(err: BaseException) -> str:
+    """The innermost message of a chain of Temporal failures, which is the one that explains."""
+    message = str(err)
+    cause = err.__cause__
+    while cause is not None:
+        message = str(cause) or message
+        cause = cause.__cause__
+    return message
