@@ -16,7 +16,6 @@ def corpus(tmp_path: Path) -> Path:
     text = SHAKESPEARE.read_text()[:200_000]
     speech = "First Citizen:\nBefore we proceed any further, hear me speak."
     path = tmp_path / "corpus.txt"
-    path.write_text(
-        f"{text}\n\n{speech}\n\n  first citizen:\n  BEFORE we proceed any further,  hear me speak.\n"
-    )
+    reformatted = "  first citizen:\n  BEFORE we proceed any further,  hear me speak."
+    path.write_text(f"{text}\n\n{speech}\n\n{reformatted}\n")
     return path

@@ -48,7 +48,8 @@ def sample_text(
     idx = torch.tensor([ids], dtype=torch.long)
     generator = torch.Generator().manual_seed(seed)
     out = model.generate(idx, max_new_tokens, generator=generator)
-    return tokenizer.decode(out[0].tolist())
+    # Keep special tokens: a visible <|endoftext|> shows where the model ended a document.
+    return tokenizer.decode(out[0].tolist(), skip_special_tokens=False)
 
 
 def evaluate_checkpoint(

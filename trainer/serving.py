@@ -65,7 +65,7 @@ class GPTTextModel(mlflow.pyfunc.PythonModel):
 
     # No type hints on model_input and the result: MLflow would derive a signature from them
     # and drop `signature()`'s request parameters (max_new_tokens, seed).
-    def predict(self, context, model_input, params: dict | None = None):  # noqa: ANN001, ANN201
+    def predict(self, context, model_input, params: dict | None = None):
         # MLflow hands over what the signature declares as a one-column DataFrame.
         prompts = model_input.iloc[:, 0].tolist() if hasattr(model_input, "iloc") else model_input
         if isinstance(prompts, str):

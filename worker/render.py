@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import textwrap
+
 from rich.table import Table
 
 from infra.settings import Settings
@@ -104,6 +106,8 @@ def status_text(view: RunView, settings: Settings) -> str:
             f"evaluation     val_loss {e.val_loss:.4f}  perplexity {e.perplexity:.2f}  "
             f"on {e.val_tokens:,} tokens at step {e.step}"
         )
+        sample = textwrap.indent(e.sample.strip(), " " * 15).lstrip()
+        lines.append(f"sample         {sample}")
     if s.model_version:
         mv = s.model_version
         lines.append(f"model          {mv.model_name} version {mv.version} (alias {mv.alias})")

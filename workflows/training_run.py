@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 from datetime import timedelta
+from typing import Any
 
 from temporalio import workflow
 from temporalio.common import RetryPolicy
@@ -133,16 +134,33 @@ class TrainingRun:
 
     # --- phases ----------------------------------------------------------------------------
 
+    async def _control(
+        self,
+        activity: str,
+        arg: object,
+        result_type: type | None,
+        timeout: timedelta,
+        heartbeat: timedelta | None = None,
+    ) -> Any:
+        """Run one activity on the control worker with the patient retry policy."""
+        return await workflow.execute_activity(
+            activity,
+            arg,
+            result_type=result_type,
+            task_queue=CONTROL_TASK_QUEUE,
+            start_to_close_timeout=timeout,
+            heartbeat_timeout=heartbeat,
+            retry_policy=_PATIENT_RETRY,
+        )
+
     async def _prepare(self) -> DatasetRef:
         self._set_phase(Phase.PREPARING)
-        dataset = await workflow.execute_activity(
+        dataset = await self._control(
             "prepare_dataset",
             PrepareDatasetInput(run_id=self._spec.name, spec=self._spec),
-            result_type=DatasetRef,
-            task_queue=CONTROL_TASK_QUEUE,
-            start_to_close_timeout=timedelta(hours=2),
-            heartbeat_timeout=timedelta(minutes=2),
-            retry_policy=_PATIENT_RETRY,
+            DatasetRef,
+            timeout=timedelta(hours=2),
+            heartbeat=timedelta(minutes=2),
         )
         self._status.dataset = dataset
         return dataset
@@ -199,13 +217,11 @@ class TrainingRun:
         await workflow.get_external_workflow_handle(CLUSTER_WORKFLOW_ID).signal("release", release)
 
     async def _latest_checkpoint(self, generation: int) -> CheckpointRef | None:
-        return await workflow.execute_activity(
+        return await self._control(
             "latest_checkpoint",
             LatestCheckpointInput(run_id=self._spec.name, max_generation=generation),
-            result_type=CheckpointRef | None,
-            task_queue=CONTROL_TASK_QUEUE,
-            start_to_close_timeout=timedelta(minutes=10),
-            retry_policy=_PATIENT_RETRY,
+            CheckpointRef | None,
+            timeout=timedelta(minutes=10),
         )
 
     async def _run_gang(
@@ -296,16 +312,14 @@ class TrainingRun:
 
     async def _evaluate(self, dataset: DatasetRef, checkpoint: CheckpointRef) -> EvalResult:
         self._set_phase(Phase.EVALUATING)
-        evaluation = await workflow.execute_activity(
+        evaluation = await self._control(
             "evaluate",
             EvaluateInput(
                 run_id=self._spec.name, spec=self._spec, dataset=dataset, checkpoint=checkpoint
             ),
-            result_type=EvalResult,
-            task_queue=CONTROL_TASK_QUEUE,
-            start_to_close_timeout=timedelta(hours=2),
-            heartbeat_timeout=timedelta(minutes=2),
-            retry_policy=_PATIENT_RETRY,
+            EvalResult,
+            timeout=timedelta(hours=2),
+            heartbeat=timedelta(minutes=2),
         )
         self._status.evaluation = evaluation
         return evaluation
@@ -318,7 +332,7 @@ class TrainingRun:
         results: list[NodeTrainResult],
     ) -> ModelVersionRef:
         self._set_phase(Phase.REGISTERING)
-        version = await workflow.execute_activity(
+        version = await self._control(
             "register_model",
             RegisterInput(
                 run_id=self._spec.name,
@@ -331,10 +345,8 @@ class TrainingRun:
                 training=results,
                 attempts=self._status.attempts,
             ),
-            result_type=ModelVersionRef,
-            task_queue=CONTROL_TASK_QUEUE,
-            start_to_close_timeout=timedelta(minutes=30),
-            retry_policy=_PATIENT_RETRY,
+            ModelVersionRef,
+            timeout=timedelta(minutes=30),
         )
         self._status.model_version = version
         return version
@@ -343,12 +355,11 @@ class TrainingRun:
         self._set_phase(Phase.AWAITING_APPROVAL)
         await workflow.wait_condition(lambda: self._decision is not None)
         assert self._decision is not None
-        await workflow.execute_activity(
+        await self._control(
             "record_decision",
             DecisionInput(version=version, decision=self._decision, decided_at=workflow.now()),
-            task_queue=CONTROL_TASK_QUEUE,
-            start_to_close_timeout=timedelta(minutes=5),
-            retry_policy=_PATIENT_RETRY,
+            None,
+            timeout=timedelta(minutes=5),
         )
         self._status.decision = self._decision
         self._set_phase(Phase.APPROVED if self._decision.approve else Phase.REJECTED)

@@ -127,6 +127,14 @@ def test_sigkilled_node_agent_costs_one_checkpoint_interval(stack: Stack, tmp_pa
     assert final is not None and final.step == 400 and final.generation > int(generation)
     assert [s for s, _ in final.manifest["loss_history"]] == list(range(5, 401, 5))
 
+    rejected = stack.cli("reject", "tiny-kill", "--as", "carol", "--reason", "killed on purpose")
+    assert "run tiny-kill: REJECTED" in rejected.stdout
+    client = MlflowClient(tracking_uri=stack.settings.mlflow_uri)
+    version = client.get_model_version_by_alias("tiny-kill", "candidate")
+    assert version.tags["forgeline.decision"] == "rejected"
+    assert version.tags["forgeline.decision_reason"] == "killed on purpose"
+    assert "production" not in version.aliases
+
     # Recovery time: SIGKILL to the first training step of the new generation.
     restarted = sorted(
         (stack.home / "nodes").glob(f"*/runs/tiny-kill/gen-{final.generation}/progress.jsonl")
@@ -137,9 +145,9 @@ def test_sigkilled_node_agent_costs_one_checkpoint_interval(stack: Stack, tmp_pa
         for line in path.read_text().splitlines()
         if json.loads(line)["event"] == "step"
     )
-    print(
-        f"\nrecovery: SIGKILL of {victim} to first step of generation {final.generation}: {first_step - killed_at:.1f} s"
-    )
+    seconds = first_step - killed_at
+    print(f"\nrecovery: SIGKILL of {victim} to the first step of generation", end=" ")
+    print(f"{final.generation}: {seconds:.1f} s")
 
     # `forgeline up` restarts the missing agent, and it comes back healthy.
     stack.cli("up", "--nodes", "3")

@@ -50,7 +50,7 @@ def test_fetch_verified_detects_corruption(store: LocalStore, tmp_path: Path) ->
     # Flip a byte in the stored object: the next fetch names the key and both hashes.
     (store.root / "d" / "shard.bin").write_bytes(b"0123456780")
     dest.unlink()
-    with pytest.raises(IntegrityError, match="d/shard.bin is corrupt"):
+    with pytest.raises(IntegrityError, match=r"d/shard\.bin is corrupt"):
         fetch_verified(store, "d/shard.bin", dest, sha, 10)
     assert not dest.exists()
 

@@ -48,5 +48,5 @@ def test_sequential_batches_do_not_overlap(stream: TokenStream) -> None:
 def test_too_little_data_names_the_fix(tmp_path: Path) -> None:
     path = tmp_path / "val-00000.bin"
     np.arange(10, dtype=np.uint16).tofile(path)
-    with pytest.raises(DataError, match="lower model.block_size or add data"):
+    with pytest.raises(DataError, match=r"lower model\.block_size or add data"):
         TokenStream([path], "uint16", block_size=32)

@@ -69,9 +69,7 @@ def test_checkpoints_commit_with_a_manifest_listing_every_file(
 def test_killed_run_resumes_exactly(trainer: Trainer, reference: dict) -> None:
     """SIGKILL the ranks after the first commit; the resumed run matches bit for bit."""
     job = trainer.job("killed", TRAIN)
-    rdzv = Rendezvous(
-        f"127.0.0.1:{__import__('infra.processes').processes.free_port()}", "k1", 1, 2
-    )
+    rdzv = Rendezvous(f"127.0.0.1:{free_port()}", "k1", 1, 2)
     workdir = Path(job.progress_file).parent
 
     async def run_and_kill() -> None:

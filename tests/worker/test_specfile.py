@@ -54,7 +54,7 @@ def test_missing_name_and_data(tmp_path: Path) -> None:
 def test_missing_source_file_is_rejected_before_submission(tmp_path: Path) -> None:
     spec_file = tmp_path / "spec.toml"
     spec_file.write_text('name = "r1"\n[data]\nsources = ["nope.txt"]\n')
-    with pytest.raises(SpecError, match="data.sources: no such file: .*nope.txt"):
+    with pytest.raises(SpecError, match=r"data\.sources: no such file: .*nope\.txt"):
         load_spec(spec_file)
 
 
