@@ -51,8 +51,9 @@ async def _client(settings: Settings):
     try:
         return await connect(settings)
     except RuntimeError as err:
+        reason = "connection refused" if "Connection refused" in str(err) else str(err)[:200]
         raise CliError(
-            f"cannot reach Temporal at {settings.temporal_address} ({err}): "
+            f"cannot reach Temporal at {settings.temporal_address} ({reason}): "
             "start the local stack with `forgeline up`"
         ) from None
 
@@ -295,12 +296,15 @@ def control_worker() -> None:
 @worker_app.command("node")
 def node_agent(
     node_id: Annotated[str, typer.Option()],
-    gpus: Annotated[int, typer.Option()] = 1,
+    gpus: Annotated[int, typer.Option(min=1)] = 1,
+    host: Annotated[str, typer.Option(help="address other nodes reach this one at")] = "127.0.0.1",
+    pod: Annotated[str, typer.Option(help="fabric island this node belongs to")] = "local",
     incarnation: Annotated[str | None, typer.Option()] = None,
 ) -> None:
     from worker.processes_main import run_node_agent
 
-    _run(run_node_agent(_settings(), _check_name(node_id, "node id"), gpus, incarnation))
+    node_id = _check_name(node_id, "node id")
+    _run(run_node_agent(_settings(), node_id, gpus, host, _check_name(pod, "pod"), incarnation))
 
 
 def main() -> None:

@@ -46,12 +46,20 @@ async def run_control_worker(settings: Settings) -> None:
 
 
 async def run_node_agent(
-    settings: Settings, node_id: str, gpus: int, incarnation: str | None = None
+    settings: Settings,
+    node_id: str,
+    gpus: int,
+    host: str = "127.0.0.1",
+    pod: str = "local",
+    incarnation: str | None = None,
 ) -> None:
     client = await connect(settings)
     info = NodeInfo(
         node_id=node_id,
+        host=host,
         gpus=gpus,
+        pod=pod,
+        # The port this node serves the gang's c10d rendezvous on when it is the gang's head.
         rdzv_port=free_port(),
         incarnation=incarnation or uuid.uuid4().hex,
     )
