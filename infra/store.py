@@ -67,10 +67,14 @@ class LocalStore:
     def _staged(self, key: str) -> Path:
         """A temporary file next to the key's final place, so the rename stays on one disk."""
         final = self._path(key)
-        final.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=_TMP_PREFIX, dir=final.parent)
-        os.close(fd)
-        return Path(tmp)
+        while True:
+            final.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                fd, tmp = tempfile.mkstemp(prefix=_TMP_PREFIX, dir=final.parent)
+            except FileNotFoundError:  # a concurrent delete pruned the empty folder: again
+                continue
+            os.close(fd)
+            return Path(tmp)
 
     def put_bytes(self, key: str, data: bytes) -> None:
         tmp = self._staged(key)
@@ -131,7 +135,17 @@ class LocalStore:
         return sorted(keys)
 
     def delete(self, key: str) -> None:
-        self._path(key).unlink(missing_ok=True)
+        path = self._path(key)
+        path.unlink(missing_ok=True)
+        # Folders are an artefact of this store, not objects: drop the ones left empty, as a
+        # bucket has no empty "folders" either.
+        for parent in path.parents:
+            if parent == self.root:
+                break
+            try:
+                parent.rmdir()
+            except OSError:  # not empty (or already gone)
+                break
 
 
 def open_store(url: str) -> ObjectStore:

@@ -87,6 +87,9 @@ def test_run_to_approval_and_the_registered_model(stack: Stack) -> None:
     manifest = json.loads(store.get_bytes(tags["forgeline.dataset_manifest_key"]))
     assert manifest["snapshot_id"] == tags["forgeline.dataset_snapshot"]
     assert float(tags["forgeline.val_loss"]) == pytest.approx(val_loss, abs=1e-4)
+    # keep_checkpoints = 2: older checkpoints are gone, files and all, once newer ones commit.
+    assert committed_steps(store, "tiny") == [60, 40]
+    assert store.list("runs/tiny/checkpoints/step-20/") == []
     assert ranks_of(stack.home, "tiny") == []
 
 

@@ -20,6 +20,8 @@ def test_put_get_list_delete(store: LocalStore) -> None:
     assert store.digest("runs/a/x.bin") == (5, sha256_bytes(b"hello"))
     store.delete("runs/a/x.bin")
     assert not store.exists("runs/a/x.bin")
+    store.delete("runs/a/sub/y.bin")
+    assert not (store.root / "runs").exists()  # no empty folders are left behind
     with pytest.raises(ObjectNotFound):
         store.get_bytes("runs/a/x.bin")
 
