@@ -272,7 +272,7 @@ def cancel(
 
 @app.command()
 def nodes() -> None:
-    """The cluster's nodes: state, run and generation."""
+    """The cluster's nodes (state, run, generation) and the runs waiting for a gang."""
     settings = _settings()
 
     async def go() -> ClusterState:
@@ -280,7 +280,13 @@ def nodes() -> None:
         handle = client.get_workflow_handle(CLUSTER_WORKFLOW_ID)
         return await handle.query("state", result_type=ClusterState)
 
-    console.print(nodes_table(_run(go())))
+    state = _run(go())
+    console.print(nodes_table(state))
+    for request in state.queue:
+        console.print(
+            f"queued: {request.run_id} wants {request.nodes} node(s) × "
+            f"{request.gpus_per_node} GPU slot(s)"
+        )
 
 
 # --- processes of the stack --------------------------------------------------------------------

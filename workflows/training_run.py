@@ -81,6 +81,7 @@ class TrainingRun:
         )
         self._grant: Allocation | None = None
         self._allocation: Allocation | None = None
+        self._newest_generation = 0  # grants of this or an older generation are stale
         self._decision: Decision | None = None
 
     @workflow.run
@@ -110,8 +111,8 @@ class TrainingRun:
 
     @workflow.signal(name=GANG_GRANTED_SIGNAL)
     def gang_granted(self, allocation: Allocation) -> None:
-        current = self._allocation.generation if self._allocation else 0
-        if allocation.run_id == self._spec.name and allocation.generation > current:
+        if allocation.run_id == self._spec.name and allocation.generation > self._newest_generation:
+            self._newest_generation = allocation.generation
             self._grant = allocation
 
     @workflow.update
@@ -209,11 +210,12 @@ class TrainingRun:
         return self._grant
 
     async def _release_gang(self) -> None:
-        if self._allocation is None:
-            return
-        release = Release(run_id=self._spec.name, generation=self._allocation.generation)
+        """Give back the gang, and withdraw a request still waiting in the queue (generation 0
+        matches no allocation, so it only withdraws)."""
+        generation = self._allocation.generation if self._allocation else 0
         self._allocation = None
         self._status.nodes = []
+        release = Release(run_id=self._spec.name, generation=generation)
         await workflow.get_external_workflow_handle(CLUSTER_WORKFLOW_ID).signal("release", release)
 
     async def _latest_checkpoint(self, generation: int) -> CheckpointRef | None:

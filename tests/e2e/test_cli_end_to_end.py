@@ -171,6 +171,15 @@ def test_cancel_stops_the_ranks_and_releases_the_gang(stack: Stack, tmp_path: Pa
     assert again.returncode == 2 and "is not running" in again.stdout
 
 
+def test_cancel_while_queued_withdraws_the_request(stack: Stack, tmp_path: Path) -> None:
+    spec = variant(tmp_path, "too-big", nodes=4)  # the stack has 3 nodes
+    stack.cli("run", str(spec), "--detach")
+    wait_for(lambda: "queued: too-big wants 4 node(s)" in stack.cli("nodes").stdout, 60, "queue")
+    assert "QUEUED" in stack.cli("status", "too-big").stdout
+    stack.cli("cancel", "too-big")
+    assert "too-big" not in stack.cli("nodes").stdout
+
+
 def test_bad_input_gets_one_clear_line(stack: Stack, tmp_path: Path) -> None:
     bad = tmp_path / "bad.toml"
     bad.write_text('name = "Bad Name"\n[data]\nsources = ["x.txt"]\n[train]\nsteps = -1\n')
