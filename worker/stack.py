@@ -41,13 +41,23 @@ class Ports:
     mlflow: int | None = None
 
 
-def _port(requested: int | None, default: int) -> int:
-    """The requested port, else the conventional one if free, else any free port."""
+def _port(requested: int | None, recorded: int | None, default: int) -> int:
+    """The requested port; else the one this stack used last time (links stay the same across
+    down / up); else the conventional one; else any free port. Only a requested port that is
+    taken is an error."""
     if requested:
         if port_is_open("127.0.0.1", requested):
             raise StackError(f"port {requested} is already in use: choose another or omit it")
         return requested
-    return default if not port_is_open("127.0.0.1", default) else free_port()
+    for candidate in (recorded, default):
+        if candidate and not port_is_open("127.0.0.1", candidate):
+            return candidate
+    return free_port()
+
+
+def _port_of(url: str) -> int | None:
+    tail = url.rsplit(":", 1)[-1].split("/", 1)[0]
+    return int(tail) if tail.isdigit() else None
 
 
 def node_name(index: int) -> str:
@@ -82,8 +92,8 @@ async def _up(
         temporal_address, ui_url = recorded.temporal_address, recorded.temporal_ui_url
         say(f"temporal      running (pid {temporal.pid()}) at {temporal_address}")
     else:
-        port = _port(ports.temporal, DEFAULT_PORTS["temporal"])
-        ui_port = _port(ports.ui, DEFAULT_PORTS["ui"])
+        port = _port(ports.temporal, _port_of(recorded.temporal_address), DEFAULT_PORTS["temporal"])
+        ui_port = _port(ports.ui, _port_of(recorded.temporal_ui_url), DEFAULT_PORTS["ui"])
         temporal.start(temporal_dev_server_argv(home / "temporal.db", port, ui_port), env)
         wait_until(lambda: port_is_open("127.0.0.1", port), 60, "Temporal dev server", temporal)
         temporal_address, ui_url = f"127.0.0.1:{port}", f"http://127.0.0.1:{ui_port}"
@@ -94,7 +104,7 @@ async def _up(
         mlflow_uri = recorded.mlflow_uri
         say(f"mlflow        running (pid {mlflow.pid()}) at {mlflow_uri}")
     else:
-        port = _port(ports.mlflow, DEFAULT_PORTS["mlflow"])
+        port = _port(ports.mlflow, _port_of(recorded.mlflow_uri), DEFAULT_PORTS["mlflow"])
         mlflow.start(mlflow_server_argv(home, port), {**env, **MLFLOW_SERVER_ENV})
         mlflow_uri = f"http://127.0.0.1:{port}"
         wait_until(lambda: http_ok(f"{mlflow_uri}/health"), 120, "MLflow server", mlflow)

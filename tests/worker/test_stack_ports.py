@@ -1,0 +1,38 @@
+import socket
+from collections.abc import Iterator
+
+import pytest
+
+from infra.errors import StackError
+from infra.processes import free_port
+from worker.stack import _port, _port_of
+
+
+@pytest.fixture
+def busy_port() -> Iterator[int]:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        yield sock.getsockname()[1]
+
+
+def test_requested_port_wins_and_must_be_free(busy_port: int) -> None:
+    port = free_port()
+    assert _port(port, None, busy_port) == port
+    with pytest.raises(StackError, match=f"port {busy_port} is already in use"):
+        _port(busy_port, None, port)
+
+
+def test_recorded_port_is_reused_so_links_survive_down_and_up(busy_port: int) -> None:
+    recorded, default = free_port(), free_port()
+    assert _port(None, recorded, default) == recorded
+    # Taken since: the conventional port, then any free one.
+    assert _port(None, busy_port, default) == default
+    chosen = _port(None, busy_port, busy_port)
+    assert chosen not in (busy_port, None)
+
+
+def test_port_of() -> None:
+    assert _port_of("127.0.0.1:7233") == 7233
+    assert _port_of("http://127.0.0.1:8233") == 8233
+    assert _port_of("http://example.org/path") is None
