@@ -84,11 +84,17 @@ def status_text(view: RunView, settings: Settings) -> str:
         f"  tokens/s {_num(beat.tokens_per_s if beat else s.tokens_per_s, ',.0f')}"
         f"  MFU {_num(beat.mfu if beat else s.mfu, '.2%')}",
     ]
-    if s.last_checkpoint:
+    reported = beat.checkpoint_step if beat else None
+    if s.last_checkpoint and (reported is None or reported <= s.last_checkpoint.step):
         c = s.last_checkpoint
         lines.append(
             f"checkpoint     step {c.step} (generation {c.generation}, "
             f"{c.tokens_seen:,} tokens)  {c.manifest_key}"
+        )
+    elif reported is not None:
+        # Newer than the workflow's record: the ranks committed it since the gang started.
+        lines.append(
+            f"checkpoint     step {reported} (generation {s.generation}, reported by the ranks)"
         )
     else:
         lines.append("checkpoint     none committed yet")

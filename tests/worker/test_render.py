@@ -1,0 +1,55 @@
+from datetime import UTC, datetime
+from pathlib import Path
+
+from infra.settings import Settings
+from worker.render import progress_line, status_text
+from worker.runs import RunView
+from workflows.models import CheckpointRef, Failure, Phase, RunStatus, TrainProgress
+
+SETTINGS = Settings(home=Path("/tmp/x"))
+
+
+def training_view() -> RunView:
+    status = RunStatus(
+        name="r1",
+        phase=Phase.TRAINING,
+        owner="alice",
+        total_steps=600,
+        generation=4,
+        nodes=["node-1", "node-2"],
+        attempts=1,
+        last_checkpoint=CheckpointRef(
+            manifest_key="runs/r1/checkpoints/step-100/MANIFEST.json",
+            step=100,
+            generation=3,
+            tokens_seen=409600,
+        ),
+        failures=[
+            Failure(
+                generation=3,
+                node_id="node-0",
+                reason="node-0: activity Heartbeat timeout",
+                at=datetime(2026, 11, 29, 9, 0, tzinfo=UTC),
+            )
+        ],
+    )
+    beat = TrainProgress(
+        node_id="node-1", generation=4, step=230, total_steps=600, loss=2.25,
+        tokens_per_s=20500.0, mfu=0.5, checkpoint_step=200, state="training",
+    )  # fmt: skip
+    return RunView(status=status, progress=beat, execution=None)
+
+
+def test_progress_line_shows_what_a_person_waits_for() -> None:
+    line = progress_line(training_view())
+    assert line.startswith("TRAINING")
+    for part in ("step 230/600", "loss 2.2500", "tokens/s 20,500", "gen 4", "ckpt 200"):
+        assert part in line
+
+
+def test_status_prefers_the_newer_checkpoint_the_ranks_reported() -> None:
+    text = status_text(training_view(), SETTINGS)
+    assert "allocation     generation 4 on node-1, node-2" in text
+    assert "checkpoint     step 200 (generation 4, reported by the ranks)" in text
+    assert "failure        gen 3 at 09:00:00: node-0: activity Heartbeat timeout" in text
+    assert "attempts       1 restart(s)" in text
