@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import TypeVar
 
 from temporalio import activity
@@ -59,11 +60,10 @@ class NodeActivities:
             nnodes=len(allocation.nodes),
             nproc_per_node=spec.resources.gpus_per_node,
         )
-        gen_dir = self.workdir / "runs" / inp.run_id / f"gen-{generation}"
         try:
             tail = await run_ranks(
                 job,
-                gen_dir,
+                self._generation_dir(inp),
                 rdzv,
                 on_progress=lambda p: beat(**{"state": "starting", **p}),
                 threads_per_rank=spec.train.threads_per_rank,
@@ -79,6 +79,10 @@ class NodeActivities:
             tokens_per_s=last.get("tokens_per_s"),
             mfu=last.get("mfu"),
         )
+
+    def _generation_dir(self, inp: NodeTrainInput) -> Path:
+        """This node's folder for one generation of a run: job file, logs, progress, staging."""
+        return self.workdir / "runs" / inp.run_id / f"gen-{inp.allocation.generation}"
 
     async def _prepare_job(self, inp: NodeTrainInput) -> TrainJob:
         return await asyncio.to_thread(self._prepare_job_sync, inp)
@@ -96,7 +100,7 @@ class NodeActivities:
                 manifest_key=inp.resume.manifest_key,
                 loss_history=manifest.get("loss_history", []),
             )
-        gen_dir = self.workdir / "runs" / inp.run_id / f"gen-{inp.allocation.generation}"
+        gen_dir = self._generation_dir(inp)
         return TrainJob(
             run_id=inp.run_id,
             node_id=self.node_id,

@@ -52,13 +52,13 @@ def torchrun_argv(job_file: Path, rdzv: Rendezvous) -> list[str]:
 
 
 class ProgressTail:
-    """Reads complete new lines of the progress file; keeps the newest step and checkpoint."""
+    """Reads complete new lines of the progress file; keeps the newest step and checkpoint
+    (the file itself stays on the node as the full record)."""
 
     def __init__(self, path: Path, start_step: int = 0) -> None:
         self.path = path
         self._offset = 0
         self.latest: dict = {"step": start_step}
-        self.events: list[dict] = []
 
     def poll(self) -> None:
         if not self.path.exists():
@@ -72,7 +72,6 @@ class ProgressTail:
         self._offset += len(complete.encode()) + 1
         for line in complete.splitlines():
             event = json.loads(line)
-            self.events.append(event)
             if event["event"] == "checkpoint":
                 self.latest["checkpoint_step"] = event["step"]
             elif event["event"] == "step":

@@ -163,8 +163,6 @@ class NodeTrainResult(BaseModel):
     final_loss: float | None
     tokens_per_s: float | None = None
     mfu: float | None = None
-    # (step, loss) every `log_every` steps of this generation, for the tracking server.
-    loss_curve: list[tuple[int, float]] = []
 
 
 class EvaluateInput(BaseModel):
