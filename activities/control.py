@@ -1,5 +1,5 @@
-"""Activities of the control worker: data preparation, checkpoint lookup, evaluation,
-registration and the approval record. They are synchronous (run in a thread pool) because the
+"""Activities of the control worker: checkpoint lookup, evaluation, registration and the
+approval record. They are synchronous (run in a thread pool) because the
 domain code they call is."""
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ from temporalio import activity
 
 from activities.errors import domain_errors
 from activities.fetch import NodeCache
-from dataprep.snapshot import SnapshotSettings, prepare_snapshot
 from infra.code_version import code_version
 from infra.settings import Settings
 from infra.store import open_store
@@ -23,13 +22,11 @@ from trainer.evaluate import evaluate_checkpoint, load_model
 from trainer.manifest import find_latest
 from workflows.models import (
     CheckpointRef,
-    DatasetRef,
     DecisionInput,
     EvalResult,
     EvaluateInput,
     LatestCheckpointInput,
     ModelVersionRef,
-    PrepareDatasetInput,
     RegisterInput,
 )
 
@@ -41,32 +38,6 @@ class ControlActivities:
         self.settings = settings
         self.store = open_store(settings.store)
         self.cache = NodeCache(settings.home / "cache" / "control", self.store)
-
-    @activity.defn(name="prepare_dataset")
-    def prepare_dataset(self, inp: PrepareDatasetInput) -> DatasetRef:
-        data = inp.spec.data
-        settings = SnapshotSettings(
-            split=data.split,
-            tokenizer=data.tokenizer,
-            val_fraction=data.val_fraction,
-            shard_tokens=data.shard_tokens,
-        )
-        with domain_errors():
-            snapshot = prepare_snapshot(
-                [Path(s) for s in data.sources], settings, self.store, activity.heartbeat
-            )
-        manifest = snapshot.manifest
-        return DatasetRef(
-            snapshot_id=snapshot.snapshot_id,
-            manifest_key=snapshot.manifest_key,
-            manifest_sha256=snapshot.manifest_sha256,
-            vocab_size=manifest["tokenizer"]["vocab_size"],
-            train_tokens=manifest["splits"]["train"]["tokens"],
-            val_tokens=manifest["splits"]["val"]["tokens"],
-            documents=manifest["documents"]["read"],
-            duplicates_removed=manifest["documents"]["duplicates_removed"],
-            reused=snapshot.reused,
-        )
 
     @activity.defn(name="latest_checkpoint")
     def latest_checkpoint(self, inp: LatestCheckpointInput) -> CheckpointRef | None:
@@ -202,7 +173,6 @@ class ControlActivities:
 
     def all(self) -> list:
         return [
-            self.prepare_dataset,
             self.latest_checkpoint,
             self.evaluate,
             self.register_model,

@@ -12,7 +12,8 @@ from infra.errors import IntegrityError, InvalidKey
 from registry.errors import VersionNotFound
 from trainer.errors import CheckpointError, DataError
 
-# Retrying these cannot help: the input or the stored data itself is wrong.
+# Retrying these cannot help: the input or the stored data itself is wrong. ValueError: settings
+# that a domain package's own checks refuse (the spec's validation missed a case).
 NON_RETRYABLE = (
     DataprepError,
     IntegrityError,
@@ -20,6 +21,7 @@ NON_RETRYABLE = (
     CheckpointError,
     DataError,
     VersionNotFound,
+    ValueError,
 )
 
 

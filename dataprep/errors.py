@@ -11,3 +11,8 @@ class SourceError(DataprepError):
 
 class EmptyCorpusError(DataprepError):
     """Nothing is left to train on after reading and cleaning."""
+
+
+class BadRecordsError(DataprepError):
+    """Too many records of one source file are unreadable: the file is probably not what its
+    extension says, or it is damaged."""

@@ -1,4 +1,4 @@
-"""Pack token streams into fixed-size shard files and say which split a document belongs to."""
+"""Pack token streams into fixed-size shard files."""
 
 from __future__ import annotations
 
@@ -7,19 +7,12 @@ from pathlib import Path
 
 import numpy as np
 
-from dataprep.dedup import document_hash
 from infra.digest import sha256_file
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
     """Two bytes a token while the vocabulary fits, four beyond."""
     return np.dtype(np.uint16) if vocab_size <= 1 << 16 else np.dtype(np.uint32)
-
-
-def is_validation(document: str, val_fraction: float) -> bool:
-    """Deterministic by content: the same document lands in the same split on every run."""
-    bucket = int.from_bytes(document_hash(document)[:8], "big") / 2**64
-    return bucket < val_fraction
 
 
 @dataclass
@@ -31,11 +24,11 @@ class ShardFile:
 
 
 class ShardWriter:
-    """Buffers tokens into `<split>-NNNNN.bin` files of `shard_tokens` each (the last: fewer)."""
+    """Buffers tokens into `<prefix>-NNNNN.bin` files of `shard_tokens` each (the last: fewer)."""
 
-    def __init__(self, folder: Path, split: str, shard_tokens: int, dtype: np.dtype) -> None:
+    def __init__(self, folder: Path, prefix: str, shard_tokens: int, dtype: np.dtype) -> None:
         self.folder = folder
-        self.split = split
+        self.prefix = prefix
         self.shard_tokens = shard_tokens
         self.dtype = dtype
         self.files: list[ShardFile] = []
@@ -46,7 +39,7 @@ class ShardWriter:
     def tokens(self) -> int:
         return sum(f.tokens for f in self.files) + self._filled
 
-    def add(self, ids: list[int]) -> None:
+    def add(self, ids: list[int] | np.ndarray) -> None:
         tokens = np.asarray(ids, dtype=self.dtype)
         while len(tokens):
             room = self.shard_tokens - self._filled
@@ -63,7 +56,7 @@ class ShardWriter:
         return self.files
 
     def _flush(self) -> None:
-        path = self.folder / f"{self.split}-{len(self.files):05d}.bin"
+        path = self.folder / f"{self.prefix}-{len(self.files):05d}.bin"
         self._buffer[: self._filled].tofile(path)
         self.files.append(ShardFile(path, self._filled, path.stat().st_size, sha256_file(path)))
         self._filled = 0

@@ -1,44 +1,39 @@
-"""A dataset snapshot: the deduplicated corpus as tokenizer + token shards + one manifest.
+"""A dataset snapshot: the cleaned, deduplicated corpus as tokenizer + token shards + manifest.
 
-The snapshot id is a hash of the source contents, the settings and the dataprep version, so the
-same corpus prepared the same way is found in the store and reused instead of rebuilt. The
-manifest is written last, with create-if-absent: a snapshot without one does not exist.
+    plan → scan (per chunk) → dedup → tokenizer → tokenize (per chunk) → commit
+
+Each stage is a function of the store and the plan, idempotent through its done-record, so the
+same functions run in one process (`prepare_snapshot`, for tests and benchmarks) or fanned out
+as Temporal activities over chunks (`activities/data.py`). The snapshot id hashes the source
+contents, the settings and the dataprep version: the same corpus prepared the same way is found
+and reused. The manifest is written last, with create-if-absent: without it there is no snapshot.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
-import tempfile
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
-from dataprep.dedup import DedupStats, exact_dedup
+from dataprep.dedup_stage import dedup_snapshot, scan_records
 from dataprep.errors import EmptyCorpusError
-from dataprep.readers import SplitRule, check_sources, read_documents
-from dataprep.shards import ShardWriter, is_validation, token_dtype
-from dataprep.tokenizer import TokenizerKind, build_tokenizer, end_of_document_id
-from infra.digest import sha256_bytes, sha256_file
-from infra.errors import IntegrityError
+from dataprep.near_dedup import connect
+from dataprep.plan import DATAPREP_VERSION, SnapshotPlan, plan_snapshot
+from dataprep.report import build_documents_table, summarize
+from dataprep.scan import scan_chunk
+from dataprep.settings import SnapshotSettings
+from dataprep.shards import token_dtype
+from dataprep.stage_store import SnapshotKeys, chunk_name, done_record, file_entry, local_copy
+from dataprep.tokenize_stage import SPLITS, merge_tails, tokenize_chunk, train_tokenizer
+from infra.digest import sha256_bytes
+from infra.errors import IntegrityError, ObjectNotFound
 from infra.store import ObjectStore
 
-# Bump when the same input and settings would produce different bytes: old snapshots then stop
-# matching instead of being reused with a stale layout.
-DATAPREP_VERSION = 1
-MANIFEST_FORMAT = "forgeline.dataset/1"
-_ENCODE_BATCH = 1024
+MANIFEST_FORMAT = "forgeline.dataset/2"
 
 Progress = Callable[[str], None]
-
-
-@dataclass(frozen=True)
-class SnapshotSettings:
-    split: SplitRule = "blank-line"
-    tokenizer: TokenizerKind = "char"
-    val_fraction: float = 0.1
-    shard_tokens: int = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -50,117 +45,182 @@ class Snapshot:
     reused: bool
 
 
-def snapshot_id(sources: list[Path], settings: SnapshotSettings) -> str:
-    digest = hashlib.sha256()
-    digest.update(f"dataprep-v{DATAPREP_VERSION}\n".encode())
-    digest.update(json.dumps(asdict(settings), sort_keys=True).encode())
-    for path in sources:
-        digest.update(sha256_file(path).encode())
-    return digest.hexdigest()[:20]
-
-
 def manifest_key(snapshot: str) -> str:
-    return f"datasets/{snapshot}/MANIFEST.json"
+    return SnapshotKeys(snapshot).manifest
+
+
+def existing_snapshot(store: ObjectStore, snapshot_id: str) -> Snapshot | None:
+    key = manifest_key(snapshot_id)
+    try:
+        data = store.get_bytes(key)
+    except ObjectNotFound:
+        return None
+    return Snapshot(snapshot_id, key, sha256_bytes(data), json.loads(data), reused=True)
+
+
+def save_plan(store: ObjectStore, plan: SnapshotPlan) -> None:
+    """Idempotent: the plan is a pure function of the sources and settings."""
+    store.put_bytes(SnapshotKeys(plan.snapshot_id).plan, plan.to_json())
+
+
+def load_plan(store: ObjectStore, snapshot_id: str) -> SnapshotPlan:
+    return SnapshotPlan.from_json(store.get_bytes(SnapshotKeys(snapshot_id).plan))
 
 
 def prepare_snapshot(
-    sources: list[Path],
+    patterns: list[str],
     settings: SnapshotSettings,
     store: ObjectStore,
+    workdir: Path,
     progress: Progress = lambda _: None,
 ) -> Snapshot:
-    check_sources(sources)
-    snapshot = snapshot_id(sources, settings)
-    key = manifest_key(snapshot)
-    if store.exists(key):
-        data = store.get_bytes(key)
-        progress(f"snapshot {snapshot} exists; reusing it")
-        return Snapshot(snapshot, key, sha256_bytes(data), json.loads(data), reused=True)
+    """Every stage in this process, in order (the Temporal workflow fans the same out)."""
+    plan = plan_snapshot(patterns, settings)
+    if (found := existing_snapshot(store, plan.snapshot_id)) is not None:
+        progress(f"snapshot {plan.snapshot_id} exists; reusing it")
+        return found
+    save_plan(store, plan)
+    for chunk in plan.chunks:
+        scan_chunk(store, plan, chunk.index, settings, workdir, progress)
+    dedup_snapshot(store, plan, settings, workdir, progress)
+    train_tokenizer(store, plan, settings, workdir, progress)
+    for chunk in plan.chunks:
+        tokenize_chunk(store, plan, chunk.index, settings, workdir, progress)
+    return commit_snapshot(store, plan, settings, workdir, progress)
 
-    stats = DedupStats()
-    documents = []
-    for path in sources:
-        progress(f"reading {path}")
-        documents.extend(exact_dedup(read_documents(path, settings.split), stats))
-    if not documents:
+
+def commit_snapshot(
+    store: ObjectStore,
+    plan: SnapshotPlan,
+    settings: SnapshotSettings,
+    workdir: Path,
+    progress: Progress = lambda _: None,
+) -> Snapshot:
+    if (found := existing_snapshot(store, plan.snapshot_id)) is not None:
+        return found
+    keys = SnapshotKeys(plan.snapshot_id)
+    cache = workdir / "cache"
+    scans = scan_records(store, plan)
+    dedup = _record(store, keys.work("dedup", "DONE.json"), "deduplication")
+    vocab = _record(store, keys.work("tokenizer", "DONE.json"), "tokenizer training")
+    tokenized = [
+        _record(store, keys.work("tokenize", f"chunk-{chunk_name(c.index)}.json"), "tokenizing")
+        for c in plan.chunks
+    ]
+    documents = {
+        "records": sum(r["records"] for r in scans),
+        "read": sum(r["documents"] for r in scans),
+        "bad_records": sum(sum(r["bad"].values()) for r in scans),
+        "filtered": sum(sum(r["filtered"].values()) for r in scans),
+        "exact_duplicates": dedup["exact_removed"],
+        "near_duplicates": dedup["near_removed"],
+    }
+    kept = {s: sum(t["documents"][s] for t in tokenized) for s in SPLITS}
+    _refuse_empty(kept, settings)
+
+    dtype = token_dtype(vocab["vocab_size"])
+    tails = merge_tails(store, plan, tokenized, dtype, settings.shard_tokens, workdir)
+    splits = {
+        s: {
+            "documents": kept[s],
+            "tokens": sum(t["tokens"][s] for t in tokenized),
+            "shards": [shard for t in tokenized for shard in t["shards"][s]] + tails[s],
+        }
+        for s in SPLITS
+    }
+    tokenizer_path = local_copy(store, vocab["files"]["tokenizer"], cache)
+    tokenizer = file_entry(store, keys.final("tokenizer.json"), tokenizer_path)
+
+    progress("writing the report")
+    con = connect(settings.dedup.memory_limit, workdir / "duckdb-spill")
+    table = build_documents_table(
+        con,
+        docs=[local_copy(store, r["files"]["docs"], cache) for r in scans],
+        rejected=[local_copy(store, r["files"]["rejected"], cache) for r in scans],
+        removed=local_copy(store, dedup["files"]["removed"], cache),
+        tokens=[local_copy(store, t["files"]["tokens"], cache) for t in tokenized],
+        out=workdir / "documents.parquet",
+    )
+    report = {
+        "snapshot_id": plan.snapshot_id,
+        "documents": documents,
+        "bad_records": _bad_records(scans),
+        "dedup": {k: dedup[k] for k in ("candidate_pairs", "verified_pairs", "near_clusters")},
+        "dedup_examples": dedup["examples"],
+        **summarize(con, table),
+    }
+    report_json = workdir / "report.json"
+    report_json.write_text(json.dumps(report, indent=2, default=str))
+    manifest = {
+        "format": MANIFEST_FORMAT,
+        "snapshot_id": plan.snapshot_id,
+        "created_at": datetime.now(UTC).isoformat(),
+        "dataprep_version": DATAPREP_VERSION,
+        "settings": plan.identity,
+        "sources": [
+            {"path": f.path, "format": f.format, "bytes": f.bytes, "sha256": f.sha256}
+            for f in plan.files
+        ],
+        "documents": {**documents, "train": kept["train"], "val": kept["val"]},
+        "tokenizer": {
+            "kind": vocab["kind"],
+            "vocab_size": vocab["vocab_size"],
+            "end_of_document_id": vocab["end_of_document_id"],
+            **tokenizer,
+        },
+        "dtype": dtype.name,
+        "splits": splits,
+        "report": {
+            "documents": file_entry(store, keys.report("documents.parquet"), table),
+            "summary": file_entry(store, keys.report("report.json"), report_json),
+        },
+    }
+    data = json.dumps(manifest, indent=1, sort_keys=True).encode()
+    store.put_if_absent(keys.manifest, data)
+    committed = existing_snapshot(store, plan.snapshot_id)
+    assert committed is not None
+    _drop_work(store, keys)
+    progress(f"snapshot {plan.snapshot_id} committed")
+    return Snapshot(
+        plan.snapshot_id, keys.manifest, committed.manifest_sha256, committed.manifest, False
+    )
+
+
+def _record(store: ObjectStore, key: str, what: str) -> dict:
+    record = done_record(store, key)
+    if record is None:
+        raise RuntimeError(f"{what} has not finished: {key} is missing or incomplete")
+    return record
+
+
+def _refuse_empty(kept: dict[str, int], settings: SnapshotSettings) -> None:
+    # Nothing read or nothing kept stopped the dedup stage already; an empty split is only
+    # known now.
+    if kept["train"] == 0:
         raise EmptyCorpusError(
-            f"no documents in {', '.join(map(str, sources))} with split rule "
-            f"{settings.split!r}: check the files and data.split"
+            f"the train split is empty ({kept['val']} documents kept, all in val): add data "
+            "or lower data.val_fraction"
         )
-    progress(f"{stats.seen} documents, {stats.removed} exact duplicates removed")
-
-    tokenizer = build_tokenizer(settings.tokenizer, documents)
-    eod = end_of_document_id(tokenizer)
-    dtype = token_dtype(tokenizer.get_vocab_size())
-    prefix = f"datasets/{snapshot}"
-    with tempfile.TemporaryDirectory(prefix="forgeline-snapshot-") as tmp:
-        folder = Path(tmp)
-        writers = {
-            split: ShardWriter(folder, split, settings.shard_tokens, dtype)
-            for split in ("train", "val")
-        }
-        counts = {"train": 0, "val": 0}
-        for start in range(0, len(documents), _ENCODE_BATCH):
-            batch = documents[start : start + _ENCODE_BATCH]
-            for doc, encoding in zip(batch, tokenizer.encode_batch(batch), strict=True):
-                split = "val" if is_validation(doc, settings.val_fraction) else "train"
-                writers[split].add([*encoding.ids, eod])
-                counts[split] += 1
-            progress(f"tokenized {min(start + _ENCODE_BATCH, len(documents))}/{len(documents)}")
-        for split, count in counts.items():
-            if count == 0:
-                raise EmptyCorpusError(
-                    f"the {split} split is empty ({len(documents)} documents, val_fraction "
-                    f"{settings.val_fraction}): add data or change data.val_fraction"
-                )
-
-        tokenizer_path = folder / "tokenizer.json"
-        tokenizer.save(str(tokenizer_path))
-        store.put_file(f"{prefix}/tokenizer.json", tokenizer_path)
-        splits = {}
-        for split, writer in writers.items():
-            files = writer.close()
-            for shard in files:
-                store.put_file(f"{prefix}/{shard.path.name}", shard.path)
-            splits[split] = {
-                "documents": counts[split],
-                "tokens": writer.tokens,
-                "shards": [
-                    {**_file_entry(f"{prefix}/{s.path.name}", s.path, s.sha256), "tokens": s.tokens}
-                    for s in files
-                ],
-            }
-        manifest = {
-            "format": MANIFEST_FORMAT,
-            "snapshot_id": snapshot,
-            "created_at": datetime.now(UTC).isoformat(),
-            "dataprep_version": DATAPREP_VERSION,
-            "sources": [{"path": str(p), **_file_entry(None, p)} for p in sources],
-            "settings": asdict(settings),
-            "documents": {"read": stats.seen, "duplicates_removed": stats.removed},
-            "tokenizer": {
-                "kind": settings.tokenizer,
-                "vocab_size": tokenizer.get_vocab_size(),
-                "end_of_document_id": eod,
-                **_file_entry(f"{prefix}/tokenizer.json", tokenizer_path),
-            },
-            "dtype": dtype.name,
-            "splits": splits,
-        }
-    data = json.dumps(manifest, indent=2, sort_keys=True).encode()
-    created = store.put_if_absent(key, data)
-    if not created:  # a concurrent run committed the same snapshot first: theirs is identical
-        data = store.get_bytes(key)
-        manifest = json.loads(data)
-    progress(f"snapshot {snapshot} committed")
-    return Snapshot(snapshot, key, sha256_bytes(data), manifest, reused=not created)
+    if kept["val"] == 0:
+        raise EmptyCorpusError(
+            f"the val split is empty ({kept['train']} documents kept, val_fraction "
+            f"{settings.val_fraction}): add data or raise data.val_fraction"
+        )
 
 
-def _file_entry(key: str | None, path: Path, sha256: str | None = None) -> dict:
-    entry = {"bytes": path.stat().st_size, "sha256": sha256 or sha256_file(path)}
-    if key is not None:
-        entry["key"] = key
-    return entry
+def _bad_records(scans: list[dict]) -> dict:
+    reasons: dict[str, int] = {}
+    for record in scans:
+        for reason, count in record["bad"].items():
+            reasons[reason] = reasons.get(reason, 0) + count
+    examples = [e for record in scans for e in record["bad_examples"]][:20]
+    return {"by_reason": reasons, "examples": examples}
+
+
+def _drop_work(store: ObjectStore, keys: SnapshotKeys) -> None:
+    """The intermediate files (texts, band index, partial shards) served their purpose."""
+    for key in store.list(f"{keys.root}/work/"):
+        store.delete(key)
 
 
 def load_manifest(store: ObjectStore, key: str, sha256: str) -> dict:

@@ -20,6 +20,15 @@ from temporalio.service import RPCError
 from infra.errors import StackError
 from infra.settings import Settings, load_settings, state_home
 from worker import stack
+from worker.data_cli import (
+    DataCliError,
+    data_app,
+    data_summary,
+    load_report,
+    prepare,
+    render_report,
+    write_report,
+)
 from worker.render import nodes_table, progress_line, run_link, runs_table, status_text
 from worker.runs import RunNotFound, list_run_names, submit, view
 from worker.specfile import SpecError, load_spec, spec_sha256
@@ -31,7 +40,9 @@ from workflows.spec import NAME_PATTERN, NAME_RULE
 app = typer.Typer(help=__doc__, no_args_is_help=True, add_completion=False)
 worker_app = typer.Typer(help="Processes started by `forgeline up` (not for direct use).")
 app.add_typer(worker_app, name="worker", hidden=True)
-console = Console(highlight=False, soft_wrap=True)
+app.add_typer(data_app, name="data")
+# Piped output (logs, tests) gets wide tables instead of rich's 80-column default.
+console = Console(highlight=False, soft_wrap=True, width=None if sys.stdout.isatty() else 200)
 T = TypeVar("T")
 
 
@@ -80,11 +91,16 @@ def up(
     temporal_port: Annotated[int | None, typer.Option(help="default 7233, or a free port")] = None,
     ui_port: Annotated[int | None, typer.Option(help="default 8233, or a free port")] = None,
     mlflow_port: Annotated[int | None, typer.Option(help="default 5000, or a free port")] = None,
+    data_workers: Annotated[
+        int, typer.Option(min=1, max=64, help="data-preparation workers (more = faster)")
+    ] = 1,
 ) -> None:
-    """Start the local stack (idempotent): Temporal, MLflow, control worker, node agents."""
+    """Start the local stack (idempotent): Temporal, MLflow, workers, node agents."""
     ports = stack.Ports(temporal=temporal_port, ui=ui_port, mlflow=mlflow_port)
     try:
-        settings = stack.up(state_home(), nodes, gpus_per_node, ports, say=console.print)
+        settings = stack.up(
+            state_home(), nodes, gpus_per_node, ports, data_workers, say=console.print
+        )
     except StackError as err:
         raise CliError(str(err)) from None
     console.print(f"state folder {settings.home}")
@@ -142,7 +158,9 @@ async def _follow(client, name: str, poll_s: float = 1.0) -> RunStatus:
         current = await view(client, name)
         beat = current.progress
         # Throughput jitters every second; print when something a person waits for changes.
-        key = (current.status.model_dump_json(), beat.step if beat else None, current.retrying)
+        stages = current.dataset.model_dump_json() if current.dataset else None
+        step = beat.step if beat else None
+        key = (current.status.model_dump_json(), step, stages, current.retrying)
         if key != last:
             console.print(f"{time.strftime('%H:%M:%S')}  {progress_line(current)}")
             last = key
@@ -289,6 +307,40 @@ def nodes() -> None:
         )
 
 
+# --- data -----------------------------------------------------------------------------------------
+
+
+@data_app.command("prepare")
+def data_prepare(
+    spec_file: Annotated[Path, typer.Argument(help="run spec (TOML); only [data] is used")],
+) -> None:
+    """Prepare the spec's dataset snapshot on the data workers (or find it), then report it."""
+    try:
+        spec = load_spec(spec_file)
+    except SpecError as err:
+        raise CliError(f"{spec_file}: {err}") from None
+    settings = _settings()
+
+    async def go():
+        return await prepare(await _client(settings), spec.data, console)
+
+    dataset = _run(go())
+    console.print(data_summary(dataset))
+    render_report(load_report(settings, dataset.snapshot_id), console)
+
+
+@data_app.command("report")
+def data_report(
+    snapshot: Annotated[str, typer.Argument(help="snapshot id (see `forgeline status RUN`)")],
+    out: Annotated[Path | None, typer.Option(help="default: report-SNAPSHOT.json")] = None,
+) -> None:
+    """What happened to every document of a snapshot: per source, filter, dedup and split."""
+    report = load_report(_settings(), snapshot)
+    render_report(report, console)
+    path = write_report(report, out or Path(f"report-{snapshot}.json"))
+    console.print(f"wrote {path}")
+
+
 # --- processes of the stack --------------------------------------------------------------------
 
 
@@ -297,6 +349,13 @@ def control_worker() -> None:
     from worker.processes_main import run_control_worker
 
     _run(run_control_worker(_settings()))
+
+
+@worker_app.command("data")
+def data_worker(name: Annotated[str, typer.Option()] = "data-0") -> None:
+    from worker.processes_main import run_data_worker
+
+    _run(run_data_worker(_settings(), _check_name(name, "worker name")))
 
 
 @worker_app.command("node")
@@ -320,7 +379,7 @@ def main() -> None:
         app()
     except SystemExit as done:  # typer ends every command this way
         code = done.code if isinstance(done.code, int) else (0 if done.code is None else 1)
-    except (CliError, RunNotFound) as err:
+    except (CliError, RunNotFound, DataCliError) as err:
         console.print(f"[red]error:[/red] {err}")
         code = 2
     except (RPCError, TimeoutError) as err:

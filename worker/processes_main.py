@@ -12,13 +12,20 @@ from datetime import timedelta
 from temporalio.worker import Worker
 
 from activities.control import ControlActivities
+from activities.data import DataActivities
 from activities.node import NodeActivities
 from infra.processes import free_port
 from infra.settings import Settings
 from worker.temporal_client import connect, ensure_cluster, register_node
 from workflows.cluster import ClusterWorkflow
+from workflows.dataset import DatasetSnapshotWorkflow
 from workflows.models import NodeInfo
-from workflows.names import CLUSTER_WORKFLOW_ID, CONTROL_TASK_QUEUE, node_task_queue
+from workflows.names import (
+    CLUSTER_WORKFLOW_ID,
+    CONTROL_TASK_QUEUE,
+    DATA_TASK_QUEUE,
+    node_task_queue,
+)
 from workflows.training_run import TrainingRun
 
 
@@ -37,11 +44,28 @@ async def run_control_worker(settings: Settings) -> None:
         worker = Worker(
             client,
             task_queue=CONTROL_TASK_QUEUE,
-            workflows=[TrainingRun, ClusterWorkflow],
+            workflows=[TrainingRun, ClusterWorkflow, DatasetSnapshotWorkflow],
             activities=activities.all(),
             activity_executor=pool,
         )
         logging.info("control worker polling %s", CONTROL_TASK_QUEUE)
+        await _run_until_signalled(worker)
+
+
+async def run_data_worker(settings: Settings, name: str) -> None:
+    client = await connect(settings)
+    activities = DataActivities(settings, name)
+    # One stage at a time: the work is CPU-bound, so parallelism comes from more data workers
+    # (processes), not from threads fighting over one interpreter.
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="data") as pool:
+        worker = Worker(
+            client,
+            task_queue=DATA_TASK_QUEUE,
+            activities=activities.all(),
+            activity_executor=pool,
+            max_concurrent_activities=1,
+        )
+        logging.info("data worker %s polling %s", name, DATA_TASK_QUEUE)
         await _run_until_signalled(worker)
 
 

@@ -8,7 +8,7 @@ from rich.table import Table
 
 from infra.settings import Settings
 from worker.runs import RunView
-from workflows.models import ClusterState
+from workflows.models import ClusterState, DatasetProgress
 
 
 def _num(value: float | None, fmt: str) -> str:
@@ -28,9 +28,21 @@ def loss_of(view: RunView) -> float | None:
     return view.status.final_loss
 
 
+def stage_bars(progress: DatasetProgress, width: int = 10) -> str:
+    """`scan ███████░░░ 7/10 · dedup ░░░░░░░░░░ 0/1 …`: one bar per data stage."""
+    parts = []
+    for stage in progress.stages:
+        filled = round(width * stage.done / stage.total) if stage.total else 0
+        bar = "█" * filled + "░" * (width - filled)
+        parts.append(f"{stage.name} {bar} {stage.done}/{stage.total or '?'}")
+    return " · ".join(parts)
+
+
 def progress_line(view: RunView) -> str:
     status, beat = view.status, view.progress
     line = f"{status.phase.value:<17}"
+    if view.dataset is not None:
+        line += f" {stage_bars(view.dataset)}"
     if beat is not None:
         line += f" step {beat.step}/{status.total_steps}"
         line += f"  loss {_num(beat.loss, '.4f')}"
@@ -101,11 +113,13 @@ def status_text(view: RunView, settings: Settings) -> str:
     if s.dataset:
         d = s.dataset
         lines.append(
-            f"dataset        {d.snapshot_id}  {d.documents:,} documents "
-            f"({d.duplicates_removed:,} duplicates removed), train {d.train_tokens:,} / "
-            f"val {d.val_tokens:,} tokens, vocab {d.vocab_size}"
+            f"dataset        {d.snapshot_id}  {d.documents:,} documents read, "
+            f"{d.filtered:,} filtered, {d.duplicates_removed:,} duplicates removed; "
+            f"train {d.train_tokens:,} / val {d.val_tokens:,} tokens, vocab {d.vocab_size}"
             + ("  (reused)" if d.reused else "")
         )
+    elif view.dataset is not None:
+        lines.append(f"dataset        {stage_bars(view.dataset)}")
     if s.evaluation:
         e = s.evaluation
         lines.append(

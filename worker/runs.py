@@ -10,7 +10,7 @@ from temporalio.common import WorkflowIDReusePolicy
 from temporalio.exceptions import WorkflowAlreadyStartedError
 from temporalio.service import RPCError, RPCStatusCode
 
-from workflows.models import RunStatus, TrainingRunInput, TrainProgress
+from workflows.models import DatasetProgress, Phase, RunStatus, TrainingRunInput, TrainProgress
 from workflows.names import CONTROL_TASK_QUEUE
 from workflows.spec import RunSpec
 
@@ -27,6 +27,7 @@ class RunView:
     progress: TrainProgress | None  # the newest heartbeat of the current generation
     execution: WorkflowExecutionStatus | None
     retrying: list[str] = field(default_factory=list)  # activities failing and being retried
+    dataset: DatasetProgress | None = None  # while PREPARING: the data stages' progress
 
 
 async def submit(client: Client, spec: RunSpec, spec_sha256: str) -> tuple[WorkflowHandle, bool]:
@@ -68,7 +69,19 @@ async def view(client: Client, name: str) -> RunView:
         (beat,) = await client.data_converter.decode(details, [TrainProgress])
         if beat.generation == status.generation and (progress is None or beat.step > progress.step):
             progress = beat
-    return RunView(status, progress, description.status, retrying)
+    dataset = None
+    if status.phase == Phase.PREPARING and status.dataset_workflow_id:
+        dataset = await dataset_progress(client, status.dataset_workflow_id)
+    return RunView(status, progress, description.status, retrying, dataset)
+
+
+async def dataset_progress(client: Client, workflow_id: str) -> DatasetProgress | None:
+    try:
+        return await client.get_workflow_handle(workflow_id).query(
+            "progress", result_type=DatasetProgress, rpc_timeout=QUERY_TIMEOUT
+        )
+    except RPCError:  # not started yet
+        return None
 
 
 async def list_run_names(client: Client, limit: int = 200) -> list[str]:

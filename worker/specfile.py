@@ -9,11 +9,15 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from workflows.spec import NAME_RULE, RunSpec
+from workflows.spec import NAME_PATTERN, NAME_RULE, RunSpec
 
 
 class SpecError(Exception):
     """The spec file cannot be used; the message names the field and what is allowed."""
+
+
+# What a patterned field expects, said the way a person would.
+_FORMS = {"memory_limit": "a size such as 512MB or 2GB"}
 
 
 def _explain(error: dict) -> str:
@@ -24,7 +28,10 @@ def _explain(error: dict) -> str:
     if kind == "missing":
         return f"{where}: required but missing"
     if kind == "string_pattern_mismatch":
-        return f"{where}: {error['input']!r} is not a valid name: use {NAME_RULE}"
+        if error["ctx"]["pattern"] == NAME_PATTERN:
+            return f"{where}: {error['input']!r} is not a valid name: use {NAME_RULE}"
+        form = _FORMS.get(str(error["loc"][-1]), f"text matching {error['ctx']['pattern']}")
+        return f"{where}: {error['input']!r} is not valid: expected {form}"
     message = error["msg"].removeprefix("Value error, ")
     return f"{where}: {message} (got {error['input']!r})" if "input" in error else message
 

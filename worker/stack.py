@@ -1,8 +1,8 @@
 """`forgeline up` / `down`: the whole local stack as processes under the state folder.
 
 Temporal dev server (history in a SQLite file, so it survives down/up), MLflow server (SQLite +
-artifact folder), one control worker, N node agents. Each has a pid file and a log; `up` starts
-only what is missing and `down` stops only what it started.
+artifact folder), one control worker, data workers, N node agents. Each has a pid file and a
+log; `up` starts only what is missing and `down` stops only what it started.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from workflows.names import CLUSTER_WORKFLOW_ID
 
 TEMPORAL, MLFLOW, CONTROL = "temporal", "mlflow", "control-worker"
 NODE_PREFIX = "node-"
+DATA_PREFIX = "data-"
 DEFAULT_PORTS = {"temporal": 7233, "ui": 8233, "mlflow": 5000}
 
 
@@ -73,15 +74,21 @@ def up(
     nodes: int,
     gpus_per_node: int,
     ports: Ports,
+    data_workers: int = 1,
     say: Callable[[str], None] = print,
 ) -> Settings:
     # One event loop for the whole command: the Temporal client's core runtime is not meant
     # to hop between loops.
-    return asyncio.run(_up(home, nodes, gpus_per_node, ports, say))
+    return asyncio.run(_up(home, nodes, gpus_per_node, ports, data_workers, say))
 
 
 async def _up(
-    home: Path, nodes: int, gpus_per_node: int, ports: Ports, say: Callable[[str], None]
+    home: Path,
+    nodes: int,
+    gpus_per_node: int,
+    ports: Ports,
+    data_workers: int,
+    say: Callable[[str], None],
 ) -> Settings:
     home.mkdir(parents=True, exist_ok=True)
     recorded = load_settings(home)
@@ -129,6 +136,15 @@ async def _up(
         control.start(_worker_argv("control"), env)
         say(f"control       started (pid {control.pid()})")
 
+    for index in range(data_workers):
+        name = f"{DATA_PREFIX}{index}"
+        worker = ManagedProcess(home, name)
+        if worker.running():
+            say(f"{name:<13} running (pid {worker.pid()})")
+        else:
+            worker.start(_worker_argv("data", "--name", name), env)
+            say(f"{name:<13} started (pid {worker.pid()})")
+
     expected: dict[str, str | None] = {}
     for index in range(nodes):
         agent = ManagedProcess(home, node_name(index))
@@ -147,7 +163,9 @@ async def _up(
         expected[node_name(index)] = incarnation
         say(f"{node_name(index):<13} started (pid {agent.pid()}, {gpus_per_node} GPU slots)")
 
-    await _wait_for_nodes(client, expected, [control, *_node_processes(home)])
+    await _wait_for_nodes(
+        client, expected, [control, *_processes(home, NODE_PREFIX), *_processes(home, DATA_PREFIX)]
+    )
     return settings
 
 
@@ -188,27 +206,21 @@ async def _wait_for_nodes(
         await asyncio.sleep(0.5)
 
 
-def _node_processes(home: Path) -> list[ManagedProcess]:
+def _processes(home: Path, prefix: str) -> list[ManagedProcess]:
+    """The processes of one kind (node agents, data workers) that have a pid file."""
     run_dir = home / "run"
-    names = sorted(p.stem for p in run_dir.glob(f"{NODE_PREFIX}*.pid")) if run_dir.is_dir() else []
+    names = sorted(p.stem for p in run_dir.glob(f"{prefix}*.pid")) if run_dir.is_dir() else []
     return [ManagedProcess(home, name) for name in names]
 
 
 def down(home: Path, say: Callable[[str], None] = print) -> None:
-    """Stop node agents first (they stop their ranks), then the control worker, then servers."""
+    """Stop node agents first (they stop their ranks), then the workers, then the servers."""
     for process in [
-        *_node_processes(home),
+        *_processes(home, NODE_PREFIX),
+        *_processes(home, DATA_PREFIX),
         ManagedProcess(home, CONTROL),
         ManagedProcess(home, MLFLOW),
         ManagedProcess(home, TEMPORAL),
     ]:
         if process.stop(timeout=20):
             say(f"{process.name:<13} stopped")
-
-
-def status_lines(home: Path) -> list[str]:
-    processes = [ManagedProcess(home, n) for n in (TEMPORAL, MLFLOW, CONTROL)]
-    return [
-        f"{p.name:<13} {'running (pid ' + str(p.pid()) + ')' if p.running() else 'stopped'}"
-        for p in [*processes, *_node_processes(home)]
-    ]

@@ -11,7 +11,7 @@ from enum import StrEnum
 
 from pydantic import BaseModel, Field
 
-from workflows.spec import RunSpec
+from workflows.spec import DataSpec, RunSpec
 
 
 class Phase(StrEnum):
@@ -103,9 +103,17 @@ class ClusterState(BaseModel):
 # --- data, training, evaluation, registry ------------------------------------------------------
 
 
-class PrepareDatasetInput(BaseModel):
-    run_id: str
-    spec: RunSpec
+class DatasetInput(BaseModel):
+    data: DataSpec
+    requested_by: str = ""  # the run (or `forgeline data prepare`) that asked for it
+
+
+class DataStageInput(BaseModel):
+    """One data-preparation activity; the plan itself stays in the store (it can be large)."""
+
+    snapshot_id: str
+    data: DataSpec
+    chunk: int | None = None
 
 
 class DatasetRef(BaseModel):
@@ -117,7 +125,25 @@ class DatasetRef(BaseModel):
     val_tokens: int
     documents: int
     duplicates_removed: int
+    filtered: int = 0
     reused: bool = False
+
+
+class DatasetPlanRef(BaseModel):
+    snapshot_id: str
+    chunks: int
+    existing: DatasetRef | None = None
+
+
+class StageProgress(BaseModel):
+    name: str
+    done: int = 0
+    total: int = 0
+
+
+class DatasetProgress(BaseModel):
+    snapshot_id: str | None = None
+    stages: list[StageProgress] = []
 
 
 class CheckpointRef(BaseModel):
@@ -233,6 +259,7 @@ class RunStatus(BaseModel):
     owner: str
     total_steps: int
     spec_sha256: str = ""
+    dataset_workflow_id: str | None = None
     attempts: int = 0
     generation: int | None = None
     nodes: list[str] = []

@@ -20,12 +20,71 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+NgramBound = tuple[Annotated[int, Field(ge=1, le=100)], Annotated[float, Field(ge=0.0, le=1.0)]]
+
+
+class FilterSpec(_Strict):
+    """Quality filters (names and defaults as dataprep.filters.FilterSettings: Gopher's)."""
+
+    min_chars: int = Field(1, ge=0)
+    max_chars: int = Field(1_000_000, ge=1)
+    gopher: bool = True
+    min_words: int = Field(50, ge=0)
+    max_words: int = Field(100_000, ge=1)
+    min_mean_word_length: float = Field(3.0, ge=0)
+    max_mean_word_length: float = Field(10.0, ge=0)
+    max_symbol_word_ratio: float = Field(0.1, ge=0)
+    max_ellipsis_line_fraction: float = Field(0.3, ge=0, le=1)
+    max_bullet_line_fraction: float = Field(0.9, ge=0, le=1)
+    min_alpha_word_fraction: float = Field(0.8, ge=0, le=1)
+    repetition: bool = True
+    max_duplicate_line_fraction: float = Field(0.3, ge=0, le=1)
+    max_duplicate_line_char_fraction: float = Field(0.2, ge=0, le=1)
+    max_top_ngram_char_fraction: tuple[NgramBound, ...] = ((2, 0.20), (3, 0.18), (4, 0.16))
+    max_duplicate_ngram_char_fraction: tuple[NgramBound, ...] = (
+        (5, 0.15), (6, 0.14), (7, 0.13), (8, 0.12), (9, 0.11), (10, 0.10),
+    )  # fmt: skip
+
+    @model_validator(mode="after")
+    def _bounds_ordered(self) -> FilterSpec:
+        for low, high in (
+            ("min_chars", "max_chars"),
+            ("min_words", "max_words"),
+            ("min_mean_word_length", "max_mean_word_length"),
+        ):
+            if getattr(self, low) > getattr(self, high):
+                raise ValueError(
+                    f"{low} ({getattr(self, low)}) exceeds {high} ({getattr(self, high)})"
+                )
+        return self
+
+
+class DedupSpec(_Strict):
+    exact: bool = True
+    near: bool = True
+    ngram: int = Field(5, ge=1, le=64, description="words per shingle")
+    bands: int = Field(14, ge=1, le=1024)
+    rows: int = Field(8, ge=1, le=64)
+    verify: bool = Field(False, description="check candidates' exact Jaccard ≥ threshold")
+    threshold: float = Field(0.8, gt=0.0, le=1.0)
+    memory_limit: str = Field("1GB", pattern=r"^\d+(\.\d+)?\s*(KB|MB|GB|TB|KiB|MiB|GiB|TiB)$")
+
+
 class DataSpec(_Strict):
-    sources: list[str] = Field(min_length=1, description="text files; relative to the spec file")
+    sources: list[str] = Field(
+        min_length=1, description="files, directories or globs; relative to the spec file"
+    )
     split: Literal["blank-line", "line", "whole-file"] = "blank-line"
-    tokenizer: Literal["char", "byte"] = "char"
+    text_field: str = Field("text", min_length=1, description="JSONL / Parquet text column")
+    max_bad_fraction: float = Field(0.01, ge=0.0, le=1.0)
+    tokenizer: Literal["char", "byte", "bpe"] = "char"
+    vocab_size: int = Field(8192, ge=257, le=1 << 20, description="for bpe")
+    tokenizer_train_mb: int = Field(200, ge=1, le=1 << 20, description="bpe training text")
     val_fraction: float = Field(0.1, gt=0.0, lt=0.5)
     shard_tokens: int = Field(1 << 20, ge=1024, le=1 << 30)
+    chunk_mb: int = Field(64, ge=1, le=1 << 16, description="unit of parallel work")
+    filters: FilterSpec = FilterSpec()
+    dedup: DedupSpec = DedupSpec()
 
 
 class ModelSpec(_Strict):

@@ -25,6 +25,7 @@ with workflow.unsafe.imports_passed_through():
     from workflows.models import (
         Allocation,
         CheckpointRef,
+        DatasetInput,
         DatasetRef,
         Decision,
         DecisionInput,
@@ -38,13 +39,17 @@ with workflow.unsafe.imports_passed_through():
         NodeTrainInput,
         NodeTrainResult,
         Phase,
-        PrepareDatasetInput,
         RegisterInput,
         Release,
         RunStatus,
         TrainingRunInput,
     )
-    from workflows.names import CLUSTER_WORKFLOW_ID, CONTROL_TASK_QUEUE, node_task_queue
+    from workflows.names import (
+        CLUSTER_WORKFLOW_ID,
+        CONTROL_TASK_QUEUE,
+        dataset_workflow_id,
+        node_task_queue,
+    )
 
 # Activities that only talk to the store or MLflow retry until they succeed: an outage of the
 # tracking server or a bug fixed by redeploying the worker costs time, never the trained model.
@@ -155,13 +160,15 @@ class TrainingRun:
         )
 
     async def _prepare(self) -> DatasetRef:
+        """A child workflow: its stages fan out on the data workers and show in the UI."""
         self._set_phase(Phase.PREPARING)
-        dataset = await self._control(
-            "prepare_dataset",
-            PrepareDatasetInput(run_id=self._spec.name, spec=self._spec),
-            DatasetRef,
-            timeout=timedelta(hours=2),
-            heartbeat=timedelta(minutes=2),
+        self._status.dataset_workflow_id = dataset_workflow_id(self._spec.name)
+        dataset = await workflow.execute_child_workflow(
+            "DatasetSnapshot",
+            DatasetInput(data=self._spec.data, requested_by=self._spec.name),
+            id=self._status.dataset_workflow_id,
+            task_queue=CONTROL_TASK_QUEUE,
+            result_type=DatasetRef,
         )
         self._status.dataset = dataset
         return dataset

@@ -8,7 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from dataprep.snapshot import Snapshot, SnapshotSettings, prepare_snapshot
+from dataprep.filters import FilterSettings
+from dataprep.settings import SnapshotSettings
+from dataprep.snapshot import Snapshot, prepare_snapshot
 from infra.processes import free_port
 from infra.store import LocalStore
 from tests.conftest import SHAKESPEARE
@@ -69,4 +71,6 @@ def trainer(tmp_path_factory: pytest.TempPathFactory) -> Trainer:
     corpus = root / "corpus.txt"
     corpus.write_text(SHAKESPEARE.read_text()[:300_000])
     store = LocalStore(root / "store")
-    return Trainer(root, store, prepare_snapshot([corpus], SnapshotSettings(), store))
+    settings = SnapshotSettings(filters=FilterSettings(min_words=1))  # speeches are short
+    snapshot = prepare_snapshot([str(corpus)], settings, store, root / "dataprep")
+    return Trainer(root, store, snapshot)

@@ -34,7 +34,23 @@ def test_sources_resolve_against_the_spec_folder(tmp_path: Path) -> None:
         ),
         ({"model": {"n_embd": 100, "n_head": 3}}, "n_embd (100) must be a multiple of n_head (3)"),
         ({"data": {"sources": []}}, "data.sources: List should have at least 1 item"),
-        ({"data": {"sources": ["x"], "tokenizer": "bpe"}}, "data.tokenizer: Input should be"),
+        ({"data": {"sources": ["x"], "tokenizer": "wordpiece"}}, "data.tokenizer: Input should be"),
+        (
+            {"data": {"sources": ["x"], "filters": {"min_word": 3}}},
+            "data.filters.min_word: unknown key",
+        ),
+        (
+            {"data": {"sources": ["x"], "filters": {"min_words": 60, "max_words": 50}}},
+            "min_words (60) exceeds max_words (50)",
+        ),
+        (
+            {"data": {"sources": ["x"], "dedup": {"memory_limit": "lots"}}},
+            "data.dedup.memory_limit: 'lots' is not valid: expected a size such as 512MB or 2GB",
+        ),
+        (
+            {"data": {"sources": ["x"], "filters": {"max_top_ngram_char_fraction": [[2, 1.5]]}}},
+            "data.filters.max_top_ngram_char_fraction.0.1: Input should be less than or equal to 1",
+        ),
         ({"train": {"learning_rate": 1e-4, "min_lr": 1e-3}}, "min_lr (0.001) must not exceed"),
     ],
 )

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
 from temporalio.client import Client, WorkflowHandle
 from temporalio.contrib.pydantic import pydantic_data_converter
+from temporalio.service import RPCError
 from temporalio.worker import Worker
 
 from tests.workflows.gang_holder import GangHolder
@@ -44,14 +46,23 @@ async def eventually(
 class Harness:
     def __init__(self, client: Client, task_queue: str, cluster: WorkflowHandle) -> None:
         self.client, self.task_queue, self.cluster = client, task_queue, cluster
+        self.holders: list[WorkflowHandle] = []
 
     async def hold(self, run_id: str, nodes: int) -> WorkflowHandle:
-        return await self.client.start_workflow(
+        handle = await self.client.start_workflow(
             GangHolder.run,
             GangRequest(run_id=run_id, nodes=nodes, gpus_per_node=1),
             id=run_id,
             task_queue=self.task_queue,
         )
+        self.holders.append(handle)
+        return handle
+
+    async def close(self) -> None:
+        """Ids repeat across tests: leave no holder running for the next test to collide with."""
+        for handle in [*self.holders, self.cluster]:
+            with contextlib.suppress(RPCError):
+                await handle.terminate("test over")
 
     async def grants(self, holder: WorkflowHandle, count: int) -> list[Allocation]:
         async def probe() -> list[Allocation]:
@@ -75,10 +86,11 @@ def run_scenario(
             cluster = await client.start_workflow(
                 ClusterWorkflow.run, ClusterState(), id=CLUSTER_WORKFLOW_ID, task_queue=task_queue
             )
+            harness = Harness(client, task_queue, cluster)
             try:
-                await scenario(Harness(client, task_queue, cluster))
+                await scenario(harness)
             finally:
-                await cluster.terminate("test over")
+                await harness.close()
 
     asyncio.run(main())
 

@@ -1,0 +1,159 @@
+"""Stage 2, once over the whole snapshot: exact dedup, then MinHash near-dedup, in DuckDB."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from dataprep.errors import EmptyCorpusError
+from dataprep.near_dedup import (
+    candidate_pairs,
+    cluster_pairs,
+    connect,
+    exact_duplicates,
+    jaccard,
+    verify_pairs,
+)
+from dataprep.plan import SnapshotPlan
+from dataprep.settings import SnapshotSettings
+from dataprep.stage_store import (
+    SnapshotKeys,
+    chunk_name,
+    commit_record,
+    done_record,
+    file_entry,
+    local_copy,
+)
+from infra.store import ObjectStore
+
+Progress = Callable[[str], None]
+REMOVED_SCHEMA = pa.schema([("doc_id", pa.int64()), ("kept", pa.int64())])
+_EXAMPLES = 5
+_SNIPPET = 300
+
+
+def scan_records(store: ObjectStore, plan: SnapshotPlan) -> list[dict]:
+    """Every chunk's scan record; a missing one means the scan stage is not finished."""
+    keys = SnapshotKeys(plan.snapshot_id)
+    records = []
+    for chunk in plan.chunks:
+        record = done_record(store, keys.work("scan", f"chunk-{chunk_name(chunk.index)}.json"))
+        if record is None:
+            raise RuntimeError(f"chunk {chunk.index} of {plan.snapshot_id} is not scanned yet")
+        records.append(record)
+    return records
+
+
+def dedup_snapshot(
+    store: ObjectStore,
+    plan: SnapshotPlan,
+    settings: SnapshotSettings,
+    workdir: Path,
+    progress: Progress = lambda _: None,
+) -> dict:
+    keys = SnapshotKeys(plan.snapshot_id)
+    record_key = keys.work("dedup", "DONE.json")
+    if (record := done_record(store, record_key)) is not None:
+        return record
+    scans = scan_records(store, plan)
+    cache = workdir / "cache"
+    docs = [local_copy(store, r["files"]["docs"], cache) for r in scans]
+    bands = [local_copy(store, r["files"]["bands"], cache) for r in scans]
+    folder = workdir / "dedup"
+    folder.mkdir(parents=True, exist_ok=True)
+    dedup = settings.dedup
+    con = connect(dedup.memory_limit, workdir / "duckdb-spill")
+
+    exact = folder / "exact.parquet"
+    exact_removed = exact_duplicates(con, docs, exact) if dedup.exact else _empty(exact)
+    progress(f"exact dedup: {exact_removed} duplicates")
+
+    near = folder / "near.parquet"
+    candidates = verified = clusters = 0
+    if dedup.near:
+        edges = folder / "candidates.parquet"
+        candidates = candidate_pairs(con, bands, exact, edges)
+        progress(f"near dedup: {candidates} candidate pairs")
+        if dedup.verify:
+            checked = folder / "verified.parquet"
+            verified = verify_pairs(con, edges, docs, dedup.minhash.ngram, dedup.threshold, checked)
+            edges = checked
+            progress(f"near dedup: {verified} pairs verified ≥ {dedup.threshold}")
+        found = cluster_pairs(edges, near)
+        clusters, near_removed = found.clusters, found.removed
+    else:
+        near_removed = _empty(near)
+    progress(f"near dedup: {near_removed} documents removed in {clusters} clusters")
+
+    removed = folder / "removed.parquet"
+    con.execute(
+        f"""
+        COPY (
+            SELECT doc_id, kept, 'exact' AS reason FROM read_parquet('{exact}')
+            UNION ALL
+            SELECT doc_id, kept, 'near' AS reason FROM read_parquet('{near}')
+        ) TO '{removed}' (FORMAT parquet)
+        """
+    )
+    _refuse_empty(scans, exact_removed + near_removed)
+    examples = _examples(con, near, docs, dedup.minhash.ngram)
+    record = {
+        "exact_removed": exact_removed,
+        "candidate_pairs": candidates,
+        "verified_pairs": verified if dedup.verify else None,
+        "near_clusters": clusters,
+        "near_removed": near_removed,
+        "examples": examples,
+        "files": {
+            "removed": file_entry(store, keys.work("dedup", "removed.parquet"), removed),
+        },
+    }
+    return commit_record(store, record_key, record)
+
+
+def _refuse_empty(scans: list[dict], duplicates: int) -> None:
+    """Stop before tokenizer training when nothing is left to train on, saying why."""
+    read = sum(r["documents"] for r in scans)
+    if read == 0:
+        bad = sum(sum(r["bad"].values()) for r in scans)
+        raise EmptyCorpusError(
+            f"no documents were read ({bad} bad records): check the files, data.split and "
+            "data.text_field"
+        )
+    if sum(r["kept"] for r in scans) - duplicates <= 0:
+        filtered = sum(sum(r["filtered"].values()) for r in scans)
+        raise EmptyCorpusError(
+            f"every document was removed ({filtered} of {read} by filters, {duplicates} as "
+            "duplicates): loosen [data.filters]; `forgeline data report` shows which filter "
+            "removed what"
+        )
+
+
+def _empty(path: Path) -> int:
+    pq.write_table(pa.table({"doc_id": [], "kept": []}, schema=REMOVED_SCHEMA), path)
+    return 0
+
+
+def _examples(con, near: Path, docs: list[Path], ngram: int) -> list[dict]:
+    """A few near-duplicate pairs, with snippets and their exact Jaccard, for the report."""
+    files = "[" + ", ".join(f"'{p}'" for p in docs) + "]"
+    rows = con.execute(
+        f"""
+        WITH texts AS (SELECT doc_id, source, text FROM read_parquet({files}))
+        SELECT r.doc_id, r.kept, a.source, a.text, b.source, b.text
+        FROM (SELECT * FROM read_parquet('{near}') ORDER BY doc_id LIMIT {_EXAMPLES}) r
+        JOIN texts a ON a.doc_id = r.doc_id JOIN texts b ON b.doc_id = r.kept
+        ORDER BY r.doc_id
+        """
+    ).fetchall()
+    return [
+        {
+            "removed": {"doc_id": doc_id, "source": source, "snippet": text[:_SNIPPET]},
+            "kept": {"doc_id": kept, "source": kept_source, "snippet": kept_text[:_SNIPPET]},
+            "jaccard": round(jaccard(text, kept_text, ngram), 4),
+        }
+        for doc_id, kept, source, text, kept_source, kept_text in rows
+    ]

@@ -1,0 +1,98 @@
+"""Plan a snapshot: expand the sources, hash them, name the snapshot, cut the work into chunks.
+
+A chunk is a run of source files (in their sorted order) of about `chunk_bytes`; a file larger
+than that is a chunk of its own. Chunks are the unit that stages fan out over and that a retry
+skips when done. A document's id is (chunk << 32 | ordinal in chunk), so ids follow source
+order, and "keep the smallest id" keeps the earliest copy of a duplicate.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from dataprep.settings import SnapshotSettings
+from dataprep.sources import SourceFile, expand_sources
+from infra.digest import sha256_file
+
+# Bump when the same input and settings would produce different bytes: old snapshots then stop
+# matching instead of being reused with a stale layout.
+DATAPREP_VERSION = 2
+# Each chunk costs a few events in the dataset workflow's history (limit 51,200 events), so a
+# huge corpus gets bigger chunks instead of more of them.
+MAX_CHUNKS = 1024
+
+
+@dataclass(frozen=True)
+class PlannedFile:
+    path: str
+    format: str
+    language: str | None
+    bytes: int
+    sha256: str
+
+    def source(self) -> SourceFile:
+        return SourceFile(self.path, self.format, self.language)  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True)
+class Chunk:
+    index: int
+    files: list[PlannedFile]
+
+    def doc_id(self, ordinal: int) -> int:
+        return (self.index << 32) | ordinal
+
+
+@dataclass(frozen=True)
+class SnapshotPlan:
+    snapshot_id: str
+    identity: dict  # the settings that name the snapshot
+    chunks: list[Chunk]
+
+    @property
+    def files(self) -> list[PlannedFile]:
+        return [f for chunk in self.chunks for f in chunk.files]
+
+    def to_json(self) -> bytes:
+        return json.dumps(asdict(self), indent=1, sort_keys=True).encode()
+
+    @classmethod
+    def from_json(cls, data: bytes) -> SnapshotPlan:
+        raw = json.loads(data)
+        chunks = [Chunk(c["index"], [PlannedFile(**f) for f in c["files"]]) for c in raw["chunks"]]
+        return cls(raw["snapshot_id"], raw["identity"], chunks)
+
+
+def plan_snapshot(patterns: list[str], settings: SnapshotSettings) -> SnapshotPlan:
+    files = [
+        PlannedFile(
+            s.path, s.format, s.language, Path(s.path).stat().st_size, sha256_file(Path(s.path))
+        )
+        for s in expand_sources(patterns)
+    ]
+    identity = {"dataprep_version": DATAPREP_VERSION, **settings.identity()}
+    digest = hashlib.sha256(json.dumps(identity, sort_keys=True).encode())
+    # Contents and order name the snapshot, not paths: moving a corpus does not rebuild it.
+    for f in files:
+        digest.update(f"{f.format}:{f.language}:{f.sha256}\n".encode())
+    total = sum(f.bytes for f in files)
+    chunk_bytes = max(settings.chunk_bytes, -(-total // MAX_CHUNKS))
+    return SnapshotPlan(digest.hexdigest()[:20], identity, _chunk(files, chunk_bytes))
+
+
+def _chunk(files: list[PlannedFile], chunk_bytes: int) -> list[Chunk]:
+    chunks: list[Chunk] = []
+    current: list[PlannedFile] = []
+    size = 0
+    for f in files:
+        if current and size + f.bytes > chunk_bytes:
+            chunks.append(Chunk(len(chunks), current))
+            current, size = [], 0
+        current.append(f)
+        size += f.bytes
+    if current:
+        chunks.append(Chunk(len(chunks), current))
+    return chunks

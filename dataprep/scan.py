@@ -1,0 +1,180 @@
+"""Stage 1, per chunk: read → filter → normalize → exact hash, MinHash bands, split.
+
+Writes three Parquet files for the chunk: `docs` (kept documents with their text), `bands`
+(doc_id, band, hash: the LSH index rows) and `rejected` (what a filter removed and why), then
+the done-record with the reading and filtering counts.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from dataprep.documents import ReadStats
+from dataprep.filters import build_filters, first_rejection
+from dataprep.minhash import BandHasher
+from dataprep.normalize import normalize
+from dataprep.plan import SnapshotPlan
+from dataprep.readers import read_source
+from dataprep.settings import SnapshotSettings
+from dataprep.stage_store import SnapshotKeys, chunk_name, commit_record, done_record, file_entry
+from infra.store import ObjectStore
+
+Progress = Callable[[str], None]
+
+DOCS_SCHEMA = pa.schema(
+    [
+        ("doc_id", pa.int64()),
+        ("source", pa.string()),
+        ("position", pa.int64()),
+        ("kind", pa.string()),
+        ("language", pa.string()),
+        ("chars", pa.int64()),
+        ("exact_hash", pa.binary(16)),
+        ("split", pa.string()),
+        ("text", pa.string()),
+    ]
+)
+BANDS_SCHEMA = pa.schema([("doc_id", pa.int64()), ("band", pa.int16()), ("hash", pa.int64())])
+REJECTED_SCHEMA = pa.schema(
+    [
+        ("doc_id", pa.int64()),
+        ("source", pa.string()),
+        ("position", pa.int64()),
+        ("kind", pa.string()),
+        ("chars", pa.int64()),
+        ("filter", pa.string()),
+        ("detail", pa.string()),
+        ("snippet", pa.string()),
+    ]
+)
+_FLUSH = 2048
+_SNIPPET = 200
+
+
+def split_of(exact_hash: bytes, val_fraction: float) -> str:
+    """By content: a document (and every exact copy of it) always lands in the same split."""
+    return "val" if int.from_bytes(exact_hash[:8], "big") / 2**64 < val_fraction else "train"
+
+
+class _Table:
+    """Rows buffered per column and written to Parquet in row groups."""
+
+    def __init__(self, path: Path, schema: pa.Schema) -> None:
+        self.path, self.schema = path, schema
+        self.columns: dict[str, list] = {name: [] for name in schema.names}
+        self.writer = pq.ParquetWriter(path, schema)
+        self.rows = 0
+
+    def add(self, **row: object) -> None:
+        for name, value in row.items():
+            self.columns[name].append(value)
+        self.rows += 1
+        if len(self.columns[self.schema.names[0]]) >= _FLUSH:
+            self.flush()
+
+    def extend(self, **columns: list) -> None:
+        for name, values in columns.items():
+            self.columns[name].extend(values)
+        self.rows += len(next(iter(columns.values())))
+        if len(self.columns[self.schema.names[0]]) >= _FLUSH:
+            self.flush()
+
+    def flush(self) -> None:
+        if self.columns[self.schema.names[0]]:
+            self.writer.write_table(pa.table(self.columns, schema=self.schema))
+            self.columns = {name: [] for name in self.schema.names}
+
+    def close(self) -> Path:
+        self.flush()
+        self.writer.close()
+        return self.path
+
+
+def scan_chunk(
+    store: ObjectStore,
+    plan: SnapshotPlan,
+    index: int,
+    settings: SnapshotSettings,
+    workdir: Path,
+    progress: Progress = lambda _: None,
+) -> dict:
+    keys = SnapshotKeys(plan.snapshot_id)
+    record_key = keys.work("scan", f"chunk-{chunk_name(index)}.json")
+    if (record := done_record(store, record_key)) is not None:
+        progress(f"chunk {index} already scanned")
+        return record
+
+    chunk = plan.chunks[index]
+    folder = workdir / "scan" / chunk_name(index)
+    folder.mkdir(parents=True, exist_ok=True)
+    docs = _Table(folder / "docs.parquet", DOCS_SCHEMA)
+    bands = _Table(folder / "bands.parquet", BANDS_SCHEMA)
+    rejected = _Table(folder / "rejected.parquet", REJECTED_SCHEMA)
+    filters = build_filters(settings.filters)
+    hasher = BandHasher(settings.dedup.minhash) if settings.dedup.near else None
+    band_ids = np.arange(settings.dedup.minhash.bands, dtype=np.int16).tolist()
+    stats = ReadStats()
+    removed_by: Counter[str] = Counter()
+    ordinal = 0
+    for planned in chunk.files:
+        for doc in read_source(planned.source(), settings.reader, stats):
+            doc_id = chunk.doc_id(ordinal)
+            ordinal += 1
+            rejection = first_rejection(filters, doc)
+            if rejection is not None:
+                removed_by[rejection.filter] += 1
+                rejected.add(
+                    doc_id=doc_id,
+                    source=doc.source,
+                    position=doc.position,
+                    kind=doc.kind,
+                    chars=len(doc.text),
+                    filter=rejection.filter,
+                    detail=rejection.detail,
+                    snippet=doc.text[:_SNIPPET],
+                )
+                continue
+            normalized = normalize(doc.text)
+            exact = hashlib.blake2b(normalized.encode(), digest_size=16).digest()
+            docs.add(
+                doc_id=doc_id,
+                source=doc.source,
+                position=doc.position,
+                kind=doc.kind,
+                language=doc.language,
+                chars=len(doc.text),
+                exact_hash=exact,
+                split=split_of(exact, settings.val_fraction),
+                text=doc.text,
+            )
+            if hasher is not None:
+                hashes = hasher.bands(normalized).tolist()
+                bands.extend(doc_id=[doc_id] * len(hashes), band=band_ids, hash=hashes)
+            if ordinal % 5000 == 0:
+                progress(f"chunk {index}: {ordinal} documents")
+
+    files = {
+        name: file_entry(store, keys.work("scan", f"{name}-{chunk_name(index)}.parquet"), t.close())
+        for name, t in (("docs", docs), ("bands", bands), ("rejected", rejected))
+    }
+    record = {
+        "chunk": index,
+        "records": stats.records,
+        "documents": stats.documents,
+        "kept": docs.rows,
+        "bad": dict(stats.bad),
+        "bad_examples": [
+            {"source": b.source, "line": b.line, "reason": b.reason} for b in stats.examples
+        ],
+        "filtered": dict(removed_by),
+        "files": files,
+    }
+    progress(f"chunk {index}: {stats.documents} documents, {docs.rows} kept")
+    return commit_record(store, record_key, record)

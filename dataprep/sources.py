@@ -1,0 +1,230 @@
+"""Expand `data.sources` (files, directories, globs) into a sorted list of typed source files.
+
+The result is sorted by path and deduplicated because the order of the files is part of the
+dataset's identity: the same patterns over the same tree must always give the same list.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import PurePath
+from typing import Literal
+
+from dataprep.errors import SourceError
+
+SourceFormat = Literal["text", "jsonl", "parquet", "code"]
+
+TEXT_EXTENSIONS = frozenset({"txt", "md", "rst", "text"})
+JSONL_EXTENSIONS = frozenset({"jsonl", "json", "ndjson"})  # each also with ".gz"
+PARQUET_EXTENSIONS = frozenset({"parquet"})
+CODE_LANGUAGES: dict[str, str] = {
+    "py": "python",
+    "pyi": "python",
+    "c": "c",
+    "h": "c",  # also C++ headers; C is the common denominator
+    "cc": "cpp",
+    "cpp": "cpp",
+    "cxx": "cpp",
+    "hh": "cpp",
+    "hpp": "cpp",
+    "hxx": "cpp",
+    "java": "java",
+    "js": "javascript",
+    "mjs": "javascript",
+    "cjs": "javascript",
+    "jsx": "javascript",
+    "ts": "typescript",
+    "tsx": "typescript",
+    "go": "go",
+    "rs": "rust",
+    "rb": "ruby",
+    "sh": "shell",
+    "bash": "shell",
+    "zsh": "shell",
+    "sql": "sql",
+    "scala": "scala",
+    "kt": "kotlin",
+    "kts": "kotlin",
+    "swift": "swift",
+    "php": "php",
+    "cs": "csharp",
+    "lua": "lua",
+    "pl": "perl",
+    "pm": "perl",
+    "r": "r",
+    "jl": "julia",
+    "hs": "haskell",
+    "ml": "ocaml",
+    "mli": "ocaml",
+    "toml": "toml",
+    "yaml": "yaml",
+    "yml": "yaml",
+}
+
+# Vendored, generated and tool folders hold no corpus and can be huge; hidden names too.
+_SKIPPED_NAMES = frozenset({"__pycache__", "node_modules"})
+_MAGIC = re.compile(r"[*?[]")
+
+
+@dataclass(frozen=True, order=True)
+class SourceFile:
+    path: str  # absolute path
+    format: SourceFormat
+    language: str | None = None  # for code files, e.g. "python", "c", "javascript"
+
+
+def known_extensions() -> list[str]:
+    gz = [f".{ext}.gz" for ext in sorted(JSONL_EXTENSIONS)]
+    plain = TEXT_EXTENSIONS | JSONL_EXTENSIONS | PARQUET_EXTENSIONS | CODE_LANGUAGES.keys()
+    return [f".{ext}" for ext in sorted(plain)] + gz
+
+
+def classify(path: str) -> SourceFile | None:
+    """The source file for `path` by its extension (case-insensitive), or None if unknown."""
+    name = os.path.basename(path).lower()
+    stem, dot, ext = name.rpartition(".")
+    if not dot or not stem:
+        return None
+    if ext == "gz":
+        inner = stem.rpartition(".")[2] if "." in stem else ""
+        return SourceFile(path, "jsonl") if inner in JSONL_EXTENSIONS else None
+    if ext in TEXT_EXTENSIONS:
+        return SourceFile(path, "text")
+    if ext in JSONL_EXTENSIONS:
+        return SourceFile(path, "jsonl")
+    if ext in PARQUET_EXTENSIONS:
+        return SourceFile(path, "parquet")
+    if ext in CODE_LANGUAGES:
+        return SourceFile(path, "code", CODE_LANGUAGES[ext])
+    return None
+
+
+def expand_sources(patterns: list[str]) -> list[SourceFile]:
+    """Every readable file the patterns name, deduplicated and sorted by path."""
+    found: dict[str, SourceFile] = {}
+    for pattern in patterns:
+        for source in _expand_one(pattern):
+            found[source.path] = source
+    return sorted(found.values())
+
+
+@dataclass
+class _Matches:
+    files: list[SourceFile] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)  # files with unknown extensions
+
+    def take(self, path: str) -> None:
+        source = classify(path)
+        if source is None:
+            self.skipped.append(path)
+        else:
+            self.files.append(source)
+
+
+def _expand_one(pattern: str) -> list[SourceFile]:
+    if not os.path.isabs(pattern):
+        raise SourceError(
+            f"source pattern {pattern!r} is not an absolute path: resolve it against the "
+            "spec file's folder before expanding data.sources"
+        )
+    pattern = os.path.normpath(pattern)
+    matches = _Matches()
+    # An existing path wins over glob syntax, so a file literally named "a[1].txt" still works.
+    if os.path.isfile(pattern):
+        source = classify(pattern)
+        if source is None:
+            raise SourceError(
+                f"source {pattern} has an unknown extension: rename it to one of "
+                f"{', '.join(known_extensions())} or remove it from data.sources"
+            )
+        return [source]
+    if os.path.isdir(pattern):
+        _walk(pattern, matches)
+    elif _MAGIC.search(pattern):
+        parts = PurePath(pattern).parts
+        _glob(parts[0], parts[1:], matches)
+    else:
+        raise SourceError(f"source {pattern} does not exist: check data.sources")
+    if not matches.files:
+        hint = ""
+        if matches.skipped:
+            hint = (
+                f" ({len(matches.skipped)} files with unknown extensions were skipped, e.g. "
+                f"{min(matches.skipped)}; known extensions: {', '.join(known_extensions())})"
+            )
+        raise SourceError(f"source pattern {pattern} matches no files{hint}: check data.sources")
+    return matches.files
+
+
+def _entries(directory: str) -> list[os.DirEntry[str]]:
+    try:
+        with os.scandir(directory) as it:
+            return list(it)
+    except OSError as err:
+        raise SourceError(
+            f"source folder {directory} cannot be listed ({err.strerror}): fix its permissions "
+            "or remove it from data.sources"
+        ) from None
+
+
+def _is_real_dir(entry: os.DirEntry[str]) -> bool:
+    # Directory symlinks are not followed: a link back up the tree would walk forever.
+    return entry.is_dir(follow_symlinks=False)
+
+
+def _walk(root: str, matches: _Matches) -> None:
+    stack = [root]
+    while stack:
+        for entry in _entries(stack.pop()):
+            if entry.name.startswith(".") or entry.name in _SKIPPED_NAMES:
+                continue
+            if _is_real_dir(entry):
+                stack.append(entry.path)
+            elif entry.is_file():  # follows file symlinks; broken links are neither
+                matches.take(entry.path)
+
+
+def _glob(base: str, parts: tuple[str, ...], matches: _Matches) -> None:
+    """Match path components one at a time, pruning directories that cannot match."""
+    if not parts:
+        if os.path.isdir(base):
+            _walk(base, matches)
+        elif os.path.isfile(base):
+            matches.take(base)
+        return
+    head, rest = parts[0], parts[1:]
+    if head == "**":
+        if not rest:  # "dir/**" is everything below dir
+            if os.path.isdir(base):
+                _walk(base, matches)
+            return
+        _glob(base, rest, matches)  # "**" as zero folders
+        if os.path.isdir(base):
+            for entry in _entries(base):
+                if _visible(entry.name, "*") and _is_real_dir(entry):
+                    _glob(entry.path, parts, matches)
+        return
+    if not _MAGIC.search(head):
+        child = os.path.join(base, head)
+        if not rest or os.path.isdir(child):
+            _glob(child, rest, matches)
+        return
+    if not os.path.isdir(base):
+        return
+    for entry in _entries(base):
+        if not (_visible(entry.name, head) and fnmatch.fnmatchcase(entry.name, head)):
+            continue
+        if _is_real_dir(entry):
+            _glob(entry.path, rest, matches)
+        elif not rest and entry.is_file():
+            matches.take(entry.path)
+
+
+def _visible(name: str, component: str) -> bool:
+    """Wildcards skip hidden and tool folders unless the pattern itself names a hidden entry."""
+    if name.startswith("."):
+        return component.startswith(".")
+    return name not in _SKIPPED_NAMES

@@ -1,0 +1,83 @@
+"""Where stages keep their outputs, and the done-records that make them idempotent.
+
+A stage writes its files, then one JSON record listing them with size and sha256, last and
+create-if-absent: a chunk with a record whose files verify is done and is skipped on retry;
+anything else (killed midway, half uploaded) is redone from scratch.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from infra.digest import sha256_file
+from infra.errors import ObjectNotFound
+from infra.store import LocalStore, ObjectStore, fetch_verified
+
+
+class SnapshotKeys:
+    """The store layout of one snapshot."""
+
+    def __init__(self, snapshot_id: str) -> None:
+        self.root = f"datasets/{snapshot_id}"
+
+    @property
+    def manifest(self) -> str:
+        return f"{self.root}/MANIFEST.json"
+
+    @property
+    def plan(self) -> str:
+        return f"{self.root}/work/plan.json"
+
+    def work(self, stage: str, name: str) -> str:
+        return f"{self.root}/work/{stage}/{name}"
+
+    def shard(self, name: str) -> str:
+        return f"{self.root}/shards/{name}"
+
+    def report(self, name: str) -> str:
+        return f"{self.root}/report/{name}"
+
+    def final(self, name: str) -> str:
+        return f"{self.root}/{name}"
+
+
+def chunk_name(index: int) -> str:
+    return f"{index:05d}"
+
+
+def done_record(store: ObjectStore, key: str) -> dict | None:
+    """The stage's record if it exists and every file it lists is intact, else None."""
+    try:
+        record = json.loads(store.get_bytes(key))
+    except ObjectNotFound:
+        return None
+    for entry in record["files"].values():
+        try:
+            if store.digest(entry["key"]) != (entry["bytes"], entry["sha256"]):
+                return None
+        except ObjectNotFound:
+            return None
+    return record
+
+
+def file_entry(store: ObjectStore, key: str, path: Path) -> dict:
+    """Upload `path` to `key` and describe it for a record or manifest."""
+    store.put_file(key, path)
+    return {"key": key, "bytes": path.stat().st_size, "sha256": sha256_file(path)}
+
+
+def commit_record(store: ObjectStore, key: str, record: dict) -> dict:
+    """Write the record last; if a concurrent attempt won the race, its record stands."""
+    if store.put_if_absent(key, json.dumps(record, indent=1, sort_keys=True).encode()):
+        return record
+    return json.loads(store.get_bytes(key))
+
+
+def local_copy(store: ObjectStore, entry: dict, cache: Path) -> Path:
+    """A local path for a file of a record that `done_record` verified: the store's own file
+    when the store is a local folder (no copy), else a download checked by sha256."""
+    if isinstance(store, LocalStore):
+        return store.root / entry["key"]
+    dest = cache / entry["sha256"]
+    return fetch_verified(store, entry["key"], dest, entry["sha256"], entry["bytes"])

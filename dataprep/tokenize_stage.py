@@ -1,0 +1,209 @@
+"""Stages 3 and 4: train the tokenizer on the deduplicated corpus, then tokenize each chunk
+into fixed-size token shards (each document followed by end-of-document)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import duckdb
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+from tokenizers import Tokenizer
+
+from dataprep.dedup_stage import scan_records
+from dataprep.near_dedup import connect
+from dataprep.plan import SnapshotPlan
+from dataprep.settings import SnapshotSettings
+from dataprep.shards import ShardWriter, token_dtype
+from dataprep.stage_store import (
+    SnapshotKeys,
+    chunk_name,
+    commit_record,
+    done_record,
+    file_entry,
+    local_copy,
+)
+from dataprep.tokenizer import build_tokenizer, end_of_document_id
+from infra.store import ObjectStore
+
+Progress = Callable[[str], None]
+SPLITS = ("train", "val")
+_BATCH = 1024
+
+
+def _required(store: ObjectStore, key: str, what: str) -> dict:
+    record = done_record(store, key)
+    if record is None:
+        raise RuntimeError(f"{what} has not finished: {key} is missing or incomplete")
+    return record
+
+
+def _kept_texts(
+    con: duckdb.DuckDBPyConnection, docs: list[Path], removed: Path, where: str = "TRUE"
+) -> Iterator[pa.RecordBatch]:
+    """Kept documents (not removed by dedup) in doc_id order, i.e. source order."""
+    files = "[" + ", ".join(f"'{p}'" for p in docs) + "]"
+    yield from con.sql(
+        f"""
+        SELECT d.doc_id, d.split, d.text FROM read_parquet({files}) d
+        ANTI JOIN read_parquet('{removed}') r ON d.doc_id = r.doc_id
+        WHERE {where} ORDER BY d.doc_id
+        """
+    ).to_arrow_reader(_BATCH)
+
+
+def train_tokenizer(
+    store: ObjectStore,
+    plan: SnapshotPlan,
+    settings: SnapshotSettings,
+    workdir: Path,
+    progress: Progress = lambda _: None,
+) -> dict:
+    keys = SnapshotKeys(plan.snapshot_id)
+    record_key = keys.work("tokenizer", "DONE.json")
+    if (record := done_record(store, record_key)) is not None:
+        return record
+    cache = workdir / "cache"
+    docs = [local_copy(store, r["files"]["docs"], cache) for r in scan_records(store, plan)]
+    dedup = _required(store, keys.work("dedup", "DONE.json"), "deduplication")
+    removed = local_copy(store, dedup["files"]["removed"], cache)
+    config = settings.tokenizer
+    con = connect(settings.dedup.memory_limit, workdir / "duckdb-spill")
+
+    def texts() -> Iterator[str]:
+        # BPE learns from the train split only (val stays unseen); a char vocabulary covers
+        # every kept document so validation text has no unknown characters.
+        where = "d.split = 'train'" if config.kind == "bpe" else "TRUE"
+        budget = config.train_bytes if config.kind == "bpe" else float("inf")
+        seen = 0
+        for batch in _kept_texts(con, docs, removed, where):
+            for text in batch.column("text").to_pylist():
+                yield text
+                seen += len(text)
+                if seen >= budget:
+                    return
+
+    progress(f"training the {config.kind} tokenizer")
+    tokenizer = build_tokenizer(config.kind, texts(), config.vocab_size)
+    folder = workdir / "tokenizer"
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / "tokenizer.json"
+    tokenizer.save(str(path))
+    record = {
+        "kind": config.kind,
+        "vocab_size": tokenizer.get_vocab_size(),
+        "end_of_document_id": end_of_document_id(tokenizer),
+        "files": {"tokenizer": file_entry(store, keys.work("tokenizer", "tokenizer.json"), path)},
+    }
+    progress(f"{config.kind} tokenizer: {record['vocab_size']} tokens")
+    return commit_record(store, record_key, record)
+
+
+def tokenize_chunk(
+    store: ObjectStore,
+    plan: SnapshotPlan,
+    index: int,
+    settings: SnapshotSettings,
+    workdir: Path,
+    progress: Progress = lambda _: None,
+) -> dict:
+    keys = SnapshotKeys(plan.snapshot_id)
+    name = chunk_name(index)
+    record_key = keys.work("tokenize", f"chunk-{name}.json")
+    if (record := done_record(store, record_key)) is not None:
+        return record
+    cache = workdir / "cache"
+    scan = _required(store, keys.work("scan", f"chunk-{name}.json"), f"scan of chunk {index}")
+    dedup = _required(store, keys.work("dedup", "DONE.json"), "deduplication")
+    vocab = _required(store, keys.work("tokenizer", "DONE.json"), "tokenizer training")
+    tokenizer = Tokenizer.from_file(str(local_copy(store, vocab["files"]["tokenizer"], cache)))
+    eod = vocab["end_of_document_id"]
+    dtype = token_dtype(vocab["vocab_size"])
+    docs = local_copy(store, scan["files"]["docs"], cache)
+    removed = local_copy(store, dedup["files"]["removed"], cache)
+
+    folder = workdir / "tokenize" / name
+    folder.mkdir(parents=True, exist_ok=True)
+    writers = {s: ShardWriter(folder, f"{s}-{name}", settings.shard_tokens, dtype) for s in SPLITS}
+    documents = dict.fromkeys(SPLITS, 0)
+    counted: dict[str, list] = {"doc_id": [], "tokens": []}
+    con = connect(settings.dedup.memory_limit, workdir / "duckdb-spill")
+    for batch in _kept_texts(con, [docs], removed):
+        rows = batch.to_pydict()
+        for doc_id, split, encoding in zip(
+            rows["doc_id"], rows["split"], tokenizer.encode_batch_fast(rows["text"]), strict=True
+        ):
+            ids = encoding.ids
+            ids.append(eod)
+            writers[split].add(ids)
+            documents[split] += 1
+            counted["doc_id"].append(doc_id)
+            counted["tokens"].append(len(ids))
+    tokens_path = folder / "tokens.parquet"
+    pq.write_table(
+        pa.table(counted, schema=pa.schema([("doc_id", pa.int64()), ("tokens", pa.int64())])),
+        tokens_path,
+    )
+
+    files = {
+        "tokens": file_entry(store, keys.work("tokenize", f"tokens-{name}.parquet"), tokens_path)
+    }
+    shards: dict[str, list[dict]] = {}
+    tails: dict[str, dict | None] = {}
+    for split, writer in writers.items():
+        written = writer.close()
+        full = [s for s in written if s.tokens == settings.shard_tokens]
+        partial = [s for s in written if s.tokens < settings.shard_tokens]
+        shards[split] = []
+        for shard in full:
+            entry = {
+                **file_entry(store, keys.shard(shard.path.name), shard.path),
+                "tokens": shard.tokens,
+            }
+            shards[split].append(entry)
+            files[shard.path.name] = entry
+        tails[split] = None
+        for shard in partial:  # at most one: the chunk's last, partly filled shard
+            entry = file_entry(store, keys.work("tokenize", shard.path.name), shard.path)
+            tails[split] = {**entry, "tokens": shard.tokens}
+            files[shard.path.name] = entry
+    record = {
+        "chunk": index,
+        "documents": documents,
+        "tokens": {s: writers[s].tokens for s in SPLITS},
+        "shards": shards,
+        "tails": tails,
+        "files": files,
+    }
+    progress(f"chunk {index}: {sum(record['tokens'].values())} tokens")
+    return commit_record(store, record_key, record)
+
+
+def merge_tails(
+    store: ObjectStore,
+    plan: SnapshotPlan,
+    records: list[dict],
+    dtype: np.dtype,
+    shard_tokens: int,
+    workdir: Path,
+) -> dict[str, list[dict]]:
+    """Pack every chunk's partial last shard, in chunk order, into full shards (the very last
+    one of each split may stay partial): the snapshot's only shards that are not full."""
+    keys = SnapshotKeys(plan.snapshot_id)
+    cache = workdir / "cache"
+    folder = workdir / "tails"
+    folder.mkdir(parents=True, exist_ok=True)
+    merged: dict[str, list[dict]] = {}
+    for split in SPLITS:
+        writer = ShardWriter(folder, f"{split}-tail", shard_tokens, dtype)
+        for record in records:
+            tail = record["tails"][split]
+            if tail is not None:
+                writer.add(np.fromfile(local_copy(store, tail, cache), dtype=dtype))
+        merged[split] = [
+            {**file_entry(store, keys.shard(s.path.name), s.path), "tokens": s.tokens}
+            for s in writer.close()
+        ]
+    return merged
