@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 FL     := $(BIN)/forgeline
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test test-all up down lint format clean
+.PHONY: demo test up down lint format clean bench-dataprep
 
 # torch first, pinned to the CPU wheel on this machine's disk: resolving `torch` through the
 # project's dependencies could pull a multi-GB CUDA build.
@@ -28,6 +28,11 @@ up: $(STAMP)
 
 down: $(STAMP)
 	$(FL) down
+
+# Data preparation beside datatrove and bare encode_batch (about 10 minutes; prints tables).
+bench-dataprep: $(STAMP)
+	$(BIN)/pip install --quiet -e '.[bench]'
+	$(BIN)/python -m bench.dataprep
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

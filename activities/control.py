@@ -13,6 +13,7 @@ from temporalio import activity
 
 from activities.errors import domain_errors
 from activities.fetch import NodeCache
+from activities.heartbeat import keep_alive
 from infra.code_version import code_version
 from infra.settings import Settings
 from infra.store import open_store
@@ -59,7 +60,7 @@ class ControlActivities:
 
     @activity.defn(name="evaluate")
     def evaluate(self, inp: EvaluateInput) -> EvalResult:
-        with domain_errors():
+        with domain_errors(), keep_alive():
             dataset = self.cache.dataset_manifest(inp.dataset)
             folder, manifest = self.cache.checkpoint(inp.checkpoint)
             activity.heartbeat("checkpoint fetched")

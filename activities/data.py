@@ -7,11 +7,13 @@ run, or a retry after the commit, has nothing to do).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 from temporalio import activity
 
 from activities.errors import domain_errors
+from activities.heartbeat import keep_alive
 from dataprep.dedup_stage import dedup_snapshot
 from dataprep.filters import FilterSettings
 from dataprep.minhash import MinHashSettings
@@ -89,7 +91,7 @@ class DataActivities:
 
     @activity.defn(name="plan_dataset")
     def plan_dataset(self, inp: DatasetInput) -> DatasetPlanRef:
-        with domain_errors():
+        with domain_errors(), keep_alive():
             plan = plan_snapshot(inp.data.sources, snapshot_settings(inp.data))
             found = existing_snapshot(self.store, plan.snapshot_id)
             if found is not None:
@@ -119,7 +121,7 @@ class DataActivities:
 
     @activity.defn(name="commit_dataset")
     def commit_dataset(self, inp: DataStageInput) -> DatasetRef:
-        with domain_errors():
+        with domain_errors(), keep_alive():
             if (found := existing_snapshot(self.store, inp.snapshot_id)) is not None:
                 return dataset_ref(found)
             plan = load_plan(self.store, inp.snapshot_id)
@@ -132,8 +134,8 @@ class DataActivities:
             )
         return dataset_ref(snapshot)
 
-    def _run(self, inp: DataStageInput, stage) -> None:
-        with domain_errors():
+    def _run(self, inp: DataStageInput, stage: Callable[..., object]) -> None:
+        with domain_errors(), keep_alive():
             if existing_snapshot(self.store, inp.snapshot_id) is not None:
                 return
             plan = load_plan(self.store, inp.snapshot_id)

@@ -33,6 +33,7 @@ def connect(memory_limit: str, temp_dir: Path, threads: int = 2) -> duckdb.DuckD
     con.execute(f"SET temp_directory = '{temp_dir}'")
     con.execute(f"SET threads = {int(threads)}")
     con.execute("SET preserve_insertion_order = false")  # lets big sorts and copies stream
+    con.execute("SET enable_progress_bar = false")  # workers log; a terminal bar is noise there
     return con
 
 

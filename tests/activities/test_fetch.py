@@ -1,0 +1,31 @@
+"""Loading a snapshot onto a node: every file is checked by sha256 where it is loaded."""
+
+from pathlib import Path
+
+import pytest
+
+from activities.data import dataset_ref
+from activities.fetch import NodeCache
+from dataprep.filters import FilterSettings
+from dataprep.settings import SnapshotSettings
+from dataprep.snapshot import prepare_snapshot
+from infra.errors import IntegrityError
+from infra.store import LocalStore
+
+
+def test_a_corrupt_shard_is_named_and_refused(corpus: Path, tmp_path: Path) -> None:
+    store = LocalStore(tmp_path / "store")
+    settings = SnapshotSettings(filters=FilterSettings(min_words=1), shard_tokens=20_000)
+    snapshot = prepare_snapshot([str(corpus)], settings, store, tmp_path / "work")
+    cache = NodeCache(tmp_path / "node-cache", store)
+    manifest = cache.dataset_manifest(dataset_ref(snapshot))
+    assert len(cache.split(manifest, "train")) == len(manifest["splits"]["train"]["shards"])
+
+    shard = manifest["splits"]["train"]["shards"][1]
+    data = bytearray((store.root / shard["key"]).read_bytes())
+    data[100] ^= 0x01
+    (store.root / shard["key"]).write_bytes(bytes(data))
+    # A fresh node (nothing cached) must refuse it, naming the shard and both hashes.
+    fresh = NodeCache(tmp_path / "other-node", store)
+    with pytest.raises(IntegrityError, match=rf"{shard['key']} is corrupt: expected .*sha256"):
+        fresh.split(manifest, "train")

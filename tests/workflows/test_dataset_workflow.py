@@ -1,0 +1,97 @@
+"""The DatasetSnapshot workflow on a real dev server, with the real data activities."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+from temporalio.client import Client, WorkflowFailureError
+from temporalio.contrib.pydantic import pydantic_data_converter
+from temporalio.worker import Worker
+
+from activities.data import DataActivities
+from infra.settings import Settings
+from infra.store import LocalStore
+from tests.conftest import SHAKESPEARE
+from workflows.dataset import STAGES, DatasetSnapshotWorkflow
+from workflows.models import DatasetInput, DatasetProgress, DatasetRef
+from workflows.names import DATA_TASK_QUEUE
+from workflows.spec import DataSpec, FilterSpec
+
+
+def run_dataset(address: str, task_queue: str, home: Path, data: DataSpec):
+    async def main() -> tuple[DatasetRef, DatasetProgress]:
+        client = await Client.connect(address, data_converter=pydantic_data_converter)
+        activities = DataActivities(Settings(home=home))
+        with ThreadPoolExecutor(2) as pool:
+            async with (
+                Worker(client, task_queue=task_queue, workflows=[DatasetSnapshotWorkflow]),
+                Worker(
+                    client,
+                    task_queue=DATA_TASK_QUEUE,
+                    activities=activities.all(),
+                    activity_executor=pool,
+                ),
+            ):
+                handle = await client.start_workflow(
+                    DatasetSnapshotWorkflow.run,
+                    DatasetInput(data=data, requested_by="test"),
+                    id=f"dataset-test-{uuid.uuid4().hex[:8]}",
+                    task_queue=task_queue,
+                )
+                result = await handle.result()
+                progress = await handle.query(
+                    DatasetSnapshotWorkflow.progress, result_type=DatasetProgress
+                )
+                return result, progress
+
+    return asyncio.run(main())
+
+
+@pytest.fixture
+def three_files(tmp_path: Path) -> Path:
+    """Three 600 KB files: with chunk_mb = 1, three chunks."""
+    folder = tmp_path / "corpus"
+    folder.mkdir()
+    text = SHAKESPEARE.read_text()
+    for i in range(3):
+        part = text[(i * 300_000) % 800_000 :][:300_000]
+        (folder / f"part-{i}.txt").write_text(part + "\n\n" + part)
+    return folder
+
+
+def test_stages_fan_out_over_chunks_and_a_second_run_reuses(
+    temporal_address: str, task_queue: str, tmp_path: Path, three_files: Path
+) -> None:
+    data = DataSpec(sources=[str(three_files)], filters=FilterSpec(min_words=1), chunk_mb=1)
+    dataset, progress = run_dataset(temporal_address, task_queue, tmp_path / "home", data)
+    assert not dataset.reused and dataset.train_tokens > 0 and dataset.val_tokens > 0
+    # Each file repeats its first half, and files overlap: exact dedup removes the copies.
+    assert dataset.duplicates_removed > dataset.documents / 3
+    assert [s.name for s in progress.stages] == list(STAGES)
+    totals = {s.name: (s.done, s.total) for s in progress.stages}
+    assert totals == {"plan": (1, 1), "scan": (3, 3), "dedup": (1, 1), "tokenizer": (1, 1),
+                      "tokenize": (3, 3), "commit": (1, 1)}  # fmt: skip
+    store = LocalStore(tmp_path / "home" / "store")
+    assert store.exists(dataset.manifest_key)
+
+    again, _ = run_dataset(temporal_address, task_queue, tmp_path / "home", data)
+    assert again.reused and again.manifest_sha256 == dataset.manifest_sha256
+
+
+def test_bad_input_fails_the_workflow_at_once_with_the_reason(
+    temporal_address: str, task_queue: str, tmp_path: Path
+) -> None:
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("{broken\n" * 20)
+    data = DataSpec(sources=[str(bad)])
+    with pytest.raises(WorkflowFailureError) as raised:
+        run_dataset(temporal_address, task_queue, tmp_path / "home", data)
+    cause = raised.value.cause
+    while getattr(cause, "cause", None) is not None:
+        cause = cause.cause
+    assert "bad.jsonl: 20 of 20 records are bad" in str(cause)
+    assert "data.max_bad_fraction" in str(cause)
