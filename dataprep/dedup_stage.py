@@ -21,11 +21,11 @@ from dataprep.plan import SnapshotPlan
 from dataprep.settings import SnapshotSettings
 from dataprep.stage_store import (
     SnapshotKeys,
-    chunk_name,
     commit_record,
     done_record,
     file_entry,
     local_copy,
+    required_record,
 )
 from infra.store import ObjectStore
 
@@ -38,13 +38,14 @@ _SNIPPET = 300
 def scan_records(store: ObjectStore, plan: SnapshotPlan) -> list[dict]:
     """Every chunk's scan record; a missing one means the scan stage is not finished."""
     keys = SnapshotKeys(plan.snapshot_id)
-    records = []
-    for chunk in plan.chunks:
-        record = done_record(store, keys.work("scan", f"chunk-{chunk_name(chunk.index)}.json"))
-        if record is None:
-            raise RuntimeError(f"chunk {chunk.index} of {plan.snapshot_id} is not scanned yet")
-        records.append(record)
-    return records
+    return [
+        required_record(
+            store,
+            keys.chunk_record("scan", c.index),
+            f"scan of chunk {c.index}",
+        )
+        for c in plan.chunks
+    ]
 
 
 def dedup_snapshot(

@@ -106,7 +106,7 @@ def scan_chunk(
     progress: Progress = lambda _: None,
 ) -> dict:
     keys = SnapshotKeys(plan.snapshot_id)
-    record_key = keys.work("scan", f"chunk-{chunk_name(index)}.json")
+    record_key = keys.chunk_record("scan", index)
     if (record := done_record(store, record_key)) is not None:
         progress(f"chunk {index} already scanned")
         return record

@@ -25,7 +25,12 @@ from dataprep.report import build_documents_table, summarize
 from dataprep.scan import scan_chunk
 from dataprep.settings import SnapshotSettings
 from dataprep.shards import token_dtype
-from dataprep.stage_store import SnapshotKeys, chunk_name, done_record, file_entry, local_copy
+from dataprep.stage_store import (
+    SnapshotKeys,
+    file_entry,
+    local_copy,
+    required_record,
+)
 from dataprep.tokenize_stage import SPLITS, merge_tails, tokenize_chunk, train_tokenizer
 from infra.digest import sha256_bytes
 from infra.errors import IntegrityError, ObjectNotFound
@@ -101,10 +106,10 @@ def commit_snapshot(
     keys = SnapshotKeys(plan.snapshot_id)
     cache = workdir / "cache"
     scans = scan_records(store, plan)
-    dedup = _record(store, keys.work("dedup", "DONE.json"), "deduplication")
-    vocab = _record(store, keys.work("tokenizer", "DONE.json"), "tokenizer training")
+    dedup = required_record(store, keys.work("dedup", "DONE.json"), "deduplication")
+    vocab = required_record(store, keys.work("tokenizer", "DONE.json"), "tokenizer training")
     tokenized = [
-        _record(store, keys.work("tokenize", f"chunk-{chunk_name(c.index)}.json"), "tokenizing")
+        required_record(store, keys.chunk_record("tokenize", c.index), "tokenizing")
         for c in plan.chunks
     ]
     documents = {
@@ -184,13 +189,6 @@ def commit_snapshot(
     return Snapshot(
         plan.snapshot_id, keys.manifest, committed.manifest_sha256, committed.manifest, False
     )
-
-
-def _record(store: ObjectStore, key: str, what: str) -> dict:
-    record = done_record(store, key)
-    if record is None:
-        raise RuntimeError(f"{what} has not finished: {key} is missing or incomplete")
-    return record
 
 
 def _refuse_empty(kept: dict[str, int], settings: SnapshotSettings) -> None:

@@ -32,6 +32,9 @@ class SnapshotKeys:
     def work(self, stage: str, name: str) -> str:
         return f"{self.root}/work/{stage}/{name}"
 
+    def chunk_record(self, stage: str, index: int) -> str:
+        return self.work(stage, f"chunk-{chunk_name(index)}.json")
+
     def shard(self, name: str) -> str:
         return f"{self.root}/shards/{name}"
 
@@ -58,6 +61,14 @@ def done_record(store: ObjectStore, key: str) -> dict | None:
                 return None
         except ObjectNotFound:
             return None
+    return record
+
+
+def required_record(store: ObjectStore, key: str, what: str) -> dict:
+    """The record a later stage depends on; its absence means the stages ran out of order."""
+    record = done_record(store, key)
+    if record is None:
+        raise RuntimeError(f"{what} has not finished: {key} is missing or incomplete")
     return record
 
 

@@ -24,6 +24,7 @@ from dataprep.stage_store import (
     done_record,
     file_entry,
     local_copy,
+    required_record,
 )
 from dataprep.tokenizer import build_tokenizer, end_of_document_id
 from infra.store import ObjectStore
@@ -31,13 +32,6 @@ from infra.store import ObjectStore
 Progress = Callable[[str], None]
 SPLITS = ("train", "val")
 _BATCH = 1024
-
-
-def _required(store: ObjectStore, key: str, what: str) -> dict:
-    record = done_record(store, key)
-    if record is None:
-        raise RuntimeError(f"{what} has not finished: {key} is missing or incomplete")
-    return record
 
 
 def _kept_texts(
@@ -67,7 +61,7 @@ def train_tokenizer(
         return record
     cache = workdir / "cache"
     docs = [local_copy(store, r["files"]["docs"], cache) for r in scan_records(store, plan)]
-    dedup = _required(store, keys.work("dedup", "DONE.json"), "deduplication")
+    dedup = required_record(store, keys.work("dedup", "DONE.json"), "deduplication")
     removed = local_copy(store, dedup["files"]["removed"], cache)
     config = settings.tokenizer
     con = connect(settings.dedup.memory_limit, workdir / "duckdb-spill")
@@ -111,13 +105,13 @@ def tokenize_chunk(
 ) -> dict:
     keys = SnapshotKeys(plan.snapshot_id)
     name = chunk_name(index)
-    record_key = keys.work("tokenize", f"chunk-{name}.json")
+    record_key = keys.chunk_record("tokenize", index)
     if (record := done_record(store, record_key)) is not None:
         return record
     cache = workdir / "cache"
-    scan = _required(store, keys.work("scan", f"chunk-{name}.json"), f"scan of chunk {index}")
-    dedup = _required(store, keys.work("dedup", "DONE.json"), "deduplication")
-    vocab = _required(store, keys.work("tokenizer", "DONE.json"), "tokenizer training")
+    scan = required_record(store, keys.chunk_record("scan", index), f"scan of chunk {index}")
+    dedup = required_record(store, keys.work("dedup", "DONE.json"), "deduplication")
+    vocab = required_record(store, keys.work("tokenizer", "DONE.json"), "tokenizer training")
     tokenizer = Tokenizer.from_file(str(local_copy(store, vocab["files"]["tokenizer"], cache)))
     eod = vocab["end_of_document_id"]
     dtype = token_dtype(vocab["vocab_size"])
