@@ -8,6 +8,7 @@ the heartbeat; the ranks are stopped before the cancellation is acknowledged.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import TypeVar
@@ -22,15 +23,24 @@ from infra.store import open_store
 from trainer.errors import RanksFailed
 from trainer.job import ResumePoint, TrainJob
 from trainer.launch import Rendezvous, run_ranks
-from workflows.models import NodeTrainInput, NodeTrainResult, TrainProgress
+from workflows.cluster_models import CheckpointCommitted
+from workflows.models import NodeStopInput, NodeTrainInput, NodeTrainResult, TrainProgress
+from workflows.names import CLUSTER_WORKFLOW_ID
 
 T = TypeVar("T")
+STOP_FILE = "STOP"
 
 
 class NodeActivities:
-    def __init__(self, settings: Settings, node_id: str) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        node_id: str,
+        on_cached: Callable[[str], Awaitable[None]] | None = None,
+    ) -> None:
         self.settings = settings
         self.node_id = node_id
+        self.on_cached = on_cached  # called when a dataset snapshot is in this node's cache
         self.store = open_store(settings.store)
         self.workdir = settings.home / "nodes" / node_id
         self.cache = NodeCache(self.workdir / "cache", self.store)
@@ -39,37 +49,34 @@ class NodeActivities:
     async def train_on_node(self, inp: NodeTrainInput) -> NodeTrainResult:
         allocation = inp.allocation
         generation = allocation.generation
-        spec = inp.spec
-
-        def beat(state: str, **progress: object) -> None:
-            activity.heartbeat(
-                TrainProgress(
-                    node_id=self.node_id,
-                    generation=generation,
-                    total_steps=spec.train.steps,
-                    state=state,
-                    **progress,
-                )
-            )
-
+        reporter = _Reporter(
+            self.node_id,
+            inp,
+            # One node of the gang tells the cluster about commits: what a preemption would lose.
+            tell_cluster=allocation.nodes[0].node_id == self.node_id,
+        )
         with domain_errors():
-            job = await _heartbeating(self._prepare_job(inp), lambda: beat("fetching"))
+            job = await _heartbeating(self._prepare_job(inp), lambda: reporter.beat("fetching"))
+        if self.on_cached is not None:
+            await self.on_cached(inp.dataset.snapshot_id)
         rdzv = Rendezvous(
             endpoint=allocation.rdzv_endpoint,
             run_id=f"{inp.run_id}-g{generation}",
             nnodes=len(allocation.nodes),
-            nproc_per_node=spec.resources.gpus_per_node,
+            nproc_per_node=inp.spec.resources.gpus_per_node,
         )
         try:
             tail = await run_ranks(
                 job,
-                self._generation_dir(inp),
+                self._generation_dir(inp.run_id, generation),
                 rdzv,
-                on_progress=lambda p: beat(**{"state": "starting", **p}),
-                threads_per_rank=spec.train.threads_per_rank,
+                on_progress=reporter.progress,
+                threads_per_rank=inp.spec.train.threads_per_rank,
             )
         except RanksFailed as err:
             raise ApplicationError(str(err), type="RanksFailed") from err
+        finally:
+            await reporter.flush()
         last = tail.latest
         return NodeTrainResult(
             node_id=self.node_id,
@@ -78,11 +85,20 @@ class NodeActivities:
             final_loss=last.get("loss"),
             tokens_per_s=last.get("tokens_per_s"),
             mfu=last.get("mfu"),
+            stopped=last.get("state") == "stopped",
         )
 
-    def _generation_dir(self, inp: NodeTrainInput) -> Path:
+    @activity.defn(name="stop_training")
+    async def stop_training(self, inp: NodeStopInput) -> None:
+        """Ask this node's ranks of one generation to checkpoint and exit (they poll the file;
+        the request stands even if their training activity has not started yet)."""
+        folder = self._generation_dir(inp.run_id, inp.generation)
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / STOP_FILE).write_text("checkpoint and exit\n")
+
+    def _generation_dir(self, run_id: str, generation: int) -> Path:
         """This node's folder for one generation of a run: job file, logs, progress, staging."""
-        return self.workdir / "runs" / inp.run_id / f"gen-{inp.allocation.generation}"
+        return self.workdir / "runs" / run_id / f"gen-{generation}"
 
     async def _prepare_job(self, inp: NodeTrainInput) -> TrainJob:
         return await asyncio.to_thread(self._prepare_job_sync, inp)
@@ -100,7 +116,7 @@ class NodeActivities:
                 manifest_key=inp.resume.manifest_key,
                 loss_history=manifest.get("loss_history", []),
             )
-        gen_dir = self._generation_dir(inp)
+        gen_dir = self._generation_dir(inp.run_id, inp.allocation.generation)
         return TrainJob(
             run_id=inp.run_id,
             node_id=self.node_id,
@@ -112,12 +128,56 @@ class NodeActivities:
             store_url=self.store.url,
             staging_dir=str(gen_dir / "staging"),
             progress_file=str(gen_dir / "progress.jsonl"),
+            stop_file=str(gen_dir / STOP_FILE),
             lineage={
                 "dataset_snapshot": inp.dataset.snapshot_id,
                 "dataset_manifest_sha256": inp.dataset.manifest_sha256,
             },
             resume=resume,
         )
+
+
+class _Reporter:
+    """Turns the ranks' progress into heartbeats, and commits into signals to the cluster."""
+
+    def __init__(self, node_id: str, inp: NodeTrainInput, tell_cluster: bool) -> None:
+        self.node_id = node_id
+        self.inp = inp
+        self.tell_cluster = tell_cluster
+        self.committed: int | None = inp.resume.step if inp.resume else None
+        self.pending: set[asyncio.Task] = set()
+
+    def beat(self, state: str, **progress: object) -> None:
+        activity.heartbeat(
+            TrainProgress(
+                node_id=self.node_id,
+                generation=self.inp.allocation.generation,
+                total_steps=self.inp.spec.train.steps,
+                state=state,
+                **progress,
+            )
+        )
+
+    def progress(self, latest: dict) -> None:
+        self.beat(**{"state": "starting", **latest})
+        step = latest.get("checkpoint_step")
+        if self.tell_cluster and step is not None and step != self.committed:
+            self.committed = step
+            task = asyncio.ensure_future(self._tell(step))
+            self.pending.add(task)
+            task.add_done_callback(self.pending.discard)
+
+    async def _tell(self, step: int) -> None:
+        committed = CheckpointCommitted(
+            run_id=self.inp.run_id, generation=self.inp.allocation.generation, step=step
+        )
+        with contextlib.suppress(Exception):  # advisory: it only sharpens preemption choices
+            handle = activity.client().get_workflow_handle(CLUSTER_WORKFLOW_ID)
+            await handle.signal("checkpoint_committed", committed)
+
+    async def flush(self) -> None:
+        if self.pending:
+            await asyncio.gather(*self.pending, return_exceptions=True)
 
 
 async def _heartbeating(work: Awaitable[T], beat: Callable[[], None], every_s: float = 1.0) -> T:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 import sys
 from pathlib import Path
@@ -24,7 +25,11 @@ def temporal_binary() -> str:
 
 
 def temporal_dev_server_argv(
-    db_file: Path, port: int, ui_port: int, headless: bool = False
+    db_file: Path,
+    port: int,
+    ui_port: int,
+    headless: bool = False,
+    dynamic_config: dict[str, object] | None = None,
 ) -> list[str]:
     # The SQLite file keeps every workflow's history across `forgeline down` / `up`.
     argv = [
@@ -35,6 +40,8 @@ def temporal_dev_server_argv(
         "--log-level", "warn",
     ]  # fmt: skip
     argv += ["--headless"] if headless else ["--ui-port", str(ui_port)]
+    for key, value in (dynamic_config or {}).items():
+        argv += ["--dynamic-config-value", f"{key}={json.dumps(value)}"]
     return argv
 
 

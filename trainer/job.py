@@ -29,6 +29,7 @@ class TrainJob:
     staging_dir: str
     progress_file: str
     lineage: dict = field(default_factory=dict)  # dataset snapshot, spec hash: into every manifest
+    stop_file: str = ""  # when it appears, the ranks checkpoint and exit (preemption, drain)
     resume: ResumePoint | None = None
 
     def write(self, path: Path) -> Path:

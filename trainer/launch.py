@@ -74,9 +74,13 @@ class ProgressTail:
             event = json.loads(line)
             if event["event"] == "checkpoint":
                 self.latest["checkpoint_step"] = event["step"]
+            elif event["event"] in ("stopped", "done"):
+                self.latest["step"] = event["step"]
             elif event["event"] == "step":
                 self.latest.update({k: event[k] for k in _STEP_FIELDS if k in event})
-            self.latest["state"] = "training" if event["event"] != "done" else "done"
+            self.latest["state"] = {"done": "done", "stopped": "stopped"}.get(
+                event["event"], "training"
+            )
 
 
 async def run_ranks(

@@ -54,6 +54,13 @@ class ProgressFile:
             self._handle.write(json.dumps({"time": time.time(), **event}) + "\n")
 
 
+def stop_requested(stop_file: Path | None) -> bool:
+    """True on every rank once any node's agent has asked its ranks to stop (a collective)."""
+    asked = torch.tensor([int(stop_file is not None and stop_file.exists())])
+    dist.all_reduce(asked, op=dist.ReduceOp.MAX)
+    return bool(asked.item())
+
+
 def main(job_path: str) -> None:
     exit_with_parent()
     job = TrainJob.read(Path(job_path))
@@ -64,6 +71,7 @@ def main(job_path: str) -> None:
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     progress = ProgressFile(job.progress_file, enabled=local_rank == 0)
     store = open_store(job.store_url)
+    stop_file = Path(job.stop_file) if job.stop_file else None
 
     model_config = GPTConfig(**job.model)
     torch.manual_seed(cfg["seed"])  # same initial weights on every rank
@@ -125,7 +133,9 @@ def main(job_path: str) -> None:
             )
             window_start, window_steps = time.perf_counter(), 0
 
-        if step % cfg["checkpoint_every"] == 0 or step == total_steps:
+        # Asked to stop (preemption, drain): every rank must agree, then checkpoint and exit.
+        stop = stop_requested(stop_file)
+        if stop or step % cfg["checkpoint_every"] == 0 or step == total_steps:
             started = time.perf_counter()
             key = save_checkpoint(
                 model=ddp,
@@ -155,6 +165,10 @@ def main(job_path: str) -> None:
                 seconds=time.perf_counter() - started,
             )
             window_start = time.perf_counter()  # the save is not training throughput
+        if stop:
+            progress.write(event="stopped", step=step, tokens_seen=tokens_seen)
+            dist.destroy_process_group()
+            return
 
     progress.write(event="done", step=step, tokens_seen=tokens_seen)
     dist.destroy_process_group()

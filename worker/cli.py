@@ -5,21 +5,21 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import re
 import sys
 import time
-from collections.abc import Awaitable
 from pathlib import Path
-from typing import Annotated, TypeVar
+from typing import Annotated
 
 import typer
-from rich.console import Console
 from temporalio.client import WorkflowExecutionStatus, WorkflowUpdateFailedError
 from temporalio.service import RPCError
 
 from infra.errors import StackError
-from infra.settings import Settings, load_settings, state_home
+from infra.settings import Settings, state_home
 from worker import stack
+from worker.cli_common import CliError, check_name, console, get_client, get_settings
+from worker.cli_common import run as run_async
+from worker.cluster_cli import cluster_app, jobs, node_app, nodes, queues
 from worker.data_cli import (
     DataCliError,
     data_app,
@@ -29,50 +29,20 @@ from worker.data_cli import (
     render_report,
     write_report,
 )
-from worker.render import nodes_table, progress_line, run_link, runs_table, status_text
+from worker.render import progress_line, run_link, runs_table, status_text
 from worker.runs import RunNotFound, list_run_names, submit, view
 from worker.specfile import SpecError, load_spec, spec_sha256
-from worker.temporal_client import connect
-from workflows.models import ClusterState, Decision, Phase, RunStatus
-from workflows.names import CLUSTER_WORKFLOW_ID
-from workflows.spec import NAME_PATTERN, NAME_RULE
+from workflows.models import Decision, Phase, RunStatus
 
 app = typer.Typer(help=__doc__, no_args_is_help=True, add_completion=False)
 worker_app = typer.Typer(help="Processes started by `forgeline up` (not for direct use).")
 app.add_typer(worker_app, name="worker", hidden=True)
 app.add_typer(data_app, name="data")
-# Piped output (logs, tests) gets wide tables instead of rich's 80-column default.
-console = Console(highlight=False, soft_wrap=True, width=None if sys.stdout.isatty() else 200)
-T = TypeVar("T")
-
-
-class CliError(Exception):
-    """Shown to the user as one line, without a traceback."""
-
-
-def _run(coro: Awaitable[T]) -> T:
-    return asyncio.run(coro)  # type: ignore[arg-type]
-
-
-def _settings() -> Settings:
-    return load_settings()
-
-
-async def _client(settings: Settings):
-    try:
-        return await connect(settings)
-    except RuntimeError as err:
-        reason = "connection refused" if "Connection refused" in str(err) else str(err)[:200]
-        raise CliError(
-            f"cannot reach Temporal at {settings.temporal_address} ({reason}): "
-            "start the local stack with `forgeline up`"
-        ) from None
-
-
-def _check_name(name: str, what: str = "run name") -> str:
-    if not re.match(NAME_PATTERN, name):
-        raise CliError(f"{what} {name!r} is not valid: use {NAME_RULE}")
-    return name
+app.add_typer(cluster_app, name="cluster")
+app.add_typer(node_app, name="node")
+app.command()(nodes)
+app.command()(queues)
+app.command()(jobs)
 
 
 def _print_links(settings: Settings) -> None:
@@ -127,10 +97,10 @@ def run(
         spec = load_spec(spec_file, {"owner": owner} if owner else None)
     except SpecError as err:
         raise CliError(f"{spec_file}: {err}") from None
-    settings = _settings()
+    settings = get_settings()
 
     async def go() -> int:
-        client = await _client(settings)
+        client = await get_client(settings)
         _handle, started = await submit(client, spec, spec_sha256(spec))
         if started:
             console.print(f"submitted run {spec.name}")
@@ -148,7 +118,7 @@ def run(
         _print_links(settings)
         return 0 if status.phase in (Phase.AWAITING_APPROVAL, Phase.APPROVED) else 1
 
-    raise typer.Exit(_run(go()))
+    raise typer.Exit(run_async(go()))
 
 
 async def _follow(client, name: str, poll_s: float = 1.0) -> RunStatus:
@@ -183,14 +153,14 @@ async def _follow(client, name: str, poll_s: float = 1.0) -> RunStatus:
 @app.command()
 def runs() -> None:
     """Table of runs: name, phase, step, loss, attempts."""
-    settings = _settings()
+    settings = get_settings()
 
     async def go():
-        client = await _client(settings)
+        client = await get_client(settings)
         names = await list_run_names(client)
         return await asyncio.gather(*(view(client, n) for n in names))
 
-    views = _run(go())
+    views = run_async(go())
     if not views:
         console.print("no runs yet: `forgeline run examples/tiny.toml`")
         return
@@ -200,22 +170,22 @@ def runs() -> None:
 @app.command()
 def status(name: Annotated[str, typer.Argument(help="run name")]) -> None:
     """Phase, allocation and generation, last committed checkpoint, metrics."""
-    settings = _settings()
-    _check_name(name)
+    settings = get_settings()
+    check_name(name)
 
     async def go():
-        return await view(await _client(settings), name)
+        return await view(await get_client(settings), name)
 
-    console.print(status_text(_run(go()), settings))
+    console.print(status_text(run_async(go()), settings))
 
 
 def _decide(name: str, decision: Decision) -> None:
-    settings = _settings()
-    _check_name(name)
-    _check_name(decision.approver, "approver")
+    settings = get_settings()
+    check_name(name)
+    check_name(decision.approver, "approver")
 
     async def go() -> RunStatus:
-        client = await _client(settings)
+        client = await get_client(settings)
         current = await view(client, name)
         if current.status.phase != Phase.AWAITING_APPROVAL:
             raise CliError(
@@ -229,7 +199,7 @@ def _decide(name: str, decision: Decision) -> None:
             cause = err.cause
             raise CliError(str(getattr(cause, "message", cause) or err)) from None
 
-    status = _run(go())
+    status = run_async(go())
     mv = status.model_version
     console.print(
         f"run {name}: {status.phase.value}" + (f" ({mv.model_name} v{mv.version})" if mv else "")
@@ -264,11 +234,11 @@ def cancel(
     wait_s: Annotated[float, typer.Option(help="how long to wait for the ranks to stop")] = 120,
 ) -> None:
     """Cancel a run: its ranks are stopped and its gang is released."""
-    settings = _settings()
-    _check_name(name)
+    settings = get_settings()
+    check_name(name)
 
     async def go() -> RunStatus:
-        client = await _client(settings)
+        client = await get_client(settings)
         current = await view(client, name)
         if current.execution != WorkflowExecutionStatus.RUNNING:
             raise CliError(f"run {name} is not running ({current.status.phase.value})")
@@ -284,27 +254,8 @@ def cancel(
             f"run {name} is still stopping after {wait_s:.0f} s; check `forgeline status {name}`"
         )
 
-    final = _run(go())
+    final = run_async(go())
     console.print(f"run {name}: {final.phase.value}; its nodes are released")
-
-
-@app.command()
-def nodes() -> None:
-    """The cluster's nodes (state, run, generation) and the runs waiting for a gang."""
-    settings = _settings()
-
-    async def go() -> ClusterState:
-        client = await _client(settings)
-        handle = client.get_workflow_handle(CLUSTER_WORKFLOW_ID)
-        return await handle.query("state", result_type=ClusterState)
-
-    state = _run(go())
-    console.print(nodes_table(state))
-    for request in state.queue:
-        console.print(
-            f"queued: {request.run_id} wants {request.nodes} node(s) × "
-            f"{request.gpus_per_node} GPU slot(s)"
-        )
 
 
 # --- data -----------------------------------------------------------------------------------------
@@ -319,12 +270,12 @@ def data_prepare(
         spec = load_spec(spec_file)
     except SpecError as err:
         raise CliError(f"{spec_file}: {err}") from None
-    settings = _settings()
+    settings = get_settings()
 
     async def go():
-        return await prepare(await _client(settings), spec.data, console)
+        return await prepare(await get_client(settings), spec.data, console)
 
-    dataset = _run(go())
+    dataset = run_async(go())
     console.print(data_summary(dataset))
     render_report(load_report(settings, dataset.snapshot_id), console)
 
@@ -335,7 +286,7 @@ def data_report(
     out: Annotated[Path | None, typer.Option(help="default: report-SNAPSHOT.json")] = None,
 ) -> None:
     """What happened to every document of a snapshot: per source, filter, dedup and split."""
-    report = load_report(_settings(), snapshot)
+    report = load_report(get_settings(), snapshot)
     render_report(report, console)
     path = write_report(report, out or Path(f"report-{snapshot}.json"))
     console.print(f"wrote {path}")
@@ -348,14 +299,14 @@ def data_report(
 def control_worker() -> None:
     from worker.processes_main import run_control_worker
 
-    _run(run_control_worker(_settings()))
+    run_async(run_control_worker(get_settings()))
 
 
 @worker_app.command("data")
 def data_worker(name: Annotated[str, typer.Option()] = "data-0") -> None:
     from worker.processes_main import run_data_worker
 
-    _run(run_data_worker(_settings(), _check_name(name, "worker name")))
+    run_async(run_data_worker(get_settings(), check_name(name, "worker name")))
 
 
 @worker_app.command("node")
@@ -368,8 +319,10 @@ def node_agent(
 ) -> None:
     from worker.processes_main import run_node_agent
 
-    node_id = _check_name(node_id, "node id")
-    _run(run_node_agent(_settings(), node_id, gpus, host, _check_name(pod, "pod"), incarnation))
+    node_id = check_name(node_id, "node id")
+    run_async(
+        run_node_agent(get_settings(), node_id, gpus, host, check_name(pod, "pod"), incarnation)
+    )
 
 
 def main() -> None:

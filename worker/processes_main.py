@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import signal
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
+from pathlib import Path
 
 from temporalio.worker import Worker
 
@@ -18,8 +20,8 @@ from infra.processes import free_port
 from infra.settings import Settings
 from worker.temporal_client import connect, ensure_cluster, register_node
 from workflows.cluster import ClusterWorkflow
+from workflows.cluster_models import NodeInfo
 from workflows.dataset import DatasetSnapshotWorkflow
-from workflows.models import NodeInfo
 from workflows.names import (
     CLUSTER_WORKFLOW_ID,
     CONTROL_TASK_QUEUE,
@@ -69,6 +71,27 @@ async def run_data_worker(settings: Settings, name: str) -> None:
         await _run_until_signalled(worker)
 
 
+class CachedSnapshots:
+    """The dataset snapshots this node has fetched, kept across agent restarts."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def load(self) -> list[str]:
+        try:
+            return sorted(json.loads(self.path.read_text()))
+        except (OSError, ValueError):
+            return []
+
+    def add(self, snapshot_id: str) -> bool:
+        known = set(self.load())
+        if snapshot_id in known:
+            return False
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.path.write_text(json.dumps(sorted(known | {snapshot_id})))
+        return True
+
+
 async def run_node_agent(
     settings: Settings,
     node_id: str,
@@ -78,6 +101,7 @@ async def run_node_agent(
     incarnation: str | None = None,
 ) -> None:
     client = await connect(settings)
+    cached = CachedSnapshots(settings.home / "nodes" / node_id / "cache" / "snapshots.json")
     info = NodeInfo(
         node_id=node_id,
         host=host,
@@ -86,12 +110,21 @@ async def run_node_agent(
         # The port this node serves the gang's c10d rendezvous on when it is the gang's head.
         rdzv_port=free_port(),
         incarnation=incarnation or uuid.uuid4().hex,
+        cached=cached.load(),
     )
-    activities = NodeActivities(settings, node_id)
+
+    async def on_cached(snapshot_id: str) -> None:
+        # Tell the scheduler, which places runs of this snapshot here first.
+        nonlocal info
+        if cached.add(snapshot_id):
+            info = info.model_copy(update={"cached": cached.load()})
+            await register_node(client, info)
+
+    activities = NodeActivities(settings, node_id, on_cached)
     worker = Worker(
         client,
         task_queue=node_task_queue(node_id),
-        activities=[activities.train_on_node],
+        activities=[activities.train_on_node, activities.stop_training],
         # Send every heartbeat within a second: progress shows live and cancellation
         # reaches the ranks fast (the default throttle is 0.8 × the heartbeat timeout).
         max_heartbeat_throttle_interval=timedelta(seconds=1),

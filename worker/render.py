@@ -8,7 +8,7 @@ from rich.table import Table
 
 from infra.settings import Settings
 from worker.runs import RunView
-from workflows.models import ClusterState, DatasetProgress
+from workflows.models import DatasetProgress
 
 
 def _num(value: float | None, fmt: str) -> str:
@@ -137,6 +137,12 @@ def status_text(view: RunView, settings: Settings) -> str:
     if s.decision:
         verb = "approved" if s.decision.approve else "rejected"
         lines.append(f"decision       {verb} by {s.decision.approver} {s.decision.reason}".rstrip())
+    for preempted in s.preemptions:
+        where = f" at step {preempted.step}" if preempted.step is not None else ""
+        lines.append(
+            f"preempted      gen {preempted.generation} at {preempted.at:%H:%M:%S}{where}: "
+            f"{preempted.reason}"
+        )
     for failure in s.failures:
         lines.append(
             f"failure        gen {failure.generation} at {failure.at:%H:%M:%S}: {failure.reason}"
@@ -151,20 +157,3 @@ def status_text(view: RunView, settings: Settings) -> str:
 
 def run_link(settings: Settings, name: str) -> str:
     return f"{settings.temporal_ui_url}/namespaces/{settings.temporal_namespace}/workflows/{name}"
-
-
-def nodes_table(state: ClusterState) -> Table:
-    table = Table(title="nodes")
-    for column in ("node", "state", "gpus", "pod", "run", "generation", "note"):
-        table.add_column(column)
-    for node in sorted(state.nodes, key=lambda n: n.info.node_id):
-        table.add_row(
-            node.info.node_id,
-            node.state.value,
-            str(node.info.gpus),
-            node.info.pod,
-            node.run_id or "-",
-            str(node.generation or "-"),
-            node.down_reason or "",
-        )
-    return table

@@ -36,6 +36,11 @@ def _explain(error: dict) -> str:
     return f"{where}: {message} (got {error['input']!r})" if "input" in error else message
 
 
+def explain_errors(err: ValidationError) -> str:
+    """One line per problem, each naming the field and what is allowed."""
+    return "\n  ".join(_explain(e) for e in err.errors(include_url=False))
+
+
 def parse_spec(data: dict, spec_dir: Path, overrides: dict | None = None) -> RunSpec:
     """Validate a spec; data sources become absolute paths, resolved against the spec's folder."""
     data = {**data, **(overrides or {})}
@@ -50,8 +55,7 @@ def parse_spec(data: dict, spec_dir: Path, overrides: dict | None = None) -> Run
     try:
         return RunSpec.model_validate(data)
     except ValidationError as err:
-        problems = "\n  ".join(_explain(e) for e in err.errors(include_url=False))
-        raise SpecError(f"invalid run spec:\n  {problems}") from None
+        raise SpecError(f"invalid run spec:\n  {explain_errors(err)}") from None
 
 
 def load_spec(path: Path, overrides: dict | None = None) -> RunSpec:

@@ -26,7 +26,7 @@ from infra.local_servers import (
 from infra.processes import ManagedProcess, free_port, http_ok, port_is_open, wait_until
 from infra.settings import Settings, load_settings
 from worker.temporal_client import connect, ensure_cluster
-from workflows.models import ClusterState, NodeState
+from workflows.cluster_models import ClusterState, Health
 from workflows.names import CLUSTER_WORKFLOW_ID
 
 TEMPORAL, MLFLOW, CONTROL = "temporal", "mlflow", "control-worker"
@@ -196,7 +196,7 @@ async def _wait_for_nodes(
             ready = {
                 n.info.node_id
                 for n in state.nodes
-                if n.state != NodeState.DOWN
+                if n.health != Health.DOWN
                 and expected.get(n.info.node_id) in (None, n.info.incarnation)
             }
             if set(expected) <= ready:

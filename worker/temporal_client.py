@@ -7,7 +7,7 @@ from temporalio.common import WorkflowIDConflictPolicy
 from temporalio.contrib.pydantic import pydantic_data_converter
 
 from infra.settings import Settings
-from workflows.models import ClusterState, NodeInfo
+from workflows.cluster_models import ClusterState, NodeInfo
 from workflows.names import CLUSTER_WORKFLOW_ID, CONTROL_TASK_QUEUE
 
 

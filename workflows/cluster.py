@@ -1,28 +1,46 @@
 """The `Cluster` entity workflow: one per cluster, it owns every node and every allocation.
 
-Node agents register by signal; training runs ask for gangs, release them and report failed
-nodes by signal; grants go back to the run as a signal. Everything is keyed by generation: a
-release or report that names an older generation than the allocation's is stale and ignored.
+Node agents register by signal; training runs ask for gangs, release them, report failed nodes
+and committed checkpoints by signal; grants and preemption notices go back to the runs as
+signals. Operators change the configuration and drain nodes by update. After every change (and
+at least once a minute, for aging, usage decay and deadlines) one pure scheduling pass decides
+grants, preemptions, the head-of-line reservation and the spare pool. Everything is keyed by
+generation: a release, report or checkpoint naming an older generation than the allocation's is
+stale and ignored.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+from datetime import datetime, timedelta
+
 from temporalio import workflow
+from temporalio.exceptions import ApplicationError
 
 with workflow.unsafe.imports_passed_through():
-    from workflows.models import (
+    from workflows.cluster_models import (
         Allocation,
+        CheckpointCommitted,
+        ClusterConfig,
         ClusterState,
         GangRequest,
+        Health,
         Node,
+        NodeAdmin,
         NodeFailure,
         NodeInfo,
-        NodeState,
+        PreemptNotice,
         Release,
     )
-    from workflows.scheduling import schedule_fifo
+    from workflows.quotas import decay_usage
+    from workflows.scheduler import Decisions, expected_end, schedule
 
 GANG_GRANTED_SIGNAL = "gang_granted"
+PREEMPT_SIGNAL = "preempt"
+_TICK = timedelta(seconds=60)
+# A victim that has not released this long after its grace period is revoked by force.
+_REVOKE_MARGIN = timedelta(seconds=30)
 
 
 @workflow.defn(name="Cluster")
@@ -30,20 +48,22 @@ class ClusterWorkflow:
     @workflow.init
     def __init__(self, state: ClusterState | None = None) -> None:
         self._state = state or ClusterState()
-        self._outbox: list[Allocation] = []
+        self._outbox: list[tuple[str, str, object]] = []  # (run id, signal, argument)
         self._dirty = True
 
     @workflow.run
     async def run(self, state: ClusterState | None = None) -> None:
         while True:
-            await workflow.wait_condition(
-                lambda: self._dirty or bool(self._outbox) or self._should_continue_as_new()
-            )
-            if self._dirty:
-                self._dirty = False
-                self._schedule()
+            with contextlib.suppress(asyncio.TimeoutError):  # a tick: aging, decay, deadlines
+                await workflow.wait_condition(
+                    lambda: self._dirty or bool(self._outbox) or self._should_continue_as_new(),
+                    timeout=self._until_next_deadline(),
+                )
+            self._dirty = False
+            self._pass(workflow.now())
             while self._outbox:
-                await self._send_grant(self._outbox.pop(0))
+                run_id, signal, argument = self._outbox.pop(0)
+                await self._send(run_id, signal, argument)
             if self._should_continue_as_new():
                 await workflow.wait_condition(workflow.all_handlers_finished)
                 workflow.continue_as_new(self._state)
@@ -51,7 +71,15 @@ class ClusterWorkflow:
     def _should_continue_as_new(self) -> bool:
         return workflow.info().is_continue_as_new_suggested()
 
-    # --- signals ---------------------------------------------------------------------------
+    def _until_next_deadline(self) -> timedelta:
+        now = workflow.now()
+        deadlines = [
+            a.preempting.deadline + _REVOKE_MARGIN for a in self._state.allocations if a.preempting
+        ]
+        soonest = min(deadlines, default=now + _TICK)
+        return max(timedelta(seconds=1), min(_TICK, soonest - now))
+
+    # --- signals from node agents and runs --------------------------------------------------
 
     @workflow.signal
     def register_node(self, info: NodeInfo) -> None:
@@ -61,10 +89,10 @@ class ClusterWorkflow:
         else:
             restarted = node.info.incarnation != info.incarnation
             node.info = info
-            # A restarted agent that was down is healthy again; an allocated one stays
-            # allocated until its run releases it, so it is never booked twice.
-            if restarted and node.state == NodeState.DOWN:
-                node.state = NodeState.IDLE
+            # A restarted agent that was down is healthy again; the GPUs its old gangs hold
+            # stay held until those runs release them, so nothing is ever booked twice.
+            if restarted and node.health == Health.DOWN:
+                node.health = Health.HEALTHY
                 node.down_reason = None
         self._dirty = True
 
@@ -73,7 +101,7 @@ class ClusterWorkflow:
         """The agent is shutting down: its node takes no new work until it registers again."""
         node = self._node(info.node_id)
         if node is not None and node.info.incarnation == info.incarnation:
-            node.state = NodeState.DOWN
+            node.health = Health.DOWN
             node.down_reason = "agent stopped"
             self._dirty = True
 
@@ -82,9 +110,11 @@ class ClusterWorkflow:
         held = self._allocation(request.run_id)
         if held is not None:
             # The run asked again (e.g. its workflow task was retried): resend what it holds.
-            self._outbox.append(held)
+            self._outbox.append((held.run_id, GANG_GRANTED_SIGNAL, held))
             return
         if all(r.run_id != request.run_id for r in self._state.queue):
+            if request.submitted_at is None:
+                request = request.model_copy(update={"submitted_at": workflow.now()})
             self._state.queue.append(request)
             self._dirty = True
 
@@ -92,31 +122,53 @@ class ClusterWorkflow:
     def release(self, release: Release) -> None:
         self._state.queue = [r for r in self._state.queue if r.run_id != release.run_id]
         held = self._allocation(release.run_id)
-        if held is None or held.generation != release.generation:
-            return
-        self._state.allocations.remove(held)
-        for node in self._state.nodes:
-            if node.run_id == release.run_id and node.generation == release.generation:
-                if node.state == NodeState.ALLOCATED:
-                    node.state = NodeState.IDLE
-                node.run_id = None
-                node.generation = None
+        if held is not None and held.generation == release.generation:
+            self._free(held)
         self._dirty = True
 
     @workflow.signal
     def report_failure(self, failure: NodeFailure) -> None:
         node = self._node(failure.node_id)
-        if node is None or node.generation != failure.generation:
+        held = self._allocation(failure.run_id)
+        if node is None or held is None or held.generation != failure.generation:
             return
-        node.state = NodeState.DOWN
+        node.health = Health.DOWN
         node.down_reason = failure.reason
         self._dirty = True
+
+    @workflow.signal
+    def checkpoint_committed(self, committed: CheckpointCommitted) -> None:
+        held = self._allocation(committed.run_id)
+        if held is not None and held.generation == committed.generation:
+            held.last_checkpoint_at = workflow.now()
+
+    # --- operators ---------------------------------------------------------------------------
+
+    @workflow.update
+    def apply_config(self, config: ClusterConfig) -> ClusterConfig:
+        self._state.config = config
+        self._dirty = True
+        return config
+
+    @workflow.update
+    def set_node_admin(self, change: NodeAdmin) -> Node:
+        node = self._node(change.node_id)
+        assert node is not None  # the validator refused unknown nodes
+        node.admin = change.admin
+        self._dirty = True
+        return node
+
+    @set_node_admin.validator
+    def _known_node(self, change: NodeAdmin) -> None:
+        if self._node(change.node_id) is None:
+            known = ", ".join(sorted(n.info.node_id for n in self._state.nodes)) or "none"
+            raise ApplicationError(f"no node {change.node_id!r} (known: {known})")
 
     @workflow.query
     def state(self) -> ClusterState:
         return self._state
 
-    # --- internals -------------------------------------------------------------------------
+    # --- internals ---------------------------------------------------------------------------
 
     def _node(self, node_id: str) -> Node | None:
         return next((n for n in self._state.nodes if n.info.node_id == node_id), None)
@@ -124,26 +176,74 @@ class ClusterWorkflow:
     def _allocation(self, run_id: str) -> Allocation | None:
         return next((a for a in self._state.allocations if a.run_id == run_id), None)
 
-    def _schedule(self) -> None:
-        for request, placed in schedule_fifo(self._state.nodes, self._state.queue):
-            generation = self._state.next_generation
-            self._state.next_generation += 1
-            allocation = Allocation(run_id=request.run_id, generation=generation, nodes=placed)
-            taken = {info.node_id for info in placed}
-            for node in self._state.nodes:
-                if node.info.node_id in taken:
-                    node.state = NodeState.ALLOCATED
-                    node.run_id = request.run_id
-                    node.generation = generation
-            self._state.queue.remove(request)
-            self._state.allocations.append(allocation)
-            self._outbox.append(allocation)
+    def _free(self, allocation: Allocation) -> None:
+        self._state.allocations.remove(allocation)
+        for node in self._state.nodes:
+            node.jobs.pop(allocation.run_id, None)
 
-    async def _send_grant(self, allocation: Allocation) -> None:
-        try:
-            await workflow.get_external_workflow_handle(allocation.run_id).signal(
-                GANG_GRANTED_SIGNAL, allocation
+    def _pass(self, now: datetime) -> None:
+        state = self._state
+        for allocation in list(state.allocations):
+            preempting = allocation.preempting
+            if preempting and now > preempting.deadline + _REVOKE_MARGIN:
+                # The victim neither checkpointed nor released in time: take the nodes back.
+                # Its generation is retired, so anything it still sends is ignored.
+                workflow.logger.warning("revoking %s: grace period over", allocation.run_id)
+                self._free(allocation)
+        half_life_s = state.config.fair_share_half_life_h * 3600
+        state.usage = decay_usage(state.usage, state.usage_at, now, half_life_s, state.allocations)
+        state.usage_at = now
+        self._apply(schedule(state, now), now)
+
+    def _apply(self, decisions: Decisions, now: datetime) -> None:
+        state = self._state
+        for node in state.nodes:
+            node.spare = node.info.node_id in decisions.spares
+        default_runtime_s = state.config.default_max_runtime_h * 3600
+        for request, node_ids in decisions.grants:
+            nodes = [self._node(i) for i in node_ids]
+            held_per_node = request.gpus_per_node
+            for node in nodes:
+                assert node is not None
+                # A multi-node gang holds its nodes whole; a single-node job what it asked for.
+                take = node.info.gpus if request.nodes > 1 else request.gpus_per_node
+                node.jobs[request.run_id] = take
+                held_per_node = take
+            allocation = Allocation(
+                run_id=request.run_id,
+                generation=state.next_generation,
+                nodes=[n.info for n in nodes if n is not None],
+                gpus_per_node=held_per_node,
+                team=request.team,
+                priority=request.priority,
+                preemptible=request.preemptible,
+                granted_at=now,
+                expected_end=expected_end(request, now, default_runtime_s),
             )
-        except Exception as err:  # the run is gone (terminated, deleted): take the nodes back
-            workflow.logger.warning("grant to %s failed (%s); releasing", allocation.run_id, err)
-            self.release(Release(run_id=allocation.run_id, generation=allocation.generation))
+            state.next_generation += 1
+            state.queue = [r for r in state.queue if r.run_id != request.run_id]
+            state.allocations.append(allocation)
+            self._outbox.append((allocation.run_id, GANG_GRANTED_SIGNAL, allocation))
+        for run_id, preemption in decisions.preemptions:
+            victim = self._allocation(run_id)
+            if victim is None or victim.preempting is not None:
+                continue
+            victim.preempting = preemption
+            notice = PreemptNotice(
+                generation=victim.generation,
+                grace_s=state.config.preemption_grace_s,
+                reason=preemption.reason,
+            )
+            self._outbox.append((run_id, PREEMPT_SIGNAL, notice))
+        state.reservation = decisions.reservation
+        state.waiting = decisions.waiting
+
+    async def _send(self, run_id: str, signal: str, argument: object) -> None:
+        try:
+            await workflow.get_external_workflow_handle(run_id).signal(signal, argument)
+        except Exception as err:  # the run is gone (terminated, deleted): take its nodes back
+            workflow.logger.warning("signal %s to %s failed (%s)", signal, run_id, err)
+            held = self._allocation(run_id)
+            if held is not None:
+                self._free(held)
+                self._dirty = True

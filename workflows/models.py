@@ -11,6 +11,7 @@ from enum import StrEnum
 
 from pydantic import BaseModel, Field
 
+from workflows.cluster_models import Allocation
 from workflows.spec import DataSpec, RunSpec
 
 
@@ -33,71 +34,6 @@ class Phase(StrEnum):
 
 
 _FINAL_PHASES = {Phase.APPROVED, Phase.REJECTED, Phase.FAILED, Phase.CANCELLED}
-
-
-# --- cluster ---------------------------------------------------------------------------------
-
-
-class NodeState(StrEnum):
-    IDLE = "idle"
-    ALLOCATED = "allocated"
-    DOWN = "down"
-
-
-class NodeInfo(BaseModel):
-    """What a node agent announces when it registers."""
-
-    node_id: str
-    host: str = "127.0.0.1"
-    gpus: int = 1
-    gpu_type: str = "cpu"
-    pod: str = "local"
-    rdzv_port: int = Field(description="port this node serves the c10d rendezvous on as head")
-    incarnation: str = Field(description="changes every time the agent process starts")
-
-
-class Node(BaseModel):
-    info: NodeInfo
-    state: NodeState = NodeState.IDLE
-    run_id: str | None = None
-    generation: int | None = None
-    down_reason: str | None = None
-
-
-class GangRequest(BaseModel):
-    run_id: str
-    nodes: int
-    gpus_per_node: int
-
-
-class Allocation(BaseModel):
-    run_id: str
-    generation: int
-    nodes: list[NodeInfo]
-
-    @property
-    def rdzv_endpoint(self) -> str:
-        head = self.nodes[0]
-        return f"{head.host}:{head.rdzv_port}"
-
-
-class Release(BaseModel):
-    run_id: str
-    generation: int
-
-
-class NodeFailure(BaseModel):
-    run_id: str
-    generation: int
-    node_id: str
-    reason: str
-
-
-class ClusterState(BaseModel):
-    nodes: list[Node] = []
-    queue: list[GangRequest] = []
-    allocations: list[Allocation] = []
-    next_generation: int = 1
 
 
 # --- data, training, evaluation, registry ------------------------------------------------------
@@ -189,6 +125,12 @@ class NodeTrainResult(BaseModel):
     final_loss: float | None
     tokens_per_s: float | None = None
     mfu: float | None = None
+    stopped: bool = False  # asked to stop early: checkpointed at final_step and exited
+
+
+class NodeStopInput(BaseModel):
+    run_id: str
+    generation: int
 
 
 class EvaluateInput(BaseModel):
@@ -253,6 +195,13 @@ class Failure(BaseModel):
     at: datetime
 
 
+class PreemptionRecord(BaseModel):
+    generation: int
+    reason: str
+    at: datetime
+    step: int | None = None  # where it checkpointed before giving the nodes back
+
+
 class RunStatus(BaseModel):
     name: str
     phase: Phase
@@ -269,6 +218,7 @@ class RunStatus(BaseModel):
     model_version: ModelVersionRef | None = None
     decision: Decision | None = None
     failures: list[Failure] = []
+    preemptions: list[PreemptionRecord] = []
     final_loss: float | None = None
     tokens_per_s: float | None = None
     mfu: float | None = None

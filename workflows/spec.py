@@ -131,6 +131,12 @@ class TrainSpec(_Strict):
 class ResourcesSpec(_Strict):
     nodes: int = Field(1, ge=1, le=4096)
     gpus_per_node: int = Field(1, ge=1, le=64)
+    team: Name = Field("default", description="the queue (team) whose quota the run uses")
+    priority: int = Field(0, ge=-100, le=100)
+    preemptible: bool = Field(True, description="may borrow idle capacity; may be preempted")
+    max_runtime_h: float | None = Field(None, gt=0, le=24 * 365, description="default: cluster's")
+    gpu_type: str | None = Field(None, description="None: any")
+    allow_multi_pod: bool = True
 
     @property
     def world_size(self) -> int:

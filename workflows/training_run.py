@@ -7,6 +7,7 @@ workflow decides order, timeouts, retries and waiting; the activities do the wor
 from __future__ import annotations
 
 import asyncio
+import builtins
 from datetime import timedelta
 from typing import Any
 
@@ -21,9 +22,15 @@ from temporalio.exceptions import (
 )
 
 with workflow.unsafe.imports_passed_through():
-    from workflows.cluster import GANG_GRANTED_SIGNAL
-    from workflows.models import (
+    from workflows.cluster import GANG_GRANTED_SIGNAL, PREEMPT_SIGNAL
+    from workflows.cluster_models import (
         Allocation,
+        GangRequest,
+        NodeFailure,
+        PreemptNotice,
+        Release,
+    )
+    from workflows.models import (
         CheckpointRef,
         DatasetInput,
         DatasetRef,
@@ -32,15 +39,14 @@ with workflow.unsafe.imports_passed_through():
         EvalResult,
         EvaluateInput,
         Failure,
-        GangRequest,
         LatestCheckpointInput,
         ModelVersionRef,
-        NodeFailure,
+        NodeStopInput,
         NodeTrainInput,
         NodeTrainResult,
         Phase,
+        PreemptionRecord,
         RegisterInput,
-        Release,
         RunStatus,
         TrainingRunInput,
     )
@@ -61,6 +67,15 @@ _PATIENT_RETRY = RetryPolicy(
 _NO_RETRY = RetryPolicy(maximum_attempts=1)
 # A node agent that does not pick up its activity within this long is treated as down.
 _NODE_PICKUP_TIMEOUT = timedelta(seconds=60)
+
+
+class Preempted(Exception):
+    """The cluster took the gang back (after the ranks checkpointed, or the grace ran out)."""
+
+    def __init__(self, notice: PreemptNotice, step: int | None) -> None:
+        super().__init__(notice.reason)
+        self.notice = notice
+        self.step = step
 
 
 class GangFailed(Exception):
@@ -87,6 +102,7 @@ class TrainingRun:
         self._grant: Allocation | None = None
         self._allocation: Allocation | None = None
         self._newest_generation = 0  # grants of this or an older generation are stale
+        self._preempt: PreemptNotice | None = None
         self._decision: Decision | None = None
 
     @workflow.run
@@ -119,6 +135,12 @@ class TrainingRun:
         if allocation.run_id == self._spec.name and allocation.generation > self._newest_generation:
             self._newest_generation = allocation.generation
             self._grant = allocation
+
+    @workflow.signal(name=PREEMPT_SIGNAL)
+    def preempt(self, notice: PreemptNotice) -> None:
+        current = self._allocation
+        if current is not None and notice.generation == current.generation:
+            self._preempt = notice
 
     @workflow.update
     async def decide(self, decision: Decision) -> RunStatus:
@@ -185,6 +207,19 @@ class TrainingRun:
             except GangFailed as failed:
                 await self._recover(allocation, failed.failures)
                 continue
+            except Preempted as preempted:
+                # Not a failure: no attempt is spent and no backoff; the run queues again with
+                # its original age and resumes from the checkpoint it just committed.
+                self._status.preemptions.append(
+                    PreemptionRecord(
+                        generation=allocation.generation,
+                        reason=preempted.notice.reason,
+                        at=workflow.now(),
+                        step=preempted.step,
+                    )
+                )
+                await self._release_gang()
+                continue
             await self._release_gang()
             final = await self._latest_checkpoint(allocation.generation)
             if final is None or final.step < self._spec.train.steps:
@@ -201,12 +236,25 @@ class TrainingRun:
             return final, results
 
     async def _acquire_gang(self) -> Allocation:
+        resources = self._spec.resources
         request = GangRequest(
             run_id=self._spec.name,
-            nodes=self._spec.resources.nodes,
-            gpus_per_node=self._spec.resources.gpus_per_node,
+            nodes=resources.nodes,
+            gpus_per_node=resources.gpus_per_node,
+            team=resources.team,
+            gpu_type=resources.gpu_type,
+            priority=resources.priority,
+            preemptible=resources.preemptible,
+            max_runtime_s=resources.max_runtime_h * 3600 if resources.max_runtime_h else None,
+            cache_items=[self._status.dataset.snapshot_id] if self._status.dataset else [],
+            allow_multi_pod=resources.allow_multi_pod,
+            # After a failure the gang may take a spare node instead of waiting for capacity.
+            recovery=self._status.attempts > 0,
+            # Requeued after a failure or a preemption, the run keeps its place by age.
+            submitted_at=workflow.info().start_time,
         )
         self._grant = None
+        self._preempt = None
         cluster = workflow.get_external_workflow_handle(CLUSTER_WORKFLOW_ID)
         await cluster.signal("request_gang", request)
         await workflow.wait_condition(lambda: self._grant is not None)
@@ -261,12 +309,23 @@ class TrainingRun:
             for node in allocation.nodes
         ]
         try:
-            await workflow.wait(handles, return_when=asyncio.FIRST_EXCEPTION)
+            await workflow.wait_condition(
+                lambda: (
+                    self._preempt is not None
+                    or all(h.done() for h in handles)
+                    or any(h.done() and h.exception() is not None for h in handles)
+                )
+            )
         except asyncio.CancelledError:
             await _cancel_all(handles)
             raise
+        if self._preempt is not None and not all(h.done() for h in handles):
+            await self._stop_gracefully(allocation, handles, self._preempt)
         if all(h.done() and h.exception() is None for h in handles):
-            return [h.result() for h in handles]
+            results = [h.result() for h in handles]
+            if self._preempt is not None and results[0].final_step < self._spec.train.steps:
+                raise Preempted(self._preempt, results[0].final_step)
+            return results
         await _cancel_all(handles)
         failures = []
         for node, handle in zip(allocation.nodes, handles, strict=True):
@@ -291,6 +350,26 @@ class TrainingRun:
                 )
             )
         raise GangFailed(failures)
+
+    async def _stop_gracefully(
+        self, allocation: Allocation, handles: list, notice: PreemptNotice
+    ) -> None:
+        """Ask every node's ranks to checkpoint and exit; after the grace period, stop them."""
+        for node in allocation.nodes:
+            await workflow.execute_activity(
+                "stop_training",
+                NodeStopInput(run_id=self._spec.name, generation=allocation.generation),
+                task_queue=node_task_queue(node.node_id),
+                schedule_to_close_timeout=timedelta(seconds=30),
+                retry_policy=_NO_RETRY,
+            )
+        try:
+            await workflow.wait_condition(
+                lambda: all(h.done() for h in handles), timeout=timedelta(seconds=notice.grace_s)
+            )
+        except builtins.TimeoutError:
+            await _cancel_all(handles)
+            raise Preempted(notice, None) from None
 
     async def _recover(self, allocation: Allocation, failures: list[Failure]) -> None:
         """Drain the nodes at fault, give the gang back, and back off before the next attempt."""

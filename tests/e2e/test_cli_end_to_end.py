@@ -22,9 +22,11 @@ pytestmark = pytest.mark.e2e
 TINY = REPO / "examples" / "tiny.toml"
 
 
-def variant(tmp_path: Path, name: str, **train: int) -> Path:
-    """examples/tiny.toml under another name, with other [train] values."""
+def variant(tmp_path: Path, name: str, team: str | None = None, **train: int) -> Path:
+    """examples/tiny.toml under another name, with other [train] values (and a team)."""
     text = TINY.read_text().replace('name = "tiny"', f'name = "{name}"')
+    if team is not None:
+        text = text.replace("[resources]\n", f'[resources]\nteam = "{team}"\n')
     text = text.replace(
         '"data/tinyshakespeare.txt"', f'"{REPO / "examples" / "data" / "tinyshakespeare.txt"}"'
     )
@@ -155,7 +157,7 @@ def test_sigkilled_node_agent_costs_one_checkpoint_interval(stack: Stack, tmp_pa
     # `forgeline up` restarts the missing agent, and it comes back healthy.
     stack.cli("up", "--nodes", "3")
     nodes_table = stack.cli("nodes").stdout
-    assert re.search(rf"{victim} +│ idle", nodes_table), nodes_table
+    assert re.search(rf"{victim} +│ local +│ cpu +│ 0/1 +│ idle", nodes_table), nodes_table
 
 
 def test_cancel_stops_the_ranks_and_releases_the_gang(stack: Stack, tmp_path: Path) -> None:
@@ -174,10 +176,12 @@ def test_cancel_stops_the_ranks_and_releases_the_gang(stack: Stack, tmp_path: Pa
 def test_cancel_while_queued_withdraws_the_request(stack: Stack, tmp_path: Path) -> None:
     spec = variant(tmp_path, "too-big", nodes=4)  # the stack has 3 nodes
     stack.cli("run", str(spec), "--detach")
-    wait_for(lambda: "queued: too-big wants 4 node(s)" in stack.cli("nodes").stdout, 60, "queue")
+    never = "more than the cluster's schedulable nodes can ever give"
+    wait_for(lambda: never in stack.cli("jobs").stdout, 60, "the reason it waits")
+    assert re.search(r"too-big +│ default +│ 4 +│ 0 +│ waiting +│ 1 ", stack.cli("jobs").stdout)
     assert "QUEUED" in stack.cli("status", "too-big").stdout
     stack.cli("cancel", "too-big")
-    assert "too-big" not in stack.cli("nodes").stdout
+    assert "too-big" not in stack.cli("jobs").stdout
 
 
 def test_bad_input_gets_one_clear_line(stack: Stack, tmp_path: Path) -> None:
@@ -190,6 +194,51 @@ def test_bad_input_gets_one_clear_line(stack: Stack, tmp_path: Path) -> None:
     assert "Traceback" not in result.stdout + result.stderr
     missing = stack.cli("status", "no-such-run", check=False)
     assert missing.returncode == 2 and "no run named 'no-such-run'" in missing.stdout
+
+
+def test_a_team_reclaims_its_guarantee_and_the_victim_resumes_exactly(
+    stack: Stack, tmp_path: Path
+) -> None:
+    """vision borrows two of the three nodes; nlp (guaranteed 2) needs two: the borrower
+    checkpoints, gives them back, waits, and later finishes with the losses it would have had."""
+    stack.cli("cluster", "apply", str(REPO / "examples" / "cluster.toml"))
+    try:
+        store = LocalStore(Path(stack.settings.store))
+        reference = variant(tmp_path, "reference", steps=300, checkpoint_every=100)
+        stack.cli("run", str(reference))
+
+        borrower = variant(tmp_path, "borrower", team="vision", steps=300, checkpoint_every=100)
+        stack.cli("run", str(borrower), "--detach")
+        wait_for(lambda: "TRAINING" in stack.cli("status", "borrower").stdout, 60, "borrower")
+        wait_for(
+            lambda: (stack.home / "nodes").glob("*/runs/borrower/gen-*/progress.jsonl"), 60, "ranks"
+        )
+        queues = stack.cli("queues").stdout
+        assert re.search(r"vision +│ research +│ +0 │ +3 │ +2 │ +2 │", queues), queues
+
+        owner = variant(tmp_path, "owner", team="nlp")
+        stack.cli("run", str(owner), "--detach")
+        wait_for(
+            lambda: "preempted      gen" in stack.cli("status", "borrower").stdout,
+            120,
+            "preemption",
+        )
+        status = stack.cli("status", "borrower").stdout
+        assert "owner (team nlp) reclaims its guarantee" in status
+        step = int(re.search(r"preempted +gen \d+ at [\d:]+ at step (\d+)", status).group(1))
+        assert step in committed_steps(store, "borrower")  # it checkpointed where it stopped
+
+        assert "AWAITING_APPROVAL" in stack.cli("run", str(owner)).stdout
+        assert "AWAITING_APPROVAL" in stack.cli("run", str(borrower), timeout=300).stdout
+        final = find_latest(store, "borrower", max_generation=10**9)
+        expected = find_latest(store, "reference", max_generation=10**9)
+        assert final is not None and expected is not None
+        assert final.manifest["loss_history"] == expected.manifest["loss_history"]
+        assert re.search(r"attempts +0 restart", stack.cli("status", "borrower").stdout)
+    finally:
+        default = tmp_path / "default.toml"
+        default.write_text("")
+        stack.cli("cluster", "apply", str(default))
 
 
 def _node_of(pid: int) -> str | None:

@@ -10,13 +10,24 @@ import pytest
 from infra.local_servers import temporal_dev_server_argv
 from infra.processes import ManagedProcess, free_port, port_is_open, wait_until
 
+CONTINUE_AS_NEW_AFTER = 300  # events
+
 
 @pytest.fixture(scope="session")
 def temporal_address(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     home = tmp_path_factory.mktemp("temporal")
     port = free_port()
     server = ManagedProcess(home, "temporal")
-    server.start(temporal_dev_server_argv(home / "temporal.db", port, 0, headless=True))
+    # A low threshold makes the server suggest continue-as-new after a few hundred events, so
+    # the Cluster workflow's continue-as-new is exercised by an ordinary test.
+    argv = temporal_dev_server_argv(
+        home / "temporal.db",
+        port,
+        0,
+        headless=True,
+        dynamic_config={"limit.historyCount.suggestContinueAsNew": CONTINUE_AS_NEW_AFTER},
+    )
+    server.start(argv)
     try:
         wait_until(lambda: port_is_open("127.0.0.1", port), 60, "Temporal dev server", server)
         yield f"127.0.0.1:{port}"

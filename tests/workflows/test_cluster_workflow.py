@@ -1,26 +1,36 @@
-"""The Cluster workflow against a real Temporal dev server."""
+"""The Cluster workflow against a real Temporal dev server (and the time-skipping test server
+where a grace period has to run out)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import sys
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import TypeVar
 
 from temporalio.client import Client, WorkflowHandle
 from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.service import RPCError
+from temporalio.testing import WorkflowEnvironment
 from temporalio.worker import Worker
 
+from tests.workflows.conftest import CONTINUE_AS_NEW_AFTER
 from tests.workflows.gang_holder import GangHolder
 from workflows.cluster import ClusterWorkflow
-from workflows.models import (
+from workflows.cluster_models import (
+    Admin,
     Allocation,
+    ClusterConfig,
     ClusterState,
     GangRequest,
+    Health,
+    NodeAdmin,
     NodeFailure,
     NodeInfo,
-    NodeState,
+    PreemptNotice,
+    QueueConfig,
     Release,
 )
 from workflows.names import CLUSTER_WORKFLOW_ID
@@ -48,21 +58,15 @@ class Harness:
         self.client, self.task_queue, self.cluster = client, task_queue, cluster
         self.holders: list[WorkflowHandle] = []
 
-    async def hold(self, run_id: str, nodes: int) -> WorkflowHandle:
+    async def hold(self, run_id: str, nodes: int = 1, **fields: object) -> WorkflowHandle:
         handle = await self.client.start_workflow(
             GangHolder.run,
-            GangRequest(run_id=run_id, nodes=nodes, gpus_per_node=1),
+            GangRequest(run_id=run_id, nodes=nodes, gpus_per_node=1, **fields),
             id=run_id,
             task_queue=self.task_queue,
         )
         self.holders.append(handle)
         return handle
-
-    async def close(self) -> None:
-        """Ids repeat across tests: leave no holder running for the next test to collide with."""
-        for handle in [*self.holders, self.cluster]:
-            with contextlib.suppress(RPCError):
-                await handle.terminate("test over")
 
     async def grants(self, holder: WorkflowHandle, count: int) -> list[Allocation]:
         async def probe() -> list[Allocation]:
@@ -70,11 +74,37 @@ class Harness:
 
         return await eventually(probe, lambda grants: len(grants) >= count)
 
+    async def notices(self, holder: WorkflowHandle, count: int) -> list[PreemptNotice]:
+        async def probe() -> list[PreemptNotice]:
+            return await holder.query(GangHolder.notices, result_type=list[PreemptNotice])
+
+        return await eventually(probe, lambda notices: len(notices) >= count)
+
     async def state(self, check: Callable[[ClusterState], bool] = lambda _: True) -> ClusterState:
         async def probe() -> ClusterState:
             return await self.cluster.query(ClusterWorkflow.state, result_type=ClusterState)
 
         return await eventually(probe, check)
+
+    async def close(self) -> None:
+        """Ids repeat across tests: leave no holder running for the next test to collide with."""
+        for handle in [*self.holders, self.cluster]:
+            with contextlib.suppress(RPCError):
+                await handle.terminate("test over")
+
+
+async def _scenario(
+    client: Client, task_queue: str, scenario: Callable[[Harness], Awaitable[None]]
+) -> None:
+    async with Worker(client, task_queue=task_queue, workflows=[ClusterWorkflow, GangHolder]):
+        cluster = await client.start_workflow(
+            ClusterWorkflow.run, ClusterState(), id=CLUSTER_WORKFLOW_ID, task_queue=task_queue
+        )
+        harness = Harness(client, task_queue, cluster)
+        try:
+            await scenario(harness)
+        finally:
+            await harness.close()
 
 
 def run_scenario(
@@ -82,15 +112,7 @@ def run_scenario(
 ) -> None:
     async def main() -> None:
         client = await Client.connect(address, data_converter=pydantic_data_converter)
-        async with Worker(client, task_queue=task_queue, workflows=[ClusterWorkflow, GangHolder]):
-            cluster = await client.start_workflow(
-                ClusterWorkflow.run, ClusterState(), id=CLUSTER_WORKFLOW_ID, task_queue=task_queue
-            )
-            harness = Harness(client, task_queue, cluster)
-            try:
-                await scenario(harness)
-            finally:
-                await harness.close()
+        await _scenario(client, task_queue, scenario)
 
     asyncio.run(main())
 
@@ -100,17 +122,16 @@ def test_gang_is_all_or_nothing(temporal_address: str, task_queue: str) -> None:
         for n in ("n0", "n1"):
             await h.cluster.signal(ClusterWorkflow.register_node, node(n))
         holder = await h.hold("run-a", nodes=3)
-        state = await h.state(lambda s: len(s.queue) == 1)
+        state = await h.state(lambda s: bool(s.waiting))
         assert [r.run_id for r in state.queue] == ["run-a"]
-        await asyncio.sleep(0.5)  # give the cluster every chance to (wrongly) grant 2 of 3
+        assert "more than the cluster's schedulable nodes can ever give" in state.waiting[0].reason
         assert await holder.query(GangHolder.grants, result_type=list[Allocation]) == []
         await h.cluster.signal(ClusterWorkflow.register_node, node("n2"))
         (grant,) = await h.grants(holder, 1)
         assert sorted(n.node_id for n in grant.nodes) == ["n0", "n1", "n2"]
-        assert grant.generation == 1
+        assert grant.generation == 1 and grant.granted_at is not None
         state = await h.state()
-        assert all(n.state == NodeState.ALLOCATED and n.run_id == "run-a" for n in state.nodes)
-        await holder.signal(GangHolder.finish)
+        assert all(n.jobs == {"run-a": 1} and n.state == "allocated" for n in state.nodes)
 
     run_scenario(temporal_address, task_queue, scenario)
 
@@ -125,19 +146,15 @@ def test_release_is_fenced_by_generation(temporal_address: str, task_queue: str)
         await h.state(lambda s: len(s.queue) == 1)
 
         # A release naming an older generation is stale: nothing moves.
-        await h.cluster.signal(
-            ClusterWorkflow.release, Release(run_id="run-a", generation=grant.generation - 1)
-        )
+        stale = Release(run_id="run-a", generation=grant.generation - 1)
+        await h.cluster.signal(ClusterWorkflow.release, stale)
         state = await h.state()
         assert [a.run_id for a in state.allocations] == ["run-a"]
 
-        await h.cluster.signal(
-            ClusterWorkflow.release, Release(run_id="run-a", generation=grant.generation)
-        )
+        current = Release(run_id="run-a", generation=grant.generation)
+        await h.cluster.signal(ClusterWorkflow.release, current)
         (granted_b,) = await h.grants(second, 1)
         assert granted_b.generation == grant.generation + 1
-        for holder in (first, second):
-            await holder.signal(GangHolder.finish)
 
     run_scenario(temporal_address, task_queue, scenario)
 
@@ -154,21 +171,19 @@ def test_failed_node_is_drained_until_it_comes_back(temporal_address: str, task_
         )
         await h.cluster.signal(ClusterWorkflow.report_failure, stale)
         fresh = NodeFailure(
-            run_id="run-a", generation=grant.generation, node_id=victim, reason="heartbeat timeout"
+            run_id="run-a", generation=grant.generation, node_id=victim, reason="heartbeat"
         )
         await h.cluster.signal(ClusterWorkflow.report_failure, fresh)
-        state = await h.state(lambda s: any(n.state == NodeState.DOWN for n in s.nodes))
-        down = [n for n in state.nodes if n.state == NodeState.DOWN]
-        assert [(n.info.node_id, n.down_reason) for n in down] == [(victim, "heartbeat timeout")]
+        state = await h.state(lambda s: any(n.health == Health.DOWN for n in s.nodes))
+        down = [n for n in state.nodes if n.health == Health.DOWN]
+        assert [(n.info.node_id, n.down_reason) for n in down] == [(victim, "heartbeat")]
 
-        # The run gives the gang back and asks again: it gets the healthy spare, never the
-        # drained node, under a new generation.
-        await h.cluster.signal(
-            ClusterWorkflow.release, Release(run_id="run-a", generation=grant.generation)
-        )
-        await h.cluster.signal(
-            ClusterWorkflow.request_gang, GangRequest(run_id="run-a", nodes=2, gpus_per_node=1)
-        )
+        # The run gives the gang back and asks again: it gets the healthy node, never the
+        # drained one, under a new generation.
+        release = Release(run_id="run-a", generation=grant.generation)
+        await h.cluster.signal(ClusterWorkflow.release, release)
+        again = GangRequest(run_id="run-a", nodes=2, gpus_per_node=1, recovery=True)
+        await h.cluster.signal(ClusterWorkflow.request_gang, again)
         grants = await h.grants(holder, 2)
         assert victim not in [n.node_id for n in grants[1].nodes]
         assert grants[1].generation > grant.generation
@@ -176,10 +191,124 @@ def test_failed_node_is_drained_until_it_comes_back(temporal_address: str, task_
         # The same agent re-registering is still down; a restarted one (new incarnation) is back.
         await h.cluster.signal(ClusterWorkflow.register_node, node(victim, incarnation="a"))
         state = await h.state()
-        assert next(n for n in state.nodes if n.info.node_id == victim).state == NodeState.DOWN
+        assert next(n for n in state.nodes if n.info.node_id == victim).health == Health.DOWN
         await h.cluster.signal(ClusterWorkflow.register_node, node(victim, incarnation="b"))
-        state = await h.state(lambda s: all(n.state != NodeState.DOWN for n in s.nodes))
-        assert next(n for n in state.nodes if n.info.node_id == victim).state == NodeState.IDLE
-        await holder.signal(GangHolder.finish)
+        state = await h.state(lambda s: all(n.health == Health.HEALTHY for n in s.nodes))
+        assert next(n for n in state.nodes if n.info.node_id == victim).state == "idle"
 
     run_scenario(temporal_address, task_queue, scenario)
+
+
+def test_a_team_reclaims_its_guarantee_from_a_borrower(
+    temporal_address: str, task_queue: str
+) -> None:
+    async def scenario(h: Harness) -> None:
+        config = ClusterConfig(
+            queues=[QueueConfig(name="nlp", guaranteed_gpus=2), QueueConfig(name="vision")],
+            preemption_grace_s=60,
+        )
+        await h.cluster.execute_update(ClusterWorkflow.apply_config, config)
+        for n in ("n0", "n1"):
+            await h.cluster.signal(ClusterWorkflow.register_node, node(n))
+        borrower = await h.hold("vision-run", nodes=2, team="vision")
+        (taken,) = await h.grants(borrower, 1)
+        await borrower.signal(GangHolder.release_when_preempted)
+
+        owner = await h.hold("nlp-run", nodes=2, team="nlp", preemptible=False)
+        (notice,) = await h.notices(borrower, 1)
+        assert notice.generation == taken.generation and notice.grace_s == 60
+        assert "nlp-run (team nlp) reclaims its guarantee" in notice.reason
+        (grant,) = await h.grants(owner, 1)
+        assert sorted(n.node_id for n in grant.nodes) == ["n0", "n1"]
+        assert grant.generation > taken.generation
+        state = await h.state()
+        assert [a.run_id for a in state.allocations] == ["nlp-run"]
+
+    run_scenario(temporal_address, task_queue, scenario)
+
+
+def test_drain_moves_work_off_a_node_and_undrain_brings_it_back(
+    temporal_address: str, task_queue: str
+) -> None:
+    async def scenario(h: Harness) -> None:
+        for n in ("n0", "n1"):
+            await h.cluster.signal(ClusterWorkflow.register_node, node(n))
+        holder = await h.hold("run-a", nodes=1)
+        (grant,) = await h.grants(holder, 1)
+        where = grant.nodes[0].node_id
+        await holder.signal(GangHolder.release_when_preempted)
+        drained = await h.cluster.execute_update(
+            ClusterWorkflow.set_node_admin, NodeAdmin(node_id=where, admin=Admin.DRAINING)
+        )
+        assert drained.state == "draining"
+        (notice,) = await h.notices(holder, 1)
+        assert notice.reason == f"node {where} is draining"
+        state = await h.state(lambda s: not s.allocations)
+        assert next(n for n in state.nodes if n.info.node_id == where).jobs == {}
+        other = await h.hold("run-b", nodes=2)  # needs both nodes: must wait for undrain
+        state = await h.state(lambda s: bool(s.waiting))
+        assert [r.run_id for r in state.queue] == ["run-b"]
+        await h.cluster.execute_update(
+            ClusterWorkflow.set_node_admin, NodeAdmin(node_id=where, admin=Admin.ACTIVE)
+        )
+        (granted,) = await h.grants(other, 1)
+        assert where in [n.node_id for n in granted.nodes]
+
+    run_scenario(temporal_address, task_queue, scenario)
+
+
+def test_continue_as_new_keeps_the_state(temporal_address: str, task_queue: str) -> None:
+    async def scenario(h: Harness) -> None:
+        first_run = (await h.cluster.describe()).run_id
+        await h.cluster.signal(ClusterWorkflow.register_node, node("n0"))
+        holder = await h.hold("run-a", nodes=1)
+        (grant,) = await h.grants(holder, 1)
+        # Each signal is a history event; past the server's threshold the workflow carries its
+        # state into a new run.
+        for i in range(CONTINUE_AS_NEW_AFTER):
+            await h.cluster.signal(ClusterWorkflow.register_node, node(f"extra-{i % 5}"))
+
+        async def run_id() -> str:
+            return (await h.client.get_workflow_handle(CLUSTER_WORKFLOW_ID).describe()).run_id
+
+        assert await eventually(run_id, lambda r: r != first_run, timeout=30) != first_run
+        h.cluster = h.client.get_workflow_handle(CLUSTER_WORKFLOW_ID)
+        state = await h.state(lambda s: len(s.nodes) == 6)
+        assert [a.run_id for a in state.allocations] == ["run-a"]
+        assert state.allocations[0].generation == grant.generation
+        assert state.next_generation == grant.generation + 1
+
+    run_scenario(temporal_address, task_queue, scenario)
+
+
+def test_a_victim_that_never_releases_is_revoked_after_the_grace(task_queue: str) -> None:
+    """Time matters here: the time-skipping test server runs the grace period out in ms."""
+
+    async def scenario(env: WorkflowEnvironment, h: Harness) -> None:
+        config = ClusterConfig(
+            queues=[QueueConfig(name="nlp", guaranteed_gpus=1), QueueConfig(name="vision")],
+            preemption_grace_s=120,
+        )
+        await h.cluster.execute_update(ClusterWorkflow.apply_config, config)
+        await h.cluster.signal(ClusterWorkflow.register_node, node("n0"))
+        squatter = await h.hold("vision-run", team="vision")  # never releases
+        await h.grants(squatter, 1)
+        owner = await h.hold("nlp-run", team="nlp")
+        await h.notices(squatter, 1)
+        assert await owner.query(GangHolder.grants, result_type=list[Allocation]) == []
+        await env.sleep(120 + 30 + 61)  # grace, revoke margin, one scheduling tick
+        (grant,) = await h.grants(owner, 1)
+        assert grant.nodes[0].node_id == "n0"
+
+    async def main() -> None:
+        server = Path(sys.executable).parent / "temporal-test-server"
+        async with await WorkflowEnvironment.start_time_skipping(
+            data_converter=pydantic_data_converter, test_server_existing_path=str(server)
+        ) as env:
+
+            async def with_env(h: Harness) -> None:
+                await scenario(env, h)
+
+            await _scenario(env.client, task_queue, with_env)
+
+    asyncio.run(main())

@@ -1,0 +1,137 @@
+"""The scheduling policy, example by example (properties live in test_policy_properties)."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+from tests.workflows.policy_fixtures import NOW, node, request, running, teams
+from workflows.cluster_models import Admin, ClusterConfig, ClusterState, Health
+from workflows.placement import Capacity, place
+from workflows.quotas import borrowed, check, decay_usage, in_use
+from workflows.scheduler import choose_spares, schedule
+
+
+def capacity(*nodes) -> Capacity:
+    return Capacity((n.info, n.free) for n in nodes)
+
+
+def test_gang_is_all_or_nothing_and_stays_in_the_smallest_pod_that_holds_it() -> None:
+    nodes = [node(f"a{i}", "big") for i in range(4)] + [node(f"b{i}", "small") for i in range(2)]
+    assert place(request("r", nodes=2), capacity(*nodes)) == ["b0", "b1"]
+    assert place(request("r", nodes=7), capacity(*nodes)) is None
+    # Across pods only when no pod holds it, and only if allowed: fewest pods, biggest first.
+    assert place(request("r", nodes=5), capacity(*nodes)) == ["a0", "a1", "a2", "a3", "b0"]
+    assert place(request("r", nodes=5, allow_multi_pod=False), capacity(*nodes)) is None
+
+
+def test_single_node_jobs_take_the_best_fit_and_leave_whole_nodes_whole() -> None:
+    half, whole = node("half"), node("whole")
+    half.jobs["other"] = 4
+    assert place(request("r", gpus_per_node=2), capacity(half, whole)) == ["half"]
+    assert place(request("r", gpus_per_node=8), capacity(half, whole)) == ["whole"]
+    assert place(request("r", gpus_per_node=2, gpu_type="a100"), capacity(half, whole)) is None
+
+
+def test_nodes_holding_the_runs_data_win_ties() -> None:
+    nodes = [node("n0"), node("n1", cached=["snap"]), node("n2"), node("n3", cached=["snap"])]
+    assert place(request("r", nodes=2, cache_items=["snap"]), capacity(*nodes)) == ["n1", "n3"]
+    assert place(request("r", gpus_per_node=8, cache_items=["snap"]), capacity(*nodes)) == ["n1"]
+
+
+def test_quotas_guarantee_ceiling_and_borrowing() -> None:
+    config = teams(nlp=(16, 24), vision=(8, None))
+    state = ClusterState(config=config, nodes=[node(f"n{i}") for i in range(6)])
+    running(state, "a", ["n0", "n1"], team="nlp")  # 16: exactly nlp's guarantee
+    used = in_use(config, state.allocations)
+    assert check(config, used, request("b", team="nlp")).borrowing  # 24 > 16
+    refused = check(config, used, request("c", nodes=2, team="nlp"))  # 32 > 24
+    assert not refused.allowed and "max_gpus 24" in refused.reason
+    rigid = check(config, used, request("d", team="nlp", preemptible=False))
+    assert not rigid.allowed and "only preemptible jobs may borrow" in rigid.reason
+    running(state, "e", ["n2"], team="nlp")
+    assert borrowed(config, state.allocations) == {"e"}  # the younger grant is the borrower
+
+
+def test_a_team_reclaims_its_guarantee_from_the_cheapest_borrower() -> None:
+    config = teams(nlp=(16, None), vision=(0, None))
+    state = ClusterState(config=config, nodes=[node(f"n{i}") for i in range(3)])
+    running(state, "recent-ckpt", ["n0"], team="vision", checkpoint_minutes_ago=1)
+    running(state, "stale-ckpt", ["n1"], team="vision", checkpoint_minutes_ago=50)
+    running(state, "rigid", ["n2"], team="vision", preemptible=False)
+    state.queue = [request("nlp-job", team="nlp")]
+    decisions = schedule(state, NOW)
+    assert decisions.grants == []
+    assert [victim for victim, _ in decisions.preemptions] == ["recent-ckpt"]
+    notice = decisions.preemptions[0][1]
+    assert notice.for_run == "nlp-job" and notice.deadline == NOW + timedelta(seconds=120)
+    assert "preempting recent-ckpt" in decisions.waiting[0].reason
+
+
+def test_borrowers_are_never_taken_for_another_borrower() -> None:
+    config = teams(nlp=(0, None), vision=(0, None))
+    state = ClusterState(config=config, nodes=[node("n0")])
+    running(state, "v", ["n0"], team="vision")
+    state.queue = [request("n", team="nlp")]  # nlp has no guarantee: it only borrows
+    decisions = schedule(state, NOW)
+    assert decisions.preemptions == [] and decisions.grants == []
+
+
+def test_head_of_line_reservation_and_backfill() -> None:
+    state = ClusterState(nodes=[node(f"n{i}") for i in range(4)])
+    running(state, "long", ["n0", "n1"], hours_left=5)
+    running(state, "short", ["n2"], hours_left=1)
+    state.queue = [
+        request("big", nodes=3, submitted_at=NOW - timedelta(minutes=30)),
+        request("fits-before", max_runtime_s=1800),  # 30 min, before the reservation
+        request("too-long", max_runtime_s=7200, submitted_at=NOW + timedelta(seconds=1)),
+    ]
+    decisions = schedule(state, NOW)
+    reservation = decisions.reservation
+    assert reservation is not None and reservation.run_id == "big"
+    # "short" ends in 1 h and frees n2; with n3 that is 2 nodes: not enough for 3, so the
+    # reservation waits for "long" (5 h).
+    assert reservation.start == NOW + timedelta(hours=5)
+    assert [r.run_id for r, _ in decisions.grants] == ["fits-before"]
+    assert {w.run_id: w.reason for w in decisions.waiting}["too-long"].startswith("no capacity")
+
+
+def test_priority_then_aging_orders_the_queue() -> None:
+    state = ClusterState(nodes=[node("n0")], config=ClusterConfig(aging_s=900))
+    state.queue = [
+        request("old-low", priority=0, submitted_at=NOW - timedelta(minutes=59)),
+        request("new-high", priority=5, submitted_at=NOW),
+    ]
+    # 59 minutes at one level per 15: effective priority 3 < 5.
+    assert [r.run_id for r, _ in schedule(state, NOW).grants] == ["new-high"]
+    # 90 minutes: 6 levels > 5 (new-high, resubmitted now, has not aged).
+    later = NOW + timedelta(minutes=31)
+    state.queue[1] = request("new-high", priority=5, submitted_at=later)
+    assert [r.run_id for r, _ in schedule(state, later).grants] == ["old-low"]
+
+
+def test_spares_are_held_back_for_recovery() -> None:
+    state = ClusterState(nodes=[node("n0"), node("n1")], config=ClusterConfig(spare_nodes=1))
+    assert choose_spares(state.nodes, 1) == {"n1"}
+    state.queue = [request("a", nodes=2)]
+    assert schedule(state, NOW).grants == []  # one node is a spare
+    state.queue = [request("a", nodes=2, recovery=True)]
+    ((_, nodes),) = schedule(state, NOW).grants
+    assert sorted(nodes) == ["n0", "n1"]
+
+
+def test_draining_node_preempts_its_gang_and_down_nodes_are_skipped() -> None:
+    state = ClusterState(nodes=[node("n0"), node("n1"), node("n2")])
+    running(state, "victim", ["n0"])
+    state.nodes[0].admin = Admin.DRAINING
+    state.nodes[1].health = Health.DOWN
+    state.queue = [request("new")]
+    decisions = schedule(state, NOW)
+    assert [(v, p.reason) for v, p in decisions.preemptions] == [("victim", "node n0 is draining")]
+    assert [n for _, n in decisions.grants] == [["n2"]]
+
+
+def test_usage_decays_by_half_life() -> None:
+    state = ClusterState(nodes=[node("n0")])
+    allocation = running(state, "a", ["n0"])
+    usage = decay_usage({"default": 1000.0}, NOW, NOW + timedelta(hours=1), 3600, [allocation])
+    assert usage["default"] == 500.0 + 8 * 3600

@@ -1,0 +1,49 @@
+"""What every `forgeline` command shares: the console, one-line errors, reaching Temporal."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import sys
+from collections.abc import Awaitable
+from typing import TypeVar
+
+from rich.console import Console
+from temporalio.client import Client
+
+from infra.settings import Settings, load_settings
+from worker.temporal_client import connect
+from workflows.spec import NAME_PATTERN, NAME_RULE
+
+# Piped output (logs, tests) gets wide tables instead of rich's 80-column default.
+console = Console(highlight=False, soft_wrap=True, width=None if sys.stdout.isatty() else 200)
+T = TypeVar("T")
+
+
+class CliError(Exception):
+    """Shown to the user as one line, without a traceback."""
+
+
+def run(coro: Awaitable[T]) -> T:
+    return asyncio.run(coro)  # type: ignore[arg-type]
+
+
+def get_settings() -> Settings:
+    return load_settings()
+
+
+async def get_client(settings: Settings) -> Client:
+    try:
+        return await connect(settings)
+    except RuntimeError as err:
+        reason = "connection refused" if "Connection refused" in str(err) else str(err)[:200]
+        raise CliError(
+            f"cannot reach Temporal at {settings.temporal_address} ({reason}): "
+            "start the local stack with `forgeline up`"
+        ) from None
+
+
+def check_name(name: str, what: str = "run name") -> str:
+    if not re.match(NAME_PATTERN, name):
+        raise CliError(f"{what} {name!r} is not valid: use {NAME_RULE}")
+    return name

@@ -1,0 +1,115 @@
+"""`forgeline nodes | queues | jobs`, `forgeline node drain|undrain|cordon NODE`,
+`forgeline cluster apply FILE`: what operators see and change."""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from pydantic import ValidationError
+from temporalio.client import WorkflowUpdateFailedError
+
+from worker.cli_common import CliError, check_name, console, get_client, get_settings, run
+from worker.cluster_render import jobs_table, nodes_table, queues_table
+from worker.specfile import explain_errors
+from workflows.cluster_models import Admin, ClusterConfig, ClusterState, Node, NodeAdmin
+from workflows.names import CLUSTER_WORKFLOW_ID
+
+cluster_app = typer.Typer(help="The cluster's configuration: pods, queues, spares.")
+node_app = typer.Typer(help="Take a node out of service or put it back.")
+
+
+async def _cluster_state() -> ClusterState:
+    client = await get_client(get_settings())
+    handle = client.get_workflow_handle(CLUSTER_WORKFLOW_ID)
+    return await handle.query("state", result_type=ClusterState)
+
+
+def nodes() -> None:
+    """The nodes: pod, GPUs in use, state, jobs, cached datasets."""
+    console.print(nodes_table(run(_cluster_state())))
+
+
+def queues() -> None:
+    """The queues (teams): guaranteed, max, in use, borrowed, pending GPUs."""
+    console.print(queues_table(run(_cluster_state())))
+
+
+def jobs() -> None:
+    """Running gangs, and waiting ones with their place in line and why they wait."""
+    state = run(_cluster_state())
+    console.print(jobs_table(state))
+    if state.reservation:
+        r = state.reservation
+        console.print(
+            f"reservation: {r.run_id} on {', '.join(r.nodes)} from {r.start:%Y-%m-%d %H:%M:%S} UTC"
+        )
+
+
+def load_cluster_config(path: Path) -> ClusterConfig:
+    try:
+        data = tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        raise CliError(f"cluster file {path} does not exist") from None
+    except tomllib.TOMLDecodeError as err:
+        raise CliError(f"{path} is not valid TOML: {err}") from None
+    try:
+        return ClusterConfig.model_validate(data)
+    except ValidationError as err:
+        raise CliError(f"{path}: invalid cluster file:\n  {explain_errors(err)}") from None
+
+
+@cluster_app.command("apply")
+def apply(file: Annotated[Path, typer.Argument(help="cluster file (TOML)")]) -> None:
+    """Declare pods, the queue tree, the spare pool, cost and preemption grace."""
+    config = load_cluster_config(file)
+
+    async def go() -> ClusterConfig:
+        client = await get_client(get_settings())
+        handle = client.get_workflow_handle(CLUSTER_WORKFLOW_ID)
+        return await handle.execute_update("apply_config", config, result_type=ClusterConfig)
+
+    applied = run(go())
+    console.print(
+        f"applied: {len(applied.queues)} queue(s), {len(applied.pods)} pod(s), "
+        f"{applied.spare_nodes} spare node(s), preemption grace {applied.preemption_grace_s} s"
+    )
+
+
+def _set_admin(node_id: str, admin: Admin) -> Node:
+    change = NodeAdmin(node_id=check_name(node_id, "node id"), admin=admin)
+
+    async def go() -> Node:
+        client = await get_client(get_settings())
+        handle = client.get_workflow_handle(CLUSTER_WORKFLOW_ID)
+        try:
+            return await handle.execute_update("set_node_admin", change, result_type=Node)
+        except WorkflowUpdateFailedError as err:
+            raise CliError(str(getattr(err.cause, "message", err.cause) or err)) from None
+
+    node = run(go())
+    console.print(
+        f"{node.info.node_id}: {node.state}"
+        + (f", running {', '.join(node.jobs)}" if node.jobs else "")
+    )
+    return node
+
+
+@node_app.command("drain")
+def drain(node: Annotated[str, typer.Argument(help="node id")]) -> None:
+    """No new work; the gangs on it checkpoint within the grace period and move elsewhere."""
+    _set_admin(node, Admin.DRAINING)
+
+
+@node_app.command("cordon")
+def cordon(node: Annotated[str, typer.Argument(help="node id")]) -> None:
+    """No new work; what runs there keeps running."""
+    _set_admin(node, Admin.CORDONED)
+
+
+@node_app.command("undrain")
+def undrain(node: Annotated[str, typer.Argument(help="node id")]) -> None:
+    """Back in service (after drain or cordon)."""
+    _set_admin(node, Admin.ACTIVE)

@@ -1,0 +1,90 @@
+"""The cluster in the terminal: nodes, queues (teams) and jobs."""
+
+from __future__ import annotations
+
+from rich.table import Table
+
+from workflows.cluster_models import ClusterState
+from workflows.quotas import borrowed, in_use
+
+
+def nodes_table(state: ClusterState) -> Table:
+    table = Table(title="nodes")
+    for column in ("node", "pod", "type", "GPUs used", "state", "jobs", "cached", "note"):
+        table.add_column(column)
+    for node in sorted(state.nodes, key=lambda n: n.info.node_id):
+        table.add_row(
+            node.info.node_id,
+            node.info.pod,
+            node.info.gpu_type,
+            f"{node.used}/{node.info.gpus}",
+            node.state,
+            ", ".join(f"{run} ({gpus})" for run, gpus in sorted(node.jobs.items())) or "-",
+            ", ".join(node.info.cached) or "-",
+            node.down_reason or "",
+        )
+    return table
+
+
+def queues_table(state: ClusterState) -> Table:
+    config = state.config
+    used = in_use(config, state.allocations)
+    lenders = borrowed(config, state.allocations)
+    names = sorted(
+        {q.name for q in config.queues}
+        | {a.team for a in state.allocations}
+        | {r.team for r in state.queue}
+    )
+    table = Table(title="queues")
+    for column in ("queue", "parent", "guaranteed", "max", "in use", "borrowed", "pending"):
+        table.add_column(column, justify="left" if column in ("queue", "parent") else "right")
+    for name in names:
+        queue = config.queue(name)
+        borrowed_gpus = sum(
+            a.gpus for a in state.allocations if a.team == name and a.run_id in lenders
+        )
+        pending = sum(r.gpus for r in state.queue if r.team == name)
+        table.add_row(
+            name,
+            queue.parent or "-",
+            str(queue.guaranteed_gpus),
+            "-" if queue.max_gpus is None else str(queue.max_gpus),
+            str(used.get(name, 0)),
+            str(borrowed_gpus),
+            str(pending),
+        )
+    return table
+
+
+def jobs_table(state: ClusterState) -> Table:
+    table = Table(title="jobs")
+    for column in ("job", "team", "GPUs", "priority", "state", "position", "why / where"):
+        table.add_column(column)
+    for allocation in sorted(state.allocations, key=lambda a: a.run_id):
+        where = ", ".join(n.node_id for n in allocation.nodes)
+        if allocation.preempting:
+            what = f"preempting ({allocation.preempting.reason}) on {where}"
+        else:
+            what = f"generation {allocation.generation} on {where}"
+        table.add_row(
+            allocation.run_id,
+            allocation.team,
+            str(allocation.gpus),
+            str(allocation.priority),
+            "running",
+            "-",
+            what,
+        )
+    waiting = {w.run_id: w for w in state.waiting}
+    for request in state.queue:
+        reason = waiting.get(request.run_id)
+        table.add_row(
+            request.run_id,
+            request.team,
+            str(request.gpus),
+            str(request.priority),
+            "waiting",
+            str(reason.position + 1) if reason else "-",
+            reason.reason if reason else "not scheduled yet",
+        )
+    return table

@@ -1,0 +1,270 @@
+"""The cluster as the scheduler sees it: nodes, queues (teams), requests, allocations.
+
+Everything here crosses the wire (signals, queries, continue-as-new), so every field has a
+default where it can, and times are the workflow's deterministic `workflow.now()`.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from enum import StrEnum
+from typing import Annotated
+
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
+
+from workflows.spec import NAME_PATTERN
+
+Name = Annotated[str, StringConstraints(pattern=NAME_PATTERN)]
+DEFAULT_QUEUE = "default"
+
+
+# --- nodes -------------------------------------------------------------------------------------
+
+
+class NodeInfo(BaseModel):
+    """What a node agent announces when it registers."""
+
+    node_id: str
+    host: str = "127.0.0.1"
+    gpus: int = 1
+    gpu_type: str = "cpu"
+    pod: str = "local"
+    rdzv_port: int = Field(description="port this node serves the c10d rendezvous on as head")
+    incarnation: str = Field(description="changes every time the agent process starts")
+    cached: list[str] = Field(default=[], description="dataset snapshots in the node's cache")
+
+
+class Health(StrEnum):
+    HEALTHY = "healthy"
+    DOWN = "down"
+
+
+class Admin(StrEnum):
+    """What an operator decided: take work, take no new work, or give back what it runs."""
+
+    ACTIVE = "active"
+    CORDONED = "cordoned"
+    DRAINING = "draining"
+
+
+class Node(BaseModel):
+    info: NodeInfo
+    health: Health = Health.HEALTHY
+    admin: Admin = Admin.ACTIVE
+    spare: bool = False  # held back for swapping into a gang after a failure
+    jobs: dict[str, int] = {}  # run id -> GPUs it holds here
+    down_reason: str | None = None
+
+    @property
+    def used(self) -> int:
+        return sum(self.jobs.values())
+
+    @property
+    def free(self) -> int:
+        return self.info.gpus - self.used
+
+    @property
+    def schedulable(self) -> bool:
+        return self.health == Health.HEALTHY and self.admin == Admin.ACTIVE
+
+    @property
+    def state(self) -> str:
+        """One word for people: down, draining, cordoned, spare, allocated, partial, idle."""
+        if self.health == Health.DOWN:
+            return "down"
+        if self.admin != Admin.ACTIVE:
+            return self.admin.value
+        if self.spare:
+            return "spare"
+        if not self.jobs:
+            return "idle"
+        return "allocated" if self.free == 0 else "partial"
+
+
+# --- queues and configuration ------------------------------------------------------------------
+
+
+class QueueConfig(BaseModel):
+    """A node of the queue tree (an org, or a team under one)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: Name
+    parent: Name | None = None
+    guaranteed_gpus: int = Field(0, ge=0)
+    max_gpus: int | None = Field(None, ge=0, description="None: no ceiling but the cluster")
+
+    @model_validator(mode="after")
+    def _guarantee_fits_ceiling(self) -> QueueConfig:
+        if self.max_gpus is not None and self.guaranteed_gpus > self.max_gpus:
+            raise ValueError(
+                f"queue {self.name}: guaranteed_gpus ({self.guaranteed_gpus}) exceeds "
+                f"max_gpus ({self.max_gpus})"
+            )
+        return self
+
+
+class ClusterConfig(BaseModel):
+    """What `forgeline cluster apply FILE` declares."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    pods: list[Name] = []
+    queues: list[QueueConfig] = []
+    spare_nodes: int = Field(0, ge=0)
+    cost_per_gpu_hour: float = Field(0.0, ge=0)
+    preemption_grace_s: int = Field(120, ge=1, le=86_400)
+    fair_share_half_life_h: float = Field(24.0, gt=0)
+    default_max_runtime_h: float = Field(24.0 * 7, gt=0, description="for requests without one")
+    aging_s: float = Field(3600.0, gt=0, description="waiting this long adds one priority level")
+
+    @model_validator(mode="after")
+    def _tree_is_sound(self) -> ClusterConfig:
+        names = [q.name for q in self.queues]
+        duplicates = sorted({n for n in names if names.count(n) > 1})
+        if duplicates:
+            raise ValueError(f"queues declared twice: {', '.join(duplicates)}")
+        known = set(names) | {DEFAULT_QUEUE}
+        for queue in self.queues:
+            if queue.parent is not None and queue.parent not in known:
+                raise ValueError(f"queue {queue.name}: parent {queue.parent!r} is not declared")
+        by_name = {q.name: q for q in self.queues}
+        for queue in self.queues:  # a cycle would make every ancestor walk loop forever
+            seen, current = {queue.name}, queue.parent
+            while current is not None and current in by_name:
+                if current in seen:
+                    raise ValueError(f"queue {queue.name}: its parents form a cycle")
+                seen.add(current)
+                current = by_name[current].parent
+        for parent in self.queues:
+            children = [q for q in self.queues if q.parent == parent.name]
+            promised = sum(c.guaranteed_gpus for c in children)
+            if children and promised > parent.guaranteed_gpus:
+                raise ValueError(
+                    f"queue {parent.name}: its teams are guaranteed {promised} GPUs, more than "
+                    f"its own guarantee of {parent.guaranteed_gpus}"
+                )
+        return self
+
+    def queue(self, name: str) -> QueueConfig:
+        for queue in self.queues:
+            if queue.name == name:
+                return queue
+        return QueueConfig(name=name)  # undeclared teams: no guarantee, no ceiling
+
+    def ancestry(self, name: str) -> list[QueueConfig]:
+        """The queue and its parents, nearest first."""
+        chain, current = [], self.queue(name)
+        while True:
+            chain.append(current)
+            if current.parent is None:
+                return chain
+            current = self.queue(current.parent)
+
+
+# --- requests and allocations ------------------------------------------------------------------
+
+
+class GangRequest(BaseModel):
+    run_id: str
+    nodes: int
+    gpus_per_node: int
+    team: str = DEFAULT_QUEUE
+    gpu_type: str | None = None  # None: any
+    priority: int = 0
+    preemptible: bool = True
+    max_runtime_s: float | None = None  # None: the cluster's default_max_runtime_h
+    cache_items: list[str] = []  # prefer nodes that hold these (dataset snapshots)
+    allow_multi_pod: bool = True
+    recovery: bool = False  # after a failure: may take a spare node
+    submitted_at: datetime | None = None  # first submission: a requeued run keeps its age
+
+    @property
+    def gpus(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+
+class Preemption(BaseModel):
+    for_run: str
+    reason: str
+    deadline: datetime
+
+
+class Allocation(BaseModel):
+    run_id: str
+    generation: int
+    nodes: list[NodeInfo]
+    gpus_per_node: int = 1
+    team: str = DEFAULT_QUEUE
+    priority: int = 0
+    preemptible: bool = True
+    granted_at: datetime | None = None
+    expected_end: datetime | None = None  # granted_at + max runtime: backfill plans with it
+    last_checkpoint_at: datetime | None = None  # what a preemption of it would lose
+    preempting: Preemption | None = None
+
+    @property
+    def gpus(self) -> int:
+        return len(self.nodes) * self.gpus_per_node
+
+    @property
+    def rdzv_endpoint(self) -> str:
+        head = self.nodes[0]
+        return f"{head.host}:{head.rdzv_port}"
+
+
+class NodeAdmin(BaseModel):
+    """An operator's change to one node: cordon, drain, or back to active."""
+
+    node_id: str
+    admin: Admin
+
+
+class Release(BaseModel):
+    run_id: str
+    generation: int
+
+
+class NodeFailure(BaseModel):
+    run_id: str
+    generation: int
+    node_id: str
+    reason: str
+
+
+class CheckpointCommitted(BaseModel):
+    run_id: str
+    generation: int
+    step: int
+
+
+class PreemptNotice(BaseModel):
+    """Sent to a victim run: checkpoint within `grace_s` and give the gang back."""
+
+    generation: int
+    grace_s: int
+    reason: str
+
+
+class Reservation(BaseModel):
+    run_id: str
+    nodes: list[str]
+    start: datetime  # when the nodes are expected to be free
+
+
+class Waiting(BaseModel):
+    run_id: str
+    position: int
+    reason: str
+
+
+class ClusterState(BaseModel):
+    config: ClusterConfig = ClusterConfig()
+    nodes: list[Node] = []
+    queue: list[GangRequest] = []
+    allocations: list[Allocation] = []
+    next_generation: int = 1
+    usage: dict[str, float] = {}  # team -> decayed GPU-seconds
+    usage_at: datetime | None = None
+    reservation: Reservation | None = None
+    waiting: list[Waiting] = []

@@ -1,0 +1,60 @@
+"""Preemption that loses the least: which running gangs give their nodes back, and to whom.
+
+Only preemptible gangs that hold borrowed capacity (beyond their team's guarantee) can be
+victims, never the requester's own team. Each victim costs GPUs × seconds since its last
+committed checkpoint (the work a preemption throws away); the cheapest set that lets the
+request be placed is chosen, then trimmed of any victim it does not need.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+
+from workflows.cluster_models import Allocation, GangRequest
+from workflows.placement import Capacity, place
+
+
+def loss(allocation: Allocation, now: datetime) -> float:
+    since = allocation.last_checkpoint_at or allocation.granted_at or now
+    return allocation.gpus * max(0.0, (now - since).total_seconds())
+
+
+def _freed(capacity: Capacity, victims: list[Allocation]) -> Capacity:
+    freed = capacity.copy()
+    for victim in victims:
+        for node in victim.nodes:
+            freed.give(node.node_id, node.gpus)
+    return freed
+
+
+def choose_victims(
+    request: GangRequest,
+    capacity: Capacity,
+    allocations: list[Allocation],
+    borrowed: set[str],
+    now: datetime,
+) -> list[Allocation] | None:
+    candidates = sorted(
+        (
+            a
+            for a in allocations
+            if a.preemptible
+            and a.run_id in borrowed
+            and a.preempting is None
+            and a.team != request.team
+        ),
+        key=lambda a: (loss(a, now), a.run_id),
+    )
+    chosen: list[Allocation] = []
+    for victim in candidates:
+        chosen.append(victim)
+        if place(request, _freed(capacity, chosen)) is not None:
+            break
+    else:
+        return None
+    # A cheaper victim taken early may be unnecessary once a bigger one is in: drop it.
+    for victim in sorted(chosen, key=lambda a: -loss(a, now)):
+        rest = [v for v in chosen if v is not victim]
+        if rest and place(request, _freed(capacity, rest)) is not None:
+            chosen = rest
+    return chosen
