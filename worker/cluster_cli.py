@@ -34,7 +34,14 @@ def nodes() -> None:
 
 def queues() -> None:
     """The queues (teams): guaranteed, max, in use, borrowed, pending GPUs."""
-    console.print(queues_table(run(_cluster_state())))
+    state = run(_cluster_state())
+    console.print(queues_table(state))
+    total = sum(n.info.gpus for n in state.nodes)
+    used = sum(n.used for n in state.nodes)
+    cost = used * state.config.cost_per_gpu_hour
+    console.print(
+        f"cluster: {used}/{total} GPUs in use, {cost:,.2f} per hour at the configured rate"
+    )
 
 
 def jobs() -> None:
