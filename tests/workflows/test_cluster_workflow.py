@@ -136,6 +136,35 @@ def test_gang_is_all_or_nothing(temporal_address: str, task_queue: str) -> None:
     run_scenario(temporal_address, task_queue, scenario)
 
 
+def test_concurrent_runs_queue_and_start_whole(temporal_address: str, task_queue: str) -> None:
+    async def scenario(h: Harness) -> None:
+        for n in ("n0", "n1", "n2", "n3"):
+            await h.cluster.signal(ClusterWorkflow.register_node, node(n))
+        holders = [await h.hold(f"run-{i}", nodes=2) for i in range(5)]
+        state = await h.state(lambda s: len(s.allocations) == 2 and len(s.queue) == 3)
+        granted = {a.run_id for a in state.allocations}
+        assert all(len(a.nodes) == 2 for a in state.allocations)
+        assert all(sum(n.jobs.values()) <= n.info.gpus for n in state.nodes)
+        # Release the running gangs one by one: each frees exactly one waiting run's gang.
+        for round_ in range(3):
+            first = sorted(granted)[0]
+            grant = next(a for a in state.allocations if a.run_id == first)
+            await h.cluster.signal(
+                ClusterWorkflow.release, Release(run_id=first, generation=grant.generation)
+            )
+            state = await h.state(
+                lambda s, r=round_: len(s.allocations) == 2 and len(s.queue) == 2 - r
+            )
+            assert len(state.allocations) == 2 and len(state.queue) == 2 - round_
+            granted = {a.run_id for a in state.allocations}
+        generations = [a.generation for a in state.allocations]
+        assert len(set(generations)) == len(generations)
+        for holder in holders:
+            await holder.signal(GangHolder.finish)
+
+    run_scenario(temporal_address, task_queue, scenario)
+
+
 def test_release_is_fenced_by_generation(temporal_address: str, task_queue: str) -> None:
     async def scenario(h: Harness) -> None:
         for n in ("n0", "n1"):
