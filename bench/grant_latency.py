@@ -27,9 +27,9 @@ from infra.local_servers import temporal_dev_server_argv
 from infra.processes import ManagedProcess, free_port, port_is_open, wait_until
 
 with workflow.unsafe.imports_passed_through():
-    from workflows.cluster import GANG_GRANTED_SIGNAL, ClusterWorkflow
+    from workflows.cluster import ClusterWorkflow
     from workflows.cluster_models import Allocation, ClusterState, GangRequest, NodeInfo, Release
-    from workflows.names import CLUSTER_WORKFLOW_ID
+    from workflows.names import CLUSTER_WORKFLOW_ID, GANG_GRANTED_SIGNAL
 
 
 @workflow.defn(name="BenchRun")

@@ -12,6 +12,7 @@ from datetime import datetime, timedelta
 
 from workflows.cluster_models import Allocation, GangRequest, Reservation
 from workflows.placement import Capacity, place
+from workflows.preemption import give_back
 
 
 def runtime(request: GangRequest, default_s: float) -> timedelta:
@@ -24,9 +25,11 @@ def reserve(
     """Where and when `request` will fit if nothing else starts; None if it never can."""
     future = capacity.copy()
     gpus = request.gpus
+    placed = place(request, future)
+    if placed is not None:  # it fits now; only something else (a quota, a claim) holds it back
+        return Reservation(run_id=request.run_id, nodes=placed, start=now)
     for allocation in sorted(allocations, key=lambda a: (a.expected_end or datetime.max, a.run_id)):
-        for node in allocation.nodes:
-            future.give(node.node_id, node.gpus)
+        give_back(future, allocation)
         if future.total_free(request.gpu_type) < gpus:
             continue  # cheaper than a placement attempt that cannot succeed
         placed = place(request, future)

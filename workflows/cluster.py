@@ -19,6 +19,7 @@ from temporalio import workflow
 from temporalio.exceptions import ApplicationError
 
 with workflow.unsafe.imports_passed_through():
+    from workflows import cluster_ops as ops
     from workflows.cluster_models import (
         Allocation,
         CheckpointCommitted,
@@ -30,17 +31,12 @@ with workflow.unsafe.imports_passed_through():
         NodeAdmin,
         NodeFailure,
         NodeInfo,
-        PreemptNotice,
         Release,
     )
-    from workflows.quotas import decay_usage
-    from workflows.scheduler import Decisions, expected_end, schedule
+    from workflows.cluster_ops import REVOKE_MARGIN
+    from workflows.names import GANG_GRANTED_SIGNAL
 
-GANG_GRANTED_SIGNAL = "gang_granted"
-PREEMPT_SIGNAL = "preempt"
 _TICK = timedelta(seconds=60)
-# A victim that has not released this long after its grace period is revoked by force.
-_REVOKE_MARGIN = timedelta(seconds=30)
 
 
 @workflow.defn(name="Cluster")
@@ -74,7 +70,7 @@ class ClusterWorkflow:
     def _until_next_deadline(self) -> timedelta:
         now = workflow.now()
         deadlines = [
-            a.preempting.deadline + _REVOKE_MARGIN for a in self._state.allocations if a.preempting
+            a.preempting.deadline + REVOKE_MARGIN for a in self._state.allocations if a.preempting
         ]
         soonest = min(deadlines, default=now + _TICK)
         return max(timedelta(seconds=1), min(_TICK, soonest - now))
@@ -171,72 +167,20 @@ class ClusterWorkflow:
     # --- internals ---------------------------------------------------------------------------
 
     def _node(self, node_id: str) -> Node | None:
-        return next((n for n in self._state.nodes if n.info.node_id == node_id), None)
+        return ops.node(self._state, node_id)
 
     def _allocation(self, run_id: str) -> Allocation | None:
-        return next((a for a in self._state.allocations if a.run_id == run_id), None)
+        return ops.allocation_of(self._state, run_id)
 
     def _free(self, allocation: Allocation) -> None:
-        self._state.allocations.remove(allocation)
-        for node in self._state.nodes:
-            node.jobs.pop(allocation.run_id, None)
+        ops.free(self._state, allocation, workflow.now())
 
     def _pass(self, now: datetime) -> None:
-        state = self._state
-        for allocation in list(state.allocations):
-            preempting = allocation.preempting
-            if preempting and now > preempting.deadline + _REVOKE_MARGIN:
-                # The victim neither checkpointed nor released in time: take the nodes back.
-                # Its generation is retired, so anything it still sends is ignored.
-                workflow.logger.warning("revoking %s: grace period over", allocation.run_id)
-                self._free(allocation)
-        half_life_s = state.config.fair_share_half_life_h * 3600
-        state.usage = decay_usage(state.usage, state.usage_at, now, half_life_s, state.allocations)
-        state.usage_at = now
-        self._apply(schedule(state, now), now)
-
-    def _apply(self, decisions: Decisions, now: datetime) -> None:
-        state = self._state
-        for node in state.nodes:
-            node.spare = node.info.node_id in decisions.spares
-        default_runtime_s = state.config.default_max_runtime_h * 3600
-        for request, node_ids in decisions.grants:
-            nodes = [self._node(i) for i in node_ids]
-            held_per_node = request.gpus_per_node
-            for node in nodes:
-                assert node is not None
-                # A multi-node gang holds its nodes whole; a single-node job what it asked for.
-                take = node.info.gpus if request.nodes > 1 else request.gpus_per_node
-                node.jobs[request.run_id] = take
-                held_per_node = take
-            allocation = Allocation(
-                run_id=request.run_id,
-                generation=state.next_generation,
-                nodes=[n.info for n in nodes if n is not None],
-                gpus_per_node=held_per_node,
-                team=request.team,
-                priority=request.priority,
-                preemptible=request.preemptible,
-                granted_at=now,
-                expected_end=expected_end(request, now, default_runtime_s),
-            )
-            state.next_generation += 1
-            state.queue = [r for r in state.queue if r.run_id != request.run_id]
-            state.allocations.append(allocation)
-            self._outbox.append((allocation.run_id, GANG_GRANTED_SIGNAL, allocation))
-        for run_id, preemption in decisions.preemptions:
-            victim = self._allocation(run_id)
-            if victim is None or victim.preempting is not None:
-                continue
-            victim.preempting = preemption
-            notice = PreemptNotice(
-                generation=victim.generation,
-                grace_s=state.config.preemption_grace_s,
-                reason=preemption.reason,
-            )
-            self._outbox.append((run_id, PREEMPT_SIGNAL, notice))
-        state.reservation = decisions.reservation
-        state.waiting = decisions.waiting
+        revoked, _, messages = ops.run_pass(self._state, now)
+        for allocation in revoked:
+            # Its generation is retired, so anything it still sends is ignored.
+            workflow.logger.warning("revoked %s: grace period over", allocation.run_id)
+        self._outbox.extend(messages)
 
     async def _send(self, run_id: str, signal: str, argument: object) -> None:
         try:

@@ -194,7 +194,7 @@ class Allocation(BaseModel):
     run_id: str
     generation: int
     nodes: list[NodeInfo]
-    gpus_per_node: int = 1
+    gpus_per_node: int = 1  # as requested; see `held_on` for what each node is booked for
     team: str = DEFAULT_QUEUE
     priority: int = 0
     preemptible: bool = True
@@ -203,9 +203,13 @@ class Allocation(BaseModel):
     last_checkpoint_at: datetime | None = None  # what a preemption of it would lose
     preempting: Preemption | None = None
 
+    def held_on(self, node: NodeInfo) -> int:
+        """A multi-node gang holds its nodes whole; a single-node job what it asked for."""
+        return node.gpus if len(self.nodes) > 1 else self.gpus_per_node
+
     @property
     def gpus(self) -> int:
-        return len(self.nodes) * self.gpus_per_node
+        return sum(self.held_on(node) for node in self.nodes)
 
     @property
     def rdzv_endpoint(self) -> str:
@@ -252,6 +256,15 @@ class Reservation(BaseModel):
     start: datetime  # when the nodes are expected to be free
 
 
+class Claim(BaseModel):
+    """Nodes held for a run that preempted others to get them, until it is granted there: the
+    requeued victim (older, maybe higher priority) must not take them straight back."""
+
+    run_id: str
+    nodes: list[str]
+    until: datetime
+
+
 class Waiting(BaseModel):
     run_id: str
     position: int
@@ -268,3 +281,4 @@ class ClusterState(BaseModel):
     usage_at: datetime | None = None
     reservation: Reservation | None = None
     waiting: list[Waiting] = []
+    claims: list[Claim] = []

@@ -1,6 +1,9 @@
 """Well-known workflow ids and task queues shared by workflows, workers and the CLI."""
 
 CLUSTER_WORKFLOW_ID = "forgeline-cluster"
+# Signals the Cluster workflow sends to a run.
+GANG_GRANTED_SIGNAL = "gang_granted"
+PREEMPT_SIGNAL = "preempt"
 CONTROL_TASK_QUEUE = "forgeline-control"
 
 

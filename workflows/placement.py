@@ -30,10 +30,16 @@ class Capacity:
         self.whole: dict[tuple[str, str], set[str]] = defaultdict(set)
         # (gpu_type, free GPUs) -> ids: the best-fit index for single-node jobs
         self.by_free: dict[tuple[str, int], set[str]] = defaultdict(set)
+        self.largest: dict[str, int] = {}  # gpu_type -> GPUs of its biggest node
+        self.free_by_type: dict[str, int] = defaultdict(int)
         for info, free in nodes:
-            self.info[info.node_id] = info
-            self.free[info.node_id] = 0
-            self.give(info.node_id, free)
+            self.add(info, free)
+
+    def add(self, info: NodeInfo, free: int) -> None:
+        self.info[info.node_id] = info
+        self.free[info.node_id] = 0
+        self.largest[info.gpu_type] = max(self.largest.get(info.gpu_type, 0), info.gpus)
+        self.give(info.node_id, free)
 
     def copy(self) -> Capacity:
         clone = Capacity(())
@@ -41,19 +47,20 @@ class Capacity:
         clone.free = dict(self.free)
         clone.whole = defaultdict(set, {k: set(v) for k, v in self.whole.items()})
         clone.by_free = defaultdict(set, {k: set(v) for k, v in self.by_free.items()})
+        clone.largest = dict(self.largest)
+        clone.free_by_type = defaultdict(int, self.free_by_type)
         return clone
 
     def total_free(self, gpu_type: str | None) -> int:
-        return sum(
-            free
-            for node_id, free in self.free.items()
-            if gpu_type is None or self.info[node_id].gpu_type == gpu_type
-        )
+        if gpu_type is None:
+            return sum(self.free_by_type.values())
+        return self.free_by_type.get(gpu_type, 0)
 
     def _unindex(self, node_id: str) -> None:
         info, free = self.info[node_id], self.free[node_id]
         self.by_free[(info.gpu_type, free)].discard(node_id)
         self.whole[(info.gpu_type, info.pod)].discard(node_id)
+        self.free_by_type[info.gpu_type] -= free
 
     def _index(self, node_id: str) -> None:
         info, free = self.info[node_id], self.free[node_id]
@@ -61,6 +68,7 @@ class Capacity:
             self.by_free[(info.gpu_type, free)].add(node_id)
         if free == info.gpus:
             self.whole[(info.gpu_type, info.pod)].add(node_id)
+        self.free_by_type[info.gpu_type] += free
 
     def take(self, node_id: str, gpus: int) -> None:
         self._unindex(node_id)
@@ -78,9 +86,7 @@ class Capacity:
         """A copy holding this capacity's nodes and `other`'s (disjoint sets of nodes)."""
         both = self.copy()
         for node_id, free in other.free.items():
-            both.info[node_id] = other.info[node_id]
-            both.free[node_id] = 0
-            both.give(node_id, free)
+            both.add(other.info[node_id], free)
         return both
 
     def split(self, node_ids: list[str]) -> Capacity:
@@ -92,7 +98,7 @@ class Capacity:
 
 
 def _types(capacity: Capacity, wanted: str | None) -> list[str]:
-    types = {info.gpu_type for info in capacity.info.values()}
+    types = capacity.largest
     return sorted(types) if wanted is None else [wanted] if wanted in types else []
 
 
@@ -119,8 +125,7 @@ def place(request: GangRequest, capacity: Capacity) -> list[str] | None:
 def _best_fit(request: GangRequest, capacity: Capacity, cached: set[str]) -> list[str] | None:
     best: tuple[int, bool, str] | None = None
     for gpu_type in _types(capacity, request.gpu_type):
-        top = max((i.gpus for i in capacity.info.values() if i.gpu_type == gpu_type), default=0)
-        for free in range(request.gpus_per_node, top + 1):
+        for free in range(request.gpus_per_node, capacity.largest[gpu_type] + 1):
             bucket = capacity.by_free.get((gpu_type, free))
             if not bucket:
                 continue
@@ -137,12 +142,28 @@ def _best_fit(request: GangRequest, capacity: Capacity, cached: set[str]) -> lis
 def _whole_nodes(
     request: GangRequest, capacity: Capacity, gpu_type: str, cached: set[str]
 ) -> list[str] | None:
-    pods = {}
+    """Whole idle nodes; of the smallest size that holds `gpus_per_node` first, since a gang
+    books its nodes whole and GPUs it does not use are lost to everyone else."""
+    pods: dict[str, set[str]] = {}
     for (kind, pod), ids in capacity.whole.items():
         if kind == gpu_type:
             big_enough = {i for i in ids if capacity.info[i].gpus >= request.gpus_per_node}
             if big_enough:
                 pods[pod] = big_enough
+    sizes = sorted({capacity.info[i].gpus for ids in pods.values() for i in ids})
+    for size in sizes:
+        exact = {
+            pod: {i for i in ids if capacity.info[i].gpus == size} for pod, ids in pods.items()
+        }
+        chosen = _in_pods(request, capacity, {p: ids for p, ids in exact.items() if ids}, cached)
+        if chosen is not None:
+            return chosen
+    return _in_pods(request, capacity, pods, cached) if len(sizes) > 1 else None
+
+
+def _in_pods(
+    request: GangRequest, capacity: Capacity, pods: dict[str, set[str]], cached: set[str]
+) -> list[str] | None:
     fitting = [(len(ids), pod) for pod, ids in pods.items() if len(ids) >= request.nodes]
     if fitting:
         _, pod = min(fitting)

@@ -19,11 +19,16 @@ def loss(allocation: Allocation, now: datetime) -> float:
     return allocation.gpus * max(0.0, (now - since).total_seconds())
 
 
+def give_back(capacity: Capacity, allocation: Allocation) -> None:
+    """Return what `allocation` holds: its share of each node (others may share the node)."""
+    for node in allocation.nodes:
+        capacity.give(node.node_id, allocation.held_on(node))
+
+
 def _freed(capacity: Capacity, victims: list[Allocation]) -> Capacity:
     freed = capacity.copy()
     for victim in victims:
-        for node in victim.nodes:
-            freed.give(node.node_id, node.gpus)
+        give_back(freed, victim)
     return freed
 
 
@@ -33,7 +38,8 @@ def choose_victims(
     allocations: list[Allocation],
     borrowed: set[str],
     now: datetime,
-) -> list[Allocation] | None:
+) -> tuple[list[Allocation], list[str]] | None:
+    """The victims, and where the request will go once they are gone."""
     candidates = sorted(
         (
             a
@@ -46,9 +52,13 @@ def choose_victims(
         key=lambda a: (loss(a, now), a.run_id),
     )
     chosen: list[Allocation] = []
+    freed = capacity.copy()  # one copy, grown victim by victim
     for victim in candidates:
         chosen.append(victim)
-        if place(request, _freed(capacity, chosen)) is not None:
+        give_back(freed, victim)
+        if freed.total_free(request.gpu_type) < request.gpus:
+            continue  # cheaper than a placement attempt that cannot succeed
+        if place(request, freed) is not None:
             break
     else:
         return None
@@ -57,4 +67,6 @@ def choose_victims(
         rest = [v for v in chosen if v is not victim]
         if rest and place(request, _freed(capacity, rest)) is not None:
             chosen = rest
-    return chosen
+    placement = place(request, _freed(capacity, chosen))
+    assert placement is not None
+    return chosen, placement

@@ -31,8 +31,11 @@ class QuotaCheck:
     reason: str = ""
 
 
-def check(config: ClusterConfig, used: dict[str, int], request: GangRequest) -> QuotaCheck:
-    gpus = request.gpus
+def check(
+    config: ClusterConfig, used: dict[str, int], request: GangRequest, gpus: int | None = None
+) -> QuotaCheck:
+    """Against what the request asks for, or (`gpus`) what a placement would actually hold."""
+    gpus = request.gpus if gpus is None else gpus
     for queue in config.ancestry(request.team):
         if queue.max_gpus is not None and used.get(queue.name, 0) + gpus > queue.max_gpus:
             return QuotaCheck(

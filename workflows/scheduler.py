@@ -16,6 +16,9 @@ from datetime import datetime, timedelta
 from workflows.backfill import fits_before, reserve, runtime
 from workflows.cluster_models import (
     Admin,
+    Allocation,
+    Claim,
+    ClusterConfig,
     ClusterState,
     GangRequest,
     Node,
@@ -35,6 +38,7 @@ class Decisions:
     reservation: Reservation | None = None
     waiting: list[Waiting] = field(default_factory=list)
     spares: set[str] = field(default_factory=set)
+    claims: list[Claim] = field(default_factory=list)
 
 
 def effective_priority(request: GangRequest, now: datetime, aging_s: float) -> float:
@@ -77,11 +81,27 @@ def schedule(state: ClusterState, now: datetime) -> Decisions:
     config = state.config
     default_runtime_s = config.default_max_runtime_h * 3600
     decisions = Decisions(spares=choose_spares(state.nodes, config.spare_nodes))
-    general = _capacity(state.nodes, exclude=decisions.spares)
+    queued = {r.run_id for r in state.queue}
+    # Claimed nodes are held for their claimant (the first claim on a node wins).
+    owner: dict[str, str] = {}
+    for claim in state.claims:
+        if claim.until > now and claim.run_id in queued:
+            for node_id in claim.nodes:
+                if node_id not in decisions.spares:
+                    owner.setdefault(node_id, claim.run_id)
+    general = _capacity(state.nodes, exclude=decisions.spares | owner.keys())
     spare_capacity = _capacity(state.nodes, include=decisions.spares)
+    held_for: dict[str, Capacity] = {}
+    all_claimed = Capacity(())  # grows with this pass's claims
+    for node in state.nodes:
+        run_id = owner.get(node.info.node_id)
+        if run_id is not None and node.schedulable:
+            held_for.setdefault(run_id, Capacity(())).add(node.info, node.free)
+            all_claimed.add(node.info, node.free)
     used = in_use(config, state.allocations)
     lenders = borrowed(config, state.allocations)
     running = [a for a in state.allocations if a.preempting is None]
+    granted_now: list[Allocation] = []  # this pass's grants: they free up too, for `reserve`
     being_preempted = {a.run_id for a in state.allocations if a.preempting}
     reclaiming = {a.preempting.for_run for a in state.allocations if a.preempting}
     reserved = Capacity(())
@@ -90,42 +110,69 @@ def schedule(state: ClusterState, now: datetime) -> Decisions:
     decisions.preemptions += _drain_preemptions(state, now)
     being_preempted |= {victim for victim, _ in decisions.preemptions}
 
+    def wait(position: int, request: GangRequest, reason: str) -> None:
+        decisions.waiting.append(Waiting(run_id=request.run_id, position=position, reason=reason))
+
     for position, request in enumerate(order(state, now)):
         quota = check(config, used, request)
         if not quota.allowed:
-            decisions.waiting.append(
-                Waiting(run_id=request.run_id, position=position, reason=quota.reason)
-            )
+            wait(position, request, quota.reason)
             continue
         if request.run_id in reclaiming:
-            decisions.waiting.append(
-                Waiting(
-                    run_id=request.run_id,
-                    position=position,
-                    reason="reclaiming its team's guarantee: waiting for the preempted gang to "
-                    "checkpoint and release",
-                )
+            wait(
+                position,
+                request,
+                "reclaiming its team's guarantee: waiting for the preempted gang to checkpoint "
+                "and release",
             )
             continue
-        placed = _place_and_take(
-            request, general, reserved, spare_capacity, reservation, now, default_runtime_s
+        own = held_for.get(request.run_id, Capacity(()))
+        found = _find_place(
+            request, general, own, reserved, spare_capacity, reservation, now, default_runtime_s
         )
-        if placed is not None:
+        if found is not None:
+            placed, pools = found
+            held = _held(request, pools, placed)
+            # Whole nodes may hold more than was asked for: the quota sees what is booked, and
+            # nodes of exactly the asked size are tried before giving up.
+            booked = check(config, used, request, held)
+            if not booked.allowed and request.nodes > 1:
+                exact = [_exact_size(pool, request.gpus_per_node) for pool in pools]
+                view = exact[0]
+                for extra in exact[1:]:
+                    view = view.merged(extra)
+                fitted = place(request, view)
+                if fitted is not None:
+                    placed, held = fitted, request.gpus
+                    booked = check(config, used, request, held)
+            if not booked.allowed:
+                wait(
+                    position,
+                    request,
+                    f"placed on whole nodes it would hold {held} GPUs: {booked.reason}",
+                )
+                continue
+            _take(request, pools, placed)
             decisions.grants.append((request, placed))
             for queue in config.ancestry(request.team):
-                used[queue.name] = used.get(queue.name, 0) + request.gpus
+                used[queue.name] = used.get(queue.name, 0) + held
             decisions.spares -= set(placed)
+            granted_now.append(_as_allocation(request, pools, placed, now, default_runtime_s))
             continue
         if not quota.borrowing:
-            victims = choose_victims(
-                request,
-                general,
-                [a for a in running if a.run_id not in being_preempted],
-                lenders,
-                now,
-            )
-            if victims:
+            candidates = [a for a in running if a.run_id not in being_preempted]
+            chosen = choose_victims(request, general.merged(own), candidates, lenders, now)
+            if chosen and not _books_within_quota(config, used, request, chosen[1], state.nodes):
+                chosen = None  # the nodes it would get hold more than its quota allows
+            if chosen:
+                victims, target = chosen
                 deadline = now + timedelta(seconds=config.preemption_grace_s)
+                # The target nodes are held for this request from now on: nothing else may take
+                # what is free there or what the victims free (an older, requeued victim
+                # would take it straight back, and the request would preempt again).
+                until = deadline + timedelta(seconds=config.preemption_grace_s)
+                decisions.claims.append(Claim(run_id=request.run_id, nodes=target, until=until))
+                all_claimed = all_claimed.merged(general.split(target))
                 for victim in victims:
                     notice = Preemption(
                         for_run=request.run_id,
@@ -135,79 +182,113 @@ def schedule(state: ClusterState, now: datetime) -> Decisions:
                     decisions.preemptions.append((victim.run_id, notice))
                     being_preempted.add(victim.run_id)
                 names = ", ".join(v.run_id for v in victims)
-                decisions.waiting.append(
-                    Waiting(
-                        run_id=request.run_id,
-                        position=position,
-                        reason=f"reclaiming its team's guarantee: preempting {names}",
-                    )
-                )
+                wait(position, request, f"reclaiming its team's guarantee: preempting {names}")
                 continue
         if reservation is None:
-            reservation = reserve(request, general, running, now)
+            # Every gang frees its nodes some day, those being preempted too; claimed nodes
+            # count as free (their claimant takes them now and frees them later).
+            reservation = reserve(
+                request, general.merged(all_claimed), state.allocations + granted_now, now
+            )
             if reservation is None:
-                decisions.waiting.append(
-                    Waiting(
-                        run_id=request.run_id,
-                        position=position,
-                        reason=f"needs {request.nodes} node(s) × {request.gpus_per_node} GPU(s)"
-                        + (f" of type {request.gpu_type}" if request.gpu_type else "")
-                        + ": more than the cluster's schedulable nodes can ever give",
-                    )
+                wait(
+                    position,
+                    request,
+                    f"needs {request.nodes} node(s) × {request.gpus_per_node} GPU(s)"
+                    + (f" of type {request.gpu_type}" if request.gpu_type else "")
+                    + ": more than the cluster's schedulable nodes can ever give",
                 )
                 continue
             # The reserved nodes leave the general pool: only short jobs may borrow them.
             reserved = general.split(reservation.nodes)
             decisions.reservation = reservation
             decisions.preemptions += _overdue(state, reservation, now, being_preempted)
-            decisions.waiting.append(
-                Waiting(
-                    run_id=request.run_id,
-                    position=position,
-                    reason=f"head of the line: {len(reservation.nodes)} node(s) reserved from "
-                    f"{reservation.start:%Y-%m-%d %H:%M:%S} UTC",
-                )
+            wait(
+                position,
+                request,
+                f"head of the line: {len(reservation.nodes)} node(s) reserved from "
+                f"{reservation.start:%Y-%m-%d %H:%M:%S} UTC",
             )
             continue
-        decisions.waiting.append(
-            Waiting(
-                run_id=request.run_id,
-                position=position,
-                reason=f"no capacity: behind {reservation.run_id}'s reservation",
-            )
-        )
+        wait(position, request, f"no capacity: behind {reservation.run_id}'s reservation")
     return decisions
 
 
-def _take(request: GangRequest, pools: list[Capacity], placed: list[str]) -> list[str]:
-    """Book the placed nodes in whichever pool holds each: whole nodes for a multi-node gang."""
+def _books_within_quota(
+    config: ClusterConfig, used: dict[str, int], request: GangRequest, target: list[str], nodes
+) -> bool:
+    sizes = {n.info.node_id: n.info.gpus for n in nodes}
+    held = sum(sizes[i] for i in target) if request.nodes > 1 else request.gpus
+    return check(config, used, request, held).allowed
+
+
+def _exact_size(pool: Capacity, gpus: int) -> Capacity:
+    return Capacity(
+        (pool.info[i], free) for i, free in pool.free.items() if pool.info[i].gpus == gpus
+    )
+
+
+def _per_node(request: GangRequest, pool: Capacity, node_id: str) -> int:
+    """A multi-node gang books its nodes whole; a single-node job what it asked for."""
+    return pool.info[node_id].gpus if request.nodes > 1 else request.gpus_per_node
+
+
+def _held(request: GangRequest, pools: list[Capacity], placed: list[str]) -> int:
+    return sum(
+        _per_node(request, next(p for p in pools if node_id in p.free), node_id)
+        for node_id in placed
+    )
+
+
+def _take(request: GangRequest, pools: list[Capacity], placed: list[str]) -> None:
     for node_id in placed:
         pool = next(p for p in pools if node_id in p.free)
-        pool.take(node_id, pool.free[node_id] if request.nodes > 1 else request.gpus_per_node)
-    return placed
+        pool.take(node_id, _per_node(request, pool, node_id))
 
 
-def _place_and_take(
+def _as_allocation(
+    request: GangRequest,
+    pools: list[Capacity],
+    placed: list[str],
+    now: datetime,
+    default_runtime_s: float,
+) -> Allocation:
+    infos = [next(p for p in pools if i in p.info).info[i] for i in placed]
+    return Allocation(
+        run_id=request.run_id,
+        generation=0,
+        nodes=infos,
+        gpus_per_node=request.gpus_per_node,
+        team=request.team,
+        granted_at=now,
+        expected_end=expected_end(request, now, default_runtime_s),
+    )
+
+
+def _find_place(
     request: GangRequest,
     general: Capacity,
+    own: Capacity,
     reserved: Capacity,
     spares: Capacity,
     reservation: Reservation | None,
     now: datetime,
     default_runtime_s: float,
-) -> list[str] | None:
-    placed = place(request, general)
-    if placed is not None:
-        return _take(request, [general], placed)
+) -> tuple[list[str], list[Capacity]] | None:
+    """Where the request fits, and the pools its nodes come from (nothing is booked yet)."""
+    options: list[list[Capacity]] = [[general, own] if own.free else [general]]
     if reservation is not None and fits_before(request, reservation, now, default_runtime_s):
-        placed = place(request, reserved)
-        if placed is not None:
-            return _take(request, [reserved], placed)
+        options.append([reserved])
     if request.recovery and spares.free:
         # A gang recovering from a failure may swap spares in beside ordinary free nodes.
-        placed = place(request, general.merged(spares))
+        options.append([general, own, spares])
+    for pools in options:
+        view = pools[0]
+        for extra in pools[1:]:
+            view = view.merged(extra)
+        placed = place(request, view)
         if placed is not None:
-            return _take(request, [general, spares], placed)
+            return placed, pools
     return None
 
 

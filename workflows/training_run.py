@@ -22,7 +22,6 @@ from temporalio.exceptions import (
 )
 
 with workflow.unsafe.imports_passed_through():
-    from workflows.cluster import GANG_GRANTED_SIGNAL, PREEMPT_SIGNAL
     from workflows.cluster_models import (
         Allocation,
         GangRequest,
@@ -53,6 +52,8 @@ with workflow.unsafe.imports_passed_through():
     from workflows.names import (
         CLUSTER_WORKFLOW_ID,
         CONTROL_TASK_QUEUE,
+        GANG_GRANTED_SIGNAL,
+        PREEMPT_SIGNAL,
         dataset_workflow_id,
         node_task_queue,
     )

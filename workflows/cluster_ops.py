@@ -1,0 +1,115 @@
+"""The state transitions of the `Cluster` workflow, as plain functions of its state and time.
+
+The workflow calls these (with `workflow.now()`) and the scheduler's simulator calls the very
+same ones, so what the property tests exercise is what the cluster does.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta
+
+from workflows.cluster_models import Allocation, ClusterState, Node, PreemptNotice
+from workflows.names import GANG_GRANTED_SIGNAL, PREEMPT_SIGNAL
+from workflows.quotas import decay_usage
+from workflows.scheduler import Decisions, expected_end, schedule
+
+# A victim that has not released this long after its grace period is revoked by force.
+REVOKE_MARGIN = timedelta(seconds=30)
+
+Message = tuple[str, str, object]  # (run id, signal, argument) for the workflow to send
+
+
+def node(state: ClusterState, node_id: str) -> Node | None:
+    return next((n for n in state.nodes if n.info.node_id == node_id), None)
+
+
+def allocation_of(state: ClusterState, run_id: str) -> Allocation | None:
+    return next((a for a in state.allocations if a.run_id == run_id), None)
+
+
+def account(state: ClusterState, now: datetime) -> None:
+    """Charge GPU-seconds up to `now` and decay older usage (fair share)."""
+    half_life_s = state.config.fair_share_half_life_h * 3600
+    state.usage = decay_usage(state.usage, state.usage_at, now, half_life_s, state.allocations)
+    state.usage_at = now
+
+
+def free(state: ClusterState, allocation: Allocation, now: datetime) -> None:
+    """Take an allocation's nodes back (charging its GPU-seconds up to now first)."""
+    account(state, now)
+    state.allocations.remove(allocation)
+    for each in state.nodes:
+        each.jobs.pop(allocation.run_id, None)
+
+
+def revoke_overdue(state: ClusterState, now: datetime) -> list[Allocation]:
+    """Victims past their grace period (and the margin) lose their nodes by force."""
+    revoked = [
+        a
+        for a in state.allocations
+        if a.preempting is not None and now > a.preempting.deadline + REVOKE_MARGIN
+    ]
+    for allocation in revoked:
+        free(state, allocation, now)
+    return revoked
+
+
+def prepare(state: ClusterState, now: datetime) -> list[Allocation]:
+    """Before a pass: revoke overdue victims, account usage, drop stale claims."""
+    revoked = revoke_overdue(state, now)
+    account(state, now)
+    queued = {r.run_id for r in state.queue}
+    state.claims = [c for c in state.claims if c.until > now and c.run_id in queued]
+    return revoked
+
+
+def run_pass(
+    state: ClusterState, now: datetime
+) -> tuple[list[Allocation], Decisions, list[Message]]:
+    """One scheduling pass: prepare, schedule, apply."""
+    revoked = prepare(state, now)
+    decisions = schedule(state, now)
+    return revoked, decisions, apply(state, decisions, now)
+
+
+def apply(state: ClusterState, decisions: Decisions, now: datetime) -> list[Message]:
+    messages: list[Message] = []
+    for each in state.nodes:
+        each.spare = each.info.node_id in decisions.spares
+    default_runtime_s = state.config.default_max_runtime_h * 3600
+    for request, node_ids in decisions.grants:
+        nodes = [node(state, i) for i in node_ids]
+        allocation = Allocation(
+            run_id=request.run_id,
+            generation=state.next_generation,
+            nodes=[n.info for n in nodes if n is not None],
+            gpus_per_node=request.gpus_per_node,
+            team=request.team,
+            priority=request.priority,
+            preemptible=request.preemptible,
+            granted_at=now,
+            expected_end=expected_end(request, now, default_runtime_s),
+        )
+        for granted in nodes:
+            assert granted is not None
+            granted.jobs[request.run_id] = allocation.held_on(granted.info)
+        state.next_generation += 1
+        state.queue = [r for r in state.queue if r.run_id != request.run_id]
+        state.claims = [c for c in state.claims if c.run_id != request.run_id]
+        state.allocations.append(allocation)
+        messages.append((allocation.run_id, GANG_GRANTED_SIGNAL, allocation))
+    for run_id, preemption in decisions.preemptions:
+        victim = allocation_of(state, run_id)
+        if victim is None or victim.preempting is not None:
+            continue
+        victim.preempting = preemption
+        notice = PreemptNotice(
+            generation=victim.generation,
+            grace_s=state.config.preemption_grace_s,
+            reason=preemption.reason,
+        )
+        messages.append((run_id, PREEMPT_SIGNAL, notice))
+    state.claims.extend(decisions.claims)
+    state.reservation = decisions.reservation
+    state.waiting = decisions.waiting
+    return messages
