@@ -17,15 +17,16 @@ from activities.heartbeat import keep_alive
 from infra.code_version import code_version
 from infra.settings import Settings
 from infra.store import open_store
-from registry.tracking import Registration, register
+from registry.tracking import CHECKPOINT_TAG, Registration, checkpoint_of, register
 from registry.tracking import record_decision as record_version_decision
 from trainer.evaluate import evaluate_checkpoint, load_model
-from trainer.manifest import find_latest
+from trainer.manifest import find_latest, load_for_init
 from workflows.models import (
     CheckpointRef,
     DecisionInput,
     EvalResult,
     EvaluateInput,
+    InitFromInput,
     LatestCheckpointInput,
     ModelVersionRef,
     RegisterInput,
@@ -51,6 +52,22 @@ class ControlActivities:
         )
         if found is None:
             return None
+        return CheckpointRef(
+            manifest_key=found.key,
+            step=found.step,
+            generation=found.generation,
+            tokens_seen=found.tokens_seen,
+        )
+
+    @activity.defn(name="resolve_init_from")
+    def resolve_init_from(self, inp: InitFromInput) -> CheckpointRef:
+        """Pin model.init_from to one verified checkpoint manifest, once, before training:
+        a registered model is followed to the checkpoint it was made from."""
+        with domain_errors():
+            key = inp.source
+            if key.startswith("models:/"):
+                _version, key = checkpoint_of(self.settings.mlflow_uri, inp.source)
+            found = load_for_init(self.store, key, inp.architecture)
         return CheckpointRef(
             manifest_key=found.key,
             step=found.step,
@@ -103,7 +120,7 @@ class ControlActivities:
                 "forgeline.dataset_manifest_key": inp.dataset.manifest_key,
                 "forgeline.dataset_manifest_sha256": inp.dataset.manifest_sha256,
                 "forgeline.spec_sha256": inp.spec_sha256,
-                "forgeline.checkpoint_manifest_key": inp.checkpoint.manifest_key,
+                CHECKPOINT_TAG: inp.checkpoint.manifest_key,
                 "forgeline.checkpoint_step": str(inp.checkpoint.step),
                 "forgeline.temporal_workflow_id": info.workflow_id,
                 "forgeline.run": inp.run_id,
@@ -175,6 +192,7 @@ class ControlActivities:
     def all(self) -> list:
         return [
             self.latest_checkpoint,
+            self.resolve_init_from,
             self.evaluate,
             self.register_model,
             self.record_decision,

@@ -85,7 +85,8 @@ class NodeActivities:
             final_loss=last.get("loss"),
             tokens_per_s=last.get("tokens_per_s"),
             mfu=last.get("mfu"),
-            stopped=last.get("state") == "stopped",
+            stopped=tail.stopped,
+            stop_reason=last.get("stop_reason"),
         )
 
     @activity.defn(name="stop_training")
@@ -115,14 +116,27 @@ class NodeActivities:
                 tokens_seen=inp.resume.tokens_seen,
                 manifest_key=inp.resume.manifest_key,
                 loss_history=manifest.get("loss_history", []),
+                samples_seen=manifest.get("samples_seen"),
             )
+        init_weights = ""
+        if inp.init_from is not None and inp.resume is None:
+            folder, _ = self.cache.checkpoint(inp.init_from)
+            init_weights = str(folder)
         gen_dir = self._generation_dir(inp.run_id, inp.allocation.generation)
+        spec = inp.spec
+        replicate, shard, tensor = spec.parallel.degrees(spec.resources.world_size)
+        node_ids = [node.node_id for node in inp.allocation.nodes]
         return TrainJob(
             run_id=inp.run_id,
             node_id=self.node_id,
+            node_index=node_ids.index(self.node_id),
+            layout={"replicate": replicate, "shard": shard, "tensor": tensor},
+            val_shards=(
+                [str(p) for p in self.cache.split(dataset, "val")] if spec.train.eval_every else []
+            ),
             generation=inp.allocation.generation,
-            model={**inp.spec.model.model_dump(), "vocab_size": inp.dataset.vocab_size},
-            train=inp.spec.train.model_dump(),
+            model={**spec.model.architecture(), "vocab_size": inp.dataset.vocab_size},
+            train=spec.train.model_dump(),
             train_shards=[str(p) for p in shards],
             dtype=dataset["dtype"],
             store_url=self.store.url,
@@ -132,8 +146,10 @@ class NodeActivities:
             lineage={
                 "dataset_snapshot": inp.dataset.snapshot_id,
                 "dataset_manifest_sha256": inp.dataset.manifest_sha256,
+                "init_from": inp.init_from.manifest_key if inp.init_from else None,
             },
             resume=resume,
+            init_weights=init_weights,
         )
 
 

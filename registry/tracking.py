@@ -161,3 +161,31 @@ def record_decision(
         client.set_model_version_tag(model_name, version, key, value)
     if approve:
         client.set_registered_model_alias(model_name, PRODUCTION, version)
+
+
+CHECKPOINT_TAG = "forgeline.checkpoint_manifest_key"
+
+
+def checkpoint_of(tracking_uri: str, uri: str) -> tuple[str, str]:
+    """The checkpoint manifest a registered version was made from, for fine-tuning.
+
+    `uri` is models:/NAME/VERSION or models:/NAME@ALIAS; returns (version, manifest key).
+    """
+    client = _client(tracking_uri)
+    path = uri.removeprefix("models:/")
+    try:
+        if "@" in path:
+            name, alias = path.split("@", 1)
+            found = client.get_model_version_by_alias(name, alias)
+        else:
+            name, version = path.rsplit("/", 1)
+            found = client.get_model_version(name, version)
+    except mlflow.exceptions.MlflowException:
+        raise VersionNotFound(
+            f"{uri} is not in the registry at {tracking_uri}: check the name and the version "
+            "or alias (`forgeline runs` lists what was registered)"
+        ) from None
+    key = found.tags.get(CHECKPOINT_TAG)
+    if not key:
+        raise VersionNotFound(f"{uri} (version {found.version}) carries no {CHECKPOINT_TAG} tag")
+    return found.version, key

@@ -1,22 +1,38 @@
-"""Sharded checkpoints with torch.distributed.checkpoint, committed by manifest.
+"""Sharded, asynchronous checkpoints with torch.distributed.checkpoint, committed by manifest.
 
-Save (collective): every rank writes its shard files to node-local staging, uploads the files it
-wrote, and the ranks gather (name, key, size, sha256) to rank 0, which writes the manifest last
-with create-if-absent. Load: the caller fetches and verifies every file into a local folder first
-(`fetch_checkpoint`), then each rank reads what it needs from there.
+A save runs in four stages, and training is blocked by none of them:
+
+1. stage: a background thread copies this rank's state (model and optimizer, DTensor shards as
+   they are) into fresh CPU tensors. The loop overlaps it with the next forward and backward and
+   waits for it only before the next `optimizer.step()`, the first moment the weights change.
+2. write: `dcp.async_save` writes the staged copy to node-local disk, on a gloo group of its own
+   (sharing the training group aborts with a collective mismatch or hangs).
+3. upload: each rank puts the files it wrote into the object store, with size and sha256.
+4. commit: the ranks gather their file lists to rank 0, which writes `MANIFEST.json` last with
+   create-if-absent and prunes to `keep` checkpoints. No manifest, no checkpoint.
+
+One save is in flight at a time: a new one first waits for the previous commit. Loading fetches
+and verifies every file first (`fetch_checkpoint`), then each rank reads what it needs, resharded
+to whatever layout it now has.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import shutil
+import time
 import warnings
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from infra.digest import sha256_file
@@ -35,61 +51,182 @@ def _files_written_by(folder: Path, rank: int) -> list[Path]:
     return files
 
 
-def save_checkpoint(
-    *,
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
-    store: ObjectStore,
-    staging_dir: Path,
-    run_id: str,
-    step: int,
-    keep: int,
-    meta: dict,
-) -> str | None:
-    """Save, upload and commit a checkpoint; every rank returns the manifest key, or None if
-    another writer had already committed this step (the store's copy wins)."""
-    rank, world = dist.get_rank(), dist.get_world_size()
-    # Ranks of one node share the staging folder (the job gives each generation its own).
-    folder = staging_dir / f"step-{step}"
-    folder.mkdir(parents=True, exist_ok=True)
-    model_state, optim_state = get_state_dict(model, optimizer)
-    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(folder))
+def _copy(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    if isinstance(value, dict):
+        return {k: _copy(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return type(value)(_copy(v) for v in value)
+    return value
 
-    prefix = checkpoint_prefix(run_id, step)
-    mine = []
-    for path in _files_written_by(folder, rank):
-        key = f"{prefix}/{path.name}"
-        store.put_file(key, path)
-        mine.append(
-            {
-                "name": path.name,
-                "key": key,
-                "bytes": path.stat().st_size,
-                "sha256": sha256_file(path),
-            }
+
+class BackgroundCopyStager:
+    """DCP's AsyncStager protocol: copy the state in a thread; the loop decides when to wait.
+
+    torch's DefaultStager copies synchronously on CPU (its async staging needs CUDA), which would
+    block training for the whole copy; this one returns at once.
+    """
+
+    _synchronize_after_execute = False
+
+    def __init__(self) -> None:
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="checkpoint-stage")
+
+    @property
+    def should_synchronize_after_execute(self) -> bool:
+        return False
+
+    def stage(self, state_dict: dict) -> Future:
+        return self._pool.submit(_copy, state_dict)
+
+    def synchronize_staging(self) -> None:  # part of the protocol; the loop waits on the future
+        pass
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+
+
+def _stager_for(cuda: bool) -> BackgroundCopyStager | DefaultStager:
+    if cuda:  # device-to-host copies into pinned memory, overlapped with compute
+        return DefaultStager(StagingOptions(True, False, True, True))
+    return BackgroundCopyStager()
+
+
+@dataclass
+class SaveReport:
+    step: int
+    manifest_key: str | None  # None: another writer had committed this step (the store's wins)
+    stall_s: float  # time the training loop was blocked by this save
+    total_s: float  # from the save call to the commit
+
+
+class Checkpointer:
+    """Saves in the background, one at a time; every rank calls every method (collectives)."""
+
+    def __init__(
+        self,
+        *,
+        store: ObjectStore,
+        staging_dir: Path,
+        run_id: str,
+        keep: int,
+        layout: dict,
+        asynchronous: bool = True,
+    ) -> None:
+        self.store = store
+        self.staging_dir = staging_dir
+        self.run_id = run_id
+        self.keep = keep
+        self.layout = layout
+        self.asynchronous = asynchronous
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self._group = dist.new_group(backend="gloo")
+        self._stager = _stager_for(torch.cuda.is_available())
+        self._committer = ThreadPoolExecutor(1, thread_name_prefix="checkpoint-commit")
+        self._staged: Future | None = None
+        self._in_flight: Future | None = None
+        self._stall_s = 0.0
+
+    def save(
+        self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: int, meta: dict
+    ) -> None:
+        """Start a checkpoint of the current state; returns once the previous one committed."""
+        started = time.perf_counter()
+        self.wait()  # one save in flight
+        folder = self.staging_dir / f"step-{step}"
+        folder.mkdir(parents=True, exist_ok=True)
+        model_state, optim_state = get_state_dict(model, optimizer)
+        state = {"model": model_state, "optim": optim_state}
+        if self.asynchronous:
+            response = dcp.async_save(
+                state,
+                checkpoint_id=str(folder),
+                process_group=self._group,
+                async_stager=self._stager,
+            )
+            self._staged = response.staging_completion
+            written: Future = response.upload_completion
+        else:
+            dcp.save(state, checkpoint_id=str(folder), process_group=self._group)
+            written = Future()
+            written.set_result(None)
+        self._stall_s = time.perf_counter() - started
+        # The manifest is written later, in the background: freeze what it says about now.
+        frozen = copy.deepcopy(meta)
+        self._in_flight = self._committer.submit(
+            self._commit, written, folder, step, frozen, started
         )
-    gathered: list[list[dict] | None] = [None] * world
-    dist.all_gather_object(gathered, mine)
 
-    committed: list[str | None] = [None]
-    if rank == 0:
-        manifest = {
-            "format": MANIFEST_FORMAT,
-            "run_id": run_id,
-            "step": step,
-            "world_size": world,
-            "layout": {"data_parallel": world, "strategy": "ddp"},
-            "committed_at": datetime.now(UTC).isoformat(),
-            **meta,
-            "files": [entry for part in gathered for entry in part or []],
-        }
-        key = manifest_key(run_id, step)
-        if store.put_if_absent(key, json.dumps(manifest, indent=2, sort_keys=True).encode()):
-            committed[0] = key
-            prune(store, run_id, keep)
-    dist.broadcast_object_list(committed, src=0)
-    shutil.rmtree(folder, ignore_errors=True)
-    return committed[0]
+    def before_weights_change(self) -> None:
+        """Call before optimizer.step(): the staged copy must be complete by then."""
+        if self._staged is not None:
+            started = time.perf_counter()
+            self._staged.result()
+            self._staged = None
+            self._stall_s += time.perf_counter() - started
+
+    def poll(self) -> SaveReport | None:
+        """The report of a save that committed since the last poll, without waiting."""
+        if self._in_flight is not None and self._in_flight.done():
+            return self.wait()
+        return None
+
+    def wait(self) -> SaveReport | None:
+        """Wait for the save in flight to commit; its report, or None if none was in flight."""
+        if self._in_flight is None:
+            return None
+        self.before_weights_change()
+        future, self._in_flight = self._in_flight, None
+        report: SaveReport = future.result()
+        report.stall_s = self._stall_s
+        return report
+
+    def close(self) -> None:
+        self.wait()
+        self._committer.shutdown(wait=True)
+        self._stager.close()
+
+    def _commit(
+        self, written: Future, folder: Path, step: int, meta: dict, started: float
+    ) -> SaveReport:
+        written.result()
+        prefix = checkpoint_prefix(self.run_id, step)
+        mine = []
+        for path in _files_written_by(folder, self.rank):
+            key = f"{prefix}/{path.name}"
+            self.store.put_file(key, path)
+            mine.append(
+                {
+                    "name": path.name,
+                    "key": key,
+                    "bytes": path.stat().st_size,
+                    "sha256": sha256_file(path),
+                }
+            )
+        gathered: list[list[dict] | None] = [None] * self.world
+        dist.all_gather_object(gathered, mine, group=self._group)
+        committed: list[str | None] = [None]
+        if self.rank == 0:
+            manifest = {
+                "format": MANIFEST_FORMAT,
+                "run_id": self.run_id,
+                "step": step,
+                "world_size": self.world,
+                "layout": self.layout,
+                "committed_at": datetime.now(UTC).isoformat(),
+                **meta,
+                "files": [entry for part in gathered for entry in part or []],
+            }
+            key = manifest_key(self.run_id, step)
+            if self.store.put_if_absent(
+                key, json.dumps(manifest, indent=2, sort_keys=True).encode()
+            ):
+                committed[0] = key
+                prune(self.store, self.run_id, self.keep)
+        dist.broadcast_object_list(committed, src=0, group=self._group)
+        shutil.rmtree(folder, ignore_errors=True)
+        return SaveReport(step, committed[0], 0.0, time.perf_counter() - started)
 
 
 def fetch_checkpoint(store: ObjectStore, manifest: dict, dest: Path) -> Path:
@@ -103,7 +240,7 @@ def fetch_checkpoint(store: ObjectStore, manifest: dict, dest: Path) -> Path:
 def load_training_state(
     model: torch.nn.Module, optimizer: torch.optim.Optimizer, folder: Path
 ) -> None:
-    """Restore model and optimizer in place from a fetched checkpoint (any world size)."""
+    """Restore model and optimizer in place from a fetched checkpoint, resharded to this layout."""
     model_state, optim_state = get_state_dict(model, optimizer)
     state = {"model": model_state, "optim": optim_state}
     dcp.load(state, checkpoint_id=str(folder))

@@ -1,20 +1,29 @@
-"""Deterministic batches from memory-mapped token shards.
+"""Deterministic samples from memory-mapped token shards.
 
-The batch of a step is a pure function of (seed, step): every data-parallel rank draws the same
-global batch and keeps its own slice. So the data cursor is the step itself, a resumed run sees
-exactly the batches it would have seen, and the global batch does not depend on the world size.
+A sample is a window of block_size + 1 tokens (inputs and shifted targets) starting at a multiple
+of block_size inside one shard, so every token is a target at most once per epoch. Sample order is
+a pseudo-random permutation keyed by (seed, epoch), computed per index (a Feistel network), so it
+costs no memory whatever the corpus size. The data cursor is one number, the samples consumed by
+all ranks together: step s reads global positions [cursor, cursor + global_batch) and each
+data-parallel rank keeps its own contiguous slice. The global batch therefore does not depend on
+how many ranks share it, and a resume with a different data-parallel size neither skips nor
+repeats a sample.
 """
 
 from __future__ import annotations
 
 import bisect
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from trainer.errors import DataError
+
+_ROUNDS = 4
+_MASK64 = np.uint64(0xFFFFFFFFFFFFFFFF)
 
 
 class TokenStream:
@@ -23,41 +32,125 @@ class TokenStream:
     def __init__(self, paths: list[Path], dtype: str, block_size: int) -> None:
         self.block_size = block_size
         self.shards = [np.memmap(p, dtype=np.dtype(dtype), mode="r") for p in paths]
-        # A window is block_size + 1 tokens (inputs and shifted targets) inside one shard.
-        per_shard = [max(0, len(s) - block_size) for s in self.shards]
+        per_shard = [max(0, (len(s) - 1) // block_size) for s in self.shards]
         self._starts = np.cumsum([0, *per_shard]).tolist()
-        self.windows = self._starts[-1]
+        self.samples = self._starts[-1]
         self.tokens = sum(len(s) for s in self.shards)
-        if self.windows == 0:
+        if self.samples == 0:
             raise DataError(
-                f"{self.tokens} tokens in {len(paths)} shard(s) cannot fill one window of "
+                f"{self.tokens} tokens in {len(paths)} shard(s) cannot fill one sample of "
                 f"block_size + 1 = {block_size + 1} tokens: lower model.block_size or add data"
             )
 
-    def window(self, index: int) -> np.ndarray:
+    def sample(self, index: int) -> np.ndarray:
         shard = bisect.bisect_right(self._starts, index) - 1
-        offset = index - self._starts[shard]
+        offset = (index - self._starts[shard]) * self.block_size
         return np.asarray(self.shards[shard][offset : offset + self.block_size + 1], dtype=np.int64)
 
     def batch(self, indices: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-        windows = torch.from_numpy(np.stack([self.window(int(i)) for i in indices]))
+        windows = torch.from_numpy(np.stack([self.sample(int(i)) for i in indices]))
         return windows[:, :-1].contiguous(), windows[:, 1:].contiguous()  # (B, T) each
 
 
-def step_batch(
-    stream: TokenStream, seed: int, step: int, global_batch: int, rank: int, world: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """This rank's slice of the global batch of `step`."""
-    rng = np.random.default_rng([seed, step])
-    indices = rng.integers(0, stream.windows, size=global_batch)
-    per_rank = global_batch // world
-    return stream.batch(indices[rank * per_rank : (rank + 1) * per_rank])
+def _mix(values: np.ndarray, key: np.uint64) -> np.ndarray:
+    """splitmix64's finaliser over (value ^ key): a cheap keyed hash for the Feistel rounds."""
+    z = (values ^ key) & _MASK64
+    z = (z + np.uint64(0x9E3779B97F4A7C15)) & _MASK64
+    z = ((z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)) & _MASK64
+    z = ((z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)) & _MASK64
+    return z ^ (z >> np.uint64(31))
+
+
+class SampleOrder:
+    """A bijection of [0, n) per epoch, keyed by (seed, epoch): position → sample index."""
+
+    def __init__(self, n: int, seed: int) -> None:
+        if n < 1:
+            raise ValueError("a sample order needs at least one sample")
+        self.n = n
+        self.seed = seed
+        self._half_bits = max(1, (max(n - 1, 1).bit_length() + 1) // 2)
+
+    def _keys(self, epoch: int) -> np.ndarray:
+        return np.random.default_rng([self.seed, epoch]).integers(
+            0, 2**63, size=_ROUNDS, dtype=np.uint64
+        )
+
+    def _permute_once(self, x: np.ndarray, keys: np.ndarray) -> np.ndarray:
+        half = np.uint64(self._half_bits)
+        low_mask = np.uint64((1 << self._half_bits) - 1)
+        left, right = x >> half, x & low_mask
+        for key in keys:
+            left, right = right, left ^ (_mix(right, key) & low_mask)
+        return (left << half) | right
+
+    def indices(self, epoch: int, positions: np.ndarray) -> np.ndarray:
+        """The sample index at each position of `epoch`'s order."""
+        keys = self._keys(epoch)
+        x = positions.astype(np.uint64)
+        # Cycle-walking: the Feistel domain is the next even power of two ≥ n (under 4n), so
+        # re-encrypting the few values that land outside [0, n) keeps the map a bijection.
+        out = self._permute_once(x, keys)
+        outside = out >= np.uint64(self.n)
+        while outside.any():
+            out[outside] = self._permute_once(out[outside], keys)
+            outside = out >= np.uint64(self.n)
+        return out.astype(np.int64)
+
+
+@dataclass(frozen=True)
+class RankSlice:
+    """Which part of each global batch this rank reads."""
+
+    dp_rank: int
+    dp_size: int
+    micro_batches: int  # gradient accumulation steps
+
+
+class Sampler:
+    """The sample indices of every step, for one data-parallel rank."""
+
+    def __init__(self, stream: TokenStream, seed: int, global_batch: int, part: RankSlice) -> None:
+        if global_batch % (part.dp_size * part.micro_batches):
+            raise ValueError(
+                f"batch_size {global_batch} must be divisible by data-parallel ranks "
+                f"({part.dp_size}) × grad_accum_steps ({part.micro_batches})"
+            )
+        self.stream = stream
+        self.order = SampleOrder(stream.samples, seed)
+        self.global_batch = global_batch
+        self.part = part
+
+    def global_indices(self, cursor: int) -> np.ndarray:
+        """The samples of the global batch that starts at `cursor` (all ranks together)."""
+        positions = np.arange(cursor, cursor + self.global_batch, dtype=np.int64)
+        epochs = positions // self.order.n
+        out = np.empty_like(positions)
+        for epoch in np.unique(epochs):
+            mine = epochs == epoch
+            out[mine] = self.order.indices(int(epoch), positions[mine] % self.order.n)
+        return out
+
+    def rank_indices(self, cursor: int) -> np.ndarray:
+        per_rank = self.global_batch // self.part.dp_size
+        start = self.part.dp_rank * per_rank
+        return self.global_indices(cursor)[start : start + per_rank]
+
+    def micro_batches(self, cursor: int) -> Iterator[tuple[np.ndarray, torch.Tensor, torch.Tensor]]:
+        """(sample indices, x, y) for each gradient-accumulation micro-batch of this rank."""
+        mine = self.rank_indices(cursor)
+        for chunk in np.array_split(mine, self.part.micro_batches):
+            x, y = self.stream.batch(chunk)
+            yield chunk, x, y
+
+    def epoch(self, cursor: int) -> int:
+        return cursor // self.order.n
 
 
 def sequential_batches(
     stream: TokenStream, batch_size: int, max_batches: int
 ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """Non-overlapping windows in order, for evaluation: every token is scored at most once."""
-    indices = np.arange(0, stream.windows, stream.block_size)
-    for start in range(0, min(len(indices), batch_size * max_batches), batch_size):
-        yield stream.batch(indices[start : start + batch_size])
+    """Samples in order, for evaluation: every token is scored at most once."""
+    count = min(stream.samples, batch_size * max_batches)
+    for start in range(0, count, batch_size):
+        yield stream.batch(np.arange(start, min(start + batch_size, count)))

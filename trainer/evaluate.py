@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from tokenizers import Tokenizer
 
 from trainer.checkpoint import load_model_weights
@@ -30,15 +31,32 @@ def load_model(checkpoint_folder: Path, model_config: dict) -> GPT:
 
 @torch.no_grad()
 def held_out_loss(
-    model: GPT, stream: TokenStream, batch_size: int, max_batches: int
+    model: torch.nn.Module,
+    stream: TokenStream,
+    batch_size: int,
+    max_batches: int,
+    part: tuple[int, int] = (0, 1),
 ) -> tuple[float, int]:
-    """Mean next-token loss over non-overlapping validation windows, weighted by tokens."""
-    total, tokens = 0.0, 0
-    for x, y in sequential_batches(stream, batch_size, max_batches):
-        _, loss = model(x, y)
-        total += loss.item() * y.numel()
-        tokens += y.numel()
-    return total / tokens, tokens
+    """Mean next-token loss over validation samples in order, weighted by tokens.
+
+    With `part = (rank, ranks)` the batches are dealt round-robin to data-parallel ranks and the
+    sums all-reduced. Every rank runs the same number of forwards (a sharded model's forward is
+    a collective), so a rank short of a batch repeats its first one with zero weight.
+    """
+    rank, ranks = part
+    batches = list(sequential_batches(stream, batch_size, max_batches))
+    mine = batches[rank::ranks]
+    rounds = -(-len(batches) // ranks)
+    device = next(model.parameters()).device
+    sums = torch.zeros(2, dtype=torch.float64)  # loss × tokens, tokens
+    for i in range(rounds):
+        x, y = mine[i] if i < len(mine) else batches[0]
+        _, loss = model(x.to(device), y.to(device))
+        if i < len(mine):
+            sums += torch.tensor([loss.item() * y.numel(), y.numel()], dtype=torch.float64)
+    if ranks > 1:
+        dist.all_reduce(sums)
+    return float(sums[0] / sums[1]), int(sums[1])
 
 
 def sample_text(

@@ -14,6 +14,7 @@ class ResumePoint:
     tokens_seen: int
     manifest_key: str
     loss_history: list[list[float]] = field(default_factory=list)  # [step, loss] so far
+    samples_seen: int | None = None  # the data cursor; None: step × batch_size (older manifests)
 
 
 @dataclass
@@ -31,6 +32,11 @@ class TrainJob:
     lineage: dict = field(default_factory=dict)  # dataset snapshot, spec hash: into every manifest
     stop_file: str = ""  # when it appears, the ranks checkpoint and exit (preemption, drain)
     resume: ResumePoint | None = None
+    node_index: int = 0  # this node's place in the allocation: fixes the ranks' order
+    layout: dict = field(default_factory=dict)  # replicate, shard, tensor; empty: DDP over all
+    val_shards: list[str] = field(default_factory=list)  # for eval_every
+    init_weights: str = ""  # fine-tuning: a verified checkpoint folder or a safetensors file
+    sample_log: str = ""  # audit: each rank appends the sample indices it trained on
 
     def write(self, path: Path) -> Path:
         path.write_text(json.dumps(asdict(self), indent=2))

@@ -12,6 +12,7 @@ import json
 import os
 import signal
 import sys
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,13 +21,18 @@ from trainer.errors import RanksFailed
 from trainer.job import TrainJob
 
 _PR_SET_PDEATHSIG = 1
-_STEP_FIELDS = ("step", "loss", "lr", "tokens_per_s", "mfu", "checkpoint_step")
+_STEP_FIELDS = ("step", "loss", "lr", "tokens_per_s", "mfu", "checkpoint_step", "epoch")
+
+
+# Loaded here, not in the child: dlopen between fork and exec can deadlock on a lock that
+# another thread of the parent held at fork time.
+_LIBC = ctypes.CDLL("libc.so.6", use_errno=True)
 
 
 def _die_with_parent() -> None:
     """Runs in the child between fork and exec: SIGTERM it when the node agent dies, so
     torchrun stops its ranks even if the agent was SIGKILLed."""
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 @dataclass
@@ -76,11 +82,25 @@ class ProgressTail:
                 self.latest["checkpoint_step"] = event["step"]
             elif event["event"] in ("stopped", "done"):
                 self.latest["step"] = event["step"]
+                if "reason" in event:
+                    self.latest["stop_reason"] = event["reason"]
+            elif event["event"] == "eval":
+                self.latest["val_loss"] = event["val_loss"]
             elif event["event"] == "step":
                 self.latest.update({k: event[k] for k in _STEP_FIELDS if k in event})
             self.latest["state"] = {"done": "done", "stopped": "stopped"}.get(
                 event["event"], "training"
             )
+
+    @property
+    def stopped(self) -> bool:
+        """The ranks agreed to stop, committed a checkpoint and said so."""
+        return self.latest.get("state") == "stopped"
+
+    @property
+    def finished(self) -> bool:
+        """The ranks said they are done or stopped: their work and its checkpoint are in."""
+        return self.latest.get("state") in ("done", "stopped")
 
 
 async def run_ranks(
@@ -90,6 +110,7 @@ async def run_ranks(
     on_progress: Callable[[dict], None],
     threads_per_rank: int = 1,
     report_every_s: float = 1.0,
+    exit_grace_s: float = 5.0,
 ) -> ProgressTail:
     """Run torchrun to completion; report progress every `report_every_s` (also when idle, so
     the caller can heartbeat); raise RanksFailed with the log tail if the ranks fail."""
@@ -115,6 +136,7 @@ async def run_ranks(
             cwd=workdir,
             preexec_fn=_die_with_parent,
         )
+    finished_at: float | None = None
     try:
         while True:
             with contextlib.suppress(TimeoutError):
@@ -123,10 +145,21 @@ async def run_ranks(
             on_progress(dict(tail.latest))
             if proc.returncode is not None:
                 break
+            if tail.finished:
+                # The ranks are done or stopped, their checkpoint committed. torchrun may still
+                # sit in its exit barrier on a rendezvous store whose host (another node's
+                # torchrun) is gone; nothing is left to wait for after a short grace.
+                finished_at = finished_at or time.monotonic()
+                if time.monotonic() - finished_at > exit_grace_s:
+                    await _stop(proc, dump_stacks=False)
+                    break
     except BaseException:
         await _stop(proc)
         raise
-    if proc.returncode != 0:
+    tail.poll()
+    # torchrun exits non-zero when it was itself SIGTERMed (or stopped above), even though its
+    # ranks finished or checkpointed and stopped as asked: their own word is what counts.
+    if proc.returncode != 0 and not tail.finished:
         raise RanksFailed(
             f"torchrun exited with status {proc.returncode} on node {job.node_id}; "
             f"last lines of {log_file}:\n{_last_lines(log_file)}"
@@ -134,10 +167,33 @@ async def run_ranks(
     return tail
 
 
-async def _stop(proc: asyncio.subprocess.Process, grace_s: float = 10.0) -> None:
-    """SIGTERM torchrun (it stops its ranks), then SIGKILL if it lingers."""
+def rank_pids(launcher_pid: int) -> list[int]:
+    """The rank processes torchrun started (its children)."""
+    pids = []
+    for task in Path(f"/proc/{launcher_pid}/task").glob("*"):
+        with contextlib.suppress(OSError):
+            pids += [int(p) for p in (task / "children").read_text().split()]
+    return pids
+
+
+def dump_rank_stacks(launcher_pid: int) -> None:
+    """Ask every rank to print its threads' stacks into the torchrun log (SIGUSR1, see
+    trainer.runtime): what was each rank doing when it was given up on."""
+    for pid in rank_pids(launcher_pid):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGUSR1)
+
+
+async def _stop(
+    proc: asyncio.subprocess.Process, grace_s: float = 10.0, dump_stacks: bool = True
+) -> None:
+    """Record the ranks' stacks, SIGTERM torchrun (it passes it on: the ranks try to
+    checkpoint), then SIGKILL if it lingers (orphaned ranks exit on their own)."""
     if proc.returncode is not None:
         return
+    if dump_stacks:
+        dump_rank_stacks(proc.pid)
+        await asyncio.sleep(0.5)
     with contextlib.suppress(ProcessLookupError):
         proc.send_signal(signal.SIGTERM)
     try:

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from infra.errors import IntegrityError, ObjectNotFound
 from infra.store import ObjectStore
+from trainer.errors import CheckpointError
 
 MANIFEST_NAME = "MANIFEST.json"
 MANIFEST_FORMAT = "forgeline.checkpoint/1"
@@ -115,3 +116,29 @@ def prune(store: ObjectStore, run_id: str, keep: int) -> list[int]:
             store.delete(leftover)
         removed.append(step)
     return removed
+
+
+def load_for_init(store: ObjectStore, key: str, architecture: dict) -> CommittedCheckpoint:
+    """A committed checkpoint to start a new run's weights from (fine-tuning): it must exist,
+    verify, and have exactly the network the new run declares."""
+    try:
+        manifest = read_manifest(store, key)
+    except ObjectNotFound:
+        raise CheckpointError(
+            f"init_from: no checkpoint manifest at {key} (pruned or never committed?)"
+        ) from None
+    verify_files(store, manifest)
+    saved = manifest["model_config"]
+    # Dropout is a training choice, not part of the network's shape.
+    differ = sorted(
+        name
+        for name in {*saved, *architecture} - {"dropout"}
+        if saved.get(name) != architecture.get(name)
+    )
+    if differ:
+        detail = ", ".join(f"{n}: {saved.get(n)} there, {architecture.get(n)} here" for n in differ)
+        raise CheckpointError(
+            f"init_from {key} has a different network ({detail}): declare the same model "
+            "(and a dataset with the same tokenizer) to fine-tune it"
+        )
+    return CommittedCheckpoint(key, manifest)

@@ -1,6 +1,13 @@
 """A GPT-2 style decoder-only transformer, small enough to read in one sitting.
 
-Shapes: B batch, T time (≤ block_size), C channels (n_embd), H heads, V vocabulary.
+Optional modern pieces: rotary position embedding (RoPE) instead of learned positions, and a
+SwiGLU MLP instead of GELU. Layers are laid out for Megatron-style tensor parallelism: attention
+q/k/v and MLP fc/gate are column-parallel (a rank holds a slice of their output rows), and both
+`proj` layers are row-parallel (a rank holds the matching slice of input columns, and the ranks'
+outputs are summed). Forward passes therefore never assume they see all heads or all hidden units.
+
+Shapes: B batch, T time (≤ block_size), C channels (n_embd), H heads, D head dim (C/H),
+V vocabulary. Under tensor parallelism of degree tp a rank sees H/tp heads, C/tp attention width.
 """
 
 from __future__ import annotations
@@ -21,38 +28,124 @@ class GPTConfig:
     n_embd: int = 128
     block_size: int = 128
     dropout: float = 0.0
+    rope: bool = False  # rotary positions in attention instead of the learned `wpe` table
+    swiglu: bool = False  # SwiGLU MLP instead of GELU
+    rope_theta: float = 10000.0  # RoPE base: pair i turns by position · theta^(-2i/D)
+
+    def __post_init__(self) -> None:
+        if self.n_embd % self.n_head:
+            raise ValueError(
+                f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head}); "
+                "change n_embd or n_head so every head gets the same width"
+            )
+        if self.rope and (self.n_embd // self.n_head) % 2:
+            raise ValueError(
+                f"rope needs an even head dim, but n_embd / n_head = {self.n_embd // self.n_head}; "
+                "choose n_embd and n_head with an even ratio, or set rope=False"
+            )
 
     def to_dict(self) -> dict:
         return asdict(self)
 
 
+def mlp_hidden(n_embd: int, swiglu: bool) -> int:
+    """Hidden width of the MLP: 4·C for GELU; for SwiGLU 8·C/3 rounded up to a multiple of 16.
+
+    SwiGLU has three matrices instead of two, so 2/3 of 4·C keeps the parameter count near GELU's;
+    the multiple of 16 keeps the width divisible by every tensor-parallel degree up to 16.
+    """
+    if not swiglu:
+        return 4 * n_embd
+    return -(-8 * n_embd // (3 * 16)) * 16  # ceil(8·C / 48) · 16
+
+
+def rotary_tables(head_dim: int, n_pos: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of the rotary angles, each (n_pos, D); angle(p, i) = p · theta^(-2i/D).
+
+    Rotate-half layout (GPT-NeoX, Llama): channel i is paired with channel i + D/2, so each
+    frequency appears twice, once for each half.
+    """
+    inv_freq = theta ** (-torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)  # (D/2,)
+    angles = torch.outer(torch.arange(n_pos, dtype=torch.float32), inv_freq)  # (n_pos, D/2)
+    angles = torch.cat((angles, angles), dim=-1)  # (n_pos, D)
+    return angles.cos(), angles.sin()
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate each (x_i, x_{i+D/2}) pair of x (..., T, D) by the angles in cos/sin (T, D).
+
+    A query at position m and a key at position n then have a dot product that depends only on
+    m - n: rotations compose, R(m)ᵀR(n) = R(n - m).
+    """
+    x1, x2 = x.chunk(2, dim=-1)  # 2 × (..., T, D/2)
+    rotated = torch.cat((-x2, x1), dim=-1)  # (..., T, D)
+    # Cast the float32 tables to x's dtype so bf16/autocast runs stay in one dtype.
+    return x * cos.to(x.dtype) + rotated * sin.to(x.dtype)
+
+
+class Rotary(nn.Module):
+    """Rotary position embedding (Su et al., 2021) for tensors of shape (B, H, T, D).
+
+    The same rotation is applied in every head, so it works for any number of local heads.
+    """
+
+    def __init__(self, head_dim: int, block_size: int, theta: float) -> None:
+        super().__init__()
+        cos, sin = rotary_tables(head_dim, block_size, theta)
+        # Non-persistent: recomputed on construction, so checkpoints carry no rope tensors and
+        # have the same keys whatever the layout.
+        self.register_buffer("cos", cos, persistent=False)  # (block_size, D)
+        self.register_buffer("sin", sin, persistent=False)  # (block_size, D)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        T = x.size(-2)
+        return apply_rotary(x, self.cos[:T], self.sin[:T])
+
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
-        self.n_head = config.n_head
-        self.qkv = nn.Linear(config.n_embd, 3 * config.n_embd)
+        self.head_dim = config.n_embd // config.n_head
+        # Separate q/k/v (not one fused qkv) so each can be column-sharded by heads on its own.
+        self.q = nn.Linear(config.n_embd, config.n_embd)
+        self.k = nn.Linear(config.n_embd, config.n_embd)
+        self.v = nn.Linear(config.n_embd, config.n_embd)
         self.proj = nn.Linear(config.n_embd, config.n_embd)
+        self.rotary = (
+            Rotary(self.head_dim, config.block_size, config.rope_theta) if config.rope else None
+        )
         self.dropout = config.dropout
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        B, T, C = x.shape
-        q, k, v = self.qkv(x).split(C, dim=2)  # 3 × (B, T, C)
-        # (B, T, C) -> (B, H, T, C/H)
-        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        B, T, _ = x.shape
+        # (B, T, C') -> (B, T, H', D) -> (B, H', T, D), where C' = H'·D is this rank's width.
+        # Reshape by head_dim with -1 heads (never by n_head or C): under tensor parallelism the
+        # sharded q/k/v produce only C/tp channels, i.e. H/tp heads.
+        q, k, v = (
+            lin(x).view(B, T, -1, self.head_dim).transpose(1, 2) for lin in (self.q, self.k, self.v)
+        )
+        if self.rotary is not None:
+            q, k = self.rotary(q), self.rotary(k)
         y = F.scaled_dot_product_attention(
             q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
-        )
-        return self.proj(y.transpose(1, 2).contiguous().view(B, T, C))
+        )  # (B, H', T, D)
+        # (B, H', T, D) -> (B, T, C'); the row-sharded proj takes C' inputs.
+        return self.proj(y.transpose(1, 2).contiguous().view(B, T, -1))
 
 
 class MLP(nn.Module):
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
-        self.fc = nn.Linear(config.n_embd, 4 * config.n_embd)
-        self.proj = nn.Linear(4 * config.n_embd, config.n_embd)
+        hidden = mlp_hidden(config.n_embd, config.swiglu)
+        self.fc = nn.Linear(config.n_embd, hidden)
+        self.gate = nn.Linear(config.n_embd, hidden) if config.swiglu else None
+        self.proj = nn.Linear(hidden, config.n_embd)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.proj(F.gelu(self.fc(x)))
+        # fc and gate are elementwise-combined per hidden unit, so both shard by the same rows.
+        if self.gate is None:
+            return self.proj(F.gelu(self.fc(x)))
+        return self.proj(F.silu(self.gate(x)) * self.fc(x))  # SwiGLU (Shazeer, 2020)
 
 
 class Block(nn.Module):
@@ -74,7 +167,8 @@ class GPT(nn.Module):
         super().__init__()
         self.config = config
         self.wte = nn.Embedding(config.vocab_size, config.n_embd)
-        self.wpe = nn.Embedding(config.block_size, config.n_embd)
+        # RoPE encodes position inside attention, so there is no learned position table.
+        self.wpe = None if config.rope else nn.Embedding(config.block_size, config.n_embd)
         self.drop = nn.Dropout(config.dropout)
         self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
         self.ln_f = nn.LayerNorm(config.n_embd)
@@ -102,8 +196,10 @@ class GPT(nn.Module):
         _B, T = idx.shape
         if self.config.block_size < T:
             raise ValueError(f"sequence length {T} exceeds block_size {self.config.block_size}")
-        pos = torch.arange(T, device=idx.device)
-        x = self.drop(self.wte(idx) + self.wpe(pos))  # (B, T, C)
+        x = self.wte(idx)  # (B, T, C)
+        if self.wpe is not None:
+            x = x + self.wpe(torch.arange(T, device=idx.device))
+        x = self.drop(x)
         for block in self.blocks:
             x = block(x)
         logits = self.lm_head(self.ln_f(x))  # (B, T, V)
@@ -115,7 +211,9 @@ class GPT(nn.Module):
     def num_params(self, non_embedding: bool = True) -> int:
         """Parameters, counting the tied embedding once; positions excluded when non_embedding."""
         total = sum(p.numel() for p in self.parameters())
-        return total - self.wpe.weight.numel() if non_embedding else total
+        if non_embedding and self.wpe is not None:
+            total -= self.wpe.weight.numel()
+        return total
 
     def optimizer(self, learning_rate: float, weight_decay: float) -> torch.optim.AdamW:
         # Decay matrices only: biases and norm gains have no scale to regularise.

@@ -9,38 +9,24 @@ lines file that the node agent tails and heartbeats to Temporal.
 from __future__ import annotations
 
 import json
-import os
 import sys
-import threading
 import time
-from datetime import timedelta
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel
+from safetensors.torch import load_model as load_safetensors
 
 from infra.store import open_store
-from trainer.checkpoint import load_training_state, save_checkpoint
-from trainer.data import TokenStream, step_batch
+from trainer import runtime
+from trainer.checkpoint import Checkpointer, SaveReport, load_model_weights, load_training_state
+from trainer.data import RankSlice, Sampler, TokenStream
+from trainer.evaluate import held_out_loss
 from trainer.job import TrainJob
 from trainer.metrics import flops_per_token, mfu
 from trainer.model import GPT, GPTConfig
+from trainer.parallel import Layout, build_mesh, clip_grad_norm, local_grad_norm, parallelize
 from trainer.schedule import learning_rate
-
-
-def exit_with_parent(poll_s: float = 0.5) -> None:
-    """A rank never outlives its launcher: when torchrun dies (and the agent above it), this
-    rank is re-parented, notices, and exits instead of holding a GPU as an orphan."""
-    parent = os.getppid()
-
-    def watch() -> None:
-        while True:
-            time.sleep(poll_s)
-            if os.getppid() != parent:
-                os._exit(1)
-
-    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 
 
 class ProgressFile:
@@ -54,68 +40,185 @@ class ProgressFile:
             self._handle.write(json.dumps({"time": time.time(), **event}) + "\n")
 
 
-def stop_requested(stop_file: Path | None) -> bool:
-    """True on every rank once any node's agent has asked its ranks to stop (a collective)."""
-    asked = torch.tensor([int(stop_file is not None and stop_file.exists())])
-    dist.all_reduce(asked, op=dist.ReduceOp.MAX)
-    return bool(asked.item())
+def layout_of(job: TrainJob, world: int) -> Layout:
+    if not job.layout:
+        return Layout(replicate=world)
+    return Layout(**{k: job.layout[k] for k in ("replicate", "shard", "tensor")})
+
+
+def init_weights(model: GPT, source: str) -> None:
+    """Fine-tuning starts from another model's weights (the optimizer starts fresh)."""
+    path = Path(source)
+    if path.is_dir():  # a verified checkpoint folder
+        load_model_weights(model, path)
+    else:  # a registered model's safetensors weights
+        load_safetensors(model, str(path))
+
+
+# Why a rank wants to stop, in increasing precedence: the largest wins across the gang.
+KEEP_GOING, ASKED_TO_STOP, PREEMPTED = 0, 1, 2
+STOP_REASONS = {ASKED_TO_STOP: "asked to stop", PREEMPTED: "preempted"}
+
+
+def share_health(stop: int, step_s: float, grad_norm: float) -> tuple[int, list, list]:
+    """One small all-gather per step: the strongest stop request of any rank, and every rank's
+    step time and local gradient norm (the health checks compare ranks with each other)."""
+    mine = torch.tensor([float(stop), step_s, grad_norm], dtype=torch.float64)
+    everyone = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(everyone, mine)
+    table = torch.stack(everyone)  # (world, 3)
+    return int(table[:, 0].max()), table[:, 1].tolist(), table[:, 2].tolist()
 
 
 def main(job_path: str) -> None:
-    exit_with_parent()
     job = TrainJob.read(Path(job_path))
     cfg = job.train
     torch.set_num_threads(cfg["threads_per_rank"])
-    dist.init_process_group("gloo", timeout=timedelta(minutes=5))
-    rank, world = dist.get_rank(), dist.get_world_size()
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    progress = ProgressFile(job.progress_file, enabled=local_rank == 0)
+    rt = runtime.start(job.node_index, cfg.get("collective_timeout_s", 300))
+    term = runtime.TermSignal()
+    progress = ProgressFile(job.progress_file, enabled=rt.local_rank == 0)
     store = open_store(job.store_url)
     stop_file = Path(job.stop_file) if job.stop_file else None
 
+    # Model: the same initial weights on every rank, then split as the layout says.
+    layout = layout_of(job, rt.world)
+    placement = build_mesh(layout, rt.device.type)
     model_config = GPTConfig(**job.model)
-    torch.manual_seed(cfg["seed"])  # same initial weights on every rank
+    torch.manual_seed(cfg["seed"])
     model = GPT(model_config)
+    if job.init_weights and job.resume is None:
+        init_weights(model, job.init_weights)
+    model.to(rt.device)
+    wrapped = parallelize(model, layout, placement)
+    if rt.is_cuda:
+        wrapped = torch.compile(wrapped)
     optimizer = model.optimizer(cfg["learning_rate"], cfg["weight_decay"])
-    ddp = DistributedDataParallel(model)
+
+    # Data: each data-parallel rank reads its slice of every global batch.
     stream = TokenStream([Path(p) for p in job.train_shards], job.dtype, model_config.block_size)
+    micro = cfg.get("grad_accum_steps", 1)
+    sampler = Sampler(
+        stream,
+        cfg["seed"],
+        cfg["batch_size"],
+        RankSlice(placement.dp_rank, placement.dp_size, micro),
+    )
+    val_stream = (
+        TokenStream([Path(p) for p in job.val_shards], job.dtype, model_config.block_size)
+        if job.val_shards and cfg.get("eval_every", 0)
+        else None
+    )
+    sample_log = open(job.sample_log, "a", buffering=1) if job.sample_log else None  # noqa: SIM115
 
     step, tokens_seen, loss_history = 0, 0, []
+    samples_seen = 0
     if job.resume is not None:
-        load_training_state(ddp, optimizer, Path(job.resume.folder))
+        load_training_state(wrapped, optimizer, Path(job.resume.folder))
         step, tokens_seen = job.resume.step, job.resume.tokens_seen
         loss_history = list(job.resume.loss_history)
+        samples_seen = job.resume.samples_seen
+        if samples_seen is None:
+            samples_seen = step * cfg["batch_size"]
     start_step = step
-    progress.write(event="started", step=step, rank=rank, world=world)
+    checkpointer = Checkpointer(
+        store=store,
+        staging_dir=Path(job.staging_dir),
+        run_id=job.run_id,
+        keep=cfg["keep_checkpoints"],
+        layout=layout.to_dict(),
+        asynchronous=cfg.get("async_checkpoint", True),
+    )
+    progress.write(
+        event="started", step=step, rank=rt.rank, world=rt.world, layout=layout.to_dict()
+    )
 
     total_steps = cfg["steps"]
     tokens_per_step = cfg["batch_size"] * model_config.block_size
     flops_tok = flops_per_token(model_config, model.num_params())
     last_committed: int | None = job.resume.step if job.resume else None
     window_start, window_steps = time.perf_counter(), 0
+
+    def report_commit(report: SaveReport | None) -> None:
+        nonlocal last_committed
+        if report is None:
+            return
+        last_committed = report.step
+        progress.write(
+            event="checkpoint",
+            step=report.step,
+            manifest_key=report.manifest_key,
+            seconds=report.total_s,
+            stall_s=report.stall_s,
+        )
+
+    def checkpoint() -> None:
+        checkpointer.save(
+            wrapped,
+            optimizer,
+            step,
+            meta={
+                "generation": job.generation,
+                "tokens_seen": tokens_seen,
+                "samples_seen": samples_seen,
+                "epoch": sampler.epoch(samples_seen),
+                "data_cursor": {
+                    "kind": "epoch-permutation",
+                    "seed": cfg["seed"],
+                    "samples_seen": samples_seen,
+                    "samples_per_epoch": stream.samples,
+                },
+                "rng": "derived from (seed, step, rank) at every step",
+                "model_config": model_config.to_dict(),
+                "train_config": cfg,
+                "loss_history": loss_history,
+                **job.lineage,
+            },
+        )
+
     while step < total_steps:
+        step_started = time.perf_counter()
+        # Randomness (dropout) derives from (seed, step, rank): nothing to save for exact resume.
+        torch.manual_seed(cfg["seed"] + 1_000_003 * (step + 1) + rt.rank)
+        loss_sum = torch.zeros((), device=rt.device)
+        for indices, x, y in sampler.micro_batches(samples_seen):
+            if sample_log is not None:
+                sample_log.write(f"{step} {rt.rank} {' '.join(map(str, indices.tolist()))}\n")
+            with rt.autocast():
+                _, loss = wrapped(x.to(rt.device), y.to(rt.device))
+            (loss / micro).backward()
+            loss_sum += loss.detach() / micro
+        grad_norm = local_grad_norm(wrapped)
+        clip_grad_norm(wrapped, cfg["grad_clip"])
+        # The weights change here: a checkpoint being staged must have its copy first.
+        checkpointer.before_weights_change()
         lr = learning_rate(
             step, cfg["learning_rate"], cfg["min_lr"], cfg["warmup_steps"], total_steps
         )
         for group in optimizer.param_groups:
             group["lr"] = lr
-        # Randomness (dropout) derives from (seed, step, rank): nothing to save for exact resume.
-        torch.manual_seed(cfg["seed"] + 1_000_003 * (step + 1) + rank)
-        x, y = step_batch(stream, cfg["seed"], step, cfg["batch_size"], rank, world)
-        _, loss = ddp(x, y)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        if cfg["grad_clip"] > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg["grad_clip"])
         optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
         step += 1
+        samples_seen += cfg["batch_size"]
         tokens_seen += tokens_per_step
         window_steps += 1
+        report_commit(checkpointer.poll())
+
+        if term.received:
+            asked = PREEMPTED
+        elif stop_file is not None and stop_file.exists():
+            asked = ASKED_TO_STOP
+        else:
+            asked = KEEP_GOING
+        stop, step_times, grad_norms = share_health(
+            asked, time.perf_counter() - step_started, grad_norm
+        )
 
         # The first step of a (re)start is always reported: it marks when recovery paid off.
         on_grid = step % cfg["log_every"] == 0 or step == total_steps
         if on_grid or step == start_step + 1:
-            mean_loss = loss.detach().clone()
+            # Each tensor-parallel rank holds the same loss; averaging over all ranks is exact.
+            mean_loss = loss_sum.clone()
             dist.all_reduce(mean_loss, op=dist.ReduceOp.AVG)
             elapsed = time.perf_counter() - window_start
             tokens_per_s = window_steps * tokens_per_step / elapsed
@@ -128,49 +231,37 @@ def main(job_path: str) -> None:
                 loss=mean_loss.item(),
                 lr=lr,
                 tokens_per_s=tokens_per_s,
-                mfu=mfu(tokens_per_s, flops_tok, cfg["peak_flops_per_gpu"], world),
+                mfu=mfu(tokens_per_s, flops_tok, cfg["peak_flops_per_gpu"], rt.world),
                 checkpoint_step=last_committed,
+                epoch=sampler.epoch(samples_seen),
+                rank_step_s=step_times,
+                rank_grad_norm=grad_norms,
             )
             window_start, window_steps = time.perf_counter(), 0
 
-        # Asked to stop (preemption, drain): every rank must agree, then checkpoint and exit.
-        stop = stop_requested(stop_file)
-        if stop or step % cfg["checkpoint_every"] == 0 or step == total_steps:
-            started = time.perf_counter()
-            key = save_checkpoint(
-                model=ddp,
-                optimizer=optimizer,
-                store=store,
-                staging_dir=Path(job.staging_dir),
-                run_id=job.run_id,
-                step=step,
-                keep=cfg["keep_checkpoints"],
-                meta={
-                    "generation": job.generation,
-                    "tokens_seen": tokens_seen,
-                    "epoch": 0,
-                    "data_cursor": {"kind": "seeded-step", "seed": cfg["seed"], "step": step},
-                    "rng": "derived from (seed, step, rank) at every step",
-                    "model_config": model_config.to_dict(),
-                    "train_config": cfg,
-                    "loss_history": loss_history,
-                    **job.lineage,
-                },
-            )
-            last_committed = step
-            progress.write(
-                event="checkpoint",
-                step=step,
-                manifest_key=key,
-                seconds=time.perf_counter() - started,
-            )
-            window_start = time.perf_counter()  # the save is not training throughput
-        if stop:
-            progress.write(event="stopped", step=step, tokens_seen=tokens_seen)
-            dist.destroy_process_group()
-            return
+        if val_stream is not None and step % cfg["eval_every"] == 0:
+            wrapped.eval()
+            val_loss, val_tokens = held_out_loss(
+                wrapped, val_stream, cfg["batch_size"] // placement.dp_size, cfg["eval_batches"],
+                part=(placement.dp_rank, placement.dp_size),
+            )  # fmt: skip
+            wrapped.train()
+            progress.write(event="eval", step=step, val_loss=val_loss, val_tokens=val_tokens)
+            window_start = time.perf_counter()  # evaluation is not training throughput
 
-    progress.write(event="done", step=step, tokens_seen=tokens_seen)
+        if stop or step % cfg["checkpoint_every"] == 0 or step == total_steps:
+            checkpoint()
+        if stop:
+            report_commit(checkpointer.wait())  # a stop is only safe once the commit landed
+            progress.write(
+                event="stopped", step=step, tokens_seen=tokens_seen, reason=STOP_REASONS[stop]
+            )
+            break
+
+    report_commit(checkpointer.wait())
+    checkpointer.close()
+    if step >= total_steps:
+        progress.write(event="done", step=step, tokens_seen=tokens_seen)
     dist.destroy_process_group()
 
 

@@ -89,6 +89,11 @@ class CheckpointRef(BaseModel):
     tokens_seen: int
 
 
+class InitFromInput(BaseModel):
+    source: str = Field(description="model.init_from as the spec has it")
+    architecture: dict = Field(description="the run's network: GPTConfig fields and vocab_size")
+
+
 class LatestCheckpointInput(BaseModel):
     run_id: str
     max_generation: int = Field(description="manifests from later generations are ignored")
@@ -101,6 +106,7 @@ class NodeTrainInput(BaseModel):
     allocation: Allocation
     node_id: str
     resume: CheckpointRef | None = None
+    init_from: CheckpointRef | None = None  # fine-tuning: weights to start from (no resume yet)
 
 
 class TrainProgress(BaseModel):
@@ -116,6 +122,8 @@ class TrainProgress(BaseModel):
     mfu: float | None = None
     checkpoint_step: int | None = None
     state: str = "starting"
+    epoch: int | None = None
+    val_loss: float | None = None  # the latest in-training evaluation (train.eval_every)
 
 
 class NodeTrainResult(BaseModel):
@@ -126,6 +134,7 @@ class NodeTrainResult(BaseModel):
     tokens_per_s: float | None = None
     mfu: float | None = None
     stopped: bool = False  # asked to stop early: checkpointed at final_step and exited
+    stop_reason: str | None = None  # "asked to stop" (preemption, drain) or "preempted" (SIGTERM)
 
 
 class NodeStopInput(BaseModel):
@@ -214,6 +223,7 @@ class RunStatus(BaseModel):
     nodes: list[str] = []
     dataset: DatasetRef | None = None
     last_checkpoint: CheckpointRef | None = None
+    init_from: CheckpointRef | None = None  # the weights fine-tuning started from
     evaluation: EvalResult | None = None
     model_version: ModelVersionRef | None = None
     decision: Decision | None = None

@@ -6,6 +6,7 @@ field instead of a silently ignored setting.
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
@@ -14,6 +15,10 @@ from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_vali
 NAME_PATTERN = r"^[a-z0-9][a-z0-9._-]{0,62}$"
 Name = Annotated[str, StringConstraints(pattern=NAME_PATTERN)]
 NAME_RULE = "1-63 characters from a-z, 0-9, '.', '_', '-', starting with a letter or digit"
+_NAME = NAME_PATTERN.strip("^$")
+INIT_FROM = re.compile(
+    rf"^(models:/{_NAME}(/[1-9][0-9]{{0,8}}|@{_NAME})|runs/{_NAME}/checkpoints/step-[0-9]+/MANIFEST\.json)$"
+)
 
 
 class _Strict(BaseModel):
@@ -93,12 +98,34 @@ class ModelSpec(_Strict):
     n_embd: int = Field(128, ge=8, le=16384)
     block_size: int = Field(128, ge=8, le=32768)
     dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    rope: bool = Field(False, description="rotary position embedding instead of learned positions")
+    swiglu: bool = Field(False, description="SwiGLU MLP instead of GELU")
+    rope_theta: float = Field(10000.0, gt=0)
+    init_from: str | None = Field(
+        None,
+        description="fine-tune from a registered model (models:/NAME/VERSION or "
+        "models:/NAME@ALIAS) or a checkpoint manifest key "
+        "(runs/RUN/checkpoints/step-N/MANIFEST.json)",
+    )
 
     @model_validator(mode="after")
     def _heads_divide_width(self) -> ModelSpec:
         if self.n_embd % self.n_head:
             raise ValueError(f"n_embd ({self.n_embd}) must be a multiple of n_head ({self.n_head})")
+        if self.rope and (self.n_embd // self.n_head) % 2:
+            raise ValueError(
+                f"rope needs an even head size; n_embd / n_head = {self.n_embd // self.n_head}"
+            )
+        if self.init_from is not None and not INIT_FROM.match(self.init_from):
+            raise ValueError(
+                f"init_from {self.init_from!r} is neither models:/NAME/VERSION, models:/NAME@ALIAS "
+                "nor runs/RUN/checkpoints/step-N/MANIFEST.json"
+            )
         return self
+
+    def architecture(self) -> dict:
+        """The fields that shape the network (trainer.model.GPTConfig, less the vocabulary)."""
+        return self.model_dump(exclude={"init_from"})
 
 
 class TrainSpec(_Strict):
@@ -117,6 +144,12 @@ class TrainSpec(_Strict):
     threads_per_rank: int = Field(1, ge=1, le=256, description="CPU threads per rank")
     peak_flops_per_gpu: float = Field(
         1e11, gt=0, description="the device's peak FLOP/s used for MFU (CPU core here)"
+    )
+    grad_accum_steps: int = Field(1, ge=1, le=4096, description="micro-batches per step and rank")
+    eval_every: int = Field(0, ge=0, description="validation loss every N steps; 0: at the end")
+    async_checkpoint: bool = Field(True, description="save in the background (False: blocking)")
+    collective_timeout_s: int = Field(
+        300, ge=10, le=86_400, description="a stuck collective fails the ranks after this long"
     )
 
     @model_validator(mode="after")
@@ -143,6 +176,29 @@ class ResourcesSpec(_Strict):
         return self.nodes * self.gpus_per_node
 
 
+class ParallelSpec(_Strict):
+    """How the gang's ranks split the work; replicate × shard × tensor = the world size."""
+
+    replicate: int | None = Field(
+        None, ge=1, le=1 << 20, description="data-parallel replicas (DDP); None: what is left"
+    )
+    shard: int = Field(1, ge=1, le=1 << 20, description="fully sharded ranks (FSDP2, ZeRO-3)")
+    tensor: int = Field(1, ge=1, le=1024, description="tensor-parallel ranks inside a block")
+
+    def degrees(self, world: int) -> tuple[int, int, int]:
+        """(replicate, shard, tensor) for a gang of `world` ranks; ValueError if they do not fit."""
+        inner = self.shard * self.tensor
+        replicate = self.replicate if self.replicate is not None else max(1, world // inner)
+        if replicate * inner != world:
+            raise ValueError(
+                f"parallel.replicate ({replicate}) × parallel.shard ({self.shard}) × "
+                f"parallel.tensor ({self.tensor}) = {replicate * inner}, but the gang has "
+                f"resources.nodes × resources.gpus_per_node = {world} ranks: make the product "
+                "equal the world size"
+            )
+        return replicate, self.shard, self.tensor
+
+
 class RecoverySpec(_Strict):
     max_restarts: int = Field(3, ge=0, le=100)
     heartbeat_timeout_s: int = Field(15, ge=2, le=3600)
@@ -161,6 +217,7 @@ class RunSpec(_Strict):
     model: ModelSpec = ModelSpec()
     train: TrainSpec = TrainSpec()
     resources: ResourcesSpec = ResourcesSpec()
+    parallel: ParallelSpec = ParallelSpec()
     recovery: RecoverySpec = RecoverySpec()
     registry: RegistrySpec = RegistrySpec()
 
@@ -169,11 +226,20 @@ class RunSpec(_Strict):
         return self.registry.model_name or self.name
 
     @model_validator(mode="after")
-    def _batch_splits_over_ranks(self) -> RunSpec:
+    def _layout_fits_the_gang(self) -> RunSpec:
         world = self.resources.world_size
-        if self.train.batch_size % world:
+        replicate, shard, tensor = self.parallel.degrees(world)
+        for field, size in (("n_head", self.model.n_head), ("n_embd", self.model.n_embd)):
+            if size % tensor:
+                raise ValueError(
+                    f"model.{field} ({size}) must be a multiple of parallel.tensor ({tensor}): "
+                    "each tensor-parallel rank holds a whole number of heads and columns"
+                )
+        split = replicate * shard * self.train.grad_accum_steps
+        if self.train.batch_size % split:
             raise ValueError(
-                f"train.batch_size ({self.train.batch_size}) must be a multiple of the world "
-                f"size resources.nodes × resources.gpus_per_node = {world}"
+                f"train.batch_size ({self.train.batch_size}) must be a multiple of the "
+                f"data-parallel ranks ({replicate * shard}) × train.grad_accum_steps "
+                f"({self.train.grad_accum_steps}) = {split}"
             )
         return self

@@ -38,6 +38,7 @@ with workflow.unsafe.imports_passed_through():
         EvalResult,
         EvaluateInput,
         Failure,
+        InitFromInput,
         LatestCheckpointInput,
         ModelVersionRef,
         NodeStopInput,
@@ -110,6 +111,8 @@ class TrainingRun:
     async def run(self, inp: TrainingRunInput) -> RunStatus:
         try:
             dataset = await self._prepare()
+            if self._spec.model.init_from:
+                self._status.init_from = await self._resolve_init_from(dataset)
             checkpoint, results = await self._train(dataset)
             evaluation = await self._evaluate(dataset, checkpoint)
             version = await self._register(dataset, checkpoint, evaluation, results)
@@ -274,6 +277,19 @@ class TrainingRun:
         release = Release(run_id=self._spec.name, generation=generation)
         await workflow.get_external_workflow_handle(CLUSTER_WORKFLOW_ID).signal("release", release)
 
+    async def _resolve_init_from(self, dataset: DatasetRef) -> CheckpointRef:
+        """Fine-tuning: pin the starting weights once, so every attempt starts from the same."""
+        model = self._spec.model
+        return await self._control(
+            "resolve_init_from",
+            InitFromInput(
+                source=model.init_from or "",
+                architecture={**model.architecture(), "vocab_size": dataset.vocab_size},
+            ),
+            CheckpointRef,
+            timeout=timedelta(minutes=10),
+        )
+
     async def _latest_checkpoint(self, generation: int) -> CheckpointRef | None:
         return await self._control(
             "latest_checkpoint",
@@ -296,6 +312,7 @@ class TrainingRun:
                     allocation=allocation,
                     node_id=node.node_id,
                     resume=resume,
+                    init_from=self._status.init_from,
                 ),
                 result_type=NodeTrainResult,
                 task_queue=node_task_queue(node.node_id),
@@ -326,6 +343,22 @@ class TrainingRun:
             results = [h.result() for h in handles]
             if self._preempt is not None and results[0].final_step < self._spec.train.steps:
                 raise Preempted(self._preempt, results[0].final_step)
+            early = [r for r in results if r.stopped and r.final_step < self._spec.train.steps]
+            if early:
+                # Nobody here asked them to stop: the machine or an operator sent SIGTERM. The
+                # ranks committed a checkpoint first, so the next attempt loses nothing.
+                raise GangFailed(
+                    [
+                        Failure(
+                            generation=allocation.generation,
+                            node_id=None,
+                            reason=f"{r.node_id}: ranks stopped ({r.stop_reason}) at step "
+                            f"{r.final_step} after committing a checkpoint",
+                            at=workflow.now(),
+                        )
+                        for r in early
+                    ]
+                )
             return results
         await _cancel_all(handles)
         failures = []

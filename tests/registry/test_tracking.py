@@ -14,8 +14,10 @@ from dataprep.tokenizer import char_tokenizer
 from registry.errors import VersionNotFound
 from registry.tracking import (
     CANDIDATE,
+    CHECKPOINT_TAG,
     PRODUCTION,
     Registration,
+    checkpoint_of,
     flatten,
     record_decision,
     register,
@@ -53,7 +55,11 @@ def registration(artifacts: dict[str, str], key: str) -> Registration:
         metrics={"val_loss": 2.5},
         metric_series={"train_loss": [(5, 3.0), (10, 2.6)]},
         run_tags={"forgeline.run": "tiny"},
-        version_tags={"forgeline.dataset_snapshot": "abc123", "forgeline.git_commit": "deadbeef"},
+        version_tags={
+            "forgeline.dataset_snapshot": "abc123",
+            "forgeline.git_commit": "deadbeef",
+            CHECKPOINT_TAG: f"runs/{key}/checkpoints/step-10/MANIFEST.json",
+        },
         artifacts=artifacts,
         python_model=GPTTextModel(),
         signature=signature(),
@@ -145,3 +151,19 @@ def test_flatten() -> None:
 
 def test_export_round_trip(artifacts: dict[str, str]) -> None:
     assert Path(artifacts["weights"]).stat().st_size > 0
+
+
+def test_a_registered_version_leads_back_to_its_checkpoint(
+    tracking_uri: str, artifacts: dict[str, str]
+) -> None:
+    """What `model.init_from = "models:/NAME@ALIAS"` follows to start fine-tuning."""
+    registered = register(tracking_uri, registration(artifacts, "wf-run-ft"))
+    expected = (registered.version, "runs/wf-run-ft/checkpoints/step-10/MANIFEST.json")
+    assert checkpoint_of(tracking_uri, f"models:/tiny-lm/{registered.version}") == expected
+    client = MlflowClient(tracking_uri=tracking_uri, registry_uri=tracking_uri)
+    client.set_registered_model_alias("tiny-lm", "base", registered.version)
+    assert checkpoint_of(tracking_uri, "models:/tiny-lm@base") == expected
+    with pytest.raises(VersionNotFound, match="models:/tiny-lm/999 is not in the registry"):
+        checkpoint_of(tracking_uri, "models:/tiny-lm/999")
+    with pytest.raises(VersionNotFound, match="check the name"):
+        checkpoint_of(tracking_uri, "models:/no-such-model@production")

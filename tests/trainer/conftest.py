@@ -38,7 +38,14 @@ class Trainer:
         ]
 
     def job(
-        self, run_id: str, train: TrainSpec, resume: ResumePoint | None = None, generation: int = 1
+        self,
+        run_id: str,
+        train: TrainSpec,
+        resume: ResumePoint | None = None,
+        generation: int = 1,
+        layout: dict | None = None,
+        model: ModelSpec = MODEL,
+        **fields: object,
     ) -> TrainJob:
         self.jobs += 1
         work = self.root / f"job-{self.jobs}"
@@ -46,8 +53,9 @@ class Trainer:
             run_id=run_id,
             node_id="n0",
             generation=generation,
+            layout=layout or {},
             model={
-                **MODEL.model_dump(),
+                **model.architecture(),
                 "vocab_size": self.snapshot.manifest["tokenizer"]["vocab_size"],
             },
             train=train.model_dump(),
@@ -57,12 +65,22 @@ class Trainer:
             staging_dir=str(work / "staging"),
             progress_file=str(work / "progress.jsonl"),
             resume=resume,
+            **fields,
         )
 
-    def run(self, job: TrainJob, ranks: int) -> ProgressTail:
+    def run(self, job: TrainJob, ranks: int, timeout_s: float = 240) -> ProgressTail:
+        """Run the job to the end; past `timeout_s`, fail with the ranks' stacks and log."""
         rdzv = Rendezvous(f"127.0.0.1:{free_port()}", f"{job.run_id}-{self.jobs}", 1, ranks)
         workdir = Path(job.progress_file).parent
-        return asyncio.run(run_ranks(job, workdir, rdzv, on_progress=lambda _: None))
+        launch = run_ranks(job, workdir, rdzv, on_progress=lambda _: None)
+        try:
+            return asyncio.run(asyncio.wait_for(launch, timeout_s))
+        except TimeoutError:
+            # run_ranks has asked the ranks for their stacks (SIGUSR1) before stopping them.
+            log = (workdir / "torchrun.log").read_text(errors="replace")
+            pytest.fail(
+                f"{job.run_id} did not finish in {timeout_s} s; torchrun.log:\n{log[-8000:]}"
+            )
 
 
 @pytest.fixture(scope="module")

@@ -16,10 +16,17 @@ from infra.errors import IntegrityError
 from infra.processes import free_port
 from tests.trainer.conftest import Trainer
 from trainer.checkpoint import fetch_checkpoint, load_model_weights
+from trainer.errors import CheckpointError
 from trainer.evaluate import evaluate_checkpoint
 from trainer.job import ResumePoint
 from trainer.launch import Rendezvous, run_ranks
-from trainer.manifest import committed_steps, find_latest, manifest_key, verify_files
+from trainer.manifest import (
+    committed_steps,
+    find_latest,
+    load_for_init,
+    manifest_key,
+    verify_files,
+)
 from trainer.model import GPT, GPTConfig
 from workflows.spec import TrainSpec
 
@@ -61,6 +68,11 @@ def test_checkpoints_commit_with_a_manifest_listing_every_file(
 ) -> None:
     assert committed_steps(trainer.store, "reference") == [120, 100, 80, 60, 40, 20]
     assert reference["world_size"] == 2 and reference["generation"] == 1
+    assert reference["layout"] == {
+        "replicate": 2, "shard": 1, "tensor": 1, "strategy": "ddp", "world_size": 2,
+    }  # fmt: skip
+    assert reference["samples_seen"] == 120 * TRAIN.batch_size
+    assert reference["data_cursor"]["samples_seen"] == reference["samples_seen"]
     assert {f["name"] for f in reference["files"]} >= {".metadata", "__0_0.distcp"}
     verify_files(trainer.store, reference)
     assert [s for s, _ in reference["loss_history"]] == list(range(5, 121, 5))
@@ -78,7 +90,7 @@ def test_killed_run_resumes_exactly(trainer: Trainer, reference: dict) -> None:
         while not committed_steps(trainer.store, "killed"):
             assert time.monotonic() < deadline and not task.done()
             await asyncio.sleep(0.02)
-        for pid in _rank_pids(workdir / "job.json"):
+        for pid in rank_processes(workdir / "job.json"):
             os.kill(pid, signal.SIGKILL)
         with pytest.raises(Exception, match="exited with status"):
             await task
@@ -166,7 +178,26 @@ def test_evaluation_in_a_plain_process(trainer: Trainer, reference: dict) -> Non
     assert result.sample.startswith("ROMEO:") and len(result.sample) > len("ROMEO:")
 
 
-def _rank_pids(job_file: Path) -> list[int]:
+def test_fine_tuning_starts_from_a_checkpoint_s_weights(trainer: Trainer, reference: dict) -> None:
+    key = manifest_key("reference", 120)
+    found = load_for_init(trainer.store, key, reference["model_config"])
+    folder = fetch_checkpoint(trainer.store, found.manifest, trainer.root / "fetched" / "init")
+    short = TRAIN.model_copy(update={"steps": 10, "warmup_steps": 1, "learning_rate": 1e-4})
+    trainer.run(trainer.job("tuned", short, init_weights=str(folder)), ranks=1)
+    tuned = find_latest(trainer.store, "tuned", max_generation=1)
+    assert tuned is not None and tuned.step == 10
+    scratch_first, trained_last = reference["loss_history"][0][1], reference["loss_history"][-1][1]
+    # It starts where the reference ended, far below where training from scratch starts.
+    assert tuned.manifest["loss_history"][0][1] < trained_last + 0.1 < scratch_first - 0.5
+
+    other = {**reference["model_config"], "n_layer": 3, "dropout": 0.1}
+    with pytest.raises(CheckpointError, match=r"different network \(n_layer: 2 there, 3 here\)"):
+        load_for_init(trainer.store, key, other)
+    with pytest.raises(CheckpointError, match="no checkpoint manifest at"):
+        load_for_init(trainer.store, manifest_key("reference", 7), other)
+
+
+def rank_processes(job_file: Path) -> list[int]:
     """The rank processes running `trainer.train <job_file>`."""
     pids = []
     for proc in Path("/proc").iterdir():

@@ -8,7 +8,7 @@ from worker.specfile import SpecError, load_spec, parse_spec, spec_sha256
 VALID = {"name": "r1", "data": {"sources": ["corpus.txt"]}}
 
 
-@pytest.mark.parametrize("example", ["tiny.toml", "shakespeare-char.toml"])
+@pytest.mark.parametrize("example", ["tiny.toml", "tiny-fsdp.toml", "shakespeare-char.toml"])
 def test_examples_are_valid(example: str) -> None:
     spec = load_spec(REPO / "examples" / example)
     assert Path(spec.data.sources[0]).is_file()
@@ -30,8 +30,28 @@ def test_sources_resolve_against_the_spec_folder(tmp_path: Path) -> None:
         ({"train": {"steps": "many"}}, "train.steps: Input should be a valid integer"),
         (
             {"train": {"batch_size": 3}, "resources": {"nodes": 2}},
-            "must be a multiple of the world",
+            "train.batch_size (3) must be a multiple of the data-parallel ranks (2)",
         ),
+        (
+            {"train": {"batch_size": 8, "grad_accum_steps": 3}},
+            "× train.grad_accum_steps (3) = 3",
+        ),
+        (
+            {"resources": {"nodes": 2, "gpus_per_node": 2}, "parallel": {"shard": 3}},
+            "parallel.replicate (1) × parallel.shard (3) × parallel.tensor (1) = 3, but the gang "
+            "has resources.nodes × resources.gpus_per_node = 4 ranks",
+        ),
+        (
+            {"resources": {"nodes": 2}, "parallel": {"replicate": 1}},
+            "= 1, but the gang has resources.nodes × resources.gpus_per_node = 2 ranks",
+        ),
+        (
+            {"resources": {"nodes": 3}, "parallel": {"tensor": 3}},
+            "model.n_head (4) must be a multiple of parallel.tensor (3)",
+        ),
+        ({"parallel": {"pipeline": 2}}, "parallel.pipeline: unknown key"),
+        ({"model": {"rope": True, "n_embd": 12, "n_head": 4}}, "rope needs an even head size"),
+        ({"model": {"init_from": "../../etc/passwd"}}, "init_from '../../etc/passwd' is neither"),
         ({"model": {"n_embd": 100, "n_head": 3}}, "n_embd (100) must be a multiple of n_head (3)"),
         ({"data": {"sources": []}}, "data.sources: List should have at least 1 item"),
         ({"data": {"sources": ["x"], "tokenizer": "wordpiece"}}, "data.tokenizer: Input should be"),
@@ -86,3 +106,25 @@ def test_spec_hash_changes_with_any_field(tmp_path: Path) -> None:
     b = parse_spec({**VALID, "train": {"steps": 7}}, tmp_path)
     assert spec_sha256(a) == spec_sha256(parse_spec(VALID, tmp_path))
     assert spec_sha256(a) != spec_sha256(b)
+
+
+@pytest.mark.parametrize(
+    ("resources", "parallel", "degrees"),
+    [
+        ({"nodes": 2, "gpus_per_node": 2}, {}, (4, 1, 1)),
+        ({"nodes": 2, "gpus_per_node": 2}, {"shard": 2}, (2, 2, 1)),
+        ({"nodes": 2, "gpus_per_node": 2}, {"shard": 2, "tensor": 2}, (1, 2, 2)),
+        ({"nodes": 1, "gpus_per_node": 2}, {"tensor": 2}, (1, 1, 2)),
+    ],
+)
+def test_layouts_fill_the_gang(
+    tmp_path: Path, resources: dict, parallel: dict, degrees: tuple
+) -> None:
+    spec = parse_spec({**VALID, "resources": resources, "parallel": parallel}, tmp_path)
+    assert spec.parallel.degrees(spec.resources.world_size) == degrees
+
+
+def test_init_from_accepts_registered_models_and_manifests(tmp_path: Path) -> None:
+    for source in ("models:/tiny/3", "models:/tiny@production",
+                   "runs/r0/checkpoints/step-40/MANIFEST.json"):  # fmt: skip
+        assert parse_spec({**VALID, "model": {"init_from": source}}, tmp_path)

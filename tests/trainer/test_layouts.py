@@ -1,0 +1,157 @@
+"""Declared layouts on real torchrun ranks (gloo): DDP, FSDP2, TP and FSDP+TP train the same
+curve; checkpoints reshard to another layout; the data cursor survives a change of ranks;
+SIGTERM checkpoints and stops."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from infra.processes import free_port
+from tests.trainer.conftest import Trainer
+from tests.trainer.test_distributed_training import rank_processes, resume_point
+from trainer.launch import Rendezvous, run_ranks
+from trainer.manifest import find_latest, manifest_key
+from workflows.spec import TrainSpec
+
+TRAIN = TrainSpec(
+    steps=40, batch_size=8, learning_rate=3e-3, warmup_steps=5, log_every=5,
+    checkpoint_every=10, keep_checkpoints=10, seed=5,
+)  # fmt: skip
+FSDP = {"replicate": 1, "shard": 2, "tensor": 1}
+TP = {"replicate": 1, "shard": 1, "tensor": 2}
+FSDP_TP = {"replicate": 1, "shard": 2, "tensor": 2}
+
+
+def losses(manifest: dict) -> dict[int, float]:
+    return {int(step): loss for step, loss in manifest["loss_history"]}
+
+
+def final(trainer: Trainer, run: str, generation: int = 1) -> dict:
+    found = find_latest(trainer.store, run, max_generation=generation)
+    assert found is not None and found.step == TRAIN.steps
+    return found.manifest
+
+
+def sample_log(path: Path) -> dict[int, Counter]:
+    """step → multiset of the samples every rank trained on in that step."""
+    per_step: dict[int, Counter] = {}
+    for line in path.read_text().splitlines():
+        step, _rank, *indices = (int(v) for v in line.split())
+        per_step.setdefault(step, Counter()).update(indices)
+    return per_step
+
+
+@pytest.fixture(scope="module")
+def ddp(trainer: Trainer) -> dict:
+    log = trainer.root / "ddp-samples.log"
+    trainer.run(trainer.job("ddp", TRAIN, sample_log=str(log)), ranks=2)
+    return final(trainer, "ddp")
+
+
+@pytest.fixture(scope="module")
+def fsdp(trainer: Trainer) -> dict:
+    trainer.run(trainer.job("fsdp", TRAIN, layout=FSDP), ranks=2)
+    return final(trainer, "fsdp")
+
+
+@pytest.fixture(scope="module")
+def tp(trainer: Trainer) -> dict:
+    trainer.run(trainer.job("tp", TRAIN, layout=TP), ranks=2)
+    return final(trainer, "tp")
+
+
+def test_every_layout_trains_the_curve_of_plain_data_parallel(
+    trainer: Trainer, ddp: dict, fsdp: dict, tp: dict
+) -> None:
+    trainer.run(trainer.job("fsdp-tp", TRAIN, layout=FSDP_TP), ranks=4)
+    both = final(trainer, "fsdp-tp")
+    assert fsdp["layout"]["strategy"] == "fsdp" and tp["layout"]["strategy"] == "tp"
+    assert both["layout"]["strategy"] == "fsdp+tp" and both["world_size"] == 4
+    reference = losses(ddp)
+    for other in (fsdp, tp, both):
+        for step, loss in losses(other).items():
+            # Only the order of floating-point reductions differs between layouts.
+            assert loss == pytest.approx(reference[step], abs=1e-4), (other["layout"], step)
+
+
+@pytest.mark.parametrize("source", ["fsdp", "tp"])
+def test_a_sharded_checkpoint_resumes_on_one_plain_rank(
+    trainer: Trainer, request: pytest.FixtureRequest, source: str
+) -> None:
+    """FSDP on 2 ranks → 1 rank, TP 2 → TP 1: DCP reshards the saved DTensors on load."""
+    run = request.getfixturevalue(source)
+    key = manifest_key(source, 20)
+    resume = resume_point(trainer, json.loads(trainer.store.get_bytes(key)), f"{source}-one", key)
+    trainer.run(trainer.job(f"{source}-one", TRAIN, resume=resume, generation=2), ranks=1)
+    resumed = final(trainer, f"{source}-one", generation=2)
+    assert resumed["layout"]["strategy"] == "single" and resumed["world_size"] == 1
+    theirs = losses(run)
+    for step, loss in losses(resumed).items():
+        assert loss == pytest.approx(theirs[step], abs=1e-4), step
+
+
+def test_changing_data_parallel_ranks_neither_skips_nor_repeats_a_sample(
+    trainer: Trainer, ddp: dict
+) -> None:
+    """Resume the 2-rank run's step-20 checkpoint on 1 rank and on 4 FSDP ranks: every later
+    step trains on exactly the samples the uninterrupted run did."""
+    reference = sample_log(trainer.root / "ddp-samples.log")
+    key = manifest_key("ddp", 20)
+    for ranks, layout in ((1, {}), (4, {"replicate": 1, "shard": 4, "tensor": 1})):
+        run = f"ddp-on-{ranks}"
+        log = trainer.root / f"{run}-samples.log"
+        resume = resume_point(trainer, json.loads(trainer.store.get_bytes(key)), run, key)
+        job = trainer.job(
+            run, TRAIN, resume=resume, generation=2, layout=layout, sample_log=str(log)
+        )
+        trainer.run(job, ranks=ranks)
+        resumed = sample_log(log)
+        assert sorted(resumed) == list(range(20, 40))
+        for step in range(20, 40):
+            assert resumed[step] == reference[step], (ranks, step)
+    every = Counter()
+    for counter in reference.values():
+        every.update(counter)
+    assert max(every.values()) == 1, "a sample repeated inside one epoch"
+
+
+def test_sigterm_finishes_the_step_commits_and_stops(trainer: Trainer) -> None:
+    long = TRAIN.model_copy(update={"steps": 100_000, "checkpoint_every": 100_000})
+    job = trainer.job("sigterm", long)
+    workdir = Path(job.progress_file).parent
+    rdzv = Rendezvous(f"127.0.0.1:{free_port()}", "sigterm-1", 1, 2)
+    seen: list[dict] = []
+
+    async def run_and_terminate():
+        task = asyncio.create_task(run_ranks(job, workdir, rdzv, on_progress=seen.append))
+        deadline = time.monotonic() + 120
+        while not seen or seen[-1].get("step", 0) < 10:
+            assert time.monotonic() < deadline and not task.done()
+            await asyncio.sleep(0.05)
+        launcher = next(int(p.name) for p in Path("/proc").iterdir() if _is_launcher(p, job))
+        os.kill(launcher, signal.SIGTERM)  # torchrun passes it to its ranks
+        return await asyncio.wait_for(task, 60)
+
+    tail = asyncio.run(run_and_terminate())
+    assert tail.stopped and tail.latest["stop_reason"] == "preempted"
+    found = find_latest(trainer.store, "sigterm", max_generation=1)
+    assert found is not None and found.step == tail.latest["step"] >= 10
+    assert not rank_processes(workdir / "job.json"), "a rank outlived its launcher"
+
+
+def _is_launcher(proc: Path, job) -> bool:
+    try:
+        argv = (proc / "cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return False
+    return b"torch.distributed.run" in argv and str(Path(job.progress_file).parent).encode() in (
+        b"".join(argv)
+    )

@@ -1,0 +1,155 @@
+"""The declared parallel layout: how a gang's ranks split the model and the data.
+
+Three degrees, as in torchtitan, whose product is the world size:
+
+- `replicate`: data-parallel replicas. Alone, plain DDP; with `shard`, HSDP (shard inside a
+  replica group, all-reduce across them).
+- `shard`: fully sharded data parallel (FSDP2 `fully_shard`, ZeRO-3): parameters, gradients and
+  optimizer moments are split across these ranks and gathered per block for compute.
+- `tensor`: tensor parallel inside each block (`parallelize_module`): attention heads and MLP
+  columns split across these ranks, the output projections reduce.
+
+The mesh is (replicate, shard, tensor), tensor innermost so a tensor-parallel group sits on
+consecutive ranks, which are the GPUs of one node.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    RowwiseParallel,
+    parallelize_module,
+)
+from torch.nn.parallel import DistributedDataParallel
+
+from trainer.model import GPT
+
+MESH_DIMS = ("replicate", "shard", "tensor")
+
+
+@dataclass(frozen=True)
+class Layout:
+    replicate: int = 1
+    shard: int = 1
+    tensor: int = 1
+
+    @property
+    def world_size(self) -> int:
+        return self.replicate * self.shard * self.tensor
+
+    @property
+    def data_parallel(self) -> int:
+        """Ranks that read different data (a tensor-parallel group reads the same)."""
+        return self.replicate * self.shard
+
+    @property
+    def strategy(self) -> str:
+        parts = []
+        if self.shard > 1:
+            parts.append("hsdp" if self.replicate > 1 else "fsdp")
+        elif self.replicate > 1:
+            parts.append("ddp")
+        if self.tensor > 1:
+            parts.append("tp")
+        return "+".join(parts) or "single"
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "strategy": self.strategy, "world_size": self.world_size}
+
+
+@dataclass(frozen=True)
+class Placement:
+    """This rank's coordinates in the layout."""
+
+    mesh: DeviceMesh
+    dp_rank: int  # which slice of each global batch this rank reads
+    dp_size: int
+
+
+def build_mesh(layout: Layout, device_type: str) -> Placement:
+    mesh = init_device_mesh(
+        device_type, (layout.replicate, layout.shard, layout.tensor), mesh_dim_names=MESH_DIMS
+    )
+    replicate_rank = mesh.get_local_rank("replicate")
+    shard_rank = mesh.get_local_rank("shard")
+    return Placement(mesh, replicate_rank * layout.shard + shard_rank, layout.data_parallel)
+
+
+def _tensor_parallel(model: GPT, mesh: DeviceMesh) -> None:
+    """Split each block: q, k, v and the MLP's input projections by columns (heads), the output
+    projections by rows, so each block costs one all-reduce in forward and one in backward."""
+    for block in model.blocks:
+        plan = {
+            "attn.q": ColwiseParallel(),
+            "attn.k": ColwiseParallel(),
+            "attn.v": ColwiseParallel(),
+            "attn.proj": RowwiseParallel(),
+            "mlp.fc": ColwiseParallel(),
+            "mlp.proj": RowwiseParallel(),
+        }
+        if model.config.swiglu:
+            plan["mlp.gate"] = ColwiseParallel()
+        parallelize_module(block, mesh, plan)
+
+
+def parallelize(model: GPT, layout: Layout, placement: Placement) -> nn.Module:
+    """Apply the layout in place where possible; returns the module the loop calls."""
+    mesh = placement.mesh
+    if layout.tensor > 1:
+        _tensor_parallel(model, mesh["tensor"])
+    if layout.shard > 1 or (layout.tensor > 1 and layout.data_parallel > 1):
+        dp_mesh = mesh["replicate", "shard"] if layout.replicate > 1 else mesh["shard"]
+        # One unit per block so only one block's full weights exist at a time; the root unit
+        # holds the embeddings (tied with the head) and the final norm.
+        for block in model.blocks:
+            fully_shard(block, mesh=dp_mesh)
+        fully_shard(model, mesh=dp_mesh)
+        return model
+    if layout.replicate > 1:
+        return DistributedDataParallel(model, process_group=mesh.get_group("replicate"))
+    return model
+
+
+def local_grad_norm(model: nn.Module) -> float:
+    """The L2 norm of the gradients this rank holds (its shards under FSDP or TP): a health
+    signal, compared across ranks to spot silent corruption."""
+    total = torch.zeros(())
+    for param in model.parameters():
+        grad = param.grad
+        if grad is None:
+            continue
+        local = grad.to_local() if hasattr(grad, "to_local") else grad
+        total += local.detach().float().pow(2).sum().cpu()
+    return float(total.sqrt())
+
+
+def clip_grad_norm(model: nn.Module, max_norm: float) -> float:
+    """Clip all gradients by their global norm and return it (before clipping).
+
+    torch's clip_grad_norm_ needs every gradient to be a plain tensor or every one a DTensor on
+    one mesh; under tensor parallelism the blocks' gradients are DTensors while the embeddings'
+    are not (or live on another mesh). So norms are taken per group of like gradients, each
+    group's reduced to a plain number, then combined.
+    """
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    groups: dict[object, list[torch.Tensor]] = {}
+    for grad in grads:
+        groups.setdefault(getattr(grad, "device_mesh", None), []).append(grad)
+    squares = torch.zeros((), dtype=torch.float64)
+    for members in groups.values():
+        norm = torch.nn.utils.get_total_norm(members, 2.0)
+        if hasattr(norm, "full_tensor"):  # a DTensor: partial over its shards until reduced
+            norm = norm.full_tensor()
+        squares += norm.detach().double().cpu() ** 2
+    total = float(squares.sqrt())
+    if max_norm > 0 and total > max_norm:
+        coef = max_norm / (total + 1e-6)
+        for grad in grads:
+            grad.mul_(coef)
+    return total

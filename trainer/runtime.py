@@ -1,0 +1,101 @@
+"""What a rank needs from its process before it trains: device, process group, signals.
+
+Kept apart from the loop so `train.py` reads as training, not as plumbing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import faulthandler
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+
+def exit_with_parent(poll_s: float = 0.5) -> None:
+    """A rank never outlives its launcher: when torchrun dies (and the agent above it), this
+    rank is re-parented, notices, and exits instead of holding a GPU as an orphan."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while True:
+            time.sleep(poll_s)
+            if os.getppid() != parent:
+                os._exit(1)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
+class TermSignal:
+    """SIGTERM (a preemption notice from the launcher, the scheduler or the machine) sets a flag
+    the loop checks once per step, so the step in progress finishes and a checkpoint commits."""
+
+    def __init__(self) -> None:
+        self.received = False
+        signal.signal(signal.SIGTERM, self._handle)
+
+    def _handle(self, signum: int, frame: object) -> None:
+        self.received = True
+
+
+@dataclass(frozen=True)
+class Runtime:
+    device: torch.device
+    rank: int
+    world: int
+    local_rank: int
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.device.type == "cuda"
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        """bf16 autocast on GPUs; full precision on CPU, where bf16 matmuls are slower."""
+        if self.is_cuda:
+            return torch.autocast("cuda", dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+
+def start(node_index: int, collective_timeout_s: int) -> Runtime:
+    """Join the process group with a rank fixed by the allocation's node order.
+
+    torchrun's c10d rendezvous numbers nodes by arrival, so the node that happens to start first
+    would become rank 0. The rank here is node index × ranks per node + local rank instead, so
+    rank order (and with it tensor-parallel groups and data slices) never depends on timing.
+    """
+    # `kill -USR1 <rank pid>` prints every thread's stack to the torchrun log: the first thing
+    # to look at when a gang hangs in a collective.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
+    exit_with_parent()
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = node_index * per_node + local_rank
+    if torch.cuda.is_available():
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+        backend = "cpu:gloo,cuda:nccl"  # gloo for checkpoint collectives, NCCL for training
+    else:
+        device, backend = torch.device("cpu"), "gloo"
+    dist.init_process_group(
+        backend, rank=rank, world_size=world, timeout=timedelta(seconds=collective_timeout_s)
+    )
+    return Runtime(device=device, rank=rank, world=world, local_rank=local_rank)
+
+
+@contextlib.contextmanager
+def timed() -> Iterator[list[float]]:
+    """`with timed() as t: ...` leaves the elapsed seconds in t[0]."""
+    box = [0.0]
+    started = time.perf_counter()
+    try:
+        yield box
+    finally:
+        box[0] = time.perf_counter() - started
