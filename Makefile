@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 FL     := $(BIN)/forgeline
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test up down lint format clean bench-dataprep
+.PHONY: demo test up down lint format clean bench-dataprep bench-trainer
 
 # torch first, pinned to the CPU wheel on this machine's disk: resolving `torch` through the
 # project's dependencies could pull a multi-GB CUDA build.
@@ -33,6 +33,10 @@ down: $(STAMP)
 bench-dataprep: $(STAMP)
 	$(BIN)/pip install --quiet -e '.[bench]'
 	$(BIN)/python -m bench.dataprep
+
+# The trainer beside a bare PyTorch loop; checkpoint stall beside dcp.save and torch.save.
+bench-trainer: $(STAMP)
+	$(BIN)/python -m bench.trainer
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -110,6 +110,8 @@ def status_text(view: RunView, settings: Settings) -> str:
         )
     else:
         lines.append("checkpoint     none committed yet")
+    if s.init_from:
+        lines.append(f"init from      step {s.init_from.step} of {s.init_from.manifest_key}")
     if s.dataset:
         d = s.dataset
         lines.append(

@@ -53,3 +53,16 @@ def test_status_prefers_the_newer_checkpoint_the_ranks_reported() -> None:
     assert "checkpoint     step 200 (generation 4, reported by the ranks)" in text
     assert "failure        gen 3 at 09:00:00: node-0: activity Heartbeat timeout" in text
     assert "attempts       1 restart(s)" in text
+
+
+def test_status_names_the_weights_a_fine_tuning_run_started_from() -> None:
+    view = training_view()
+    assert "init from" not in status_text(view, SETTINGS)
+    view.status.init_from = CheckpointRef(
+        manifest_key="runs/base/checkpoints/step-600/MANIFEST.json",
+        step=600,
+        generation=2,
+        tokens_seen=1,
+    )
+    text = status_text(view, SETTINGS)
+    assert "init from      step 600 of runs/base/checkpoints/step-600/MANIFEST.json" in text
