@@ -155,3 +155,24 @@ def _is_launcher(proc: Path, job) -> bool:
     return b"torch.distributed.run" in argv and str(Path(job.progress_file).parent).encode() in (
         b"".join(argv)
     )
+
+
+def test_rank_order_follows_the_allocation_not_arrival(trainer: Trainer) -> None:
+    """Two node agents' torchruns on one rendezvous; the second node in the allocation starts
+    first, and still gets rank 1 (c10d alone would make it rank 0)."""
+    short = TRAIN.model_copy(update={"steps": 5})
+    jobs = [trainer.job("order", short, node_index=i) for i in range(2)]
+    rdzv = Rendezvous(f"127.0.0.1:{free_port()}", "order-1", nnodes=2, nproc_per_node=1)
+
+    async def start(index: int, delay_s: float) -> None:
+        await asyncio.sleep(delay_s)
+        job = jobs[index]
+        await run_ranks(job, Path(job.progress_file).parent, rdzv, on_progress=lambda _: None)
+
+    async def both() -> None:
+        await asyncio.wait_for(asyncio.gather(start(1, 0.0), start(0, 3.0)), 180)
+
+    asyncio.run(both())
+    for index, job in enumerate(jobs):
+        started = json.loads(Path(job.progress_file).read_text().splitlines()[0])
+        assert started["event"] == "started" and started["rank"] == index
