@@ -30,9 +30,10 @@ _LIBC = ctypes.CDLL("libc.so.6", use_errno=True)
 
 
 def _die_with_parent() -> None:
-    """Runs in the child between fork and exec: SIGTERM it when the node agent dies, so
-    torchrun stops its ranks even if the agent was SIGKILLed."""
-    _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    """Runs in the child between fork and exec: kill torchrun when the node agent dies, and its
+    ranks follow (they exit when orphaned, trainer.runtime). A dead agent is a failed node, not
+    a preemption: SIGTERM would have the ranks checkpoint with peers whose node is gone."""
+    _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 @dataclass
