@@ -20,7 +20,7 @@ from infra.store import open_store
 from registry.tracking import CHECKPOINT_TAG, Registration, checkpoint_of, register
 from registry.tracking import record_decision as record_version_decision
 from trainer.evaluate import evaluate_checkpoint, load_model
-from trainer.manifest import find_latest, load_for_init
+from trainer.manifest import CommittedCheckpoint, find_latest, load_for_init
 from workflows.models import (
     CheckpointRef,
     DecisionInput,
@@ -33,6 +33,16 @@ from workflows.models import (
 )
 
 _SERVING_PACKAGES = ("torch", "tokenizers", "safetensors", "numpy", "mlflow")
+
+
+def _reference(found: CommittedCheckpoint) -> CheckpointRef:
+    """What the workflows keep of a committed checkpoint: its key and where it stands."""
+    return CheckpointRef(
+        manifest_key=found.key,
+        step=found.step,
+        generation=found.generation,
+        tokens_seen=found.tokens_seen,
+    )
 
 
 class ControlActivities:
@@ -50,14 +60,7 @@ class ControlActivities:
             inp.max_generation,
             lambda why: activity.logger.warning("skipping checkpoint %s", why),
         )
-        if found is None:
-            return None
-        return CheckpointRef(
-            manifest_key=found.key,
-            step=found.step,
-            generation=found.generation,
-            tokens_seen=found.tokens_seen,
-        )
+        return None if found is None else _reference(found)
 
     @activity.defn(name="resolve_init_from")
     def resolve_init_from(self, inp: InitFromInput) -> CheckpointRef:
@@ -67,13 +70,7 @@ class ControlActivities:
             key = inp.source
             if key.startswith("models:/"):
                 _version, key = checkpoint_of(self.settings.mlflow_uri, inp.source)
-            found = load_for_init(self.store, key, inp.architecture)
-        return CheckpointRef(
-            manifest_key=found.key,
-            step=found.step,
-            generation=found.generation,
-            tokens_seen=found.tokens_seen,
-        )
+            return _reference(load_for_init(self.store, key, inp.architecture))
 
     @activity.defn(name="evaluate")
     def evaluate(self, inp: EvaluateInput) -> EvalResult:

@@ -68,8 +68,6 @@ class BackgroundCopyStager:
     block training for the whole copy; this one returns at once.
     """
 
-    _synchronize_after_execute = False
-
     def __init__(self) -> None:
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="checkpoint-stage")
 

@@ -147,10 +147,27 @@ class Sampler:
         return cursor // self.order.n
 
 
+def _evaluation_windows(stream: TokenStream, batch_size: int, max_batches: int) -> list[np.ndarray]:
+    count = min(stream.samples, batch_size * max_batches)
+    return [np.arange(s, min(s + batch_size, count)) for s in range(0, count, batch_size)]
+
+
 def sequential_batches(
     stream: TokenStream, batch_size: int, max_batches: int
 ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """Samples in order, for evaluation: every token is scored at most once."""
-    count = min(stream.samples, batch_size * max_batches)
-    for start in range(0, count, batch_size):
-        yield stream.batch(np.arange(start, min(start + batch_size, count)))
+    for indices in _evaluation_windows(stream, batch_size, max_batches):
+        yield stream.batch(indices)
+
+
+def rank_batches(
+    stream: TokenStream, batch_size: int, max_batches: int, rank: int, ranks: int
+) -> Iterator[tuple[torch.Tensor, torch.Tensor, bool]]:
+    """This data-parallel rank's share of `sequential_batches`, dealt round-robin; only its own
+    batches are read. Every rank yields the same number (a sharded model's forward is a
+    collective), so a rank short of a batch repeats the first one, flagged False (padding)."""
+    windows = _evaluation_windows(stream, batch_size, max_batches)
+    for i in range(-(-len(windows) // ranks)):
+        j = rank + i * ranks
+        x, y = stream.batch(windows[j] if j < len(windows) else windows[0])
+        yield x, y, j < len(windows)

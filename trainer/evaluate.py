@@ -11,7 +11,7 @@ import torch.distributed as dist
 from tokenizers import Tokenizer
 
 from trainer.checkpoint import load_model_weights
-from trainer.data import TokenStream, sequential_batches
+from trainer.data import TokenStream, rank_batches
 from trainer.model import GPT, GPTConfig
 
 
@@ -39,20 +39,15 @@ def held_out_loss(
 ) -> tuple[float, int]:
     """Mean next-token loss over validation samples in order, weighted by tokens.
 
-    With `part = (rank, ranks)` the batches are dealt round-robin to data-parallel ranks and the
-    sums all-reduced. Every rank runs the same number of forwards (a sharded model's forward is
-    a collective), so a rank short of a batch repeats its first one with zero weight.
+    With `part = (rank, ranks)` each data-parallel rank scores its share (`rank_batches`) and
+    the sums are all-reduced.
     """
     rank, ranks = part
-    batches = list(sequential_batches(stream, batch_size, max_batches))
-    mine = batches[rank::ranks]
-    rounds = -(-len(batches) // ranks)
     device = next(model.parameters()).device
     sums = torch.zeros(2, dtype=torch.float64)  # loss × tokens, tokens
-    for i in range(rounds):
-        x, y = mine[i] if i < len(mine) else batches[0]
+    for x, y, counts in rank_batches(stream, batch_size, max_batches, rank, ranks):
         _, loss = model(x.to(device), y.to(device))
-        if i < len(mine):
+        if counts:
             sums += torch.tensor([loss.item() * y.numel(), y.numel()], dtype=torch.float64)
     if ranks > 1:
         dist.all_reduce(sums)

@@ -11,7 +11,6 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -88,14 +87,3 @@ def start(node_index: int, collective_timeout_s: int) -> Runtime:
         backend, rank=rank, world_size=world, timeout=timedelta(seconds=collective_timeout_s)
     )
     return Runtime(device=device, rank=rank, world=world, local_rank=local_rank)
-
-
-@contextlib.contextmanager
-def timed() -> Iterator[list[float]]:
-    """`with timed() as t: ...` leaves the elapsed seconds in t[0]."""
-    box = [0.0]
-    started = time.perf_counter()
-    try:
-        yield box
-    finally:
-        box[0] = time.perf_counter() - started

@@ -8,7 +8,14 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from trainer.data import RankSlice, SampleOrder, Sampler, TokenStream, sequential_batches
+from trainer.data import (
+    RankSlice,
+    SampleOrder,
+    Sampler,
+    TokenStream,
+    rank_batches,
+    sequential_batches,
+)
 from trainer.errors import DataError
 
 
@@ -93,3 +100,14 @@ def test_too_little_data_names_the_fix(tmp_path: Path) -> None:
     np.arange(10, dtype=np.uint16).tofile(path)
     with pytest.raises(DataError, match=r"lower model\.block_size or add data"):
         TokenStream([path], "uint16", block_size=32)
+
+
+@pytest.mark.parametrize("ranks", [1, 2, 3, 4])
+def test_rank_batches_share_the_evaluation_batches_evenly(stream: TokenStream, ranks: int) -> None:
+    everything = [y for _, y in sequential_batches(stream, 4, 7)]
+    shares = [list(rank_batches(stream, 4, 7, r, ranks)) for r in range(ranks)]
+    assert len({len(share) for share in shares}) == 1, "every rank runs as many forwards"
+    counted = [y for share in shares for _, y, counts in share if counts]
+    assert sorted(t.flatten().tolist() for t in counted) == sorted(
+        t.flatten().tolist() for t in everything
+    )

@@ -90,7 +90,7 @@ def test_killed_run_resumes_exactly(trainer: Trainer, reference: dict) -> None:
         while not committed_steps(trainer.store, "killed"):
             assert time.monotonic() < deadline and not task.done()
             await asyncio.sleep(0.02)
-        for pid in rank_processes(workdir / "job.json"):
+        for pid in job_processes(workdir / "job.json"):
             os.kill(pid, signal.SIGKILL)
         with pytest.raises(Exception, match="exited with status"):
             await task
@@ -197,8 +197,8 @@ def test_fine_tuning_starts_from_a_checkpoint_s_weights(trainer: Trainer, refere
         load_for_init(trainer.store, manifest_key("reference", 7), other)
 
 
-def rank_processes(job_file: Path) -> list[int]:
-    """The rank processes running `trainer.train <job_file>`."""
+def job_processes(job_file: Path, launcher: bool = False) -> list[int]:
+    """The rank processes running `trainer.train <job_file>`, or with `launcher` its torchrun."""
     pids = []
     for proc in Path("/proc").iterdir():
         try:
@@ -208,7 +208,7 @@ def rank_processes(job_file: Path) -> list[int]:
         if (
             b"trainer.train" in argv
             and str(job_file).encode() in argv
-            and b"torch.distributed.run" not in argv
+            and (b"torch.distributed.run" in argv) == launcher
         ):
             pids.append(int(proc.name))
     return pids

@@ -16,7 +16,10 @@ import pytest
 
 from infra.processes import free_port
 from tests.trainer.conftest import Trainer
-from tests.trainer.test_distributed_training import rank_processes, resume_point
+from tests.trainer.test_distributed_training import (
+    job_processes,
+    resume_point,
+)
 from trainer.launch import Rendezvous, run_ranks
 from trainer.manifest import find_latest, manifest_key
 from workflows.spec import TrainSpec
@@ -136,7 +139,7 @@ def test_sigterm_finishes_the_step_commits_and_stops(trainer: Trainer) -> None:
         while not seen or seen[-1].get("step", 0) < 10:
             assert time.monotonic() < deadline and not task.done()
             await asyncio.sleep(0.05)
-        launcher = next(int(p.name) for p in Path("/proc").iterdir() if _is_launcher(p, job))
+        (launcher,) = job_processes(workdir / "job.json", launcher=True)
         os.kill(launcher, signal.SIGTERM)  # torchrun passes it to its ranks
         return await asyncio.wait_for(task, 60)
 
@@ -144,17 +147,7 @@ def test_sigterm_finishes_the_step_commits_and_stops(trainer: Trainer) -> None:
     assert tail.stopped and tail.latest["stop_reason"] == "preempted"
     found = find_latest(trainer.store, "sigterm", max_generation=1)
     assert found is not None and found.step == tail.latest["step"] >= 10
-    assert not rank_processes(workdir / "job.json"), "a rank outlived its launcher"
-
-
-def _is_launcher(proc: Path, job) -> bool:
-    try:
-        argv = (proc / "cmdline").read_bytes().split(b"\0")
-    except OSError:
-        return False
-    return b"torch.distributed.run" in argv and str(Path(job.progress_file).parent).encode() in (
-        b"".join(argv)
-    )
+    assert not job_processes(workdir / "job.json"), "a rank outlived its launcher"
 
 
 def test_rank_order_follows_the_allocation_not_arrival(trainer: Trainer) -> None:
