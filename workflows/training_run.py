@@ -16,9 +16,6 @@ from temporalio.common import RetryPolicy
 from temporalio.exceptions import (
     ActivityError,
     ApplicationError,
-    CancelledError,
-    TimeoutError,
-    TimeoutType,
 )
 
 with workflow.unsafe.imports_passed_through():
@@ -28,6 +25,14 @@ with workflow.unsafe.imports_passed_through():
         NodeFailure,
         PreemptNotice,
         Release,
+    )
+    from workflows.gang_outcome import (
+        GangFailed,
+        Preempted,
+        cancel_all,
+        describe,
+        failures_of,
+        stopped_early,
     )
     from workflows.models import (
         CheckpointRef,
@@ -71,23 +76,6 @@ _NO_RETRY = RetryPolicy(maximum_attempts=1)
 _NODE_PICKUP_TIMEOUT = timedelta(seconds=60)
 
 
-class Preempted(Exception):
-    """The cluster took the gang back (after the ranks checkpointed, or the grace ran out)."""
-
-    def __init__(self, notice: PreemptNotice, step: int | None) -> None:
-        super().__init__(notice.reason)
-        self.notice = notice
-        self.step = step
-
-
-class GangFailed(Exception):
-    """One attempt of the gang ended in failure; carries what was learned about the nodes."""
-
-    def __init__(self, failures: list[Failure]) -> None:
-        super().__init__("; ".join(f.reason for f in failures))
-        self.failures = failures
-
-
 @workflow.defn(name="TrainingRun")
 class TrainingRun:
     @workflow.init
@@ -122,7 +110,7 @@ class TrainingRun:
             await self._release_gang()
             raise
         except (ActivityError, ApplicationError) as err:
-            self._status.error = _describe(err)
+            self._status.error = describe(err)
             self._set_phase(Phase.FAILED)
             await self._release_gang()
             raise ApplicationError(f"run {self._spec.name} failed: {self._status.error}") from err
@@ -335,7 +323,7 @@ class TrainingRun:
                 )
             )
         except asyncio.CancelledError:
-            await _cancel_all(handles)
+            await cancel_all(handles)
             raise
         if self._preempt is not None and not all(h.done() for h in handles):
             await self._stop_gracefully(allocation, handles, self._preempt)
@@ -343,47 +331,12 @@ class TrainingRun:
             results = [h.result() for h in handles]
             if self._preempt is not None and results[0].final_step < self._spec.train.steps:
                 raise Preempted(self._preempt, results[0].final_step)
-            early = [r for r in results if r.stopped and r.final_step < self._spec.train.steps]
+            early = stopped_early(results, self._spec.train.steps, allocation.generation)
             if early:
-                # Nobody here asked them to stop: the machine or an operator sent SIGTERM. The
-                # ranks committed a checkpoint first, so the next attempt loses nothing.
-                raise GangFailed(
-                    [
-                        Failure(
-                            generation=allocation.generation,
-                            node_id=None,
-                            reason=f"{r.node_id}: ranks stopped ({r.stop_reason}) at step "
-                            f"{r.final_step} after committing a checkpoint",
-                            at=workflow.now(),
-                        )
-                        for r in early
-                    ]
-                )
+                raise GangFailed(early)
             return results
-        await _cancel_all(handles)
-        failures = []
-        for node, handle in zip(allocation.nodes, handles, strict=True):
-            err = handle.exception()
-            if err is None or _is_cancel(err):
-                continue
-            failures.append(
-                Failure(
-                    generation=allocation.generation,
-                    node_id=node.node_id if _node_is_suspect(err) else None,
-                    reason=f"{node.node_id}: {_describe(err)}",
-                    at=workflow.now(),
-                )
-            )
-        if not failures:
-            failures.append(
-                Failure(
-                    generation=allocation.generation,
-                    node_id=None,
-                    reason="the gang stopped without a reported cause",
-                    at=workflow.now(),
-                )
-            )
-        raise GangFailed(failures)
+        await cancel_all(handles)
+        raise GangFailed(failures_of(allocation, handles))
 
     async def _stop_gracefully(
         self, allocation: Allocation, handles: list, notice: PreemptNotice
@@ -402,7 +355,7 @@ class TrainingRun:
                 lambda: all(h.done() for h in handles), timeout=timedelta(seconds=notice.grace_s)
             )
         except builtins.TimeoutError:
-            await _cancel_all(handles)
+            await cancel_all(handles)
             raise Preempted(notice, None) from None
 
     async def _recover(self, allocation: Allocation, failures: list[Failure]) -> None:
@@ -489,33 +442,3 @@ class TrainingRun:
     def _set_phase(self, phase: Phase) -> None:
         self._status.phase = phase
         self._status.updated_at = workflow.now()
-
-
-async def _cancel_all(handles: list[workflow.ActivityHandle]) -> None:
-    for handle in handles:
-        if not handle.done():
-            handle.cancel()
-    await asyncio.gather(*handles, return_exceptions=True)
-
-
-def _is_cancel(err: BaseException) -> bool:
-    return isinstance(err, ActivityError) and isinstance(err.cause, CancelledError)
-
-
-def _node_is_suspect(err: BaseException) -> bool:
-    """A node that stopped heartbeating or never picked up its work is presumed dead."""
-    cause = err.cause if isinstance(err, ActivityError) else None
-    return isinstance(cause, TimeoutError) and cause.type in (
-        TimeoutType.HEARTBEAT,
-        TimeoutType.SCHEDULE_TO_START,
-    )
-
-
-def _describe(err: BaseException) -> str:
-    """The innermost message of a chain of Temporal failures, which is the one that explains."""
-    message = str(err)
-    cause = err.__cause__
-    while cause is not None:
-        message = str(cause) or message
-        cause = cause.__cause__
-    return message

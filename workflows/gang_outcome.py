@@ -1,0 +1,106 @@
+"""How one attempt of a gang ended, in the TrainingRun workflow's terms: preempted, failed (and
+which nodes are suspect), or stopped early by someone else. Deterministic: the time comes from
+the workflow.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from temporalio import workflow
+from temporalio.exceptions import ActivityError, CancelledError, TimeoutError, TimeoutType
+
+from workflows.cluster_models import Allocation, PreemptNotice
+from workflows.models import Failure, NodeTrainResult
+
+
+class Preempted(Exception):
+    """The cluster took the gang back (after the ranks checkpointed, or the grace ran out)."""
+
+    def __init__(self, notice: PreemptNotice, step: int | None) -> None:
+        super().__init__(notice.reason)
+        self.notice = notice
+        self.step = step
+
+
+class GangFailed(Exception):
+    """One attempt of the gang ended in failure; carries what was learned about the nodes."""
+
+    def __init__(self, failures: list[Failure]) -> None:
+        super().__init__("; ".join(f.reason for f in failures))
+        self.failures = failures
+
+
+def failures_of(allocation: Allocation, handles: list[workflow.ActivityHandle]) -> list[Failure]:
+    """One failure per node whose activity failed (cancellations are our own doing); a node
+    that went silent is named as suspect so the cluster drains it."""
+    failures = []
+    for node, handle in zip(allocation.nodes, handles, strict=True):
+        err = handle.exception()
+        if err is None or _is_cancel(err):
+            continue
+        failures.append(
+            Failure(
+                generation=allocation.generation,
+                node_id=node.node_id if _node_is_suspect(err) else None,
+                reason=f"{node.node_id}: {describe(err)}",
+                at=workflow.now(),
+            )
+        )
+    return failures or [
+        Failure(
+            generation=allocation.generation,
+            node_id=None,
+            reason="the gang stopped without a reported cause",
+            at=workflow.now(),
+        )
+    ]
+
+
+def stopped_early(
+    results: list[NodeTrainResult], total_steps: int, generation: int
+) -> list[Failure]:
+    """Nodes whose ranks stopped before the end without the run asking (the machine or an
+    operator sent SIGTERM). They committed a checkpoint first, so the next attempt loses
+    nothing; no node is suspect."""
+    return [
+        Failure(
+            generation=generation,
+            node_id=None,
+            reason=f"{r.node_id}: ranks stopped ({r.stop_reason}) at step {r.final_step} "
+            "after committing a checkpoint",
+            at=workflow.now(),
+        )
+        for r in results
+        if r.stopped and r.final_step < total_steps
+    ]
+
+
+async def cancel_all(handles: list[workflow.ActivityHandle]) -> None:
+    for handle in handles:
+        if not handle.done():
+            handle.cancel()
+    await asyncio.gather(*handles, return_exceptions=True)
+
+
+def _is_cancel(err: BaseException) -> bool:
+    return isinstance(err, ActivityError) and isinstance(err.cause, CancelledError)
+
+
+def _node_is_suspect(err: BaseException) -> bool:
+    """A node that stopped heartbeating or never picked up its work is presumed dead."""
+    cause = err.cause if isinstance(err, ActivityError) else None
+    return isinstance(cause, TimeoutError) and cause.type in (
+        TimeoutType.HEARTBEAT,
+        TimeoutType.SCHEDULE_TO_START,
+    )
+
+
+def describe(err: BaseException) -> str:
+    """The innermost message of a chain of Temporal failures, which is the one that explains."""
+    message = str(err)
+    cause = err.__cause__
+    while cause is not None:
+        message = str(cause) or message
+        cause = cause.__cause__
+    return message
