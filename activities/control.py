@@ -20,7 +20,7 @@ from infra.store import open_store
 from registry.tracking import CHECKPOINT_TAG, Registration, checkpoint_of, register
 from registry.tracking import record_decision as record_version_decision
 from trainer.evaluate import evaluate_checkpoint, load_model
-from trainer.manifest import CommittedCheckpoint, find_latest, load_for_init
+from trainer.manifest import CommittedCheckpoint, find_latest, load_for_init, record_generation
 from workflows.models import (
     CheckpointRef,
     DecisionInput,
@@ -60,6 +60,10 @@ class ControlActivities:
             inp.max_generation,
             lambda why: activity.logger.warning("skipping checkpoint %s", why),
         )
+        if inp.fence:
+            record_generation(
+                self.store, inp.run_id, inp.max_generation, found.step if found else 0
+            )
         return None if found is None else _reference(found)
 
     @activity.defn(name="resolve_init_from")

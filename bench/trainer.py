@@ -149,7 +149,7 @@ def checkpoints(root: Path, repeats: int) -> list[tuple[str, str, str, str]]:
     params = sum(p.numel() for p in model.parameters())
     store = LocalStore(root / "ckpt-store")
     checkpointer = Checkpointer(
-        store=store, staging_dir=root / "staging", run_id="big", keep=2, layout={}
+        store=store, staging_dir=root / "staging", run_id="big", generation=1, keep=2, layout={}
     )
     sync_dcp, sync_torch, stall_overlap, stall_bare, commit = [], [], [], [], []
     for i in range(repeats):
@@ -164,7 +164,7 @@ def checkpoints(root: Path, repeats: int) -> list[tuple[str, str, str, str]]:
 
         # As the loop does it: save, then the next forward and backward, then wait for the copy.
         started = time.perf_counter()
-        checkpointer.save(model, optimizer, step=2 * i + 1, meta={"generation": 1})
+        checkpointer.save(model, optimizer, step=2 * i + 1, meta={})
         blocked = time.perf_counter() - started
         x = torch.randint(0, BIG.vocab_size, (1, 128))
         _, loss = model(x, x)
@@ -178,7 +178,7 @@ def checkpoints(root: Path, repeats: int) -> list[tuple[str, str, str, str]]:
         commit.append(report.total_s)
 
         started = time.perf_counter()
-        checkpointer.save(model, optimizer, step=2 * i + 2, meta={"generation": 1})
+        checkpointer.save(model, optimizer, step=2 * i + 2, meta={})
         checkpointer.before_weights_change()
         stall_bare.append(time.perf_counter() - started)
         checkpointer.wait()

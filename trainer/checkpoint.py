@@ -11,6 +11,10 @@ A save runs in four stages, and training is blocked by none of them:
 4. commit: the ranks gather their file lists to rank 0, which writes `MANIFEST.json` last with
    create-if-absent and prunes to `keep` checkpoints. No manifest, no checkpoint.
 
+A generation that has been superseded (`trainer.manifest.Fences`) uploads and commits nothing:
+each rank checks before it uploads, rank 0 again before it commits, and the save reports itself
+fenced so the loop stops.
+
 One save is in flight at a time: a new one first waits for the previous commit. Loading fetches
 and verifies every file first (`fetch_checkpoint`), then each rank reads what it needs, resharded
 to whatever layout it now has.
@@ -37,7 +41,13 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 from infra.digest import sha256_file
 from infra.store import ObjectStore, fetch_verified
-from trainer.manifest import MANIFEST_FORMAT, checkpoint_prefix, manifest_key, prune
+from trainer.manifest import (
+    MANIFEST_FORMAT,
+    Fences,
+    checkpoint_prefix,
+    manifest_key,
+    prune,
+)
 
 METADATA_FILE = ".metadata"
 
@@ -97,6 +107,7 @@ class SaveReport:
     manifest_key: str | None  # None: another writer had committed this step (the store's wins)
     stall_s: float  # time the training loop was blocked by this save
     total_s: float  # from the save call to the commit
+    fenced: bool = False  # a later generation has started: nothing was committed
 
 
 class Checkpointer:
@@ -108,6 +119,7 @@ class Checkpointer:
         store: ObjectStore,
         staging_dir: Path,
         run_id: str,
+        generation: int,
         keep: int,
         layout: dict,
         asynchronous: bool = True,
@@ -115,6 +127,8 @@ class Checkpointer:
         self.store = store
         self.staging_dir = staging_dir
         self.run_id = run_id
+        self.generation = generation
+        self.fenced = False  # set once a save found this generation superseded
         self.keep = keep
         self.layout = layout
         self.asynchronous = asynchronous
@@ -190,8 +204,9 @@ class Checkpointer:
     ) -> SaveReport:
         written.result()
         prefix = checkpoint_prefix(self.run_id, step)
+        fenced = self._superseded()
         mine = []
-        for path in _files_written_by(folder, self.rank):
+        for path in [] if fenced else _files_written_by(folder, self.rank):
             key = f"{prefix}/{path.name}"
             self.store.put_file(key, path)
             mine.append(
@@ -202,29 +217,45 @@ class Checkpointer:
                     "sha256": sha256_file(path),
                 }
             )
-        gathered: list[list[dict] | None] = [None] * self.world
-        dist.all_gather_object(gathered, mine, group=self._group)
-        committed: list[str | None] = [None]
+        gathered: list[tuple[bool, list[dict]] | None] = [None] * self.world
+        dist.all_gather_object(gathered, (fenced, mine), group=self._group)
+        fenced = any(part[0] for part in gathered if part is not None)
+        key: str | None = None
         if self.rank == 0:
-            manifest = {
-                "format": MANIFEST_FORMAT,
-                "run_id": self.run_id,
-                "step": step,
-                "world_size": self.world,
-                "layout": self.layout,
-                "committed_at": datetime.now(UTC).isoformat(),
-                **meta,
-                "files": [entry for part in gathered for entry in part or []],
-            }
-            key = manifest_key(self.run_id, step)
-            if self.store.put_if_absent(
-                key, json.dumps(manifest, indent=2, sort_keys=True).encode()
-            ):
-                committed[0] = key
-                prune(self.store, self.run_id, self.keep)
-        dist.broadcast_object_list(committed, src=0, group=self._group)
+            fenced = fenced or self._superseded()  # once more, just before the commit
+            if not fenced:
+                key = self._write_manifest(step, meta, gathered)
+        outcome = [(key, fenced)]  # rank 0's verdict, for every rank
+        dist.broadcast_object_list(outcome, src=0, group=self._group)
+        key, fenced = outcome[0]
         shutil.rmtree(folder, ignore_errors=True)
-        return SaveReport(step, committed[0], 0.0, time.perf_counter() - started)
+        self.fenced = self.fenced or fenced
+        return SaveReport(step, key, 0.0, time.perf_counter() - started, fenced)
+
+    def _write_manifest(self, step: int, meta: dict, gathered: list) -> str | None:
+        """The commit: the manifest, last, create-if-absent; None if this step was already
+        committed by another writer (the store's copy wins)."""
+        manifest = {
+            "format": MANIFEST_FORMAT,
+            "run_id": self.run_id,
+            "step": step,
+            "world_size": self.world,
+            "layout": self.layout,
+            "committed_at": datetime.now(UTC).isoformat(),
+            **meta,
+            "generation": self.generation,
+            "files": [entry for part in gathered for entry in (part[1] if part else [])],
+        }
+        key = manifest_key(self.run_id, step)
+        if not self.store.put_if_absent(
+            key, json.dumps(manifest, indent=2, sort_keys=True).encode()
+        ):
+            return None
+        prune(self.store, self.run_id, self.keep)
+        return key
+
+    def _superseded(self) -> bool:
+        return Fences.read(self.store, self.run_id).superseded(self.generation)
 
 
 def fetch_checkpoint(store: ObjectStore, manifest: dict, dest: Path) -> Path:

@@ -5,6 +5,12 @@ last with create-if-absent and lists every file with its size and sha256. Findin
 checkpoint means walking manifests from the newest step down and taking the first whose files
 all verify, so a torn upload (no manifest) or a flipped byte (hash mismatch) costs one
 checkpoint interval, never the run.
+
+Fencing: before a generation starts, the run records `runs/<run>/generations/gen-<g>.json` with
+the step it resumes from. From then on a manifest of an older generation counts only if its step
+is at most that resume step: a rank of an old generation that is still alive (a paused node that
+came back) can commit nothing that resume or pruning would use, and it checks the records itself
+before it uploads or commits, then stops.
 """
 
 from __future__ import annotations
@@ -49,6 +55,46 @@ class CommittedCheckpoint:
         return int(self.manifest["tokens_seen"])
 
 
+def generation_key(run_id: str, generation: int) -> str:
+    return f"runs/{run_id}/generations/gen-{generation}.json"
+
+
+def record_generation(store: ObjectStore, run_id: str, generation: int, resume_step: int) -> None:
+    """Fence out older generations: from now on they may only have committed up to
+    `resume_step`. Written once per generation (a retried activity finds it there)."""
+    record = {"generation": generation, "resume_step": resume_step}
+    store.put_if_absent(generation_key(run_id, generation), json.dumps(record).encode())
+
+
+@dataclass(frozen=True)
+class Fences:
+    """The generations a run has started, each with the step it resumed from."""
+
+    resume_steps: dict[int, int]
+
+    @classmethod
+    def read(cls, store: ObjectStore, run_id: str) -> Fences:
+        steps = {}
+        for key in store.list(f"runs/{run_id}/generations/"):
+            record = json.loads(store.get_bytes(key))
+            steps[int(record["generation"])] = int(record["resume_step"])
+        return cls(steps)
+
+    def superseded(self, generation: int) -> bool:
+        """A later generation has started: this one must commit nothing more."""
+        return any(g > generation for g in self.resume_steps)
+
+    def why_stale(self, generation: int, step: int) -> str | None:
+        """Why a manifest of `generation` at `step` must not be used, or None if it may."""
+        for later, resume_step in sorted(self.resume_steps.items()):
+            if later > generation and step > resume_step:
+                return (
+                    f"committed by generation {generation} at step {step}, after generation "
+                    f"{later} had resumed from step {resume_step}"
+                )
+        return None
+
+
 def committed_steps(store: ObjectStore, run_id: str) -> list[int]:
     """Steps that have a manifest, newest first."""
     steps = []
@@ -87,12 +133,16 @@ def find_latest(
     on_skip: Callable[[str], None] = lambda _: None,
 ) -> CommittedCheckpoint | None:
     """The newest checkpoint that verifies and was committed by generation ≤ max_generation."""
+    fences = Fences.read(store, run_id)
     for step in committed_steps(store, run_id):
         key = manifest_key(run_id, step)
         try:
             manifest = read_manifest(store, key)
             if int(manifest["generation"]) > max_generation:
                 on_skip(f"{key}: generation {manifest['generation']} > {max_generation}")
+                continue
+            if stale := fences.why_stale(int(manifest["generation"]), step):
+                on_skip(f"{key}: {stale}")
                 continue
             verify_files(store, manifest)
         except (IntegrityError, ObjectNotFound, ValueError, KeyError) as err:
@@ -103,14 +153,24 @@ def find_latest(
 
 
 def prune(store: ObjectStore, run_id: str, keep: int) -> list[int]:
-    """Delete all but the newest `keep` committed checkpoints; manifest first, then files.
+    """Keep the newest `keep` checkpoints that resume could use; delete the others, and any
+    manifest a fenced-out generation committed. Manifest first, then files.
 
     Deleting the manifest first means a crash halfway leaves orphan files, never a manifest
-    that points at files which are gone.
+    that points at files which are gone. Stale manifests never count toward `keep`, so a late
+    commit of an old generation cannot push a usable checkpoint out.
     """
-    removed = []
-    for step in committed_steps(store, run_id)[keep:]:
+    fences = Fences.read(store, run_id)
+    removed, kept = [], 0
+    for step in committed_steps(store, run_id):
         key = manifest_key(run_id, step)
+        try:
+            stale = fences.why_stale(int(read_manifest(store, key)["generation"]), step)
+        except (IntegrityError, ObjectNotFound, ValueError, KeyError):
+            stale = None  # unreadable: pruned by age like any other
+        if stale is None and kept < keep:
+            kept += 1
+            continue
         store.delete(key)
         for leftover in store.list(checkpoint_prefix(run_id, step) + "/"):
             store.delete(leftover)

@@ -56,8 +56,8 @@ def init_weights(model: GPT, source: str) -> None:
 
 
 # Why a rank wants to stop, in increasing precedence: the largest wins across the gang.
-KEEP_GOING, ASKED_TO_STOP, PREEMPTED = 0, 1, 2
-STOP_REASONS = {ASKED_TO_STOP: "asked to stop", PREEMPTED: "preempted"}
+KEEP_GOING, ASKED_TO_STOP, PREEMPTED, FENCED = 0, 1, 2, 3
+STOP_REASONS = {ASKED_TO_STOP: "asked to stop", PREEMPTED: "preempted", FENCED: "fenced"}
 
 
 def share_health(stop: int, step_s: float, grad_norm: float) -> tuple[int, list, list]:
@@ -124,6 +124,7 @@ def main(job_path: str) -> None:
         store=store,
         staging_dir=Path(job.staging_dir),
         run_id=job.run_id,
+        generation=job.generation,
         keep=cfg["keep_checkpoints"],
         layout=layout.to_dict(),
         asynchronous=cfg.get("async_checkpoint", True),
@@ -157,7 +158,6 @@ def main(job_path: str) -> None:
             optimizer,
             step,
             meta={
-                "generation": job.generation,
                 "tokens_seen": tokens_seen,
                 "samples_seen": samples_seen,
                 "epoch": sampler.epoch(samples_seen),
@@ -204,7 +204,9 @@ def main(job_path: str) -> None:
         window_steps += 1
         report_commit(checkpointer.poll())
 
-        if term.received:
+        if checkpointer.fenced:  # a later generation owns the run now: commit nothing more
+            asked = FENCED
+        elif term.received:
             asked = PREEMPTED
         elif stop_file is not None and stop_file.exists():
             asked = ASKED_TO_STOP
@@ -249,13 +251,15 @@ def main(job_path: str) -> None:
             progress.write(event="eval", step=step, val_loss=val_loss, val_tokens=val_tokens)
             window_start = time.perf_counter()  # evaluation is not training throughput
 
+        if stop == FENCED:
+            progress.write(event="stopped", step=step, tokens_seen=tokens_seen, reason="fenced")
+            break
         if stop or step % cfg["checkpoint_every"] == 0 or step == total_steps:
             checkpoint()
         if stop:
             report_commit(checkpointer.wait())  # a stop is only safe once the commit landed
-            progress.write(
-                event="stopped", step=step, tokens_seen=tokens_seen, reason=STOP_REASONS[stop]
-            )
+            reason = STOP_REASONS[FENCED if checkpointer.fenced else stop]
+            progress.write(event="stopped", step=step, tokens_seen=tokens_seen, reason=reason)
             break
 
     report_commit(checkpointer.wait())

@@ -97,6 +97,11 @@ class InitFromInput(BaseModel):
 class LatestCheckpointInput(BaseModel):
     run_id: str
     max_generation: int = Field(description="manifests from later generations are ignored")
+    fence: bool = Field(
+        False,
+        description="max_generation is about to start from the checkpoint found: record it, "
+        "so older generations can no longer commit one that counts",
+    )
 
 
 class NodeTrainInput(BaseModel):

@@ -191,7 +191,8 @@ class TrainingRun:
         while True:
             self._set_phase(Phase.QUEUED if self._status.attempts == 0 else Phase.RECOVERING)
             allocation = await self._acquire_gang()
-            resume = await self._latest_checkpoint(allocation.generation)
+            # Fenced: from here on, older generations' late commits do not count.
+            resume = await self._latest_checkpoint(allocation.generation, fence=True)
             self._status.last_checkpoint = resume
             self._set_phase(Phase.TRAINING)
             try:
@@ -278,10 +279,12 @@ class TrainingRun:
             timeout=timedelta(minutes=10),
         )
 
-    async def _latest_checkpoint(self, generation: int) -> CheckpointRef | None:
+    async def _latest_checkpoint(
+        self, generation: int, fence: bool = False
+    ) -> CheckpointRef | None:
         return await self._control(
             "latest_checkpoint",
-            LatestCheckpointInput(run_id=self._spec.name, max_generation=generation),
+            LatestCheckpointInput(run_id=self._spec.name, max_generation=generation, fence=fence),
             CheckpointRef | None,
             timeout=timedelta(minutes=10),
         )

@@ -16,7 +16,7 @@ from mlflow.tracking import MlflowClient
 from infra.store import LocalStore
 from tests.conftest import REPO
 from tests.e2e.conftest import Stack, ranks_of
-from trainer.manifest import committed_steps, find_latest
+from trainer.manifest import Fences, committed_steps, find_latest, manifest_key
 
 pytestmark = pytest.mark.e2e
 TINY = REPO / "examples" / "tiny.toml"
@@ -158,6 +158,52 @@ def test_sigkilled_node_agent_costs_one_checkpoint_interval(stack: Stack, tmp_pa
     stack.cli("up", "--nodes", "3")
     nodes_table = stack.cli("nodes").stdout
     assert re.search(rf"{victim} +│ local +│ cpu +│ 0/1 +│ idle", nodes_table), nodes_table
+
+
+def test_a_paused_node_that_comes_back_cannot_commit(stack: Stack, tmp_path: Path) -> None:
+    """Pause a one-node run's node (SIGSTOP its agent, torchrun and ranks): the run moves to
+    another node in a new generation. When the paused processes continue, the old ranks are
+    fenced: they commit nothing more and stop; the run ends on the new generation's checkpoints."""
+    spec = variant(tmp_path, "tiny-pause", steps=400, checkpoint_every=20, nodes=1)
+    stack.cli("run", str(spec), "--detach")
+    store = LocalStore(Path(stack.settings.store))
+    wait_for(lambda: committed_steps(store, "tiny-pause"), 120, "the first checkpoint", 0.05)
+    status = stack.cli("status", "tiny-pause").stdout
+    generation, victim = re.search(r"allocation +generation (\d+) on (\S+)", status).groups()
+    agent = int((stack.home / "run" / f"{victim}.pid").read_text().split()[0])
+    paused = [agent, *(p for p in ranks_of(stack.home, "tiny-pause") if _node_of(p) == victim)]
+    for pid in paused:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        wait_for(
+            lambda: re.search(
+                rf"allocation +generation (?!{generation}\b)\d+",
+                stack.cli("status", "tiny-pause").stdout,
+            ),
+            120,
+            "a new generation on another node",
+        )
+    finally:
+        for pid in paused:
+            os.kill(pid, signal.SIGCONT)
+    followed = stack.cli("run", str(spec), timeout=300)
+    assert "AWAITING_APPROVAL" in followed.stdout, followed.stdout
+
+    old = stack.home / "nodes" / victim / "runs" / "tiny-pause" / f"gen-{generation}"
+    last = json.loads((old / "progress.jsonl").read_text().splitlines()[-1])
+    assert last["event"] == "stopped" and last["reason"] == "fenced", last
+    fences = Fences.read(store, "tiny-pause")
+    for step in committed_steps(store, "tiny-pause"):
+        manifest = json.loads(store.get_bytes(manifest_key("tiny-pause", step)))
+        assert fences.why_stale(manifest["generation"], step) is None, step
+    final = find_latest(store, "tiny-pause", max_generation=10**9)
+    assert final is not None and final.step == 400 and final.generation > int(generation)
+    assert [s for s, _ in final.manifest["loss_history"]] == list(range(5, 401, 5))
+    assert not ranks_of(stack.home, "tiny-pause")
+
+    # The paused agent was reported; a new incarnation brings the node back.
+    os.kill(agent, signal.SIGKILL)
+    stack.cli("up", "--nodes", "3")
 
 
 def test_cancel_stops_the_ranks_and_releases_the_gang(stack: Stack, tmp_path: Path) -> None:

@@ -1,0 +1,109 @@
+"""Generation fencing: once a generation starts, older ones can commit nothing that counts."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from pathlib import Path
+
+from infra.digest import sha256_bytes
+from infra.processes import free_port
+from infra.store import LocalStore
+from tests.trainer.conftest import Trainer
+from tests.trainer.test_layouts import TRAIN
+from trainer.launch import Rendezvous, run_ranks
+from trainer.manifest import (
+    MANIFEST_FORMAT,
+    Fences,
+    committed_steps,
+    find_latest,
+    manifest_key,
+    prune,
+    record_generation,
+)
+
+
+def commit(store: LocalStore, run: str, step: int, generation: int) -> None:
+    """A small but complete checkpoint: one file and its manifest."""
+    data = f"{run}-{step}-{generation}".encode()
+    key = f"runs/{run}/checkpoints/step-{step}/__0_0.distcp"
+    store.put_bytes(key, data)
+    manifest = {
+        "format": MANIFEST_FORMAT, "run_id": run, "step": step, "generation": generation,
+        "tokens_seen": step,
+        "files": [{"name": "__0_0.distcp", "key": key, "bytes": len(data),
+                   "sha256": sha256_bytes(data)}],
+    }  # fmt: skip
+    assert store.put_if_absent(manifest_key(run, step), json.dumps(manifest).encode())
+
+
+def test_a_late_commit_of_an_old_generation_is_never_used(tmp_path: Path) -> None:
+    store = LocalStore(tmp_path)
+    commit(store, "r", 20, generation=1)
+    record_generation(store, "r", 2, resume_step=20)  # generation 2 resumes from step 20
+    commit(store, "r", 40, generation=1)  # a paused rank of generation 1 comes back and commits
+    skipped: list[str] = []
+    found = find_latest(store, "r", max_generation=2, on_skip=skipped.append)
+    assert found is not None and found.step == 20
+    assert skipped == [
+        f"{manifest_key('r', 40)}: committed by generation 1 at step 40, after generation 2 "
+        "had resumed from step 20"
+    ]
+    commit(store, "r", 30, generation=2)  # generation 2's own commits count
+    found = find_latest(store, "r", max_generation=2)
+    assert found is not None and (found.step, found.generation) == (30, 2)
+
+
+def test_fences_say_when_a_generation_is_superseded(tmp_path: Path) -> None:
+    store = LocalStore(tmp_path)
+    record_generation(store, "r", 3, resume_step=0)
+    record_generation(store, "r", 5, resume_step=60)
+    record_generation(store, "r", 5, resume_step=99)  # a retry: the first record stands
+    fences = Fences.read(store, "r")
+    assert fences.resume_steps == {3: 0, 5: 60}
+    assert fences.superseded(3) and not fences.superseded(5)
+    assert fences.why_stale(3, 60) is None and fences.why_stale(3, 61) is not None
+
+
+def test_stale_manifests_never_count_toward_keep(tmp_path: Path) -> None:
+    store = LocalStore(tmp_path)
+    commit(store, "r", 20, generation=1)
+    record_generation(store, "r", 2, resume_step=20)
+    commit(store, "r", 40, generation=1)
+    commit(store, "r", 60, generation=1)
+    assert prune(store, "r", keep=1) == [60, 40]  # the stale ones go; step 20 stays
+    assert committed_steps(store, "r") == [20]
+
+
+def test_a_superseded_gang_commits_nothing_more_and_stops(trainer: Trainer) -> None:
+    """Real ranks of generation 1 keep training after generation 2 was recorded (as when their
+    node was paused and came back): their next save uploads nothing, and they stop."""
+    long = TRAIN.model_copy(update={"steps": 100_000, "checkpoint_every": 10})
+    job = trainer.job("fenced", long)
+    workdir = Path(job.progress_file).parent
+    rdzv = Rendezvous(f"127.0.0.1:{free_port()}", "fenced-1", 1, 2)
+    store = trainer.store
+
+    async def fence_while_running():
+        task = asyncio.create_task(run_ranks(job, workdir, rdzv, on_progress=lambda _: None))
+        deadline = time.monotonic() + 120
+        while not committed_steps(store, "fenced"):
+            assert time.monotonic() < deadline and not task.done()
+            await asyncio.sleep(0.05)
+        record_generation(store, "fenced", 2, resume_step=committed_steps(store, "fenced")[0])
+        return await asyncio.wait_for(task, 120)
+
+    tail = asyncio.run(fence_while_running())
+    assert tail.stopped and tail.latest["stop_reason"] == "fenced"
+    resume_step = Fences.read(store, "fenced").resume_steps[2]
+    # Nothing after the fence: no manifest, and no file of a later step either.
+    assert max(committed_steps(store, "fenced")) <= resume_step
+    later = [
+        k
+        for k in store.list("runs/fenced/checkpoints/")
+        if int(k.split("/step-")[1].split("/")[0]) > resume_step + 10
+    ]
+    assert later == []
+    found = find_latest(store, "fenced", max_generation=2)
+    assert found is not None and found.step == resume_step
