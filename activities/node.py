@@ -150,6 +150,7 @@ class NodeActivities:
             },
             resume=resume,
             init_weights=init_weights,
+            mtbf_s=spec.recovery.gang_mtbf_s(spec.resources.nodes),
         )
 
 

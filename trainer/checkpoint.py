@@ -142,10 +142,11 @@ class Checkpointer:
 
     def save(
         self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: int, meta: dict
-    ) -> None:
-        """Start a checkpoint of the current state; returns once the previous one committed."""
+    ) -> SaveReport | None:
+        """Start a checkpoint of the current state once the previous one has committed (one
+        save in flight); returns that previous save's report if it had to wait for it."""
         started = time.perf_counter()
-        self.wait()  # one save in flight
+        previous = self.wait()
         folder = self.staging_dir / f"step-{step}"
         folder.mkdir(parents=True, exist_ok=True)
         model_state, optim_state = get_state_dict(model, optimizer)
@@ -169,6 +170,7 @@ class Checkpointer:
         self._in_flight = self._committer.submit(
             self._commit, written, folder, step, frozen, started
         )
+        return previous
 
     def before_weights_change(self) -> None:
         """Call before optimizer.step(): the staged copy must be complete by then."""

@@ -37,6 +37,7 @@ class TrainJob:
     val_shards: list[str] = field(default_factory=list)  # for eval_every
     init_weights: str = ""  # fine-tuning: a verified checkpoint folder or a safetensors file
     sample_log: str = ""  # audit: each rank appends the sample indices it trained on
+    mtbf_s: float = 0.0  # the gang's mean time between failures, for checkpoint_every = "auto"
 
     def write(self, path: Path) -> Path:
         path.write_text(json.dumps(asdict(self), indent=2))

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -20,6 +21,7 @@ from safetensors.torch import load_model as load_safetensors
 from infra.store import open_store
 from trainer import runtime
 from trainer.checkpoint import Checkpointer, SaveReport, load_model_weights, load_training_state
+from trainer.checkpoint_policy import CheckpointPolicy
 from trainer.data import RankSlice, Sampler, TokenStream
 from trainer.evaluate import held_out_loss
 from trainer.job import TrainJob
@@ -60,14 +62,27 @@ KEEP_GOING, ASKED_TO_STOP, PREEMPTED, FENCED = 0, 1, 2, 3
 STOP_REASONS = {ASKED_TO_STOP: "asked to stop", PREEMPTED: "preempted", FENCED: "fenced"}
 
 
-def share_health(stop: int, step_s: float, grad_norm: float) -> tuple[int, list, list]:
-    """One small all-gather per step: the strongest stop request of any rank, and every rank's
-    step time and local gradient norm (the health checks compare ranks with each other)."""
-    mine = torch.tensor([float(stop), step_s, grad_norm], dtype=torch.float64)
+@dataclass(frozen=True)
+class StepShare:
+    stop: int  # the strongest stop request of any rank
+    save: bool  # rank 0's call on a time- or epoch-based checkpoint, the same on every rank
+    step_s: list[float]  # every rank's step time
+    grad_norm: list[float]  # every rank's local gradient norm
+
+
+def share_step(stop: int, save: bool, step_s: float, grad_norm: float) -> StepShare:
+    """One small all-gather per step, for what the ranks must agree on and what the health
+    checks compare across ranks."""
+    mine = torch.tensor([float(stop), float(save), step_s, grad_norm], dtype=torch.float64)
     everyone = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(everyone, mine)
-    table = torch.stack(everyone)  # (world, 3)
-    return int(table[:, 0].max()), table[:, 1].tolist(), table[:, 2].tolist()
+    table = torch.stack(everyone)  # (world, 4)
+    return StepShare(
+        stop=int(table[:, 0].max()),
+        save=bool(table[0, 1]),
+        step_s=table[:, 2].tolist(),
+        grad_norm=table[:, 3].tolist(),
+    )
 
 
 def main(job_path: str) -> None:
@@ -138,12 +153,17 @@ def main(job_path: str) -> None:
     flops_tok = flops_per_token(model_config, model.num_params())
     last_committed: int | None = job.resume.step if job.resume else None
     window_start, window_steps = time.perf_counter(), 0
+    policy = CheckpointPolicy.from_train_config(cfg, job.mtbf_s)
+    last_save_at = time.monotonic()
+    last_costs: tuple[float | None, float | None] = (None, None)  # stall, commit seconds
 
     def report_commit(report: SaveReport | None) -> None:
-        nonlocal last_committed
+        nonlocal last_committed, last_costs
         if report is None:
             return
-        last_committed = report.step
+        last_costs = (report.stall_s, report.total_s)
+        if report.manifest_key is not None:
+            last_committed = report.step
         progress.write(
             event="checkpoint",
             step=report.step,
@@ -153,7 +173,9 @@ def main(job_path: str) -> None:
         )
 
     def checkpoint() -> None:
-        checkpointer.save(
+        nonlocal last_save_at
+        last_save_at = time.monotonic()
+        previous = checkpointer.save(
             wrapped,
             optimizer,
             step,
@@ -174,6 +196,7 @@ def main(job_path: str) -> None:
                 **job.lineage,
             },
         )
+        report_commit(previous)  # the save before, which this one had to wait for
 
     while step < total_steps:
         step_started = time.perf_counter()
@@ -212,9 +235,17 @@ def main(job_path: str) -> None:
             asked = ASKED_TO_STOP
         else:
             asked = KEEP_GOING
-        stop, step_times, grad_norms = share_health(
-            asked, time.perf_counter() - step_started, grad_norm
+        # Time and epoch boundaries are rank 0's call, so every rank saves at the same step.
+        save_due = rt.rank == 0 and policy.due(
+            step,
+            time.monotonic() - last_save_at,
+            epoch_ended=sampler.epoch(samples_seen)
+            > sampler.epoch(samples_seen - cfg["batch_size"]),
+            stall_s=last_costs[0],
+            commit_s=last_costs[1],
         )
+        shared = share_step(asked, save_due, time.perf_counter() - step_started, grad_norm)
+        stop = shared.stop
 
         # The first step of a (re)start is always reported: it marks when recovery paid off.
         on_grid = step % cfg["log_every"] == 0 or step == total_steps
@@ -236,8 +267,8 @@ def main(job_path: str) -> None:
                 mfu=mfu(tokens_per_s, flops_tok, cfg["peak_flops_per_gpu"], rt.world),
                 checkpoint_step=last_committed,
                 epoch=sampler.epoch(samples_seen),
-                rank_step_s=step_times,
-                rank_grad_norm=grad_norms,
+                rank_step_s=shared.step_s,
+                rank_grad_norm=shared.grad_norm,
             )
             window_start, window_steps = time.perf_counter(), 0
 
@@ -254,7 +285,7 @@ def main(job_path: str) -> None:
         if stop == FENCED:
             progress.write(event="stopped", step=step, tokens_seen=tokens_seen, reason="fenced")
             break
-        if stop or step % cfg["checkpoint_every"] == 0 or step == total_steps:
+        if stop or shared.save or step == total_steps:
             checkpoint()
         if stop:
             report_commit(checkpointer.wait())  # a stop is only safe once the commit landed

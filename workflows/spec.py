@@ -138,7 +138,11 @@ class TrainSpec(_Strict):
     grad_clip: float = Field(1.0, ge=0.0)
     seed: int = Field(1337, ge=0, lt=2**31)
     log_every: int = Field(10, ge=1)
-    checkpoint_every: int = Field(50, ge=1)
+    checkpoint_every: Annotated[int, Field(ge=1)] | Literal["auto"] = Field(
+        50, description='steps between checkpoints, or "auto" (Young/Daly from measured cost)'
+    )
+    checkpoint_every_minutes: float | None = Field(None, gt=0, description="also by time")
+    checkpoint_each_epoch: bool = Field(False, description="also when an epoch ends")
     keep_checkpoints: int = Field(2, ge=1, le=100)
     eval_batches: int = Field(20, ge=1, le=10_000)
     threads_per_rank: int = Field(1, ge=1, le=256, description="CPU threads per rank")
@@ -202,6 +206,13 @@ class ParallelSpec(_Strict):
 class RecoverySpec(_Strict):
     max_restarts: int = Field(3, ge=0, le=100)
     heartbeat_timeout_s: int = Field(15, ge=2, le=3600)
+    node_mtbf_hours: float = Field(
+        4380.0, gt=0, description="a node's mean time between failures (checkpoint_every = auto)"
+    )
+
+    def gang_mtbf_s(self, nodes: int) -> float:
+        """Failures of independent nodes add up: a gang of N fails N times as often."""
+        return self.node_mtbf_hours * 3600 / nodes
 
 
 class RegistrySpec(_Strict):
