@@ -21,6 +21,7 @@ from activities.fetch import NodeCache
 from infra.settings import Settings
 from infra.store import open_store
 from trainer.errors import RanksFailed
+from trainer.hang import HangWatch
 from trainer.job import ResumePoint, TrainJob
 from trainer.launch import Rendezvous, run_ranks
 from workflows.cluster_models import CheckpointCommitted
@@ -72,6 +73,7 @@ class NodeActivities:
                 rdzv,
                 on_progress=reporter.progress,
                 threads_per_rank=inp.spec.train.threads_per_rank,
+                hang=HangWatch(inp.spec.recovery.hang_factor, inp.spec.recovery.hang_min_s),
             )
         except RanksFailed as err:
             raise ApplicationError(str(err), type="RanksFailed") from err

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from trainer.errors import RanksFailed
+from trainer.hang import HangWatch
 from trainer.job import TrainJob
 
 _PR_SET_PDEATHSIG = 1
@@ -112,9 +113,11 @@ async def run_ranks(
     threads_per_rank: int = 1,
     report_every_s: float = 1.0,
     exit_grace_s: float = 5.0,
+    hang: HangWatch | None = None,
 ) -> ProgressTail:
     """Run torchrun to completion; report progress every `report_every_s` (also when idle, so
-    the caller can heartbeat); raise RanksFailed with the log tail if the ranks fail."""
+    the caller can heartbeat); raise RanksFailed with the log tail if the ranks fail, or if
+    `hang` sees them make no progress (their stacks then go to the torchrun log)."""
     workdir.mkdir(parents=True, exist_ok=True)
     job_file = job.write(workdir / "job.json")
     log_file = workdir / "torchrun.log"
@@ -146,6 +149,15 @@ async def run_ranks(
             on_progress(dict(tail.latest))
             if proc.returncode is not None:
                 break
+            if hang is not None and not tail.finished:
+                hang.observe(int(tail.latest.get("step", 0)), time.monotonic())
+                if (idle := hang.stuck_s(time.monotonic())) is not None:
+                    raise RanksFailed(
+                        f"ranks on node {job.node_id} hung at step {tail.latest.get('step')}: "
+                        f"no progress for {idle:.0f} s (limit {hang.limit_s():.0f} s, "
+                        f"{hang.factor:g} × the median time between progress reports); "
+                        f"every rank's stack is in {log_file}"
+                    )
             if tail.finished:
                 # The ranks are done or stopped, their checkpoint committed. torchrun may still
                 # sit in its exit barrier on a rendezvous store whose host (another node's
@@ -177,6 +189,13 @@ def rank_pids(launcher_pid: int) -> list[int]:
     return pids
 
 
+def _runs_trainer(pid: int) -> bool:
+    try:
+        return b"trainer.train" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
+
+
 def dump_rank_stacks(launcher_pid: int) -> None:
     """Ask every rank to print its threads' stacks into the torchrun log (SIGUSR1, see
     trainer.runtime): what was each rank doing when it was given up on."""
@@ -189,9 +208,11 @@ async def _stop(
     proc: asyncio.subprocess.Process, grace_s: float = 10.0, dump_stacks: bool = True
 ) -> None:
     """Record the ranks' stacks, SIGTERM torchrun (it passes it on: the ranks try to
-    checkpoint), then SIGKILL if it lingers (orphaned ranks exit on their own)."""
+    checkpoint), then SIGKILL torchrun and its ranks if they linger (a stopped or wedged rank
+    would not notice it was orphaned)."""
     if proc.returncode is not None:
         return
+    ranks = rank_pids(proc.pid)
     if dump_stacks:
         dump_rank_stacks(proc.pid)
         await asyncio.sleep(0.5)
@@ -202,6 +223,10 @@ async def _stop(
     except TimeoutError:
         with contextlib.suppress(ProcessLookupError):
             proc.kill()
+        for pid in ranks:
+            if _runs_trainer(pid):  # still the rank, not a process that reused its pid
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
         await proc.wait()
 
 

@@ -209,6 +209,10 @@ class RecoverySpec(_Strict):
     node_mtbf_hours: float = Field(
         4380.0, gt=0, description="a node's mean time between failures (checkpoint_every = auto)"
     )
+    hang_factor: float = Field(
+        20.0, gt=1, le=10_000, description="no progress for this × the median report gap: hung"
+    )
+    hang_min_s: float = Field(60.0, ge=1, description="never call a hang sooner than this")
 
     def gang_mtbf_s(self, nodes: int) -> float:
         """Failures of independent nodes add up: a gang of N fails N times as often."""
