@@ -22,7 +22,7 @@ from infra.settings import Settings
 from infra.store import open_store
 from trainer.errors import RanksFailed
 from trainer.hang import HangWatch
-from trainer.job import ResumePoint, TrainJob
+from trainer.job import CHAOS_FILE, ResumePoint, TrainJob
 from trainer.launch import Rendezvous, run_ranks
 from workflows.cluster_models import CheckpointCommitted
 from workflows.models import NodeStopInput, NodeTrainInput, NodeTrainResult, TrainProgress
@@ -145,6 +145,7 @@ class NodeActivities:
             staging_dir=str(gen_dir / "staging"),
             progress_file=str(gen_dir / "progress.jsonl"),
             stop_file=str(gen_dir / STOP_FILE),
+            chaos_file=str(gen_dir / CHAOS_FILE),
             lineage={
                 "dataset_snapshot": inp.dataset.snapshot_id,
                 "dataset_manifest_sha256": inp.dataset.manifest_sha256,

@@ -6,6 +6,9 @@ import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+# In a job's folder: `forgeline chaos corrupt-grad` writes it, the ranks poison gradients once.
+CHAOS_FILE = "CORRUPT_GRAD"
+
 
 @dataclass
 class ResumePoint:
@@ -31,6 +34,7 @@ class TrainJob:
     progress_file: str
     lineage: dict = field(default_factory=dict)  # dataset snapshot, spec hash: into every manifest
     stop_file: str = ""  # when it appears, the ranks checkpoint and exit (preemption, drain)
+    chaos_file: str = ""  # `forgeline chaos corrupt-grad` writes it: poison gradients once
     resume: ResumePoint | None = None
     node_index: int = 0  # this node's place in the allocation: fixes the ranks' order
     layout: dict = field(default_factory=dict)  # replicate, shard, tensor; empty: DDP over all

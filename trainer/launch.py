@@ -88,6 +88,8 @@ class ProgressTail:
                     self.latest["stop_reason"] = event["reason"]
             elif event["event"] == "eval":
                 self.latest["val_loss"] = event["val_loss"]
+            elif event["event"] == "failed":
+                self.latest["failure"] = event["reason"]
             elif event["event"] == "step":
                 self.latest.update({k: event[k] for k in _STEP_FIELDS if k in event})
             self.latest["state"] = {"done": "done", "stopped": "stopped"}.get(
@@ -173,6 +175,8 @@ async def run_ranks(
     # torchrun exits non-zero when it was itself SIGTERMed (or stopped above), even though its
     # ranks finished or checkpointed and stopped as asked: their own word is what counts.
     if proc.returncode != 0 and not tail.finished:
+        if "failure" in tail.latest:  # the ranks said why
+            raise RanksFailed(f"ranks on node {job.node_id}: {tail.latest['failure']}")
         raise RanksFailed(
             f"torchrun exited with status {proc.returncode} on node {job.node_id}; "
             f"last lines of {log_file}:\n{_last_lines(log_file)}"

@@ -9,6 +9,7 @@ lines file that the node agent tails and heartbeats to Temporal.
 from __future__ import annotations
 
 import json
+import math
 import sys
 import time
 from dataclasses import dataclass
@@ -58,7 +59,10 @@ def init_weights(model: GPT, source: str) -> None:
 
 
 # Why a rank wants to stop, in increasing precedence: the largest wins across the gang.
-KEEP_GOING, ASKED_TO_STOP, PREEMPTED, FENCED = 0, 1, 2, 3
+KEEP_GOING, ASKED_TO_STOP, PREEMPTED, FENCED, NON_FINITE = 0, 1, 2, 3, 4
+# Exit status of ranks that found non-finite numbers: the attempt fails and the run resumes
+# from the last committed checkpoint, which holds none of them.
+EXIT_NON_FINITE = 3
 STOP_REASONS = {ASKED_TO_STOP: "asked to stop", PREEMPTED: "preempted", FENCED: "fenced"}
 
 
@@ -85,6 +89,14 @@ def share_step(stop: int, save: bool, step_s: float, grad_norm: float) -> StepSh
     )
 
 
+def corrupt_gradients(model: torch.nn.Module, chaos_file: Path) -> None:
+    """`forgeline chaos corrupt-grad`: poison this rank's gradients once, as a flipped bit in
+    a GPU's memory would, so detection and rollback can be seen working."""
+    chaos_file.unlink(missing_ok=True)
+    grad = next(p.grad for p in model.parameters() if p.grad is not None)
+    grad.view(-1)[0] = float("nan")
+
+
 def main(job_path: str) -> None:
     job = TrainJob.read(Path(job_path))
     cfg = job.train
@@ -94,6 +106,7 @@ def main(job_path: str) -> None:
     progress = ProgressFile(job.progress_file, enabled=rt.local_rank == 0)
     store = open_store(job.store_url)
     stop_file = Path(job.stop_file) if job.stop_file else None
+    chaos_file = Path(job.chaos_file) if job.chaos_file else None
 
     # Model: the same initial weights on every rank, then split as the layout says.
     layout = layout_of(job, rt.world)
@@ -210,7 +223,10 @@ def main(job_path: str) -> None:
                 _, loss = wrapped(x.to(rt.device), y.to(rt.device))
             (loss / micro).backward()
             loss_sum += loss.detach() / micro
+        if chaos_file is not None and rt.local_rank == 0 and chaos_file.exists():
+            corrupt_gradients(wrapped, chaos_file)
         grad_norm = local_grad_norm(wrapped)
+        finite = math.isfinite(grad_norm) and math.isfinite(loss_sum.item())
         clip_grad_norm(wrapped, cfg["grad_clip"])
         # The weights change here: a checkpoint being staged must have its copy first.
         checkpointer.before_weights_change()
@@ -227,7 +243,9 @@ def main(job_path: str) -> None:
         window_steps += 1
         report_commit(checkpointer.poll())
 
-        if checkpointer.fenced:  # a later generation owns the run now: commit nothing more
+        if not finite:  # silent corruption or divergence: nothing from here on may be saved
+            asked = NON_FINITE
+        elif checkpointer.fenced:  # a later generation owns the run now: commit nothing more
             asked = FENCED
         elif term.received:
             asked = PREEMPTED
@@ -246,6 +264,17 @@ def main(job_path: str) -> None:
         )
         shared = share_step(asked, save_due, time.perf_counter() - step_started, grad_norm)
         stop = shared.stop
+        if stop == NON_FINITE:
+            bad = [r for r, norm in enumerate(shared.grad_norm) if not math.isfinite(norm)]
+            progress.write(
+                event="failed",
+                step=step,
+                reason=f"non-finite loss or gradients at step {step} (ranks {bad or 'all'}): "
+                "rolling back to the last committed checkpoint",
+            )
+            checkpointer.close()  # a save in flight was staged before this step: let it commit
+            dist.destroy_process_group()
+            sys.exit(EXIT_NON_FINITE)
 
         # The first step of a (re)start is always reported: it marks when recovery paid off.
         on_grid = step % cfg["log_every"] == 0 or step == total_steps

@@ -17,6 +17,7 @@ from temporalio.service import RPCError
 from infra.errors import StackError
 from infra.settings import Settings, state_home
 from worker import stack
+from worker.chaos import chaos_app
 from worker.cli_common import CliError, check_name, console, get_client, get_settings
 from worker.cli_common import run as run_async
 from worker.cluster_cli import cluster_app, jobs, node_app, nodes, queues
@@ -40,6 +41,7 @@ app.add_typer(worker_app, name="worker", hidden=True)
 app.add_typer(data_app, name="data")
 app.add_typer(cluster_app, name="cluster")
 app.add_typer(node_app, name="node")
+app.add_typer(chaos_app, name="chaos")
 app.command()(nodes)
 app.command()(queues)
 app.command()(jobs)

@@ -13,6 +13,7 @@ import pytest
 
 from infra.processes import free_port
 from infra.settings import load_settings
+from worker.chaos import trainer_processes
 
 FORGELINE = str(Path(sys.executable).parent / "forgeline")
 
@@ -42,22 +43,7 @@ class Stack:
 
 def ranks_of(home: Path, run: str) -> list[int]:
     """Pids of trainer rank or torchrun processes working on `run` under this stack's home."""
-    marker = f"{home}/nodes/".encode()
-    pids = []
-    for proc in Path("/proc").iterdir():
-        try:
-            argv = (proc / "cmdline").read_bytes()
-            state = (proc / "stat").read_text().rsplit(")", 1)[1].split()[0]
-        except OSError:
-            continue
-        if (
-            state != "Z"
-            and b"trainer.train" in argv
-            and marker in argv
-            and f"/runs/{run}/".encode() in argv
-        ):
-            pids.append(int(proc.name))
-    return pids
+    return trainer_processes(home, run=run)
 
 
 @pytest.fixture(scope="module")

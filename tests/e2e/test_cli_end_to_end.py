@@ -4,6 +4,7 @@ a control worker and three node agents, each a real process; training in real to
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import signal
@@ -109,10 +110,9 @@ def test_sigkilled_node_agent_costs_one_checkpoint_interval(stack: Stack, tmp_pa
     status = stack.cli("status", "tiny-kill").stdout
     generation, nodes = re.search(r"allocation +generation (\d+) on (.+)", status).groups()
     victim = nodes.split(", ")[0]
-    pid = int((stack.home / "run" / f"{victim}.pid").read_text().split()[0])
     victim_ranks = [p for p in ranks_of(stack.home, "tiny-kill") if _node_of(p) == victim]
     assert victim_ranks, "the victim node runs no ranks"
-    os.kill(pid, signal.SIGKILL)
+    stack.cli("chaos", "kill-node", victim)
     killed_at = time.time()
 
     # A rank never outlives its node agent.
@@ -204,6 +204,24 @@ def test_a_paused_node_that_comes_back_cannot_commit(stack: Stack, tmp_path: Pat
     # The paused agent was reported; a new incarnation brings the node back.
     os.kill(agent, signal.SIGKILL)
     stack.cli("up", "--nodes", "3")
+
+
+def test_corrupt_gradients_are_caught_and_rolled_back(stack: Stack, tmp_path: Path) -> None:
+    spec = variant(tmp_path, "tiny-nan", steps=300, checkpoint_every=20)
+    stack.cli("run", str(spec), "--detach")
+    store = LocalStore(Path(stack.settings.store))
+    wait_for(lambda: committed_steps(store, "tiny-nan"), 120, "the first checkpoint", 0.05)
+    status = stack.cli("status", "tiny-nan").stdout
+    node = re.search(r"allocation +generation \d+ on (\S+?),", status).group(1)
+    stack.cli("chaos", "corrupt-grad", node)
+    followed = stack.cli("run", str(spec), timeout=300)
+    assert "AWAITING_APPROVAL" in followed.stdout, followed.stdout
+    after = stack.cli("status", "tiny-nan").stdout
+    assert re.search(r"failure +gen \d+ .*non-finite loss or gradients at step \d+", after), after
+    final = find_latest(store, "tiny-nan", max_generation=10**9)
+    assert final is not None and final.step == 300
+    assert [s for s, _ in final.manifest["loss_history"]] == list(range(5, 301, 5))
+    assert all(math.isfinite(loss) for _, loss in final.manifest["loss_history"])
 
 
 def test_cancel_stops_the_ranks_and_releases_the_gang(stack: Stack, tmp_path: Path) -> None:

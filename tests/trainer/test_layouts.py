@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import os
 import signal
 import time
@@ -20,8 +21,9 @@ from tests.trainer.test_distributed_training import (
     job_processes,
     resume_point,
 )
+from trainer.errors import RanksFailed
 from trainer.launch import Rendezvous, run_ranks
-from trainer.manifest import find_latest, manifest_key
+from trainer.manifest import committed_steps, find_latest, manifest_key
 from workflows.spec import TrainSpec
 
 TRAIN = TrainSpec(
@@ -169,3 +171,30 @@ def test_rank_order_follows_the_allocation_not_arrival(trainer: Trainer) -> None
     for index, job in enumerate(jobs):
         started = json.loads(Path(job.progress_file).read_text().splitlines()[0])
         assert started["event"] == "started" and started["rank"] == index
+
+
+def test_corrupt_gradients_roll_back_to_the_last_checkpoint(trainer: Trainer, ddp: dict) -> None:
+    """NaN gradients on one rank (`forgeline chaos corrupt-grad`) stop the gang before anything
+    is saved; resuming from the last manifest reproduces the clean run exactly."""
+    job = trainer.job("corrupt", TRAIN)
+    workdir = Path(job.progress_file).parent
+    job.chaos_file = str(workdir / "CORRUPT_GRAD")
+    rdzv = Rendezvous(f"127.0.0.1:{free_port()}", "corrupt-1", 1, 2)
+
+    async def run_and_corrupt() -> None:
+        task = asyncio.create_task(run_ranks(job, workdir, rdzv, on_progress=lambda _: None))
+        deadline = time.monotonic() + 120
+        while not committed_steps(trainer.store, "corrupt"):
+            assert time.monotonic() < deadline and not task.done()
+            await asyncio.sleep(0.02)
+        Path(job.chaos_file).write_text("corrupt-grad\n")
+        with pytest.raises(RanksFailed, match=r"non-finite loss or gradients at step \d+"):
+            await asyncio.wait_for(task, 120)
+
+    asyncio.run(run_and_corrupt())
+    found = find_latest(trainer.store, "corrupt", max_generation=1)
+    assert found is not None and found.step < TRAIN.steps
+    assert all(math.isfinite(loss) for _, loss in found.manifest["loss_history"])
+    resume = resume_point(trainer, found.manifest, "corrupt", found.key)
+    trainer.run(trainer.job("corrupt", TRAIN, resume=resume, generation=2), ranks=2)
+    assert final(trainer, "corrupt", generation=2)["loss_history"] == ddp["loss_history"]

@@ -1,0 +1,95 @@
+"""`forgeline chaos kill-node | hang-node | corrupt-grad NODE`: faults on purpose, on the local
+stack, to watch detection and recovery work (and for the tests that prove they do).
+
+- kill-node: SIGKILL the node's agent (its torchrun and ranks follow it).
+- hang-node: SIGSTOP the node's ranks; the agent keeps heartbeating, so only the gang's own
+  lack of progress gives it away (recovery.hang_factor, hang_min_s).
+- corrupt-grad: the node's ranks poison their gradients once at their next step (NaN), as a
+  flipped bit would; the gang stops before saving and resumes from the last checkpoint.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from infra.processes import ManagedProcess
+from trainer.job import CHAOS_FILE
+from worker.cli_common import CliError, check_name, console, get_settings
+
+chaos_app = typer.Typer(help="Inject faults on the local stack: kill, hang or corrupt a node.")
+NodeArg = Annotated[str, typer.Argument(help="the node id, as `forgeline nodes` shows it")]
+
+
+def trainer_processes(home: Path, node: str | None = None, run: str | None = None) -> list[int]:
+    """Live torchrun and rank processes started by this stack's node agents (one node's, one
+    run's, or all), found by the job file each was given."""
+    marker = f"{home}/nodes/{node}/" if node else f"{home}/nodes/"
+    pids = []
+    for proc in Path("/proc").iterdir():
+        try:
+            argv = (proc / "cmdline").read_bytes()
+            state = (proc / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if (
+            state != "Z"
+            and b"trainer.train" in argv
+            and marker.encode() in argv
+            and (run is None or f"/runs/{run}/".encode() in argv)
+        ):
+            pids.append(int(proc.name))
+    return pids
+
+
+def _job_folders(pids: list[int]) -> set[Path]:
+    folders = set()
+    for pid in pids:
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        folders |= {Path(a.decode()).parent for a in argv if a.endswith(b"/job.json")}
+    return folders
+
+
+def _ranks_of(node: str) -> list[int]:
+    pids = trainer_processes(get_settings().home, node)
+    if not pids:
+        raise CliError(f"node {node} runs no training ranks now: nothing to do")
+    return pids
+
+
+@chaos_app.command("kill-node")
+def kill_node(node: NodeArg) -> None:
+    """SIGKILL the node's agent, as a machine that dies would."""
+    check_name(node, "node id")
+    pid = ManagedProcess(get_settings().home, node).pid()
+    if pid is None:
+        raise CliError(f"no running agent for node {node}: `forgeline nodes` lists the nodes")
+    os.kill(pid, signal.SIGKILL)
+    console.print(f"killed the agent of {node} (pid {pid}); `forgeline up` brings it back")
+
+
+@chaos_app.command("hang-node")
+def hang_node(node: NodeArg) -> None:
+    """SIGSTOP the node's ranks: a gang stuck in a collective, with a healthy agent."""
+    check_name(node, "node id")
+    pids = _ranks_of(node)
+    for pid in pids:
+        os.kill(pid, signal.SIGSTOP)
+    console.print(f"stopped {len(pids)} training process(es) on {node}")
+
+
+@chaos_app.command("corrupt-grad")
+def corrupt_grad(node: NodeArg) -> None:
+    """Make the node's ranks poison their gradients once, at their next step."""
+    check_name(node, "node id")
+    folders = _job_folders(_ranks_of(node))
+    for folder in folders:
+        (folder / CHAOS_FILE).write_text("corrupt-grad\n")
+    console.print(f"{node}: gradients will be corrupted at the next step ({len(folders)} job(s))")
