@@ -97,7 +97,7 @@ def test_run_to_approval_and_the_registered_model(stack: Stack) -> None:
 
 
 def test_sigkilled_node_agent_costs_one_checkpoint_interval(stack: Stack, tmp_path: Path) -> None:
-    spec = variant(tmp_path, "tiny-kill", steps=400, checkpoint_every=20)
+    spec = variant(tmp_path, "tiny-kill", steps=200, checkpoint_every=20)
     stack.cli("run", str(spec), "--detach")
     store = LocalStore(Path(stack.settings.store))
     wait_for(
@@ -129,8 +129,8 @@ def test_sigkilled_node_agent_costs_one_checkpoint_interval(stack: Stack, tmp_pa
     assert re.search(rf"failure +gen {generation} .*{victim}: .*[Hh]eartbeat", after), after
 
     final = find_latest(store, "tiny-kill", max_generation=10**9)
-    assert final is not None and final.step == 400 and final.generation > int(generation)
-    assert [s for s, _ in final.manifest["loss_history"]] == list(range(5, 401, 5))
+    assert final is not None and final.step == 200 and final.generation > int(generation)
+    assert [s for s, _ in final.manifest["loss_history"]] == list(range(5, 201, 5))
 
     rejected = stack.cli("reject", "tiny-kill", "--as", "carol", "--reason", "killed on purpose")
     assert "run tiny-kill: REJECTED" in rejected.stdout
@@ -164,7 +164,7 @@ def test_a_paused_node_that_comes_back_cannot_commit(stack: Stack, tmp_path: Pat
     """Pause a one-node run's node (SIGSTOP its agent, torchrun and ranks): the run moves to
     another node in a new generation. When the paused processes continue, the old ranks are
     fenced: they commit nothing more and stop; the run ends on the new generation's checkpoints."""
-    spec = variant(tmp_path, "tiny-pause", steps=400, checkpoint_every=20, nodes=1)
+    spec = variant(tmp_path, "tiny-pause", steps=200, checkpoint_every=20, nodes=1)
     stack.cli("run", str(spec), "--detach")
     store = LocalStore(Path(stack.settings.store))
     wait_for(lambda: committed_steps(store, "tiny-pause"), 120, "the first checkpoint", 0.05)
@@ -197,8 +197,8 @@ def test_a_paused_node_that_comes_back_cannot_commit(stack: Stack, tmp_path: Pat
         manifest = json.loads(store.get_bytes(manifest_key("tiny-pause", step)))
         assert fences.why_stale(manifest["generation"], step) is None, step
     final = find_latest(store, "tiny-pause", max_generation=10**9)
-    assert final is not None and final.step == 400 and final.generation > int(generation)
-    assert [s for s, _ in final.manifest["loss_history"]] == list(range(5, 401, 5))
+    assert final is not None and final.step == 200 and final.generation > int(generation)
+    assert [s for s, _ in final.manifest["loss_history"]] == list(range(5, 201, 5))
     assert not ranks_of(stack.home, "tiny-pause")
 
     # The paused agent was reported; a new incarnation brings the node back.
@@ -207,7 +207,7 @@ def test_a_paused_node_that_comes_back_cannot_commit(stack: Stack, tmp_path: Pat
 
 
 def test_corrupt_gradients_are_caught_and_rolled_back(stack: Stack, tmp_path: Path) -> None:
-    spec = variant(tmp_path, "tiny-nan", steps=300, checkpoint_every=20)
+    spec = variant(tmp_path, "tiny-nan", steps=200, checkpoint_every=20)
     stack.cli("run", str(spec), "--detach")
     store = LocalStore(Path(stack.settings.store))
     wait_for(lambda: committed_steps(store, "tiny-nan"), 120, "the first checkpoint", 0.05)
@@ -219,8 +219,8 @@ def test_corrupt_gradients_are_caught_and_rolled_back(stack: Stack, tmp_path: Pa
     after = stack.cli("status", "tiny-nan").stdout
     assert re.search(r"failure +gen \d+ .*non-finite loss or gradients at step \d+", after), after
     final = find_latest(store, "tiny-nan", max_generation=10**9)
-    assert final is not None and final.step == 300
-    assert [s for s, _ in final.manifest["loss_history"]] == list(range(5, 301, 5))
+    assert final is not None and final.step == 200
+    assert [s for s, _ in final.manifest["loss_history"]] == list(range(5, 201, 5))
     assert all(math.isfinite(loss) for _, loss in final.manifest["loss_history"])
 
 

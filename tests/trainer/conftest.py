@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -16,6 +17,7 @@ from infra.store import LocalStore
 from tests.conftest import SHAKESPEARE
 from trainer.job import ResumePoint, TrainJob
 from trainer.launch import ProgressTail, Rendezvous, run_ranks
+from trainer.manifest import committed_steps
 from workflows.spec import ModelSpec, TrainSpec
 
 MODEL = ModelSpec(n_layer=2, n_head=2, n_embd=32, block_size=32)
@@ -67,6 +69,18 @@ class Trainer:
             resume=resume,
             **fields,
         )
+
+    async def start_until_committed(self, job: TrainJob, ranks: int) -> asyncio.Task:
+        """Start the job's ranks in the background; return their task once the run has
+        committed its first checkpoint (the moment the fault tests strike)."""
+        rdzv = Rendezvous(f"127.0.0.1:{free_port()}", f"{job.run_id}-{self.jobs}", 1, ranks)
+        workdir = Path(job.progress_file).parent
+        task = asyncio.create_task(run_ranks(job, workdir, rdzv, on_progress=lambda _: None))
+        deadline = time.monotonic() + 120
+        while not committed_steps(self.store, job.run_id):
+            assert time.monotonic() < deadline and not task.done(), "no checkpoint committed"
+            await asyncio.sleep(0.02)
+        return task
 
     def run(self, job: TrainJob, ranks: int, timeout_s: float = 240) -> ProgressTail:
         """Run the job to the end; past `timeout_s`, fail with the ranks' stacks and log."""

@@ -6,20 +6,17 @@ import asyncio
 import json
 import os
 import signal
-import time
 from pathlib import Path
 
 import pytest
 import torch
 
 from infra.errors import IntegrityError
-from infra.processes import free_port
 from tests.trainer.conftest import Trainer
 from trainer.checkpoint import fetch_checkpoint, load_model_weights
 from trainer.errors import CheckpointError
 from trainer.evaluate import evaluate_checkpoint
 from trainer.job import ResumePoint
-from trainer.launch import Rendezvous, run_ranks
 from trainer.manifest import (
     committed_steps,
     find_latest,
@@ -81,15 +78,10 @@ def test_checkpoints_commit_with_a_manifest_listing_every_file(
 def test_killed_run_resumes_exactly(trainer: Trainer, reference: dict) -> None:
     """SIGKILL the ranks after the first commit; the resumed run matches bit for bit."""
     job = trainer.job("killed", TRAIN)
-    rdzv = Rendezvous(f"127.0.0.1:{free_port()}", "k1", 1, 2)
     workdir = Path(job.progress_file).parent
 
     async def run_and_kill() -> None:
-        task = asyncio.create_task(run_ranks(job, workdir, rdzv, on_progress=lambda _: None))
-        deadline = time.monotonic() + 120
-        while not committed_steps(trainer.store, "killed"):
-            assert time.monotonic() < deadline and not task.done()
-            await asyncio.sleep(0.02)
+        task = await trainer.start_until_committed(job, ranks=2)
         for pid in job_processes(workdir / "job.json"):
             os.kill(pid, signal.SIGKILL)
         with pytest.raises(Exception, match="exited with status"):

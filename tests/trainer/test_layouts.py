@@ -23,7 +23,7 @@ from tests.trainer.test_distributed_training import (
 )
 from trainer.errors import RanksFailed
 from trainer.launch import Rendezvous, run_ranks
-from trainer.manifest import committed_steps, find_latest, manifest_key
+from trainer.manifest import find_latest, manifest_key
 from workflows.spec import TrainSpec
 
 TRAIN = TrainSpec(
@@ -179,14 +179,9 @@ def test_corrupt_gradients_roll_back_to_the_last_checkpoint(trainer: Trainer, dd
     job = trainer.job("corrupt", TRAIN)
     workdir = Path(job.progress_file).parent
     job.chaos_file = str(workdir / "CORRUPT_GRAD")
-    rdzv = Rendezvous(f"127.0.0.1:{free_port()}", "corrupt-1", 1, 2)
 
     async def run_and_corrupt() -> None:
-        task = asyncio.create_task(run_ranks(job, workdir, rdzv, on_progress=lambda _: None))
-        deadline = time.monotonic() + 120
-        while not committed_steps(trainer.store, "corrupt"):
-            assert time.monotonic() < deadline and not task.done()
-            await asyncio.sleep(0.02)
+        task = await trainer.start_until_committed(job, ranks=2)
         Path(job.chaos_file).write_text("corrupt-grad\n")
         with pytest.raises(RanksFailed, match=r"non-finite loss or gradients at step \d+"):
             await asyncio.wait_for(task, 120)
