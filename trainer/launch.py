@@ -92,9 +92,9 @@ class ProgressTail:
                 self.latest["failure"] = event["reason"]
             elif event["event"] == "step":
                 self.latest.update({k: event[k] for k in _STEP_FIELDS if k in event})
-            self.latest["state"] = {"done": "done", "stopped": "stopped"}.get(
-                event["event"], "training"
-            )
+            # Only a step means training; a late checkpoint or eval line never undoes an end.
+            if event["event"] in ("done", "stopped", "step"):
+                self.latest["state"] = "training" if event["event"] == "step" else event["event"]
 
     @property
     def stopped(self) -> bool:

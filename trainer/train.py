@@ -312,6 +312,9 @@ def main(job_path: str) -> None:
             window_start = time.perf_counter()  # evaluation is not training throughput
 
         if stop == FENCED:
+            # A save that straddled the fence may still report; it goes before the stop, so
+            # "stopped" is the last word of this generation.
+            report_commit(checkpointer.wait())
             progress.write(event="stopped", step=step, tokens_seen=tokens_seen, reason="fenced")
             break
         if stop or shared.save or step == total_steps:
