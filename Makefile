@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 FL     := $(BIN)/forgeline
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test up down lint format clean bench-dataprep bench-trainer
+.PHONY: demo test test-all up down lint format clean bench-dataprep bench-trainer bench-recovery
 
 # torch first, pinned to the CPU wheel on this machine's disk: resolving `torch` through the
 # project's dependencies could pull a multi-GB CUDA build.
@@ -23,6 +23,9 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/pytest
 
+test-all: $(STAMP)
+	$(BIN)/pytest -m ''
+
 up: $(STAMP)
 	$(FL) up --nodes 2 --gpus-per-node 1
 
@@ -37,6 +40,9 @@ bench-dataprep: $(STAMP)
 # The trainer beside a bare PyTorch loop; checkpoint stall beside dcp.save and torch.save.
 bench-trainer: $(STAMP)
 	$(BIN)/python -m bench.trainer
+
+bench-recovery: $(STAMP)
+	$(BIN)/python -m bench.recovery
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import tempfile
+from dataclasses import asdict
 from importlib import metadata
 from pathlib import Path
 
@@ -19,15 +20,26 @@ from infra.settings import Settings
 from infra.store import open_store
 from registry.tracking import CHECKPOINT_TAG, Registration, checkpoint_of, register
 from registry.tracking import record_decision as record_version_decision
+from trainer.attempt_clock import Mark, read_ledger
 from trainer.evaluate import evaluate_checkpoint, load_model
-from trainer.manifest import CommittedCheckpoint, find_latest, load_for_init, record_generation
+from trainer.manifest import (
+    CommittedCheckpoint,
+    find_latest,
+    load_for_init,
+    newest_commit_of,
+    record_generation,
+)
 from workflows.models import (
+    AttemptLedger,
+    AttemptLedgerInput,
     CheckpointRef,
     DecisionInput,
     EvalResult,
     EvaluateInput,
+    Goodput,
     InitFromInput,
     LatestCheckpointInput,
+    LedgerMark,
     ModelVersionRef,
     RegisterInput,
 )
@@ -45,6 +57,25 @@ def _reference(found: CommittedCheckpoint) -> CheckpointRef:
     )
 
 
+def goodput_metrics(goodput: Goodput) -> dict[str, float]:
+    """Goodput as MLflow metrics: the fractions, and GPU-seconds by cause."""
+    metrics = {
+        "goodput": goodput.goodput,
+        "goodput_of_allocated": goodput.allocated_goodput,
+        "gpu_seconds": goodput.gpu_s,
+        "gpu_seconds_productive": goodput.productive_gpu_s,
+    }
+    for cause, gpu_s in goodput.lost_gpu_s.items():
+        metrics[f"gpu_seconds_lost.{cause.replace(' ', '_')}"] = gpu_s
+    return metrics
+
+
+def _ledger_mark(mark: Mark | None) -> LedgerMark | None:
+    if mark is None:
+        return None
+    return LedgerMark(step=mark.step, at=mark.at, **asdict(mark.totals))
+
+
 class ControlActivities:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
@@ -54,17 +85,40 @@ class ControlActivities:
     @activity.defn(name="latest_checkpoint")
     def latest_checkpoint(self, inp: LatestCheckpointInput) -> CheckpointRef | None:
         # Read the store, never heartbeat details: the last beats before a crash are lost.
-        found = find_latest(
-            self.store,
-            inp.run_id,
-            inp.max_generation,
-            lambda why: activity.logger.warning("skipping checkpoint %s", why),
-        )
+        skipped: list[str] = []
+
+        def skip(why: str) -> None:
+            activity.logger.warning("skipping checkpoint %s", why)
+            skipped.append(why)
+
+        found = find_latest(self.store, inp.run_id, inp.max_generation, skip)
         if inp.fence:
             record_generation(
                 self.store, inp.run_id, inp.max_generation, found.step if found else 0
             )
-        return None if found is None else _reference(found)
+        if found is None:
+            return None
+        return _reference(found).model_copy(update={"skipped": skipped})
+
+    @activity.defn(name="attempt_ledger")
+    def attempt_ledger(self, inp: AttemptLedgerInput) -> AttemptLedger | None:
+        """What one generation's rank 0 recorded of its time (trainer.attempt_clock), reduced
+        to the marks goodput needs: ready, the kept checkpoint's step, the last step heard of."""
+        ledger = read_ledger(self.store, inp.run_id, inp.generation)
+        if ledger is None:  # the ranks never got as far as their first step
+            return None
+        kept_step = inp.kept_step
+        if kept_step is None:
+            kept_step = newest_commit_of(self.store, inp.run_id, inp.generation)
+        kept = next((m for m in ledger.commits if m.step == kept_step), None)
+        return AttemptLedger(
+            resume_step=ledger.resume_step,
+            ready_at=ledger.ready_at,
+            load_s=ledger.load_s,
+            kept=_ledger_mark(kept),
+            last=_ledger_mark(ledger.last),
+            ended=ledger.ended,
+        )
 
     @activity.defn(name="resolve_init_from")
     def resolve_init_from(self, inp: InitFromInput) -> CheckpointRef:
@@ -145,6 +199,18 @@ class ControlActivities:
                     }.items()
                     if v is not None
                 }
+            if inp.goodput is not None:
+                metrics |= goodput_metrics(inp.goodput)
+            texts = {
+                "sample.txt": inp.evaluation.sample,
+                "spec.json": json.dumps(inp.spec.model_dump(), indent=2),
+            }
+            if inp.goodput is not None:
+                texts["goodput.json"] = inp.goodput.model_dump_json(indent=2)
+            if inp.health:
+                texts["health.json"] = json.dumps(
+                    [e.model_dump(mode="json") for e in inp.health], indent=2
+                )
             registered = register(
                 self.settings.mlflow_uri,
                 Registration(
@@ -165,10 +231,7 @@ class ControlActivities:
                     signature=signature(),
                     pip_requirements=[f"{p}=={metadata.version(p)}" for p in _SERVING_PACKAGES],
                     idempotency_key=inp.workflow_run_id,
-                    texts={
-                        "sample.txt": inp.evaluation.sample,
-                        "spec.json": json.dumps(inp.spec.model_dump(), indent=2),
-                    },
+                    texts=texts,
                 ),
             )
         return ModelVersionRef(
@@ -193,6 +256,7 @@ class ControlActivities:
     def all(self) -> list:
         return [
             self.latest_checkpoint,
+            self.attempt_ledger,
             self.resolve_init_from,
             self.evaluate,
             self.register_model,

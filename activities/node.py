@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Awaitable, Callable
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import TypeVar
 
@@ -18,6 +19,7 @@ from temporalio.exceptions import ApplicationError
 
 from activities.errors import domain_errors
 from activities.fetch import NodeCache
+from infra import node_health
 from infra.settings import Settings
 from infra.store import open_store
 from trainer.errors import RanksFailed
@@ -25,11 +27,21 @@ from trainer.hang import HangWatch
 from trainer.job import CHAOS_FILE, ResumePoint, TrainJob
 from trainer.launch import Rendezvous, run_ranks
 from workflows.cluster_models import CheckpointCommitted
-from workflows.models import NodeStopInput, NodeTrainInput, NodeTrainResult, TrainProgress
-from workflows.names import CLUSTER_WORKFLOW_ID
+from workflows.models import (
+    HealthEvent,
+    NodeStopInput,
+    NodeTrainInput,
+    NodeTrainResult,
+    TrainProgress,
+)
+from workflows.names import CLUSTER_WORKFLOW_ID, HEALTH_SIGNAL
 
 T = TypeVar("T")
 STOP_FILE = "STOP"
+
+
+class NodeUnhealthy(Exception):
+    """This node's own health check failed while it trained (infra.node_health)."""
 
 
 class NodeActivities:
@@ -53,6 +65,7 @@ class NodeActivities:
         reporter = _Reporter(
             self.node_id,
             inp,
+            self.workdir,
             # One node of the gang tells the cluster about commits: what a preemption would lose.
             tell_cluster=allocation.nodes[0].node_id == self.node_id,
         )
@@ -77,10 +90,13 @@ class NodeActivities:
             )
         except RanksFailed as err:
             raise ApplicationError(str(err), type="RanksFailed") from err
+        except NodeUnhealthy as err:  # the run reports this node and moves on without it
+            raise ApplicationError(str(err), type="NodeUnhealthy", non_retryable=True) from err
         finally:
             await reporter.flush()
         last = tail.latest
         return NodeTrainResult(
+            health=[reporter.health_event(e) for e in last.get("health", [])],
             node_id=self.node_id,
             generation=generation,
             final_step=int(last.get("step", 0)),
@@ -153,18 +169,28 @@ class NodeActivities:
             },
             resume=resume,
             init_weights=init_weights,
-            mtbf_s=spec.recovery.gang_mtbf_s(spec.resources.nodes),
+            mtbf_s=spec.recovery.gang_mtbf_s(
+                spec.resources.nodes,
+                inp.allocation.fleet_node_seconds,
+                inp.allocation.fleet_fail_stops,
+            ),
+            nodes=len(node_ids),
+            stragglers=spec.recovery.straggler_settings(),
         )
 
 
 class _Reporter:
     """Turns the ranks' progress into heartbeats, and commits into signals to the cluster."""
 
-    def __init__(self, node_id: str, inp: NodeTrainInput, tell_cluster: bool) -> None:
+    def __init__(
+        self, node_id: str, inp: NodeTrainInput, node_dir: Path, tell_cluster: bool
+    ) -> None:
         self.node_id = node_id
         self.inp = inp
+        self.node_dir = node_dir
         self.tell_cluster = tell_cluster
         self.committed: int | None = inp.resume.step if inp.resume else None
+        self.health_told = 0  # health events of the ranks already signalled to the run
         self.pending: set[asyncio.Task] = set()
 
     def beat(self, state: str, **progress: object) -> None:
@@ -179,21 +205,47 @@ class _Reporter:
         )
 
     def progress(self, latest: dict) -> None:
+        if reason := node_health.failing(self.node_dir):  # raising here stops the ranks
+            raise NodeUnhealthy(f"node {self.node_id}: {reason}")
         self.beat(**{"state": "starting", **latest})
+        if not self.tell_cluster:  # every node's ranks log the same; one node tells
+            return
         step = latest.get("checkpoint_step")
-        if self.tell_cluster and step is not None and step != self.committed:
+        if step is not None and step != self.committed:
             self.committed = step
-            task = asyncio.ensure_future(self._tell(step))
-            self.pending.add(task)
-            task.add_done_callback(self.pending.discard)
+            committed = CheckpointCommitted(
+                run_id=self.inp.run_id, generation=self.inp.allocation.generation, step=step
+            )
+            # Advisory: it only sharpens the cluster's preemption choices.
+            self._signal(CLUSTER_WORKFLOW_ID, "checkpoint_committed", committed)
+        events = latest.get("health", [])
+        for event in events[self.health_told :]:
+            self._signal(self.inp.run_id, HEALTH_SIGNAL, self.health_event(event))
+        self.health_told = len(events)
 
-    async def _tell(self, step: int) -> None:
-        committed = CheckpointCommitted(
-            run_id=self.inp.run_id, generation=self.inp.allocation.generation, step=step
+    def health_event(self, event: dict) -> HealthEvent:
+        """A health line of the ranks, with the node it names (ranks know only its index)."""
+        nodes = self.inp.allocation.nodes
+        index = event.get("node_index")
+        return HealthEvent(
+            generation=self.inp.allocation.generation,
+            node_id=nodes[index].node_id if index is not None and index < len(nodes) else None,
+            kind=event["kind"],
+            step=event.get("step"),
+            evidence=event.get("evidence", ""),
+            action=event.get("action", "report"),
+            at=datetime.fromtimestamp(event["time"], UTC),
         )
-        with contextlib.suppress(Exception):  # advisory: it only sharpens preemption choices
-            handle = activity.client().get_workflow_handle(CLUSTER_WORKFLOW_ID)
-            await handle.signal("checkpoint_committed", committed)
+
+    def _signal(self, workflow_id: str, signal: str, arg: object) -> None:
+        task = asyncio.ensure_future(self._send(workflow_id, signal, arg))
+        self.pending.add(task)
+        task.add_done_callback(self.pending.discard)
+
+    async def _send(self, workflow_id: str, signal: str, arg: object) -> None:
+        # A lost signal costs a line of status, never the training: the result repeats it.
+        with contextlib.suppress(Exception):
+            await activity.client().get_workflow_handle(workflow_id).signal(signal, arg)
 
     async def flush(self) -> None:
         if self.pending:

@@ -42,6 +42,9 @@ class TrainJob:
     init_weights: str = ""  # fine-tuning: a verified checkpoint folder or a safetensors file
     sample_log: str = ""  # audit: each rank appends the sample indices it trained on
     mtbf_s: float = 0.0  # the gang's mean time between failures, for checkpoint_every = "auto"
+    nodes: int = 1  # nodes in the gang: a rank's node index is rank // (world // nodes)
+    # Straggler detection: {"policy": off | report | swap, "watch": StragglerWatch's settings}
+    stragglers: dict = field(default_factory=dict)
 
     def write(self, path: Path) -> Path:
         path.write_text(json.dumps(asdict(self), indent=2))

@@ -90,6 +90,8 @@ class ProgressTail:
                 self.latest["val_loss"] = event["val_loss"]
             elif event["event"] == "failed":
                 self.latest["failure"] = event["reason"]
+            elif event["event"] == "health":  # rare (a straggler found): all of them are kept
+                self.latest["health"] = [*self.latest.get("health", []), event]
             elif event["event"] == "step":
                 self.latest.update({k: event[k] for k in _STEP_FIELDS if k in event})
             # Only a step means training; a late checkpoint or eval line never undoes an end.

@@ -152,6 +152,20 @@ def find_latest(
     return None
 
 
+def newest_commit_of(store: ObjectStore, run_id: str, generation: int) -> int | None:
+    """The newest step that `generation` committed and the fences let count (files unverified:
+    this is for accounting, not for resuming)."""
+    fences = Fences.read(store, run_id)
+    for step in committed_steps(store, run_id):
+        try:
+            committed_by = int(read_manifest(store, manifest_key(run_id, step))["generation"])
+        except (IntegrityError, ObjectNotFound, ValueError, KeyError):
+            continue
+        if committed_by == generation and fences.why_stale(generation, step) is None:
+            return step
+    return None
+
+
 def prune(store: ObjectStore, run_id: str, keep: int) -> list[int]:
     """Keep the newest `keep` checkpoints that resume could use; delete the others, and any
     manifest a fenced-out generation committed. Manifest first, then files.

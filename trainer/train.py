@@ -18,18 +18,22 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from safetensors.torch import load_model as load_safetensors
+from torch.nn.parallel import DistributedDataParallel
 
 from infra.store import open_store
 from trainer import runtime
+from trainer.attempt_clock import AttemptClock
 from trainer.checkpoint import Checkpointer, SaveReport, load_model_weights, load_training_state
 from trainer.checkpoint_policy import CheckpointPolicy
 from trainer.data import RankSlice, Sampler, TokenStream
 from trainer.evaluate import held_out_loss
+from trainer.grad_watch import PreReduceNorms, suspects
 from trainer.job import TrainJob
 from trainer.metrics import flops_per_token, mfu
 from trainer.model import GPT, GPTConfig
 from trainer.parallel import Layout, build_mesh, clip_grad_norm, local_grad_norm, parallelize
 from trainer.schedule import learning_rate
+from trainer.stragglers import StragglerWatch
 
 
 class ProgressFile:
@@ -59,7 +63,9 @@ def init_weights(model: GPT, source: str) -> None:
 
 
 # Why a rank wants to stop, in increasing precedence: the largest wins across the gang.
+# A straggler verdict needs no vote: every rank reaches it from the same shared times.
 KEEP_GOING, ASKED_TO_STOP, PREEMPTED, FENCED, NON_FINITE = 0, 1, 2, 3, 4
+STRAGGLER = ASKED_TO_STOP
 # Exit status of ranks that found non-finite numbers: the attempt fails and the run resumes
 # from the last committed checkpoint, which holds none of them.
 EXIT_NON_FINITE = 3
@@ -72,32 +78,45 @@ class StepShare:
     save: bool  # rank 0's call on a time- or epoch-based checkpoint, the same on every rank
     step_s: list[float]  # every rank's step time
     grad_norm: list[float]  # every rank's local gradient norm
+    forward_s: list[float]  # every rank's forward time: its own speed (trainer.stragglers)
 
 
-def share_step(stop: int, save: bool, step_s: float, grad_norm: float) -> StepShare:
+def share_step(
+    stop: int, save: bool, step_s: float, grad_norm: float, forward_s: float
+) -> StepShare:
     """One small all-gather per step, for what the ranks must agree on and what the health
     checks compare across ranks."""
-    mine = torch.tensor([float(stop), float(save), step_s, grad_norm], dtype=torch.float64)
+    mine = torch.tensor(
+        [float(stop), float(save), step_s, grad_norm, forward_s], dtype=torch.float64
+    )
     everyone = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(everyone, mine)
-    table = torch.stack(everyone)  # (world, 4)
+    table = torch.stack(everyone)  # (world, 5)
     return StepShare(
         stop=int(table[:, 0].max()),
         save=bool(table[0, 1]),
         step_s=table[:, 2].tolist(),
         grad_norm=table[:, 3].tolist(),
+        forward_s=table[:, 4].tolist(),
     )
 
 
-def corrupt_gradients(model: torch.nn.Module, chaos_file: Path) -> None:
-    """`forgeline chaos corrupt-grad`: poison this rank's gradients once, as a flipped bit in
-    a GPU's memory would, so detection and rollback can be seen working."""
+def chaos_asks_to_corrupt(chaos_file: Path | None) -> bool:
+    """`forgeline chaos corrupt-grad` wrote its file: poison this rank's gradients once, as a
+    flipped bit in a GPU's memory would, so detection and rollback can be seen working."""
+    if chaos_file is None or not chaos_file.exists():
+        return False
     chaos_file.unlink(missing_ok=True)
+    return True
+
+
+def corrupt_gradients(model: torch.nn.Module) -> None:
     grad = next(p.grad for p in model.parameters() if p.grad is not None)
     grad.view(-1)[0] = float("nan")
 
 
 def main(job_path: str) -> None:
+    process_started_at = time.time()
     job = TrainJob.read(Path(job_path))
     cfg = job.train
     torch.set_num_threads(cfg["threads_per_rank"])
@@ -118,6 +137,17 @@ def main(job_path: str) -> None:
         init_weights(model, job.init_weights)
     model.to(rt.device)
     wrapped = parallelize(model, layout, placement)
+    # Data-parallel replicas: each one's own gradient norm, before the all-reduce mixes them.
+    corrupt_next = chaos_file if rt.local_rank == 0 else None
+    own_norms = (
+        PreReduceNorms(
+            wrapped,
+            placement.mesh.get_group("replicate"),
+            poison_now=lambda: chaos_asks_to_corrupt(corrupt_next),
+        )
+        if isinstance(wrapped, DistributedDataParallel)
+        else None
+    )
     if rt.is_cuda:
         wrapped = torch.compile(wrapped)
     optimizer = model.optimizer(cfg["learning_rate"], cfg["weight_decay"])
@@ -140,6 +170,7 @@ def main(job_path: str) -> None:
 
     step, tokens_seen, loss_history = 0, 0, []
     samples_seen = 0
+    load_started = time.perf_counter()
     if job.resume is not None:
         load_training_state(wrapped, optimizer, Path(job.resume.folder))
         step, tokens_seen = job.resume.step, job.resume.tokens_seen
@@ -148,6 +179,7 @@ def main(job_path: str) -> None:
         if samples_seen is None:
             samples_seen = step * cfg["batch_size"]
     start_step = step
+    load_s = time.perf_counter() - load_started
     checkpointer = Checkpointer(
         store=store,
         staging_dir=Path(job.staging_dir),
@@ -160,6 +192,14 @@ def main(job_path: str) -> None:
     progress.write(
         event="started", step=step, rank=rt.rank, world=rt.world, layout=layout.to_dict()
     )
+    clock = AttemptClock(
+        store, job.run_id, job.generation, start_step, process_started_at, enabled=rt.rank == 0
+    )
+    clock.ready(load_s)
+    settings = job.stragglers.get("watch", {"window": 20, "factor": 1.5, "windows": 3})
+    stragglers = StragglerWatch(**settings)
+    straggler_action = job.stragglers.get("policy", "report")
+    straggler_reason = ""
 
     total_steps = cfg["steps"]
     tokens_per_step = cfg["batch_size"] * model_config.block_size
@@ -177,6 +217,7 @@ def main(job_path: str) -> None:
         last_costs = (report.stall_s, report.total_s)
         if report.manifest_key is not None:
             last_committed = report.step
+            clock.committed(report.step)
         progress.write(
             event="checkpoint",
             step=report.step,
@@ -188,6 +229,7 @@ def main(job_path: str) -> None:
     def checkpoint() -> None:
         nonlocal last_save_at
         last_save_at = time.monotonic()
+        clock.save_issued(step)
         previous = checkpointer.save(
             wrapped,
             optimizer,
@@ -210,26 +252,48 @@ def main(job_path: str) -> None:
             },
         )
         report_commit(previous)  # the save before, which this one had to wait for
+        clock.add(stall_s=time.monotonic() - last_save_at)
+
+    ranks_per_node = rt.world // job.nodes
+
+    def report_health(kind: str, rank: int, action: str, evidence: str, **more: object) -> None:
+        """A finding about one rank's node, for the node agent to pass to the run."""
+        progress.write(
+            event="health", kind=kind, step=step, rank=rank,
+            node_index=rank // ranks_per_node, action=action, evidence=evidence, **more,
+        )  # fmt: skip
+
+    def wait_for_commit() -> None:
+        waited = time.perf_counter()
+        report_commit(checkpointer.wait())
+        clock.add(stall_s=time.perf_counter() - waited)
 
     while step < total_steps:
         step_started = time.perf_counter()
         # Randomness (dropout) derives from (seed, step, rank): nothing to save for exact resume.
         torch.manual_seed(cfg["seed"] + 1_000_003 * (step + 1) + rt.rank)
         loss_sum = torch.zeros((), device=rt.device)
+        forward_s = 0.0
         for indices, x, y in sampler.micro_batches(samples_seen):
             if sample_log is not None:
                 sample_log.write(f"{step} {rt.rank} {' '.join(map(str, indices.tolist()))}\n")
+            forward_started = time.perf_counter()
             with rt.autocast():
                 _, loss = wrapped(x.to(rt.device), y.to(rt.device))
+            forward_s += time.perf_counter() - forward_started
             (loss / micro).backward()
             loss_sum += loss.detach() / micro
-        if chaos_file is not None and rt.local_rank == 0 and chaos_file.exists():
-            corrupt_gradients(wrapped, chaos_file)
+        if own_norms is None and chaos_asks_to_corrupt(corrupt_next):
+            corrupt_gradients(wrapped)  # no all-reduce hook to do it in: after backward
         grad_norm = local_grad_norm(wrapped)
         finite = math.isfinite(grad_norm) and math.isfinite(loss_sum.item())
+        if own_norms is not None:
+            grad_norm = own_norms.take()  # what the ranks compare: this replica's own
         clip_grad_norm(wrapped, cfg["grad_clip"])
         # The weights change here: a checkpoint being staged must have its copy first.
+        stall_started = time.perf_counter()
         checkpointer.before_weights_change()
+        stall_s = time.perf_counter() - stall_started
         lr = learning_rate(
             step, cfg["learning_rate"], cfg["min_lr"], cfg["warmup_steps"], total_steps
         )
@@ -262,14 +326,39 @@ def main(job_path: str) -> None:
             stall_s=last_costs[0],
             commit_s=last_costs[1],
         )
-        shared = share_step(asked, save_due, time.perf_counter() - step_started, grad_norm)
+        step_s = time.perf_counter() - step_started
+        shared = share_step(asked, save_due, step_s, grad_norm, forward_s)
         stop = shared.stop
+        lost_before = stragglers.lost_s
+        straggler = stragglers.add(step, shared.forward_s, step_s - stall_s)
+        clock.step_done(
+            step,
+            train_s=step_s - stall_s,
+            stall_s=stall_s,
+            straggler_s=stragglers.lost_s - lost_before,
+        )
+        if straggler is not None and straggler_action != "off":
+            straggler_reason = straggler.describe(ranks_per_node)
+            report_health("straggler", straggler.rank, straggler_action, straggler_reason,
+                          ratio=straggler.ratio)  # fmt: skip
+            if straggler_action == "swap":  # checkpoint now; the run continues without it
+                stop = max(stop, STRAGGLER)
         if stop == NON_FINITE:
-            bad = [r for r, norm in enumerate(shared.grad_norm) if not math.isfinite(norm)]
+            bad = suspects(shared.grad_norm)
+            for rank in bad:  # the whole gang saw NaN; these ranks made it
+                norm = shared.grad_norm[rank]
+                what = "non-finite" if not math.isfinite(norm) else f"far larger ({norm:.3g})"
+                report_health(
+                    "corruption", rank, "quarantine",
+                    f"rank {rank}'s own gradients were {what} before the all-reduce at step "
+                    f"{step} (norms by rank: {shared.grad_norm})",
+                )  # fmt: skip
+            clock.end("failed: non-finite loss or gradients")
             progress.write(
                 event="failed",
                 step=step,
-                reason=f"non-finite loss or gradients at step {step} (ranks {bad or 'all'}): "
+                reason=f"non-finite loss or gradients at step {step} "
+                f"({f'suspect ranks {bad}' if bad else 'on every rank: divergence?'}): "
                 "rolling back to the last committed checkpoint",
             )
             checkpointer.close()  # a save in flight was staged before this step: let it commit
@@ -302,6 +391,7 @@ def main(job_path: str) -> None:
             window_start, window_steps = time.perf_counter(), 0
 
         if val_stream is not None and step % cfg["eval_every"] == 0:
+            eval_started = time.perf_counter()
             wrapped.eval()
             val_loss, val_tokens = held_out_loss(
                 wrapped, val_stream, cfg["batch_size"] // placement.dp_size, cfg["eval_batches"],
@@ -309,25 +399,34 @@ def main(job_path: str) -> None:
             )  # fmt: skip
             wrapped.train()
             progress.write(event="eval", step=step, val_loss=val_loss, val_tokens=val_tokens)
+            clock.add(eval_s=time.perf_counter() - eval_started)
             window_start = time.perf_counter()  # evaluation is not training throughput
 
         if stop == FENCED:
             # A save that straddled the fence may still report; it goes before the stop, so
             # "stopped" is the last word of this generation.
-            report_commit(checkpointer.wait())
+            wait_for_commit()
+            clock.end("stopped: fenced")
             progress.write(event="stopped", step=step, tokens_seen=tokens_seen, reason="fenced")
             break
         if stop or shared.save or step == total_steps:
             checkpoint()
         if stop:
-            report_commit(checkpointer.wait())  # a stop is only safe once the commit landed
-            reason = STOP_REASONS[FENCED if checkpointer.fenced else stop]
+            wait_for_commit()  # a stop is only safe once the commit landed
+            if checkpointer.fenced:
+                reason = STOP_REASONS[FENCED]
+            elif straggler_reason and stop == STRAGGLER and straggler_action == "swap":
+                reason = f"straggler: {straggler_reason}"
+            else:
+                reason = STOP_REASONS[stop]
+            clock.end(f"stopped: {reason}")
             progress.write(event="stopped", step=step, tokens_seen=tokens_seen, reason=reason)
             break
 
-    report_commit(checkpointer.wait())
+    wait_for_commit()
     checkpointer.close()
     if step >= total_steps:
+        clock.end("done")
         progress.write(event="done", step=step, tokens_seen=tokens_seen)
     dist.destroy_process_group()
 

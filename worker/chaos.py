@@ -1,9 +1,15 @@
-"""`forgeline chaos kill-node | hang-node | corrupt-grad NODE`: faults on purpose, on the local
-stack, to watch detection and recovery work (and for the tests that prove they do).
+"""`forgeline chaos kill-node | hang-node | slow-node | corrupt-grad | fail-health NODE`: faults
+on purpose, on the local stack, to watch detection and recovery work (and for the tests that
+prove they do).
 
 - kill-node: SIGKILL the node's agent (its torchrun and ranks follow it).
 - hang-node: SIGSTOP the node's ranks; the agent keeps heartbeating, so only the gang's own
   lack of progress gives it away (recovery.hang_factor, hang_min_s).
+- slow-node: the node's ranks run `--factor` times slower (a throttled GPU): stopped and
+  continued many times a second by a detached process, until they exit. The gang's straggler
+  check names the node (recovery.straggler_policy: report, or swap it for a spare).
+- fail-health: the node's own health check fails with a reason (as a hardware checker would
+  report ECC errors); `--clear` makes it pass again.
 - corrupt-grad: the node's ranks poison their gradients once at their next step (NaN), as a
   flipped bit would; the gang stops before saving and resumes from the last checkpoint.
 """
@@ -12,16 +18,21 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
+from infra import node_health
 from infra.processes import ManagedProcess
 from trainer.job import CHAOS_FILE
 from worker.cli_common import CliError, check_name, console, get_settings
 
-chaos_app = typer.Typer(help="Inject faults on the local stack: kill, hang or corrupt a node.")
+chaos_app = typer.Typer(
+    help="Inject faults on the local stack: kill, hang, slow down or corrupt a node."
+)
 NodeArg = Annotated[str, typer.Argument(help="the node id, as `forgeline nodes` shows it")]
 
 
@@ -83,6 +94,53 @@ def hang_node(node: NodeArg) -> None:
     for pid in pids:
         os.kill(pid, signal.SIGSTOP)
     console.print(f"stopped {len(pids)} training process(es) on {node}")
+
+
+@chaos_app.command("slow-node")
+def slow_node(
+    node: NodeArg,
+    factor: Annotated[float, typer.Option(min=1.01, help="2 runs the ranks at half speed")] = 3.0,
+    seconds: Annotated[
+        float | None, typer.Option(min=1, help="stop slowing after this (default: until exit)")
+    ] = None,
+) -> None:
+    """Run the node's ranks `factor` times slower, as a throttled GPU would."""
+    check_name(node, "node id")
+    pids = _ranks_of(node)
+    argv = [sys.executable, "-m", "infra.throttle", "--factor", str(factor)]
+    if seconds is not None:
+        argv += ["--seconds", str(seconds)]
+    # Detached: it outlives this command and stops by itself when the ranks exit.
+    throttler = subprocess.Popen(
+        [*argv, *map(str, pids)],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    console.print(
+        f"{node}: {len(pids)} training process(es) now run {factor:g}× slower "
+        f"(throttle pid {throttler.pid}; it ends when they do)"
+    )
+
+
+@chaos_app.command("fail-health")
+def fail_health(
+    node: NodeArg,
+    reason: Annotated[str, typer.Option(help="what the checker found")] = "ECC errors",
+    clear: Annotated[bool, typer.Option(help="make the check pass again")] = False,
+) -> None:
+    """Make the node's own health check fail (or pass again, with --clear)."""
+    check_name(node, "node id")
+    node_dir = get_settings().home / "nodes" / node
+    if not node_dir.is_dir():
+        raise CliError(f"no node {node} on this stack: `forgeline nodes` lists the nodes")
+    if clear:
+        node_health.repaired(node_dir)
+        console.print(f"{node}: health check passes again; the node returns within seconds")
+        return
+    (node_dir / node_health.FAILURE_FILE).write_text(reason + "\n")
+    console.print(f"{node}: health check now fails ({reason}); its gangs move elsewhere")
 
 
 @chaos_app.command("corrupt-grad")

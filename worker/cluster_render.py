@@ -21,9 +21,14 @@ def nodes_table(state: ClusterState) -> Table:
             node.state,
             ", ".join(f"{run} ({gpus})" for run, gpus in sorted(node.jobs.items())) or "-",
             ", ".join(node.info.cached) or "-",
-            node.down_reason or "",
+            _short(node.down_reason or ""),
         )
     return table
+
+
+def _short(note: str, width: int = 60) -> str:
+    """A node's note in one table line; the whole story is in the run's `forgeline status`."""
+    return note if len(note) <= width else note[: width - 1] + "…"
 
 
 def queues_table(state: ClusterState) -> Table:

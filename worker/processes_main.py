@@ -11,16 +11,18 @@ from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from pathlib import Path
 
+from temporalio.client import Client
 from temporalio.worker import Worker
 
 from activities.control import ControlActivities
 from activities.data import DataActivities
 from activities.node import NodeActivities
+from infra import node_health
 from infra.processes import free_port
 from infra.settings import Settings
 from worker.temporal_client import connect, ensure_cluster, register_node
 from workflows.cluster import ClusterWorkflow
-from workflows.cluster_models import NodeInfo
+from workflows.cluster_models import NodeHealthReport, NodeInfo
 from workflows.dataset import DatasetSnapshotWorkflow
 from workflows.names import (
     CLUSTER_WORKFLOW_ID,
@@ -120,6 +122,8 @@ async def run_node_agent(
             info = info.model_copy(update={"cached": cached.load()})
             await register_node(client, info)
 
+    node_dir = settings.home / "nodes" / node_id
+    node_health.repaired(node_dir)  # a new incarnation runs on a repaired node
     activities = NodeActivities(settings, node_id, on_cached)
     worker = Worker(
         client,
@@ -135,5 +139,30 @@ async def run_node_agent(
     logging.info(
         "node %s (%d GPUs) registered, polling %s", node_id, gpus, node_task_queue(node_id)
     )
-    await _run_until_signalled(worker)
+    watch = asyncio.ensure_future(_watch_health(client, info, node_dir))
+    try:
+        await _run_until_signalled(worker)
+    finally:
+        watch.cancel()
     await client.get_workflow_handle(CLUSTER_WORKFLOW_ID).signal("node_stopped", info)
+
+
+async def _watch_health(client: Client, info: NodeInfo, node_dir: Path) -> None:
+    """Tell the cluster when this node's own health check changes its verdict: failing takes
+    the node out of service, passing again brings it back."""
+    reported: str | None = None
+    while True:
+        reason = node_health.failing(node_dir)
+        if reason != reported:
+            report = NodeHealthReport(
+                node_id=info.node_id,
+                incarnation=info.incarnation,
+                healthy=reason is None,
+                reason=reason or "",
+            )
+            try:
+                await client.get_workflow_handle(CLUSTER_WORKFLOW_ID).signal("node_health", report)
+                reported = reason
+            except Exception:  # the control plane is away: tell it on the next round
+                logging.exception("could not report this node's health")
+        await asyncio.sleep(2)

@@ -8,7 +8,7 @@ from rich.table import Table
 
 from infra.settings import Settings
 from worker.runs import RunView
-from workflows.models import DatasetProgress
+from workflows.models import DatasetProgress, Goodput
 
 
 def _num(value: float | None, fmt: str) -> str:
@@ -110,6 +110,8 @@ def status_text(view: RunView, settings: Settings) -> str:
         )
     else:
         lines.append("checkpoint     none committed yet")
+    for why in s.skipped_checkpoints:
+        lines.append(f"skipped        {why}")
     if s.init_from:
         lines.append(f"init from      step {s.init_from.step} of {s.init_from.manifest_key}")
     if s.dataset:
@@ -146,15 +148,36 @@ def status_text(view: RunView, settings: Settings) -> str:
             f"{preempted.reason}"
         )
     for failure in s.failures:
+        # The first line says what and where; log tails stay in the Temporal UI's history.
+        reason = failure.reason.splitlines()[0] if failure.reason else ""
+        lines.append(f"failure        gen {failure.generation} at {failure.at:%H:%M:%S}: {reason}")
+    for event in s.health:
         lines.append(
-            f"failure        gen {failure.generation} at {failure.at:%H:%M:%S}: {failure.reason}"
+            f"health         gen {event.generation} step {event.step}: {event.kind} on "
+            f"{event.node_id or '?'} ({event.action}): {event.evidence}"
         )
+    if s.goodput:
+        lines += goodput_lines(s.goodput)
     if s.error:
         lines.append(f"error          {s.error}")
     for retry in view.retrying:
         lines.append(f"retrying       {retry}")
     lines.append(f"temporal       {run_link(settings, s.name)}")
     return "\n".join(lines)
+
+
+def goodput_lines(goodput: Goodput) -> list[str]:
+    """The goodput line, then the GPU-seconds by cause, largest first."""
+    total = goodput.gpu_s or 1.0
+    lines = [
+        f"goodput        {goodput.goodput:.1%} of {goodput.gpu_s:,.0f} GPU-s "
+        f"({goodput.allocated_goodput:.1%} of the {goodput.allocated_gpu_s:,.0f} allocated) "
+        f"over {goodput.attempts} attempt(s)",
+    ]
+    lost = sorted(goodput.lost_gpu_s.items(), key=lambda item: -item[1])
+    for cause, gpu_s in [("productive", goodput.productive_gpu_s), *lost]:
+        lines.append(f"  {cause:<17}{gpu_s:>9,.1f} GPU-s {gpu_s / total:>6.1%}")
+    return lines
 
 
 def run_link(settings: Settings, name: str) -> str:

@@ -21,6 +21,7 @@ from temporalio.exceptions import ApplicationError
 with workflow.unsafe.imports_passed_through():
     from workflows import cluster_ops as ops
     from workflows.cluster_models import (
+        Admin,
         Allocation,
         CheckpointCommitted,
         ClusterConfig,
@@ -30,6 +31,7 @@ with workflow.unsafe.imports_passed_through():
         Node,
         NodeAdmin,
         NodeFailure,
+        NodeHealthReport,
         NodeInfo,
         Release,
     )
@@ -128,8 +130,45 @@ class ClusterWorkflow:
         held = self._allocation(failure.run_id)
         if node is None or held is None or held.generation != failure.generation:
             return
-        node.health = Health.DOWN
+        granted = next((n for n in held.nodes if n.node_id == failure.node_id), None)
+        if failure.kind == "unhealthy":
+            # The node's own check failed: out of service until the check passes again (its
+            # agent says so, see node_health), not a death.
+            if node.health_reason is None:
+                node.health_reason = failure.reason
+                node.health = Health.DOWN
+                node.down_reason = failure.reason
+                self._dirty = True
+            return
+        if failure.kind == "fail-stop":
+            if granted is not None and granted.incarnation != node.info.incarnation:
+                # The agent was restarted (the node repaired) before the run noticed: the
+                # death is on record, the node as it is now is not the one that died.
+                self._state.fail_stops += 1
+                self._dirty = True
+                return
+            if node.health == Health.HEALTHY:  # each death once, however many runs report it
+                self._state.fail_stops += 1
+            node.health = Health.DOWN
+        else:
+            node.admin = Admin.CORDONED
         node.down_reason = failure.reason
+        self._dirty = True
+
+    @workflow.signal
+    def node_health(self, report: NodeHealthReport) -> None:
+        """The node's own check: failing takes it out of service; passing again brings it back,
+        unless it is down for another reason (it died under a gang: its agent must restart)."""
+        node = self._node(report.node_id)
+        if node is None or node.info.incarnation != report.incarnation:
+            return
+        if not report.healthy:
+            node.health = Health.DOWN
+            node.down_reason = report.reason
+        elif node.health == Health.DOWN and node.down_reason == node.health_reason:
+            node.health = Health.HEALTHY
+            node.down_reason = None
+        node.health_reason = None if report.healthy else report.reason
         self._dirty = True
 
     @workflow.signal

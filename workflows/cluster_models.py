@@ -54,6 +54,7 @@ class Node(BaseModel):
     spare: bool = False  # held back for swapping into a gang after a failure
     jobs: dict[str, int] = {}  # run id -> GPUs it holds here
     down_reason: str | None = None
+    health_reason: str | None = None  # the node's own check is failing, and why
 
     @property
     def used(self) -> int:
@@ -202,6 +203,9 @@ class Allocation(BaseModel):
     expected_end: datetime | None = None  # granted_at + max runtime: backfill plans with it
     last_checkpoint_at: datetime | None = None  # what a preemption of it would lose
     preempting: Preemption | None = None
+    # The fleet's record when granted (ClusterState.node_seconds, fail_stops).
+    fleet_node_seconds: float = 0.0
+    fleet_fail_stops: int = 0
 
     def held_on(self, node: NodeInfo) -> int:
         """A multi-node gang holds its nodes whole; a single-node job what it asked for."""
@@ -234,6 +238,19 @@ class NodeFailure(BaseModel):
     generation: int
     node_id: str
     reason: str
+    # fail-stop: the node is down until its agent comes back; unhealthy: down until its own
+    # check passes; straggler or corruption: it is cordoned (it takes no new work) until an
+    # operator has looked at it.
+    kind: str = "fail-stop"
+
+
+class NodeHealthReport(BaseModel):
+    """A node agent's own health check changed its verdict (infra.node_health)."""
+
+    node_id: str
+    incarnation: str
+    healthy: bool
+    reason: str = ""
 
 
 class CheckpointCommitted(BaseModel):
@@ -282,3 +299,6 @@ class ClusterState(BaseModel):
     reservation: Reservation | None = None
     waiting: list[Waiting] = []
     claims: list[Claim] = []
+    # The fleet's failure record, for the runs' checkpoint intervals (checkpoint_every = auto).
+    node_seconds: float = 0.0  # healthy node time observed so far
+    fail_stops: int = 0  # nodes that died under a gang

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from datetime import datetime, timedelta
 
-from workflows.cluster_models import Allocation, ClusterState, Node, PreemptNotice
+from workflows.cluster_models import Allocation, ClusterState, Health, Node, PreemptNotice
 from workflows.names import GANG_GRANTED_SIGNAL, PREEMPT_SIGNAL
 from workflows.quotas import decay_usage
 from workflows.scheduler import Decisions, expected_end, schedule
@@ -31,6 +31,9 @@ def account(state: ClusterState, now: datetime) -> None:
     """Charge GPU-seconds up to `now` and decay older usage (fair share)."""
     half_life_s = state.config.fair_share_half_life_h * 3600
     state.usage = decay_usage(state.usage, state.usage_at, now, half_life_s, state.allocations)
+    if state.usage_at is not None:  # the time between failures: healthy nodes' time observed
+        healthy = sum(1 for n in state.nodes if n.health == Health.HEALTHY)
+        state.node_seconds += healthy * max((now - state.usage_at).total_seconds(), 0.0)
     state.usage_at = now
 
 
@@ -89,6 +92,8 @@ def apply(state: ClusterState, decisions: Decisions, now: datetime) -> list[Mess
             preemptible=request.preemptible,
             granted_at=now,
             expected_end=expected_end(request, now, default_runtime_s),
+            fleet_node_seconds=state.node_seconds,
+            fleet_fail_stops=state.fail_stops,
         )
         for granted in nodes:
             assert granted is not None

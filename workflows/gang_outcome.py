@@ -6,12 +6,19 @@ the workflow.
 from __future__ import annotations
 
 import asyncio
+from datetime import datetime
 
 from temporalio import workflow
-from temporalio.exceptions import ActivityError, CancelledError, TimeoutError, TimeoutType
+from temporalio.exceptions import (
+    ActivityError,
+    ApplicationError,
+    CancelledError,
+    TimeoutError,
+    TimeoutType,
+)
 
 from workflows.cluster_models import Allocation, PreemptNotice
-from workflows.models import Failure, NodeTrainResult
+from workflows.models import Failure, HealthEvent, NodeTrainResult
 
 
 class Preempted(Exception):
@@ -31,7 +38,29 @@ class GangFailed(Exception):
         self.failures = failures
 
 
-def failures_of(allocation: Allocation, handles: list[workflow.ActivityHandle]) -> list[Failure]:
+class StragglerSwap(Exception):
+    """The gang checkpointed at `step` and stopped to leave a straggling node behind."""
+
+    def __init__(self, event: HealthEvent, step: int) -> None:
+        super().__init__(event.evidence)
+        self.event = event
+        self.step = step
+
+
+def straggler_swap(results: list[NodeTrainResult]) -> StragglerSwap | None:
+    """The swap the ranks asked for by stopping (policy `swap`), if they did."""
+    head = results[0]
+    if not (head.stopped and (head.stop_reason or "").startswith("straggler")):
+        return None
+    swaps = [e for r in results for e in r.health if e.kind == "straggler" and e.action == "swap"]
+    if not swaps:
+        return None
+    return StragglerSwap(swaps[-1], head.final_step)
+
+
+def failures_of(
+    allocation: Allocation, handles: list[workflow.ActivityHandle], now: datetime
+) -> list[Failure]:
     """One failure per node whose activity failed (cancellations are our own doing); a node
     that went silent is named as suspect so the cluster drains it."""
     failures = []
@@ -44,7 +73,8 @@ def failures_of(allocation: Allocation, handles: list[workflow.ActivityHandle]) 
                 generation=allocation.generation,
                 node_id=node.node_id if _node_is_suspect(err) else None,
                 reason=f"{node.node_id}: {describe(err)}",
-                at=workflow.now(),
+                at=now,
+                kind="unhealthy" if _failed_its_check(err) else "fail-stop",
             )
         )
     return failures or [
@@ -52,13 +82,13 @@ def failures_of(allocation: Allocation, handles: list[workflow.ActivityHandle]) 
             generation=allocation.generation,
             node_id=None,
             reason="the gang stopped without a reported cause",
-            at=workflow.now(),
+            at=now,
         )
     ]
 
 
 def stopped_early(
-    results: list[NodeTrainResult], total_steps: int, generation: int
+    results: list[NodeTrainResult], total_steps: int, generation: int, now: datetime
 ) -> list[Failure]:
     """Nodes whose ranks stopped before the end without the run asking (the machine or an
     operator sent SIGTERM). They committed a checkpoint first, so the next attempt loses
@@ -69,7 +99,7 @@ def stopped_early(
             node_id=None,
             reason=f"{r.node_id}: ranks stopped ({r.stop_reason}) at step {r.final_step} "
             "after committing a checkpoint",
-            at=workflow.now(),
+            at=now,
         )
         for r in results
         if r.stopped and r.final_step < total_steps
@@ -87,8 +117,16 @@ def _is_cancel(err: BaseException) -> bool:
     return isinstance(err, ActivityError) and isinstance(err.cause, CancelledError)
 
 
+def _failed_its_check(err: BaseException) -> bool:
+    cause = err.cause if isinstance(err, ActivityError) else None
+    return isinstance(cause, ApplicationError) and cause.type == "NodeUnhealthy"
+
+
 def _node_is_suspect(err: BaseException) -> bool:
-    """A node that stopped heartbeating or never picked up its work is presumed dead."""
+    """A node that stopped heartbeating or never picked up its work is presumed dead; one whose
+    own health check failed says so."""
+    if _failed_its_check(err):
+        return True
     cause = err.cause if isinstance(err, ActivityError) else None
     return isinstance(cause, TimeoutError) and cause.type in (
         TimeoutType.HEARTBEAT,

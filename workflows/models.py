@@ -87,6 +87,8 @@ class CheckpointRef(BaseModel):
     step: int
     generation: int
     tokens_seen: int
+    # Newer manifests passed over to find this one, and why (corrupt, torn, fenced out).
+    skipped: list[str] = []
 
 
 class InitFromInput(BaseModel):
@@ -131,6 +133,19 @@ class TrainProgress(BaseModel):
     val_loss: float | None = None  # the latest in-training evaluation (train.eval_every)
 
 
+class HealthEvent(BaseModel):
+    """Something wrong with a node that did not (yet) fail the gang: a straggler, a suspect of
+    silent corruption. Carries its generation: older generations' events are ignored."""
+
+    generation: int
+    node_id: str | None
+    kind: str  # straggler | corruption
+    step: int | None = None
+    evidence: str = ""
+    action: str = "report"  # report: recorded and shown; swap: the node is cordoned and replaced
+    at: datetime | None = None
+
+
 class NodeTrainResult(BaseModel):
     node_id: str
     generation: int
@@ -140,6 +155,51 @@ class NodeTrainResult(BaseModel):
     mfu: float | None = None
     stopped: bool = False  # asked to stop early: checkpointed at final_step and exited
     stop_reason: str | None = None  # "asked to stop" (preemption, drain) or "preempted" (SIGTERM)
+    health: list[HealthEvent] = []  # what the gang's health checks found in this attempt
+
+
+class LedgerMark(BaseModel):
+    """Rank 0's running totals at the end of one step (trainer.attempt_clock), seconds."""
+
+    step: int
+    at: float  # wall clock, seconds since the epoch
+    steps: int = 0  # steps this attempt trained up to here
+    train_s: float
+    stall_s: float
+    eval_s: float
+    straggler_s: float
+
+
+class AttemptLedger(BaseModel):
+    """What the ranks of one generation recorded about their own time (epoch seconds)."""
+
+    resume_step: int
+    ready_at: float | None  # ranks up, checkpoint loaded: training starts
+    load_s: float = 0.0
+    kept: LedgerMark | None = None  # at the step of this attempt's checkpoint the run kept
+    last: LedgerMark | None = None  # at the last step the ledger heard of
+    ended: str | None = None
+
+
+class AttemptLedgerInput(BaseModel):
+    run_id: str
+    generation: int
+    # The step of the checkpoint the run kept from this attempt, when the workflow knows it (the
+    # final or stop commit); otherwise the newest commit of the generation that is not fenced.
+    kept_step: int | None = None
+
+
+class AttemptRecord(BaseModel):
+    """One gang attempt, as the workflow saw it and as its ranks recorded it."""
+
+    generation: int
+    gpus: int
+    requested_at: datetime
+    granted_at: datetime
+    ended_at: datetime | None = None
+    outcome: str = "running"  # completed | failed | preempted | swapped
+    after: str = "start"  # what came before it: start | failure | preemption | swap
+    ledger: AttemptLedger | None = None
 
 
 class NodeStopInput(BaseModel):
@@ -162,6 +222,24 @@ class EvalResult(BaseModel):
     sample: str
 
 
+class Goodput(BaseModel):
+    """Where the run's GPU-seconds went, from its own history (workflows.goodput)."""
+
+    gpu_s: float  # the run's GPUs × its time from the first gang request to the end of training
+    allocated_gpu_s: float  # of which it held a gang
+    productive_gpu_s: float  # training steps that ended in a checkpoint the run kept
+    lost_gpu_s: dict[str, float]  # cause -> GPU-seconds; with productive, adds up to gpu_s
+    attempts: int
+
+    @property
+    def goodput(self) -> float:
+        return self.productive_gpu_s / self.gpu_s if self.gpu_s else 0.0
+
+    @property
+    def allocated_goodput(self) -> float:
+        return self.productive_gpu_s / self.allocated_gpu_s if self.allocated_gpu_s else 0.0
+
+
 class RegisterInput(BaseModel):
     run_id: str
     workflow_run_id: str
@@ -172,6 +250,8 @@ class RegisterInput(BaseModel):
     evaluation: EvalResult
     training: list[NodeTrainResult] = []
     attempts: int = 0
+    goodput: Goodput | None = None
+    health: list[HealthEvent] = []
 
 
 class ModelVersionRef(BaseModel):
@@ -204,9 +284,10 @@ class TrainingRunInput(BaseModel):
 
 class Failure(BaseModel):
     generation: int
-    node_id: str | None
+    node_id: str | None  # the node at fault, if one is known
     reason: str
     at: datetime
+    kind: str = "fail-stop"  # fail-stop: the node died or hung; unhealthy: its own check failed
 
 
 class PreemptionRecord(BaseModel):
@@ -234,6 +315,10 @@ class RunStatus(BaseModel):
     decision: Decision | None = None
     failures: list[Failure] = []
     preemptions: list[PreemptionRecord] = []
+    health: list[HealthEvent] = []  # the newest 20 of the current and past generations
+    skipped_checkpoints: list[str] = []  # checkpoints resume passed over, and why
+    gang_attempts: list[AttemptRecord] = []
+    goodput: Goodput | None = None
     final_loss: float | None = None
     tokens_per_s: float | None = None
     mfu: float | None = None

@@ -4,6 +4,8 @@ CLUSTER_WORKFLOW_ID = "forgeline-cluster"
 # Signals the Cluster workflow sends to a run.
 GANG_GRANTED_SIGNAL = "gang_granted"
 PREEMPT_SIGNAL = "preempt"
+# Node agents tell a run what its gang's health checks found.
+HEALTH_SIGNAL = "health_event"
 CONTROL_TASK_QUEUE = "forgeline-control"
 
 

@@ -213,10 +213,37 @@ class RecoverySpec(_Strict):
         20.0, gt=1, le=10_000, description="no progress for this × the median report gap: hung"
     )
     hang_min_s: float = Field(60.0, ge=1, description="never call a hang sooner than this")
+    straggler_policy: Literal["off", "report", "swap"] = Field(
+        "report",
+        description="a rank persistently slower than the rest: report it (a health event), or "
+        "swap its node (checkpoint, cordon the node, continue on a spare)",
+    )
+    straggler_factor: float = Field(
+        1.5, gt=1, le=100, description="slower than the others' median by this: a slow window"
+    )
+    straggler_window_steps: int = Field(20, ge=2, le=100_000)
+    straggler_windows: int = Field(3, ge=1, le=1000, description="slow windows in a row to act")
 
-    def gang_mtbf_s(self, nodes: int) -> float:
-        """Failures of independent nodes add up: a gang of N fails N times as often."""
-        return self.node_mtbf_hours * 3600 / nodes
+    def straggler_settings(self) -> dict:
+        """What the ranks need (trainer.stragglers.StragglerWatch, and the policy)."""
+        return {
+            "policy": self.straggler_policy,
+            "watch": {
+                "window": self.straggler_window_steps,
+                "factor": self.straggler_factor,
+                "windows": self.straggler_windows,
+            },
+        }
+
+    def gang_mtbf_s(self, nodes: int, node_seconds: float = 0.0, failures: int = 0) -> float:
+        """Failures of independent nodes add up: a gang of N fails N times as often.
+
+        A node's MTBF is the fleet's observed node time over its failures, with node_mtbf_hours
+        as the prior worth one failure: a young fleet with two deaths in an hour is not taken
+        to fail every half hour, and a long record outweighs the guess.
+        """
+        node_mtbf_s = (self.node_mtbf_hours * 3600 + node_seconds) / (1 + failures)
+        return node_mtbf_s / nodes
 
 
 class RegistrySpec(_Strict):

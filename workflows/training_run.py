@@ -29,12 +29,18 @@ with workflow.unsafe.imports_passed_through():
     from workflows.gang_outcome import (
         GangFailed,
         Preempted,
+        StragglerSwap,
         cancel_all,
         describe,
         failures_of,
         stopped_early,
+        straggler_swap,
     )
+    from workflows.goodput import account
     from workflows.models import (
+        AttemptLedger,
+        AttemptLedgerInput,
+        AttemptRecord,
         CheckpointRef,
         DatasetInput,
         DatasetRef,
@@ -43,6 +49,7 @@ with workflow.unsafe.imports_passed_through():
         EvalResult,
         EvaluateInput,
         Failure,
+        HealthEvent,
         InitFromInput,
         LatestCheckpointInput,
         ModelVersionRef,
@@ -59,6 +66,7 @@ with workflow.unsafe.imports_passed_through():
         CLUSTER_WORKFLOW_ID,
         CONTROL_TASK_QUEUE,
         GANG_GRANTED_SIGNAL,
+        HEALTH_SIGNAL,
         PREEMPT_SIGNAL,
         dataset_workflow_id,
         node_task_queue,
@@ -74,6 +82,7 @@ _PATIENT_RETRY = RetryPolicy(
 _NO_RETRY = RetryPolicy(maximum_attempts=1)
 # A node agent that does not pick up its activity within this long is treated as down.
 _NODE_PICKUP_TIMEOUT = timedelta(seconds=60)
+_HEALTH_EVENTS_KEPT = 20  # the status stays small; the MLflow run and the logs keep the rest
 
 
 @workflow.defn(name="TrainingRun")
@@ -94,6 +103,8 @@ class TrainingRun:
         self._newest_generation = 0  # grants of this or an older generation are stale
         self._preempt: PreemptNotice | None = None
         self._decision: Decision | None = None
+        self._attempt: AttemptRecord | None = None  # the gang attempt under way
+        self._after = "start"  # what the next attempt follows: start, failure, preemption, swap
 
     @workflow.run
     async def run(self, inp: TrainingRunInput) -> RunStatus:
@@ -133,6 +144,14 @@ class TrainingRun:
         current = self._allocation
         if current is not None and notice.generation == current.generation:
             self._preempt = notice
+
+    @workflow.signal(name=HEALTH_SIGNAL)
+    def health_event(self, event: HealthEvent) -> None:
+        """A node agent's report of what the gang's health checks found; only the current
+        generation's count (fencing)."""
+        current = self._allocation
+        if current is not None and event.generation == current.generation:
+            self._status.health = [*self._status.health, event][-_HEALTH_EVENTS_KEPT:]
 
     @workflow.update
     async def decide(self, decision: Decision) -> RunStatus:
@@ -198,11 +217,20 @@ class TrainingRun:
             try:
                 results = await self._run_gang(allocation, dataset, resume)
             except GangFailed as failed:
+                await self._close_attempt("failed", kept_step=None)
                 await self._recover(allocation, failed.failures)
+                continue
+            except StragglerSwap as swap:
+                # Not a failure either: the gang checkpointed; its slow node is cordoned and
+                # the run continues at once on a spare (or the next compatible node).
+                await self._close_attempt("swapped", kept_step=swap.step)
+                await self._swap(allocation, swap)
                 continue
             except Preempted as preempted:
                 # Not a failure: no attempt is spent and no backoff; the run queues again with
                 # its original age and resumes from the checkpoint it just committed.
+                await self._close_attempt("preempted", kept_step=preempted.step)
+                self._after = "preemption"
                 self._status.preemptions.append(
                     PreemptionRecord(
                         generation=allocation.generation,
@@ -213,6 +241,7 @@ class TrainingRun:
                 )
                 await self._release_gang()
                 continue
+            await self._close_attempt("completed", kept_step=self._spec.train.steps)
             await self._release_gang()
             final = await self._latest_checkpoint(allocation.generation)
             if final is None or final.step < self._spec.train.steps:
@@ -241,21 +270,49 @@ class TrainingRun:
             max_runtime_s=resources.max_runtime_h * 3600 if resources.max_runtime_h else None,
             cache_items=[self._status.dataset.snapshot_id] if self._status.dataset else [],
             allow_multi_pod=resources.allow_multi_pod,
-            # After a failure the gang may take a spare node instead of waiting for capacity.
-            recovery=self._status.attempts > 0,
+            # After a failure or a swap the gang may take a spare instead of waiting.
+            recovery=self._after in ("failure", "swap"),
             # Requeued after a failure or a preemption, the run keeps its place by age.
             submitted_at=workflow.info().start_time,
         )
         self._grant = None
         self._preempt = None
+        requested_at = workflow.now()
         cluster = workflow.get_external_workflow_handle(CLUSTER_WORKFLOW_ID)
         await cluster.signal("request_gang", request)
         await workflow.wait_condition(lambda: self._grant is not None)
         assert self._grant is not None
         self._allocation = self._grant
+        self._attempt = AttemptRecord(
+            generation=self._grant.generation,
+            gpus=len(self._grant.nodes) * resources.gpus_per_node,
+            requested_at=requested_at,
+            granted_at=workflow.now(),
+            after=self._after,
+        )
         self._status.generation = self._grant.generation
         self._status.nodes = [n.node_id for n in self._grant.nodes]
         return self._grant
+
+    async def _close_attempt(self, outcome: str, kept_step: int | None) -> None:
+        """The attempt is over: add what its ranks recorded of their time, and recount goodput."""
+        attempt = self._attempt
+        if attempt is None:
+            return
+        self._attempt = None
+        attempt.ended_at = workflow.now()
+        attempt.outcome = outcome
+        if workflow.patched("attempt-ledger"):  # runs started before goodput replay without it
+            attempt.ledger = await self._control(
+                "attempt_ledger",
+                AttemptLedgerInput(
+                    run_id=self._spec.name, generation=attempt.generation, kept_step=kept_step
+                ),
+                AttemptLedger | None,
+                timeout=timedelta(minutes=5),
+            )
+        self._status.gang_attempts.append(attempt)
+        self._status.goodput = account(self._status.gang_attempts)
 
     async def _release_gang(self) -> None:
         """Give back the gang, and withdraw a request still waiting in the queue (generation 0
@@ -282,12 +339,16 @@ class TrainingRun:
     async def _latest_checkpoint(
         self, generation: int, fence: bool = False
     ) -> CheckpointRef | None:
-        return await self._control(
+        found = await self._control(
             "latest_checkpoint",
             LatestCheckpointInput(run_id=self._spec.name, max_generation=generation, fence=fence),
             CheckpointRef | None,
             timeout=timedelta(minutes=10),
         )
+        if found is not None:  # what was passed over stays on record, once
+            seen = self._status.skipped_checkpoints
+            seen += [why for why in found.skipped if why not in seen]
+        return found
 
     async def _run_gang(
         self, allocation: Allocation, dataset: DatasetRef, resume: CheckpointRef | None
@@ -334,12 +395,16 @@ class TrainingRun:
             results = [h.result() for h in handles]
             if self._preempt is not None and results[0].final_step < self._spec.train.steps:
                 raise Preempted(self._preempt, results[0].final_step)
-            early = stopped_early(results, self._spec.train.steps, allocation.generation)
+            if swap := straggler_swap(results):
+                raise swap
+            early = stopped_early(
+                results, self._spec.train.steps, allocation.generation, workflow.now()
+            )
             if early:
                 raise GangFailed(early)
             return results
         await cancel_all(handles)
-        raise GangFailed(failures_of(allocation, handles))
+        raise GangFailed(failures_of(allocation, handles, workflow.now()))
 
     async def _stop_gracefully(
         self, allocation: Allocation, handles: list, notice: PreemptNotice
@@ -364,19 +429,27 @@ class TrainingRun:
     async def _recover(self, allocation: Allocation, failures: list[Failure]) -> None:
         """Drain the nodes at fault, give the gang back, and back off before the next attempt."""
         self._set_phase(Phase.RECOVERING)
+        self._after = "failure"
         self._status.failures.extend(failures)
         cluster = workflow.get_external_workflow_handle(CLUSTER_WORKFLOW_ID)
-        for failure in failures:
-            if failure.node_id is not None:
-                await cluster.signal(
-                    "report_failure",
-                    NodeFailure(
-                        run_id=self._spec.name,
-                        generation=allocation.generation,
-                        node_id=failure.node_id,
-                        reason=failure.reason,
-                    ),
-                )
+        reports = [(f.node_id, f.reason, f.kind) for f in failures if f.node_id]
+        # Ranks named as the source of silent corruption: their nodes are quarantined.
+        reports += [
+            (e.node_id, f"suspected silent corruption: {e.evidence}", "corruption")
+            for e in self._status.health
+            if e.kind == "corruption" and e.generation == allocation.generation and e.node_id
+        ]
+        for node_id, reason, kind in reports:
+            await cluster.signal(
+                "report_failure",
+                NodeFailure(
+                    run_id=self._spec.name,
+                    generation=allocation.generation,
+                    node_id=node_id,
+                    reason=reason,
+                    kind=kind,
+                ),
+            )
         await self._release_gang()
         self._status.attempts += 1
         if self._status.attempts > self._spec.recovery.max_restarts:
@@ -387,6 +460,25 @@ class TrainingRun:
                 non_retryable=True,
             )
         await workflow.sleep(timedelta(seconds=min(2 ** (self._status.attempts - 1), 30)))
+
+    async def _swap(self, allocation: Allocation, swap: StragglerSwap) -> None:
+        """Cordon the straggler's node (the cluster keeps its evidence as the reason), give the
+        gang back and queue again for one without it."""
+        self._set_phase(Phase.RECOVERING)
+        self._after = "swap"
+        event = swap.event
+        if event.node_id is not None:
+            await workflow.get_external_workflow_handle(CLUSTER_WORKFLOW_ID).signal(
+                "report_failure",
+                NodeFailure(
+                    run_id=self._spec.name,
+                    generation=allocation.generation,
+                    node_id=event.node_id,
+                    reason=f"straggler: {event.evidence}",
+                    kind="straggler",
+                ),
+            )
+        await self._release_gang()
 
     async def _evaluate(self, dataset: DatasetRef, checkpoint: CheckpointRef) -> EvalResult:
         self._set_phase(Phase.EVALUATING)
@@ -422,6 +514,8 @@ class TrainingRun:
                 evaluation=evaluation,
                 training=results,
                 attempts=self._status.attempts,
+                goodput=self._status.goodput,
+                health=self._status.health,
             ),
             ModelVersionRef,
             timeout=timedelta(minutes=30),

@@ -2,20 +2,29 @@
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import subprocess
 import sys
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import torch
 
 from infra.processes import free_port
 from infra.settings import load_settings
+from infra.store import LocalStore
+from tests.conftest import REPO
+from trainer.evaluate import load_model
+from trainer.manifest import find_latest
 from worker.chaos import trainer_processes
 
 FORGELINE = str(Path(sys.executable).parent / "forgeline")
+TINY = REPO / "examples" / "tiny.toml"
 
 
 @dataclass
@@ -46,7 +55,88 @@ def ranks_of(home: Path, run: str) -> list[int]:
     return trainer_processes(home, run=run)
 
 
-@pytest.fixture(scope="module")
+def variant(
+    tmp_path: Path,
+    name: str,
+    team: str | None = None,
+    recovery: dict[str, object] | None = None,
+    **train: int,
+) -> Path:
+    """examples/tiny.toml under another name, with other [train] values (any key it has), a
+    team, and more [recovery] settings."""
+    text = TINY.read_text().replace('name = "tiny"', f'name = "{name}"')
+    if team is not None:
+        text = text.replace("[resources]\n", f'[resources]\nteam = "{team}"\n')
+    for key, value in (recovery or {}).items():
+        literal = f'"{value}"' if isinstance(value, str) else value
+        text = text.replace("[recovery]\n", f"[recovery]\n{key} = {literal}\n")
+    text = text.replace(
+        '"data/tinyshakespeare.txt"', f'"{REPO / "examples" / "data" / "tinyshakespeare.txt"}"'
+    )
+    for key, value in train.items():
+        text = re.sub(rf"^{key} = .*$", f"{key} = {value}", text, flags=re.M)
+    path = tmp_path / f"{name}.toml"
+    path.write_text(text)
+    return path
+
+
+def wait_for(check: Callable[[], object], timeout: float, what: str, poll: float = 0.2):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = check()
+        if value:
+            return value
+        time.sleep(poll)
+    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+
+
+def node_of(pid: int) -> str | None:
+    """The node whose agent started this trainer process."""
+    try:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+    except OSError:
+        return None
+    match = re.search(r"/nodes/([^/]+)/runs/", argv)
+    return match.group(1) if match else None
+
+
+def alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def final_weights(stack: Stack, run: str) -> dict[str, torch.Tensor]:
+    """The model weights of the run's last committed checkpoint, read from the store."""
+    store = LocalStore(Path(stack.settings.store))
+    found = find_latest(store, run, max_generation=10**9)
+    assert found is not None, f"{run} has no committed checkpoint"
+    folder = store.root / f"runs/{run}/checkpoints/step-{found.step}"
+    return load_model(folder, found.manifest["model_config"]).state_dict()
+
+
+def progress_events(stack: Stack, run: str, generation: int) -> list[dict]:
+    """Every progress line the ranks of one generation wrote, on every node."""
+    events = []
+    for path in (stack.home / "nodes").glob(f"*/runs/{run}/gen-{generation}/progress.jsonl"):
+        for line in path.read_text().splitlines():
+            if line.endswith("}"):  # a line being written is not complete yet
+                events.append(json.loads(line))
+    return events
+
+
+@pytest.fixture(scope="package")
+def reference(stack: Stack, tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A fault-free run that others compare themselves with (same spec, another name)."""
+    spec = variant(
+        tmp_path_factory.mktemp("reference"), "reference", steps=300, checkpoint_every=100
+    )
+    stack.cli("run", str(spec))
+    return "reference"
+
+
+@pytest.fixture(scope="package")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     home = tmp_path_factory.mktemp("forgeline-home")
     env = {**os.environ, "FORGELINE_HOME": str(home)}

@@ -49,3 +49,14 @@ def test_auto_measures_first_then_follows_the_cost() -> None:
 def test_auto_is_spelled_out_in_the_spec() -> None:
     with pytest.raises(ValueError, match="auto"):
         TrainSpec(checkpoint_every="sometimes")
+
+
+def test_the_fleet_record_moves_the_mtbf_from_the_prior() -> None:
+    recovery = RecoverySpec(node_mtbf_hours=100)
+    assert recovery.gang_mtbf_s(2) == pytest.approx(50 * 3600)  # no record: the prior
+    # Young fleet, two deaths in an hour of node time: not "every half hour".
+    young = recovery.gang_mtbf_s(1, node_seconds=3600, failures=2)
+    assert young == pytest.approx(101 * 3600 / 3)
+    # A long record outweighs the guess: 10,000 node-hours, 400 deaths → about 25 hours.
+    seasoned = recovery.gang_mtbf_s(1, node_seconds=10_000 * 3600, failures=400)
+    assert seasoned / 3600 == pytest.approx(25.2, abs=0.1)

@@ -183,10 +183,16 @@ def test_corrupt_gradients_roll_back_to_the_last_checkpoint(trainer: Trainer, dd
     async def run_and_corrupt() -> None:
         task = await trainer.start_until_committed(job, ranks=2)
         Path(job.chaos_file).write_text("corrupt-grad\n")
-        with pytest.raises(RanksFailed, match=r"non-finite loss or gradients at step \d+"):
+        with pytest.raises(
+            RanksFailed, match=r"non-finite loss or gradients at step \d+ \(suspect ranks \[0\]\)"
+        ):
             await asyncio.wait_for(task, 120)
 
     asyncio.run(run_and_corrupt())
+    # The all-reduce spread the NaN to every rank; the norm before it names the one it came from.
+    events = [json.loads(line) for line in Path(job.progress_file).read_text().splitlines()]
+    (health,) = [e for e in events if e["event"] == "health"]
+    assert (health["kind"], health["rank"], health["action"]) == ("corruption", 0, "quarantine")
     found = find_latest(trainer.store, "corrupt", max_generation=1)
     assert found is not None and found.step < TRAIN.steps
     assert all(math.isfinite(loss) for _, loss in found.manifest["loss_history"])

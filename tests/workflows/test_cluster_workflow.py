@@ -28,6 +28,7 @@ from workflows.cluster_models import (
     Health,
     NodeAdmin,
     NodeFailure,
+    NodeHealthReport,
     NodeInfo,
     PreemptNotice,
     QueueConfig,
@@ -206,6 +207,8 @@ def test_failed_node_is_drained_until_it_comes_back(temporal_address: str, task_
         state = await h.state(lambda s: any(n.health == Health.DOWN for n in s.nodes))
         down = [n for n in state.nodes if n.health == Health.DOWN]
         assert [(n.info.node_id, n.down_reason) for n in down] == [(victim, "heartbeat")]
+        assert state.fail_stops == 1  # the fleet's record, for checkpoint_every = "auto"
+        await h.cluster.signal(ClusterWorkflow.report_failure, fresh)  # a second report of it
 
         # The run gives the gang back and asks again: it gets the healthy node, never the
         # drained one, under a new generation.
@@ -216,6 +219,7 @@ def test_failed_node_is_drained_until_it_comes_back(temporal_address: str, task_
         grants = await h.grants(holder, 2)
         assert victim not in [n.node_id for n in grants[1].nodes]
         assert grants[1].generation > grant.generation
+        assert grants[1].fleet_fail_stops == 1  # one death, however often it was reported
 
         # The same agent re-registering is still down; a restarted one (new incarnation) is back.
         await h.cluster.signal(ClusterWorkflow.register_node, node(victim, incarnation="a"))
@@ -224,6 +228,88 @@ def test_failed_node_is_drained_until_it_comes_back(temporal_address: str, task_
         await h.cluster.signal(ClusterWorkflow.register_node, node(victim, incarnation="b"))
         state = await h.state(lambda s: all(n.health == Health.HEALTHY for n in s.nodes))
         assert next(n for n in state.nodes if n.info.node_id == victim).state == "idle"
+
+    run_scenario(temporal_address, task_queue, scenario)
+
+
+def test_a_death_reported_after_the_agent_restarted_leaves_the_new_one_up(
+    temporal_address: str, task_queue: str
+) -> None:
+    async def scenario(h: Harness) -> None:
+        for n in ("n0", "n1"):
+            await h.cluster.signal(ClusterWorkflow.register_node, node(n))
+        holder = await h.hold("run-a", nodes=2)
+        (grant,) = await h.grants(holder, 1)
+        # n0's agent dies and is restarted (a new incarnation) before the run reports it.
+        await h.cluster.signal(ClusterWorkflow.register_node, node("n0", incarnation="b"))
+        died = NodeFailure(
+            run_id="run-a", generation=grant.generation, node_id="n0", reason="heartbeat"
+        )
+        await h.cluster.signal(ClusterWorkflow.report_failure, died)
+        state = await h.state(lambda s: s.fail_stops == 1)
+        assert all(n.health == Health.HEALTHY for n in state.nodes)
+
+    run_scenario(temporal_address, task_queue, scenario)
+
+
+def test_a_straggler_is_cordoned_not_counted_as_a_death(
+    temporal_address: str, task_queue: str
+) -> None:
+    async def scenario(h: Harness) -> None:
+        for n in ("n0", "n1"):
+            await h.cluster.signal(ClusterWorkflow.register_node, node(n))
+        holder = await h.hold("run-a", nodes=2)
+        (grant,) = await h.grants(holder, 1)
+        slow = NodeFailure(
+            run_id="run-a", generation=grant.generation, node_id="n1",
+            reason="straggler: rank 1 is 3.0× slower", kind="straggler",
+        )  # fmt: skip
+        await h.cluster.signal(ClusterWorkflow.report_failure, slow)
+        state = await h.state(lambda s: any(n.state == "cordoned" for n in s.nodes))
+        n1 = next(n for n in state.nodes if n.info.node_id == "n1")
+        assert n1.health == Health.HEALTHY and n1.down_reason == slow.reason
+        assert state.fail_stops == 0
+
+    run_scenario(temporal_address, task_queue, scenario)
+
+
+def test_a_node_failing_its_own_check_leaves_and_comes_back(
+    temporal_address: str, task_queue: str
+) -> None:
+    async def scenario(h: Harness) -> None:
+        await h.cluster.signal(ClusterWorkflow.register_node, node("n0"))
+        sick = NodeHealthReport(node_id="n0", incarnation="a", healthy=False, reason="ECC")
+        await h.cluster.signal(ClusterWorkflow.node_health, sick)
+        state = await h.state(lambda s: s.nodes[0].health == Health.DOWN)
+        assert state.nodes[0].down_reason == "ECC" and state.fail_stops == 0
+        well = NodeHealthReport(node_id="n0", incarnation="a", healthy=True)
+        await h.cluster.signal(ClusterWorkflow.node_health, well)
+        await h.state(lambda s: s.nodes[0].health == Health.HEALTHY)
+
+        # A run that saw the check fail before the agent's own report came in: the same.
+        holder = await h.hold("run-b", nodes=1)
+        (grant,) = await h.grants(holder, 1)
+        failed = NodeFailure(
+            run_id="run-b", generation=grant.generation, node_id="n0",
+            reason="n0: health check failed", kind="unhealthy",
+        )  # fmt: skip
+        await h.cluster.signal(ClusterWorkflow.report_failure, failed)
+        await h.state(lambda s: s.nodes[0].health == Health.DOWN)
+        await h.cluster.signal(
+            ClusterWorkflow.release, Release(run_id="run-b", generation=grant.generation)
+        )
+        await h.cluster.signal(ClusterWorkflow.node_health, well)
+        state = await h.state(lambda s: s.nodes[0].health == Health.HEALTHY)
+        assert state.fail_stops == 0
+
+        # Dead under a gang is another matter: only a restarted agent brings it back.
+        holder = await h.hold("run-a", nodes=1)
+        (grant,) = await h.grants(holder, 1)
+        died = NodeFailure(run_id="run-a", generation=grant.generation, node_id="n0", reason="x")
+        await h.cluster.signal(ClusterWorkflow.report_failure, died)
+        await h.cluster.signal(ClusterWorkflow.node_health, well)
+        state = await h.state(lambda s: s.fail_stops == 1)
+        assert state.nodes[0].health == Health.DOWN and state.nodes[0].down_reason == "x"
 
     run_scenario(temporal_address, task_queue, scenario)
 

@@ -1,0 +1,361 @@
+"""Faults on purpose, end to end on the real stack: node agents SIGKILLed, a node paused and
+continued, gradients poisoned, a node slowed down. Each run must complete with the losses and
+weights of a run that never failed, and say what each fault cost (goodput)."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+from mlflow.tracking import MlflowClient
+
+from infra.store import LocalStore
+from tests.e2e.conftest import (
+    Stack,
+    alive,
+    final_weights,
+    node_of,
+    progress_events,
+    ranks_of,
+    variant,
+    wait_for,
+)
+from trainer.manifest import Fences, committed_steps, find_latest, manifest_key
+
+pytestmark = pytest.mark.e2e
+
+
+def gang_of(stack: Stack, run: str) -> tuple[int, list[str]]:
+    """The run's current generation and nodes, as `forgeline status` shows them ((0, []) while
+    it holds no gang)."""
+    found = re.search(r"allocation +generation (\d+) on (.+)", stack.cli("status", run).stdout)
+    return (int(found.group(1)), found.group(2).split(", ")) if found else (0, [])
+
+
+def latest_step(stack: Stack, run: str, generation: int) -> int:
+    """The newest step the ranks of `generation` reported (-1: none yet)."""
+    events = progress_events(stack, run, generation)
+    return max((e["step"] for e in events if e["event"] == "step"), default=-1)
+
+
+def own_commit(stack: Stack, run: str, generation: int) -> int | None:
+    """The first step `generation` itself committed (None: none yet)."""
+    commits = [
+        e["step"]
+        for e in progress_events(stack, run, generation)
+        if e["event"] == "checkpoint" and e["manifest_key"]
+    ]
+    return min(commits, default=None)
+
+
+def kill_a_node_of(stack: Stack, run: str, after_generation: int, chance: random.Random) -> int:
+    """Wait for the run's next generation to commit a checkpoint and train a random number of
+    steps more, then SIGKILL the agent of a random node of its gang; return the generation
+    once all its ranks are gone. (The signal is sent from here, as `forgeline chaos kill-node`
+    sends it: a command's start-up would let the tiny model train on for dozens of steps.)"""
+    generation, nodes = wait_for(
+        lambda: (gang := gang_of(stack, run))[0] > after_generation and gang, 120, "a new gang"
+    )
+    victim = chance.choice(nodes)
+    agent = int((stack.home / "run" / f"{victim}.pid").read_text().split()[0])
+    committed = wait_for(lambda: own_commit(stack, run, generation), 120, "a commit", poll=0.05)
+    past = committed + chance.randint(5, 40)
+    wait_for(
+        lambda: latest_step(stack, run, generation) >= past,
+        120,
+        f"generation {generation} to reach step {past}",
+        poll=0.02,
+    )
+    os.kill(agent, signal.SIGKILL)
+    # The other node's ranks fail at their next collective: nothing of this gang is left.
+    wait_for(lambda: not any(map(alive, ranks_of(stack.home, run))), 60, "the gang to die")
+    return generation
+
+
+def tear_the_newest_checkpoint(store: LocalStore, run: str) -> tuple[int, int]:
+    """Leave the newest checkpoint as a kill during its upload would: files, no manifest.
+    Returns its step and the step of the checkpoint before it."""
+    newest, previous = committed_steps(store, run)[:2]
+    store.delete(manifest_key(run, newest))
+    return newest, previous
+
+
+def first_step_of_generation_after(stack: Stack, run: str, generation: int) -> int | None:
+    """Where the first generation after `generation` started training (None: not yet)."""
+    folders = (stack.home / "nodes").glob(f"*/runs/{run}/gen-*")
+    later = min(
+        (g for g in (int(f.name.split("-")[1]) for f in folders) if g > generation), default=None
+    )
+    if later is None:
+        return None
+    events = progress_events(stack, run, later)
+    return min((e["step"] for e in events if e["event"] == "started"), default=None)
+
+
+def flip_a_byte_of_the_newest_checkpoint(store: LocalStore, run: str) -> str:
+    """Corrupt one shard of the newest committed checkpoint in place; its manifest's key."""
+    step = committed_steps(store, run)[0]
+    manifest = json.loads(store.get_bytes(manifest_key(run, step)))
+    shard = store.root / manifest["files"][0]["key"]
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    shard.write_bytes(bytes(data))
+    return manifest_key(run, step)
+
+
+def test_three_sigkills_and_a_flipped_byte_change_no_weight(
+    stack: Stack, reference: str, tmp_path: Path
+) -> None:
+    """Three node agents SIGKILLed at random steps of one run; after the second the newest
+    checkpoint is left torn (files, no manifest), after the third one of its files has a byte
+    flipped. The run completes: resume passes over both to the checkpoint before, the final
+    weights are bitwise those of the fault-free reference, and goodput says what it all cost."""
+    # A dead node's activity is given up on at its heartbeat timeout: 5 s keeps the test short.
+    spec = variant(
+        tmp_path, "tiny-kill", steps=300, checkpoint_every=50, max_restarts=5,
+        heartbeat_timeout_s=5,
+    )  # fmt: skip
+    stack.cli("run", str(spec), "--detach")
+    store = LocalStore(Path(stack.settings.store))
+    chance = random.Random(6)
+    generation = 0
+    for kill in range(3):
+        generation = kill_a_node_of(stack, "tiny-kill", generation, chance)
+        if kill == 1:
+            torn_at, torn = generation, tear_the_newest_checkpoint(store, "tiny-kill")
+        if kill == 2:
+            corrupted = flip_a_byte_of_the_newest_checkpoint(store, "tiny-kill")
+        stack.cli("up", "--nodes", "3")  # the node is repaired and comes back
+
+    followed = stack.cli("run", str(spec), timeout=300)
+    assert "AWAITING_APPROVAL" in followed.stdout, followed.stdout
+    status = stack.cli("status", "tiny-kill").stdout
+    assert re.search(r"attempts +3 restart", status), status
+    # One line per node that failed: the dead one, and the survivor whose collectives broke.
+    assert len(set(re.findall(r"failure +gen (\d+) ", status))) == 3, status
+    assert re.search(rf"skipped +{re.escape(corrupted)}: checkpoint file .* is corrupt", status)
+    # No manifest, no checkpoint: the generation after the tear resumed from the one before.
+    assert first_step_of_generation_after(stack, "tiny-kill", torn_at) == torn[1], torn
+
+    final = find_latest(store, "tiny-kill", max_generation=10**9)
+    expected = find_latest(store, reference, max_generation=10**9)
+    assert final is not None and expected is not None and final.generation >= 4
+    assert final.manifest["loss_history"] == expected.manifest["loss_history"]
+    weights, theirs = final_weights(stack, "tiny-kill"), final_weights(stack, reference)
+    assert weights.keys() == theirs.keys()
+    assert all(torch.equal(weights[k], theirs[k]) for k in theirs)
+
+    # Goodput: every fault shows as rework (steps since the last checkpoint), detection and
+    # restart; the productive share is what is left.
+    assert re.search(r"goodput +\d+\.\d% of [\d,]+ GPU-s .* over 4 attempt", status), status
+    for cause in ("productive", "restart", "rework", "failure detection", "startup"):
+        assert re.search(rf"^  {cause} +[\d,.]+ GPU-s", status, re.M), (cause, status)
+    print("\n" + "\n".join(line for line in status.splitlines() if "GPU-s" in line))
+    client = MlflowClient(tracking_uri=stack.settings.mlflow_uri)
+    version = client.get_model_version_by_alias("tiny-kill", "candidate")
+    metrics = client.get_run(version.run_id).data.metrics
+    assert 0 < metrics["goodput"] < metrics["goodput_of_allocated"] < 1
+    assert metrics["gpu_seconds_lost.rework"] > 0 and metrics["gpu_seconds_productive"] > 0
+
+
+def test_a_paused_node_that_comes_back_cannot_commit(stack: Stack, tmp_path: Path) -> None:
+    """Pause a one-node run's node (SIGSTOP its agent, torchrun and ranks): the run moves to
+    another node in a new generation. When the paused processes continue, the old ranks are
+    fenced: they commit nothing more and stop; the run ends on the new generation's checkpoints."""
+    spec = variant(
+        tmp_path, "tiny-pause", steps=200, checkpoint_every=20, nodes=1, heartbeat_timeout_s=5
+    )
+    stack.cli("run", str(spec), "--detach")
+    store = LocalStore(Path(stack.settings.store))
+    wait_for(lambda: committed_steps(store, "tiny-pause"), 120, "the first checkpoint", 0.05)
+    status = stack.cli("status", "tiny-pause").stdout
+    generation, victim = re.search(r"allocation +generation (\d+) on (\S+)", status).groups()
+    agent = int((stack.home / "run" / f"{victim}.pid").read_text().split()[0])
+    paused = [agent, *(p for p in ranks_of(stack.home, "tiny-pause") if node_of(p) == victim)]
+    for pid in paused:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        wait_for(
+            lambda: re.search(
+                rf"allocation +generation (?!{generation}\b)\d+",
+                stack.cli("status", "tiny-pause").stdout,
+            ),
+            120,
+            "a new generation on another node",
+        )
+    finally:
+        for pid in paused:
+            os.kill(pid, signal.SIGCONT)
+    followed = stack.cli("run", str(spec), timeout=300)
+    assert "AWAITING_APPROVAL" in followed.stdout, followed.stdout
+
+    old = stack.home / "nodes" / victim / "runs" / "tiny-pause" / f"gen-{generation}"
+    last = json.loads((old / "progress.jsonl").read_text().splitlines()[-1])
+    assert last["event"] == "stopped" and last["reason"] == "fenced", last
+    fences = Fences.read(store, "tiny-pause")
+    for step in committed_steps(store, "tiny-pause"):
+        manifest = json.loads(store.get_bytes(manifest_key("tiny-pause", step)))
+        assert fences.why_stale(manifest["generation"], step) is None, step
+    final = find_latest(store, "tiny-pause", max_generation=10**9)
+    assert final is not None and final.step == 200 and final.generation > int(generation)
+    assert [s for s, _ in final.manifest["loss_history"]] == list(range(5, 201, 5))
+    assert not ranks_of(stack.home, "tiny-pause")
+
+    # The paused agent was reported; a new incarnation brings the node back.
+    os.kill(agent, signal.SIGKILL)
+    stack.cli("up", "--nodes", "3")
+
+
+def test_corrupt_gradients_are_traced_to_their_node_and_rolled_back(
+    stack: Stack, reference: str, tmp_path: Path
+) -> None:
+    """A NaN in one replica's gradients before the all-reduce: the whole gang sees it, stops
+    before saving, names the replica (its own norm before the all-reduce), quarantines its node
+    and resumes from the last checkpoint, ending with the reference's weights."""
+    spec = variant(tmp_path, "tiny-nan", steps=300, checkpoint_every=100)
+    stack.cli("run", str(spec), "--detach")
+    store = LocalStore(Path(stack.settings.store))
+    wait_for(lambda: committed_steps(store, "tiny-nan"), 120, "the first checkpoint", 0.05)
+    generation, nodes = gang_of(stack, "tiny-nan")
+    culprit = nodes[0]  # its rank is rank 0
+    stack.cli("chaos", "corrupt-grad", culprit)
+    try:
+        followed = stack.cli("run", str(spec), timeout=300)
+        assert "AWAITING_APPROVAL" in followed.stdout, followed.stdout
+        after = stack.cli("status", "tiny-nan").stdout
+        assert re.search(
+            rf"failure +gen {generation} .*non-finite loss or gradients at step \d+ "
+            r"\(suspect ranks \[0\]\)",
+            after,
+        ), after
+        assert re.search(
+            rf"health +gen {generation} step \d+: corruption on {culprit} \(quarantine\): "
+            r"rank 0's own gradients were non-finite before the all-reduce",
+            after,
+        ), after
+        nodes_table = stack.cli("nodes").stdout
+        assert re.search(rf"{culprit} .*cordoned .*suspected silent corruption", nodes_table), (
+            nodes_table
+        )
+        final = find_latest(store, "tiny-nan", max_generation=10**9)
+        expected = find_latest(store, reference, max_generation=10**9)
+        assert final is not None and expected is not None and final.generation > generation
+        assert final.manifest["loss_history"] == expected.manifest["loss_history"]
+        weights, theirs = final_weights(stack, "tiny-nan"), final_weights(stack, reference)
+        assert all(torch.equal(weights[k], theirs[k]) for k in theirs)
+    finally:
+        stack.cli("node", "undrain", culprit)
+
+
+def test_a_straggler_is_swapped_for_another_node(stack: Stack, tmp_path: Path) -> None:
+    """One node of the gang runs at a fifth of its speed: the gang names it with evidence,
+    checkpoints, the node is cordoned, and the run goes on on the others from that step."""
+    # Two busy CPU cores shared by a whole stack are noisy: a rank often runs 1.5× slower
+    # for a few steps. Twice as slow over two windows of 10 steps is not noise; 5× is the fault.
+    settings = {
+        "straggler_policy": "swap",
+        "straggler_factor": 2.0,
+        "straggler_window_steps": 10,
+        "straggler_windows": 2,
+    }
+    # Long enough that the slow-down lands mid-training; the test cancels it once it moved on.
+    spec = variant(tmp_path, "tiny-slow", recovery=settings, steps=100_000, checkpoint_every=100)
+    stack.cli("run", str(spec), "--detach")
+    store = LocalStore(Path(stack.settings.store))
+    wait_for(lambda: committed_steps(store, "tiny-slow"), 120, "the first checkpoint", 0.05)
+    generation, nodes = gang_of(stack, "tiny-slow")
+    assert generation and len(nodes) == 2
+    victim = nodes[1]
+    try:
+        stack.cli("chaos", "slow-node", victim, "--factor", "5")
+        moved = wait_for(
+            lambda: (gang := gang_of(stack, "tiny-slow"))[0] > generation and gang, 120, "a swap"
+        )
+        assert victim not in moved[1]
+        status = stack.cli("status", "tiny-slow").stdout
+        found = re.search(
+            rf"health +gen {generation} step (\d+): straggler on {victim} \(swap\): rank 1 "
+            r"\(node index 1\) is \d+\.\d× slower",
+            status,
+        )
+        assert found, status
+        assert re.search(r"attempts +0 restart", status), status  # a swap is not a failure
+        assert re.search(r"^  straggler +[\d,.]+ GPU-s", status, re.M), status
+        nodes_table = stack.cli("nodes").stdout
+        assert re.search(rf"{victim} .*cordoned .*straggler: rank 1", nodes_table), nodes_table
+        # The gang checkpointed where it named the straggler; the new one starts there.
+        swapped_at = int(found.group(1))
+        assert swapped_at in committed_steps(store, "tiny-slow")
+        resumed_at = wait_for(
+            lambda: first_step_of_generation_after(stack, "tiny-slow", generation), 60, "ranks"
+        )
+        assert resumed_at == swapped_at
+    finally:
+        stack.cli("cancel", "tiny-slow")
+        stack.cli("node", "undrain", victim)
+
+
+def test_the_control_plane_can_die_under_a_training_run(
+    stack: Stack, reference: str, tmp_path: Path
+) -> None:
+    """SIGKILL the control worker and the Temporal dev server mid-training: the node agents own
+    the ranks, which train on; `forgeline up` brings back what is missing, and the run
+    completes with no restart and the reference's weights."""
+    spec = variant(tmp_path, "tiny-cp", steps=300, checkpoint_every=100)
+    stack.cli("run", str(spec), "--detach")
+    store = LocalStore(Path(stack.settings.store))
+    wait_for(lambda: committed_steps(store, "tiny-cp"), 120, "the first checkpoint", 0.05)
+    generation, _ = gang_of(stack, "tiny-cp")
+    for name in ("control-worker", "temporal"):
+        os.kill(int((stack.home / "run" / f"{name}.pid").read_text().split()[0]), signal.SIGKILL)
+    # Nobody is left to tell the ranks anything, and they train on.
+    before = latest_step(stack, "tiny-cp", generation)
+    wait_for(
+        lambda: latest_step(stack, "tiny-cp", generation) >= before + 20,
+        60,
+        "training to go on without the control plane",
+        poll=0.05,
+    )
+    stack.cli("up", "--nodes", "3")
+    followed = stack.cli("run", str(spec), timeout=300)
+    assert "AWAITING_APPROVAL" in followed.stdout, followed.stdout
+    status = stack.cli("status", "tiny-cp").stdout
+    assert re.search(r"attempts +0 restart", status), status
+    assert re.search(rf"checkpoint +step 300 \(generation {generation},", status), status
+    weights, theirs = final_weights(stack, "tiny-cp"), final_weights(stack, reference)
+    assert all(torch.equal(weights[k], theirs[k]) for k in theirs)
+
+
+# Covered faster by tests/activities/test_node_health_check.py and the Cluster workflow's tests.
+@pytest.mark.slow
+def test_a_node_failing_its_health_check_is_left_behind(stack: Stack, tmp_path: Path) -> None:
+    """The node's own checker reports ECC errors mid-training: its agent stops the attempt at
+    once (no heartbeat timeout to wait for), the run reports the node and continues on another;
+    when the check passes again the node is back in service."""
+    spec = variant(tmp_path, "tiny-sick", steps=300, checkpoint_every=100)
+    stack.cli("run", str(spec), "--detach")
+    store = LocalStore(Path(stack.settings.store))
+    wait_for(lambda: committed_steps(store, "tiny-sick"), 120, "the first checkpoint", 0.05)
+    generation, nodes = gang_of(stack, "tiny-sick")
+    sick = nodes[1]
+    stack.cli("chaos", "fail-health", sick, "--reason", "uncorrectable ECC errors")
+    try:
+        followed = stack.cli("run", str(spec), timeout=300)
+        assert "AWAITING_APPROVAL" in followed.stdout, followed.stdout
+        status = stack.cli("status", "tiny-sick").stdout
+        assert re.search(
+            rf"failure +gen {generation} .*{sick}: .*health check failed: uncorrectable ECC",
+            status,
+        ), status
+        assert re.search(rf"{sick} .*down .*health check failed", stack.cli("nodes").stdout)
+    finally:
+        stack.cli("chaos", "fail-health", sick, "--clear")
+    wait_for(
+        lambda: re.search(rf"{sick} .*idle", stack.cli("nodes").stdout), 30, "the node to return"
+    )

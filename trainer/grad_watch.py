@@ -1,0 +1,68 @@
+"""Whose gradients went bad: each data-parallel replica's gradient norm *before* the all-reduce.
+
+After the all-reduce every replica holds the same average, and a NaN or a flipped exponent bit
+from one rank has spread to all of them: only the norm before says whose it was. A DDP
+communication hook sees each bucket of this rank's gradients just before it is sent; it adds up
+their squares and then reduces the bucket exactly as DDP would without a hook.
+
+`forgeline chaos corrupt-grad` poisons a bucket here, before the all-reduce, as a bit flip in a
+GPU's memory would: the whole gang then sees NaN, and only this evidence names the rank.
+"""
+
+# No `from __future__ import annotations` here: DDP checks the hook's annotations as objects.
+import math
+from collections.abc import Callable
+from statistics import median
+
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+from torch.nn.parallel import DistributedDataParallel
+
+# A replica's norm this many times the others' median is not a different batch: it is suspect.
+OUTLIER_FACTOR = 100.0
+
+
+class PreReduceNorms:
+    def __init__(
+        self,
+        model: DistributedDataParallel,
+        group: dist.ProcessGroup,
+        poison_now: Callable[[], bool] = lambda: False,
+    ) -> None:
+        self.group = group
+        self.poison_now = poison_now  # chaos: poison this rank's next bucket, once
+        self._squares = torch.zeros((), dtype=torch.float64)
+        model.register_comm_hook(self, PreReduceNorms._hook)
+
+    @staticmethod
+    def _hook(
+        state: "PreReduceNorms", bucket: dist.GradBucket
+    ) -> torch.futures.Future[torch.Tensor]:
+        buffer = bucket.buffer()
+        if state.poison_now():
+            buffer.view(-1)[0] = float("nan")
+        state._squares += buffer.detach().double().pow(2).sum().cpu()
+        return allreduce_hook(state.group, bucket)
+
+    def take(self) -> float:
+        """This step's norm of the gradients this rank computed itself; resets for the next."""
+        norm = math.sqrt(float(self._squares))
+        self._squares.zero_()
+        return norm
+
+
+def suspects(norms: list[float]) -> list[int]:
+    """Ranks whose own gradients were non-finite while others' were fine, or (with three or
+    more replicas, so a majority can say what is normal) far above the others' median. Empty
+    when every rank is alike: a diverging run is not a broken machine."""
+    broken = [rank for rank, norm in enumerate(norms) if not math.isfinite(norm)]
+    if broken:
+        return broken if len(broken) < len(norms) else []
+    if len(norms) < 3:
+        return []
+    return [
+        rank
+        for rank, norm in enumerate(norms)
+        if norm > OUTLIER_FACTOR * median(norms[:rank] + norms[rank + 1 :])
+    ]

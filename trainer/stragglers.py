@@ -1,0 +1,77 @@
+"""Straggler detection: each rank's own compute time against the rest of its gang, per window.
+
+Synchronous training runs at the pace of its slowest rank, and the collectives hide who that is:
+every rank's step lasts as long as the slowest rank's. The forward pass is the part a
+data-parallel rank does alone (no collective runs in it), so its duration measures the rank's
+own speed. (With sharded or tensor-parallel layouts the forward pass gathers weights, the waits
+even out, and a slow rank shows much less; there the hang watch and the step time remain.)
+
+Every `window` steps each rank's median forward time is compared with the median of the *other*
+ranks' medians: leave-one-out, because with two ranks the other one is the only fair yardstick,
+and medians, because one slow step (a page fault, a log flush) is not a slow machine. A rank
+slower by `factor` in `windows` consecutive windows is a straggler. Every rank holds the same
+gathered times, so every rank reaches the same verdict at the same step without talking.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from statistics import median
+
+
+@dataclass(frozen=True)
+class Straggler:
+    rank: int
+    step: int
+    ratio: float  # its median forward time over the others', in the last window
+    evidence: list[list[float]]  # every rank's median forward time (s), one row per window
+
+    def describe(self, ranks_per_node: int) -> str:
+        return (
+            f"rank {self.rank} (node index {self.rank // ranks_per_node}) is {self.ratio:.1f}× "
+            f"slower than the rest of the gang in {len(self.evidence)} windows in a row "
+            f"(median forward time per window, s, rank by rank: "
+            f"{[[round(t, 4) for t in row] for row in self.evidence]})"
+        )
+
+
+class StragglerWatch:
+    def __init__(self, window: int, factor: float, windows: int) -> None:
+        self.window = window
+        self.factor = factor
+        self.windows = windows
+        self.lost_s = 0.0  # step time spent waiting for the slowest rank, closed windows only
+        self._samples: list[list[float]] = []  # this window's forward times, a row per step
+        self._window_s = 0.0  # this window's step time
+        self._history: list[list[float]] = []  # per-window medians, newest last
+        self._streak: dict[int, int] = {}  # rank -> consecutive slow windows
+
+    def add(self, step: int, forward_s: list[float], step_s: float) -> Straggler | None:
+        """One step's forward times, rank by rank; a verdict when a window closes on one."""
+        if len(forward_s) < 2:
+            return None  # one rank has no one to be slower than
+        self._samples.append(forward_s)
+        self._window_s += step_s
+        if len(self._samples) < self.window:
+            return None
+        medians = [median(column) for column in zip(*self._samples, strict=True)]
+        ratios = [mine / _others(medians, rank) for rank, mine in enumerate(medians)]
+        # Had the slowest rank kept the others' pace, the window would have been this much
+        # shorter: the gang's time lost to it.
+        self.lost_s += self._window_s * (1 - 1 / max(max(ratios), 1.0))
+        self._samples.clear()
+        self._window_s = 0.0
+        self._history = [*self._history, medians][-self.windows :]
+        worst: Straggler | None = None
+        for rank, ratio in enumerate(ratios):
+            self._streak[rank] = self._streak.get(rank, 0) + 1 if ratio >= self.factor else 0
+            if self._streak[rank] >= self.windows and (worst is None or ratio > worst.ratio):
+                worst = Straggler(rank, step, ratio, [list(row) for row in self._history])
+        if worst is not None:
+            self._streak.clear()  # reported once per run of slow windows, not every window after
+        return worst
+
+
+def _others(medians: list[float], rank: int) -> float:
+    """The median of every other rank's median (never zero: a ratio divides by it)."""
+    return max(median(medians[:rank] + medians[rank + 1 :]), 1e-9)
