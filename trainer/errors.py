@@ -15,3 +15,7 @@ class DataError(TrainerError):
 
 class RanksFailed(TrainerError):
     """The torchrun ranks of this node exited with an error."""
+
+
+class RanksHung(RanksFailed):
+    """The ranks made no progress for too long: a stuck collective, a frozen process."""

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from trainer.errors import RanksFailed
+from trainer.errors import RanksFailed, RanksHung
 from trainer.hang import HangWatch
 from trainer.job import TrainJob
 
@@ -156,7 +156,7 @@ async def run_ranks(
             if hang is not None and not tail.finished:
                 hang.observe(int(tail.latest.get("step", 0)), time.monotonic())
                 if (idle := hang.stuck_s(time.monotonic())) is not None:
-                    raise RanksFailed(
+                    raise RanksHung(
                         f"ranks on node {job.node_id} hung at step {tail.latest.get('step')}: "
                         f"no progress for {idle:.0f} s (limit {hang.limit_s():.0f} s, "
                         f"{hang.factor:g} × the median time between progress reports); "
@@ -170,8 +170,10 @@ async def run_ranks(
                 if time.monotonic() - finished_at > exit_grace_s:
                     await _stop(proc, dump_stacks=False)
                     break
-    except BaseException:
-        await _stop(proc)
+    except BaseException as err:
+        # A hung rank will not act on SIGTERM (it sits in a collective, or is stopped): kill it
+        # soon. Anyone else gets the full grace to checkpoint on the way out.
+        await _stop(proc, grace_s=2.0 if isinstance(err, RanksHung) else 10.0)
         raise
     tail.poll()
     # torchrun exits non-zero when it was itself SIGTERMed (or stopped above), even though its

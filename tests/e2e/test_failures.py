@@ -307,7 +307,8 @@ def test_the_control_plane_can_die_under_a_training_run(
     """SIGKILL the control worker and the Temporal dev server mid-training: the node agents own
     the ranks, which train on; `forgeline up` brings back what is missing, and the run
     completes with no restart and the reference's weights."""
-    spec = variant(tmp_path, "tiny-cp", steps=300, checkpoint_every=100)
+    # The outage must stay inside the heartbeat timeout, whatever the machine's load: 30 s.
+    spec = variant(tmp_path, "tiny-cp", steps=300, checkpoint_every=100, heartbeat_timeout_s=30)
     stack.cli("run", str(spec), "--detach")
     store = LocalStore(Path(stack.settings.store))
     wait_for(lambda: committed_steps(store, "tiny-cp"), 120, "the first checkpoint", 0.05)

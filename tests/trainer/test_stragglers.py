@@ -70,10 +70,11 @@ def rank_pid(workdir: Path, rank: int, timeout: float = 60) -> int:
 
 
 def test_a_throttled_rank_is_swapped_out_after_a_checkpoint(trainer: Trainer) -> None:
-    """Rank 1 runs at a third of its speed (SIGSTOP/SIGCONT, nothing in the trainer knows): the
+    """Rank 1 runs at a quarter of its speed (SIGSTOP/SIGCONT, nothing in the trainer knows): the
     gang names it, checkpoints, and stops with the evidence as its reason."""
     long = TRAIN.model_copy(update={"steps": 100_000, "checkpoint_every": 50})
-    watch = {"window": 5, "factor": 1.5, "windows": 2}
+    # Twice as slow: a busy CPU makes one rank 1.5× slower for a few steps now and then.
+    watch = {"window": 5, "factor": 2.0, "windows": 2}
     job = trainer.job("slow", long, stragglers={"policy": "swap", "watch": watch})
     workdir = Path(job.progress_file).parent
 
@@ -81,7 +82,7 @@ def test_a_throttled_rank_is_swapped_out_after_a_checkpoint(trainer: Trainer) ->
         task = await trainer.start_until_committed(job, ranks=2)
         slow = rank_pid(workdir, rank=1)
         stop = time.monotonic() + 120
-        thread = threading.Thread(target=throttle, args=([slow], 3.0, stop), daemon=True)
+        thread = threading.Thread(target=throttle, args=([slow], 4.0, stop), daemon=True)
         thread.start()
         try:
             return await asyncio.wait_for(task, 120)
@@ -93,7 +94,7 @@ def test_a_throttled_rank_is_swapped_out_after_a_checkpoint(trainer: Trainer) ->
     assert tail.stopped and reason.startswith("straggler: rank 1 (node index 0)"), reason
     events = [json.loads(line) for line in Path(job.progress_file).read_text().splitlines()]
     health = [e for e in events if e["event"] == "health"]
-    assert len(health) == 1 and health[0]["rank"] == 1 and health[0]["ratio"] > 1.5
+    assert len(health) == 1 and health[0]["rank"] == 1 and health[0]["ratio"] > 2.0
     stopped_at = events[-1]["step"]
     assert stopped_at in committed_steps(trainer.store, "slow")  # nothing is lost by the swap
     ledger = read_ledger(trainer.store, "slow", 1)
