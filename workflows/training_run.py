@@ -19,10 +19,10 @@ from temporalio.exceptions import (
 )
 
 with workflow.unsafe.imports_passed_through():
+    from workflows.approval import refusal
+    from workflows.cluster_calls import gang_request, nodes_at_fault, report_nodes
     from workflows.cluster_models import (
         Allocation,
-        GangRequest,
-        NodeFailure,
         PreemptNotice,
         Release,
     )
@@ -161,15 +161,8 @@ class TrainingRun:
 
     @decide.validator
     def _validate_decision(self, decision: Decision) -> None:
-        if self._status.phase != Phase.AWAITING_APPROVAL:
-            raise ApplicationError(
-                f"run {self._spec.name} is {self._status.phase.value}, not AWAITING_APPROVAL: "
-                "only a registered model waiting for approval can be approved or rejected"
-            )
-        if self._decision is not None:
-            raise ApplicationError(f"run {self._spec.name} already has a decision")
-        if not decision.approve and not decision.reason.strip():
-            raise ApplicationError("a rejection needs a reason: pass --reason")
+        if why := refusal(self._status, self._decision is not None, decision):
+            raise ApplicationError(why)
 
     # --- phases ----------------------------------------------------------------------------
 
@@ -258,21 +251,11 @@ class TrainingRun:
             return final, results
 
     async def _acquire_gang(self) -> Allocation:
-        resources = self._spec.resources
-        request = GangRequest(
-            run_id=self._spec.name,
-            nodes=resources.nodes,
-            gpus_per_node=resources.gpus_per_node,
-            team=resources.team,
-            gpu_type=resources.gpu_type,
-            priority=resources.priority,
-            preemptible=resources.preemptible,
-            max_runtime_s=resources.max_runtime_h * 3600 if resources.max_runtime_h else None,
-            cache_items=[self._status.dataset.snapshot_id] if self._status.dataset else [],
-            allow_multi_pod=resources.allow_multi_pod,
-            # After a failure or a swap the gang may take a spare instead of waiting.
-            recovery=self._after in ("failure", "swap"),
-            # Requeued after a failure or a preemption, the run keeps its place by age.
+        dataset = self._status.dataset
+        request = gang_request(
+            self._spec,
+            dataset.snapshot_id if dataset else None,
+            recovering=self._after in ("failure", "swap"),
             submitted_at=workflow.info().start_time,
         )
         self._grant = None
@@ -285,7 +268,7 @@ class TrainingRun:
         self._allocation = self._grant
         self._attempt = AttemptRecord(
             generation=self._grant.generation,
-            gpus=len(self._grant.nodes) * resources.gpus_per_node,
+            gpus=len(self._grant.nodes) * self._spec.resources.gpus_per_node,
             requested_at=requested_at,
             granted_at=workflow.now(),
             after=self._after,
@@ -431,25 +414,9 @@ class TrainingRun:
         self._set_phase(Phase.RECOVERING)
         self._after = "failure"
         self._status.failures.extend(failures)
-        cluster = workflow.get_external_workflow_handle(CLUSTER_WORKFLOW_ID)
-        reports = [(f.node_id, f.reason, f.kind) for f in failures if f.node_id]
-        # Ranks named as the source of silent corruption: their nodes are quarantined.
-        reports += [
-            (e.node_id, f"suspected silent corruption: {e.evidence}", "corruption")
-            for e in self._status.health
-            if e.kind == "corruption" and e.generation == allocation.generation and e.node_id
-        ]
-        for node_id, reason, kind in reports:
-            await cluster.signal(
-                "report_failure",
-                NodeFailure(
-                    run_id=self._spec.name,
-                    generation=allocation.generation,
-                    node_id=node_id,
-                    reason=reason,
-                    kind=kind,
-                ),
-            )
+        generation = allocation.generation
+        blamed = nodes_at_fault(failures, self._status.health, generation)
+        await report_nodes(self._spec.name, generation, blamed)
         await self._release_gang()
         self._status.attempts += 1
         if self._status.attempts > self._spec.recovery.max_restarts:
@@ -468,16 +435,8 @@ class TrainingRun:
         self._after = "swap"
         event = swap.event
         if event.node_id is not None:
-            await workflow.get_external_workflow_handle(CLUSTER_WORKFLOW_ID).signal(
-                "report_failure",
-                NodeFailure(
-                    run_id=self._spec.name,
-                    generation=allocation.generation,
-                    node_id=event.node_id,
-                    reason=f"straggler: {event.evidence}",
-                    kind="straggler",
-                ),
-            )
+            slow = [(event.node_id, f"straggler: {event.evidence}", "straggler")]
+            await report_nodes(self._spec.name, allocation.generation, slow)
         await self._release_gang()
 
     async def _evaluate(self, dataset: DatasetRef, checkpoint: CheckpointRef) -> EvalResult:

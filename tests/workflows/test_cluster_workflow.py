@@ -81,6 +81,13 @@ class Harness:
 
         return await eventually(probe, lambda notices: len(notices) >= count)
 
+    async def gang_of_two(self, run_id: str = "run-a") -> Allocation:
+        """Nodes n0 and n1 registered, and both granted to one run."""
+        for n in ("n0", "n1"):
+            await self.cluster.signal(ClusterWorkflow.register_node, node(n))
+        (grant,) = await self.grants(await self.hold(run_id, nodes=2), 1)
+        return grant
+
     async def state(self, check: Callable[[ClusterState], bool] = lambda _: True) -> ClusterState:
         async def probe() -> ClusterState:
             return await self.cluster.query(ClusterWorkflow.state, result_type=ClusterState)
@@ -236,10 +243,7 @@ def test_a_death_reported_after_the_agent_restarted_leaves_the_new_one_up(
     temporal_address: str, task_queue: str
 ) -> None:
     async def scenario(h: Harness) -> None:
-        for n in ("n0", "n1"):
-            await h.cluster.signal(ClusterWorkflow.register_node, node(n))
-        holder = await h.hold("run-a", nodes=2)
-        (grant,) = await h.grants(holder, 1)
+        grant = await h.gang_of_two()
         # n0's agent dies and is restarted (a new incarnation) before the run reports it.
         await h.cluster.signal(ClusterWorkflow.register_node, node("n0", incarnation="b"))
         died = NodeFailure(
@@ -256,10 +260,7 @@ def test_a_straggler_is_cordoned_not_counted_as_a_death(
     temporal_address: str, task_queue: str
 ) -> None:
     async def scenario(h: Harness) -> None:
-        for n in ("n0", "n1"):
-            await h.cluster.signal(ClusterWorkflow.register_node, node(n))
-        holder = await h.hold("run-a", nodes=2)
-        (grant,) = await h.grants(holder, 1)
+        grant = await h.gang_of_two()
         slow = NodeFailure(
             run_id="run-a", generation=grant.generation, node_id="n1",
             reason="straggler: rank 1 is 3.0× slower", kind="straggler",
