@@ -112,16 +112,16 @@ def read_manifest(store: ObjectStore, key: str) -> dict:
     return manifest
 
 
-def verify_files(store: ObjectStore, manifest: dict) -> None:
+def verify_files(store: ObjectStore, manifest: dict, what: str = "checkpoint file") -> None:
     """Check every file the manifest lists is in the store with its recorded size and sha256."""
     for entry in manifest["files"]:
         try:
             size, sha256 = store.digest(entry["key"])
         except ObjectNotFound:
-            raise IntegrityError(f"checkpoint file {entry['key']} is missing") from None
+            raise IntegrityError(f"{what} {entry['key']} is missing") from None
         if size != entry["bytes"] or sha256 != entry["sha256"]:
             raise IntegrityError(
-                f"checkpoint file {entry['key']} is corrupt: expected {entry['bytes']} bytes "
+                f"{what} {entry['key']} is corrupt: expected {entry['bytes']} bytes "
                 f"with sha256 {entry['sha256'][:12]}…, found {size} bytes with {sha256[:12]}…"
             )
 

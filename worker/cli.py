@@ -30,6 +30,7 @@ from worker.data_cli import (
     render_report,
     write_report,
 )
+from worker.lineage import lineage_command
 from worker.render import progress_line, run_link, runs_table, status_text
 from worker.runs import RunNotFound, list_run_names, submit, view
 from worker.specfile import SpecError, load_spec, spec_sha256
@@ -42,6 +43,7 @@ app.add_typer(data_app, name="data")
 app.add_typer(cluster_app, name="cluster")
 app.add_typer(node_app, name="node")
 app.add_typer(chaos_app, name="chaos")
+app.command("lineage")(lineage_command)
 app.command()(nodes)
 app.command()(queues)
 app.command()(jobs)

@@ -66,6 +66,30 @@ def test_run_to_approval_and_the_registered_model(stack: Stack) -> None:
     assert store.list("runs/tiny/checkpoints/step-20/") == []
     assert ranks_of(stack.home, "tiny") == []
 
+    # Lineage: the version back to its checkpoint, data, code and history, hashes checked now.
+    lineage = stack.cli("lineage", "tiny", "@production").stdout
+    expected_lines = [
+        r"^version +tiny v1 \(aliases: .*production.*\); approved by bob",
+        r"^checkpoint +runs/tiny/checkpoints/step-60/MANIFEST.json: step 60, .*\[verified\]",
+        rf"^dataset +snapshot {tags['forgeline.dataset_snapshot']} from .*tinyshakespeare.txt: "
+        r"[\d,]+ documents read, .*\[verified\]",
+    ]
+    for line in expected_lines:
+        assert re.search(line, lineage, re.M), (line, lineage)
+    assert re.search(rf"^code +git {tags['forgeline.git_commit']}", lineage, re.M), lineage
+    assert f"/workflows/tiny/{tags['forgeline.temporal_run_id']}" in lineage
+    shard = (
+        store.root
+        / json.loads(store.get_bytes(tags["forgeline.checkpoint_manifest_key"]))["files"][0]["key"]
+    )
+    original = shard.read_bytes()
+    shard.write_bytes(original[:-1] + bytes([original[-1] ^ 1]))
+    try:
+        broken = stack.cli("lineage", "tiny", "1", check=False)
+        assert broken.returncode == 1 and "[BROKEN: checkpoint file" in broken.stdout
+    finally:
+        shard.write_bytes(original)
+
 
 def test_cancel_stops_the_ranks_and_releases_the_gang(stack: Stack, tmp_path: Path) -> None:
     spec = variant(tmp_path, "tiny-cancel", steps=100000, checkpoint_every=1000)

@@ -1,0 +1,140 @@
+"""`forgeline lineage NAME VERSION`: a model version traced back to its data, code and checkpoint,
+with every hash checked against the store now (not just what was recorded then).
+
+    version → MLflow run → checkpoint manifest (every file's sha256) → dataset snapshot (manifest
+    sha256, sources, filter and dedup counts) → code commit → run spec → Temporal history
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Annotated
+
+import typer
+from mlflow.exceptions import MlflowException
+from mlflow.tracking import MlflowClient
+
+from infra.digest import sha256_bytes
+from infra.errors import IntegrityError, ObjectNotFound
+from infra.settings import Settings
+from infra.store import ObjectStore, open_store
+from registry.tracking import CHECKPOINT_TAG, IDEMPOTENCY_TAG
+from trainer.manifest import read_manifest, verify_files
+from worker.cli_common import CliError, check_name, console, get_settings
+
+
+@dataclass(frozen=True)
+class Link:
+    what: str
+    detail: str
+    check: str = ""  # "ok", or what is wrong; empty where there is nothing to check
+
+    @property
+    def broken(self) -> bool:
+        return self.check not in ("", "ok")
+
+
+class LineageError(Exception):
+    """The version is not in the registry, or was not made by forgeline."""
+
+
+def lineage_command(
+    name: Annotated[str, typer.Argument(help="registered model name")],
+    version: Annotated[str, typer.Argument(help="a version number, or @ALIAS")],
+) -> None:
+    """A model version traced to its checkpoint, data, code and Temporal history, every hash
+    checked against the store; exits 1 when one does not match."""
+    settings = get_settings()
+    check_name(name, "model name")
+    try:
+        links = trace(settings, open_store(settings.store), name, version)
+    except LineageError as err:
+        raise CliError(str(err)) from None
+    for link in links:
+        mark = {"": "", "ok": "  [verified]"}.get(link.check, f"  [BROKEN: {link.check}]")
+        console.print(f"{link.what:<11} {link.detail}{mark}", markup=False)
+    if any(link.broken for link in links):
+        raise typer.Exit(1)
+
+
+def trace(settings: Settings, store: ObjectStore, name: str, version: str) -> list[Link]:
+    client = MlflowClient(tracking_uri=settings.mlflow_uri, registry_uri=settings.mlflow_uri)
+    try:
+        if version.startswith("@"):
+            found = client.get_model_version_by_alias(name, version[1:])
+        else:
+            found = client.get_model_version(name, version)
+    except MlflowException:
+        raise LineageError(
+            f"{name} version {version} is not in the registry at {settings.mlflow_uri}"
+        ) from None
+    tags = found.tags
+    if CHECKPOINT_TAG not in tags:
+        raise LineageError(f"{name} version {version} has no forgeline lineage tags")
+    run = client.get_run(found.run_id)
+    aliases = ", ".join(found.aliases) or "none"
+    code = f"git {tags.get('forgeline.git_commit', '?')}"
+    if tags.get("forgeline.git_dirty") == "true":
+        code += " (with uncommitted changes)"
+    workflow_id = tags.get("forgeline.temporal_workflow_id", "?")
+    history = f"{settings.temporal_ui_url}/namespaces/{settings.temporal_namespace}/workflows"
+    return [
+        Link("version", f"{name} v{found.version} (aliases: {aliases}); {_decision(tags)}"),
+        Link("mlflow run", f"{run.info.run_name} ({found.run_id})"),
+        _checkpoint(store, tags[CHECKPOINT_TAG]),
+        _dataset(
+            store,
+            tags["forgeline.dataset_manifest_key"],
+            tags["forgeline.dataset_manifest_sha256"],
+        ),
+        Link("code", code),
+        Link("spec", f"sha256 {tags.get('forgeline.spec_sha256', '?')}"),
+        Link("temporal", f"{history}/{workflow_id}/{tags.get(IDEMPOTENCY_TAG, '')}".rstrip("/")),
+    ]
+
+
+def _decision(tags: dict[str, str]) -> str:
+    decision = tags.get("forgeline.decision")
+    if decision is None:
+        return "waiting for approval"
+    return f"{decision} by {tags.get('forgeline.decided_by', '?')}"
+
+
+def _checkpoint(store: ObjectStore, key: str) -> Link:
+    try:
+        manifest = read_manifest(store, key)
+        verify_files(store, manifest)
+    except (IntegrityError, ObjectNotFound) as err:
+        return Link("checkpoint", key, str(err))
+    detail = (
+        f"{key}: step {manifest['step']}, generation {manifest['generation']}, "
+        f"{len(manifest['files'])} files, {manifest.get('tokens_seen', 0):,} tokens seen"
+    )
+    return Link("checkpoint", detail, "ok")
+
+
+def _dataset(store: ObjectStore, key: str, recorded_sha256: str) -> Link:
+    try:
+        data = store.get_bytes(key)
+    except ObjectNotFound:
+        return Link("dataset", key, "the snapshot's manifest is gone from the store")
+    if sha256_bytes(data) != recorded_sha256:
+        return Link("dataset", key, f"manifest sha256 is not the recorded {recorded_sha256[:12]}…")
+    manifest = json.loads(data)
+    # Every file the snapshot is made of: token shards, tokenizer, per-document report.
+    files = [shard for split in manifest["splits"].values() for shard in split["shards"]]
+    files += [manifest["tokenizer"], *manifest["report"].values()]
+    try:
+        verify_files(store, {"files": files}, what="dataset file")
+    except IntegrityError as err:
+        return Link("dataset", key, str(err))
+    docs = manifest["documents"]
+    sources = ", ".join(s["path"] for s in manifest["sources"])
+    detail = (
+        f"snapshot {manifest['snapshot_id']} from {sources}: {docs['read']:,} documents read, "
+        f"{docs['filtered']:,} filtered, {docs['exact_duplicates'] + docs['near_duplicates']:,} "
+        f"duplicates removed; train {docs['train']:,} / val {docs['val']:,} documents; "
+        f"{len(files)} files"
+    )
+    return Link("dataset", detail, "ok")
