@@ -127,6 +127,9 @@ def test_bad_input_gets_one_clear_line(stack: Stack, tmp_path: Path) -> None:
     assert missing.returncode == 2 and "no run named 'no-such-run'" in missing.stdout
 
 
+# Covered faster by tests/workflows/test_cluster_workflow.py (reclaim, grace, requeue) and
+# tests/trainer/test_layouts.py (SIGTERM: the step finishes, commits, stops).
+@pytest.mark.slow
 def test_a_team_reclaims_its_guarantee_and_the_victim_resumes_exactly(
     stack: Stack, reference: str, tmp_path: Path
 ) -> None:

@@ -164,6 +164,9 @@ def test_three_sigkills_and_a_flipped_byte_change_no_weight(
     assert metrics["gpu_seconds_lost.rework"] > 0 and metrics["gpu_seconds_productive"] > 0
 
 
+# Covered faster by tests/trainer/test_fencing.py (real ranks of a superseded generation commit
+# nothing and stop) and the store's fencing unit tests.
+@pytest.mark.slow
 def test_a_paused_node_that_comes_back_cannot_commit(stack: Stack, tmp_path: Path) -> None:
     """Pause a one-node run's node (SIGSTOP its agent, torchrun and ranks): the run moves to
     another node in a new generation. When the paused processes continue, the old ranks are
