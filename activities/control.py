@@ -15,25 +15,38 @@ from temporalio import activity
 from activities.errors import domain_errors
 from activities.fetch import NodeCache
 from activities.heartbeat import keep_alive
-from infra.code_version import code_version
+from infra.code_version import code_version, installed_packages, packages_digest
 from infra.settings import Settings
 from infra.store import open_store
-from registry.tracking import CHECKPOINT_TAG, Registration, checkpoint_of, register
+from registry.approvals import load_approvals, rules_for
+from registry.tracking import (
+    CHECKPOINT_TAG,
+    DatasetUsed,
+    Registration,
+    checkpoint_of,
+    open_run,
+    register,
+)
 from registry.tracking import record_decision as record_version_decision
 from trainer.attempt_clock import Mark, read_ledger
-from trainer.evaluate import evaluate_checkpoint, load_model
+from trainer.evaluate import checkpoint_val_loss, evaluate_checkpoint, load_model
 from trainer.manifest import (
     CommittedCheckpoint,
+    committed_steps,
     find_latest,
     load_for_init,
+    manifest_key,
     newest_commit_of,
     record_generation,
 )
 from workflows.models import (
+    ApprovalPolicy,
+    ApprovalPolicyInput,
     AttemptLedger,
     AttemptLedgerInput,
     CheckpointRef,
     DecisionInput,
+    EvalPoint,
     EvalResult,
     EvaluateInput,
     Goodput,
@@ -42,6 +55,8 @@ from workflows.models import (
     LedgerMark,
     ModelVersionRef,
     RegisterInput,
+    Sample,
+    TrackingInput,
 )
 
 _SERVING_PACKAGES = ("torch", "tokenizers", "safetensors", "numpy", "mlflow")
@@ -132,28 +147,84 @@ class ControlActivities:
 
     @activity.defn(name="evaluate")
     def evaluate(self, inp: EvaluateInput) -> EvalResult:
+        train, prompts = inp.spec.train, inp.spec.registry.prompts
         with domain_errors(), keep_alive():
             dataset = self.cache.dataset_manifest(inp.dataset)
+            val_shards = self.cache.split(dataset, "val")
             folder, manifest = self.cache.checkpoint(inp.checkpoint)
             activity.heartbeat("checkpoint fetched")
             result = evaluate_checkpoint(
                 checkpoint_folder=folder,
                 model_config=manifest["model_config"],
-                val_shards=self.cache.split(dataset, "val"),
+                val_shards=val_shards,
                 dtype=dataset["dtype"],
                 tokenizer_file=self.cache.tokenizer(dataset),
-                batch_size=inp.spec.train.batch_size,
-                max_batches=inp.spec.train.eval_batches,
-                prompt=inp.spec.registry.sample_prompt,
+                batch_size=train.batch_size,
+                max_batches=train.eval_batches,
+                prompts=prompts,
                 sample_tokens=inp.spec.registry.sample_tokens,
-                seed=inp.spec.train.seed,
+                seed=train.seed,
             )
+            curve = [EvalPoint(step=inp.checkpoint.step, val_loss=result.val_loss)]
+            # The older checkpoints still kept give the curve's earlier points.
+            for step in committed_steps(self.store, inp.run_id):
+                if step >= inp.checkpoint.step:
+                    continue
+                older = inp.checkpoint.model_copy(
+                    update={"manifest_key": manifest_key(inp.run_id, step), "step": step}
+                )
+                older_folder, older_manifest = self.cache.checkpoint(older)
+                loss = checkpoint_val_loss(
+                    older_folder,
+                    older_manifest["model_config"],
+                    val_shards,
+                    dataset["dtype"],
+                    train.batch_size,
+                    train.eval_batches,
+                )
+                curve.append(EvalPoint(step=step, val_loss=loss))
+                activity.heartbeat(f"checkpoint {step} evaluated")
         return EvalResult(
             step=inp.checkpoint.step,
             val_loss=result.val_loss,
             perplexity=result.perplexity,
             val_tokens=result.val_tokens,
-            sample=result.sample,
+            sample=result.samples[0],
+            samples=[
+                Sample(prompt=p, text=t) for p, t in zip(prompts, result.samples, strict=True)
+            ],
+            curve=sorted(curve, key=lambda point: point.step),
+        )
+
+    @activity.defn(name="open_tracking_run")
+    def open_tracking_run(self, inp: TrackingInput) -> str:
+        """The MLflow run that tracks this training run from its start: the node agents stream
+        the ranks' metrics into it, and registration logs the model into it."""
+        spec = inp.spec
+        return open_run(
+            self.settings.mlflow_uri,
+            run_name=inp.run_id,
+            key=inp.workflow_run_id,
+            params=spec.model_dump(exclude={"name", "owner"}),
+            tags={
+                "forgeline.run": inp.run_id,
+                "forgeline.owner": spec.owner,
+                "forgeline.team": spec.resources.team,
+                "forgeline.temporal_workflow_id": activity.info().workflow_id,
+                "forgeline.spec_sha256": inp.spec_sha256,
+            },
+        )
+
+    @activity.defn(name="approval_policy")
+    def approval_policy(self, inp: ApprovalPolicyInput) -> ApprovalPolicy:
+        """The operators' rules for this model, read once when it waits for approval; an
+        approvals file that does not parse is retried, so fixing it unblocks the run."""
+        rules = rules_for(load_approvals(self.settings.home), inp.model_name, inp.team)
+        return ApprovalPolicy(
+            approvers=list(rules.approvers),
+            allow_self_approval=rules.allow_self_approval,
+            max_val_loss=rules.max_val_loss,
+            source=rules.source,
         )
 
     @activity.defn(name="register_model")
@@ -168,6 +239,7 @@ class ControlActivities:
             model = load_model(folder, manifest["model_config"])
             artifacts = export_model(model, self.cache.tokenizer(dataset), Path(tmp))
             code = code_version()
+            packages = installed_packages()
             lineage = {
                 "forgeline.git_commit": code.commit,
                 "forgeline.git_dirty": str(code.dirty).lower(),
@@ -181,6 +253,9 @@ class ControlActivities:
                 "forgeline.run": inp.run_id,
                 "forgeline.owner": inp.spec.owner,
                 "forgeline.val_loss": f"{inp.evaluation.val_loss:.4f}",
+                "forgeline.val_perplexity": f"{inp.evaluation.perplexity:.4f}",
+                "forgeline.eval_step": str(inp.evaluation.step),
+                "forgeline.packages_sha256": packages_digest(packages),
             }
             final = inp.training[0] if inp.training else None
             metrics = {
@@ -203,7 +278,11 @@ class ControlActivities:
                 metrics |= goodput_metrics(inp.goodput)
             texts = {
                 "sample.txt": inp.evaluation.sample,
+                "samples.json": json.dumps(
+                    [s.model_dump() for s in inp.evaluation.samples], indent=2
+                ),
                 "spec.json": json.dumps(inp.spec.model_dump(), indent=2),
+                "packages.txt": "\n".join(packages) + "\n",  # what packages_sha256 hashes
             }
             if inp.goodput is not None:
                 texts["goodput.json"] = inp.goodput.model_dump_json(indent=2)
@@ -222,7 +301,10 @@ class ControlActivities:
                     },
                     metrics=metrics,
                     metric_series={
-                        "train_loss": [(int(s), float(v)) for s, v in manifest["loss_history"]]
+                        "train_loss": [(int(s), float(v)) for s, v in manifest["loss_history"]],
+                        "val_loss_by_checkpoint": [
+                            (p.step, p.val_loss) for p in inp.evaluation.curve
+                        ],
                     },
                     run_tags=lineage,
                     version_tags=lineage,
@@ -232,6 +314,13 @@ class ControlActivities:
                     pip_requirements=[f"{p}=={metadata.version(p)}" for p in _SERVING_PACKAGES],
                     idempotency_key=inp.workflow_run_id,
                     texts=texts,
+                    mlflow_run_id=inp.mlflow_run_id,
+                    dataset=DatasetUsed(
+                        name=f"snapshot-{inp.dataset.snapshot_id}",
+                        uri=self._uri_of(inp.dataset.manifest_key),
+                        digest=inp.dataset.manifest_sha256,
+                        tags={"snapshot": inp.dataset.snapshot_id},
+                    ),
                 ),
             )
         return ModelVersionRef(
@@ -251,7 +340,16 @@ class ControlActivities:
                 approve=inp.decision.approve,
                 reason=inp.decision.reason,
                 decided_at=inp.decided_at,
+                expired=inp.expired,
+                extra_tags=inp.tags,
             )
+
+    def _uri_of(self, key: str) -> str:
+        """Where a store key lives, as a URI MLflow can show (file:///… or s3://…)."""
+        store = self.settings.store
+        if "://" in store:
+            return f"{store.rstrip('/')}/{key}"
+        return (Path(store).resolve() / key).as_uri()
 
     def all(self) -> list:
         return [
@@ -259,6 +357,8 @@ class ControlActivities:
             self.attempt_ledger,
             self.resolve_init_from,
             self.evaluate,
+            self.open_tracking_run,
+            self.approval_policy,
             self.register_model,
             self.record_decision,
         ]

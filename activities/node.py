@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
 from pathlib import Path
@@ -22,6 +23,7 @@ from activities.fetch import NodeCache
 from infra import node_health
 from infra.settings import Settings
 from infra.store import open_store
+from registry.metric_stream import MetricSpool
 from trainer.errors import RanksFailed
 from trainer.hang import HangWatch
 from trainer.job import CHAOS_FILE, ResumePoint, TrainJob
@@ -56,6 +58,8 @@ class NodeActivities:
         self.on_cached = on_cached  # called when a dataset snapshot is in this node's cache
         self.store = open_store(settings.store)
         self.workdir = settings.home / "nodes" / node_id
+        # The spool the agent's MetricShipper sends to MLflow (worker.processes_main).
+        self.metrics_dir = self.workdir / "metrics"
         self.cache = NodeCache(self.workdir / "cache", self.store)
 
     @activity.defn(name="train_on_node")
@@ -79,6 +83,9 @@ class NodeActivities:
             nnodes=len(allocation.nodes),
             nproc_per_node=inp.spec.resources.gpus_per_node,
         )
+        reporter.stream_metrics(
+            self.metrics_dir, self._generation_dir(inp.run_id, generation) / "progress.jsonl"
+        )
         try:
             tail = await run_ranks(
                 job,
@@ -93,6 +100,7 @@ class NodeActivities:
         except NodeUnhealthy as err:  # the run reports this node and moves on without it
             raise ApplicationError(str(err), type="NodeUnhealthy", non_retryable=True) from err
         finally:
+            reporter.close_metrics()
             await reporter.flush()
         last = tail.latest
         return NodeTrainResult(
@@ -192,6 +200,27 @@ class _Reporter:
         self.committed: int | None = inp.resume.step if inp.resume else None
         self.health_told = 0  # health events of the ranks already signalled to the run
         self.pending: set[asyncio.Task] = set()
+        self.metrics: _MetricTap | None = None
+
+    def stream_metrics(self, spool_dir: Path, progress_file: Path) -> None:
+        """Copy the ranks' step and eval lines to this node's metric spool, on the head node of
+        a run tracked in MLflow. Tracking must never cost training: failures are logged only."""
+        if not self.tell_cluster or not self.inp.mlflow_run_id:
+            return
+        # Its own file per attempt: a retried attempt never appends to a file already shipped.
+        stream = f"g{self.inp.allocation.generation}-a{activity.info().attempt}"
+        try:
+            spool = MetricSpool(spool_dir, self.inp.mlflow_run_id, stream)
+        except (OSError, ValueError):
+            activity.logger.warning("training metrics will not reach MLflow", exc_info=True)
+            return
+        self.metrics = _MetricTap(progress_file, spool)
+
+    def close_metrics(self) -> None:
+        if self.metrics is not None:
+            self.metrics.poll()  # the last lines the ranks wrote before they exited
+            self.metrics.spool.close()
+            self.metrics = None
 
     def beat(self, state: str, **progress: object) -> None:
         activity.heartbeat(
@@ -208,6 +237,8 @@ class _Reporter:
         if reason := node_health.failing(self.node_dir):  # raising here stops the ranks
             raise NodeUnhealthy(f"node {self.node_id}: {reason}")
         self.beat(**{"state": "starting", **latest})
+        if self.metrics is not None:
+            self.metrics.poll()
         if not self.tell_cluster:  # every node's ranks log the same; one node tells
             return
         step = latest.get("checkpoint_step")
@@ -250,6 +281,58 @@ class _Reporter:
     async def flush(self) -> None:
         if self.pending:
             await asyncio.gather(*self.pending, return_exceptions=True)
+
+
+# Fields of the ranks' step lines and the MLflow metrics they become.
+_STEP_METRICS = {
+    "loss": "train/loss",
+    "lr": "train/lr",
+    "tokens_per_s": "train/tokens_per_s",
+    "mfu": "train/mfu",
+}
+
+
+class _MetricTap:
+    """Reads every new complete line of the progress file (the ProgressTail keeps only the
+    newest state) and spools its metrics for MLflow, stamped with the time the ranks wrote them.
+    Re-reading the file of an earlier attempt of the generation spools the same points again,
+    which MLflow stores once."""
+
+    def __init__(self, progress_file: Path, spool: MetricSpool) -> None:
+        self.path = progress_file
+        self.spool = spool
+        self.offset = 0
+
+    def poll(self) -> None:
+        try:
+            self._poll()
+        except Exception:  # a tracking fault never reaches the ranks or the heartbeat
+            activity.logger.warning("could not spool training metrics", exc_info=True)
+
+    def _poll(self) -> None:
+        try:
+            with open(self.path, "rb") as handle:
+                handle.seek(self.offset)
+                chunk = handle.read()
+        except FileNotFoundError:
+            return
+        complete, newline, _ = chunk.rpartition(b"\n")
+        if not newline:
+            return
+        self.offset += len(complete) + 1
+        for line in complete.splitlines():
+            try:
+                event = json.loads(line)
+                kind = event.get("event")
+                if kind == "step":
+                    values = {key: event.get(field) for field, key in _STEP_METRICS.items()}
+                elif kind == "eval":
+                    values = {"train/val_loss": event.get("val_loss")}
+                else:
+                    continue
+                self.spool.log_dict(values, int(event["step"]), int(event["time"] * 1000))
+            except (ValueError, KeyError, TypeError, AttributeError):
+                continue  # one odd line costs only itself
 
 
 async def _heartbeating(work: Awaitable[T], beat: Callable[[], None], every_s: float = 1.0) -> T:

@@ -30,6 +30,7 @@ def temporal_dev_server_argv(
     ui_port: int,
     headless: bool = False,
     dynamic_config: dict[str, object] | None = None,
+    search_attributes: dict[str, str] | None = None,
 ) -> list[str]:
     # The SQLite file keeps every workflow's history across `forgeline down` / `up`.
     argv = [
@@ -42,6 +43,8 @@ def temporal_dev_server_argv(
     argv += ["--headless"] if headless else ["--ui-port", str(ui_port)]
     for key, value in (dynamic_config or {}).items():
         argv += ["--dynamic-config-value", f"{key}={json.dumps(value)}"]
+    for name, kind in (search_attributes or {}).items():  # name -> Keyword, Int, ...
+        argv += ["--search-attribute", f"{name}={kind}"]
     return argv
 
 

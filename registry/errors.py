@@ -7,3 +7,7 @@ class RegistryError(Exception):
 
 class VersionNotFound(RegistryError):
     """The model version named does not exist in the registry."""
+
+
+class ApprovalsInvalid(RegistryError):
+    """The operators' approvals file cannot be read as rules."""

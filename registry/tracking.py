@@ -7,12 +7,15 @@ created before instead of registering a second one.
 from __future__ import annotations
 
 import time
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
 import mlflow
+from mlflow.data.dataset_source_registry import resolve_dataset_source
+from mlflow.data.meta_dataset import MetaDataset
 from mlflow.entities import Metric, Param, RunTag
 from mlflow.models import ModelSignature
 from mlflow.tracking import MlflowClient
@@ -33,6 +36,16 @@ class RegisteredVersion:
     mlflow_run_id: str
 
 
+@dataclass(frozen=True)
+class DatasetUsed:
+    """The dataset snapshot a model was trained on, as an MLflow run input."""
+
+    name: str
+    uri: str  # where its manifest is: file:///... or s3://...
+    digest: str
+    tags: dict[str, str] = field(default_factory=dict)
+
+
 @dataclass
 class Registration:
     """Everything MLflow records about one trained model."""
@@ -50,6 +63,8 @@ class Registration:
     pip_requirements: list[str]
     idempotency_key: str
     texts: dict[str, str] = field(default_factory=dict)  # file name -> content, on the run
+    mlflow_run_id: str | None = None  # the run opened at the start (open_run); None: a new one
+    dataset: DatasetUsed | None = None
 
 
 def flatten(data: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
@@ -89,7 +104,12 @@ def register(tracking_uri: str, reg: Registration) -> RegisteredVersion:
         return existing
 
     mlflow.set_experiment(EXPERIMENT)
-    with mlflow.start_run(run_name=reg.run_name) as run:
+    started = (
+        mlflow.start_run(run_id=reg.mlflow_run_id)
+        if reg.mlflow_run_id
+        else mlflow.start_run(run_name=reg.run_name)
+    )
+    with started as run:
         run_id = run.info.run_id
         now = int(time.time() * 1000)
         client.log_batch(
@@ -107,6 +127,8 @@ def register(tracking_uri: str, reg: Registration) -> RegisteredVersion:
             client.log_batch(run_id, metrics=metrics[start : start + 1000])
         for name, text in reg.texts.items():
             mlflow.log_text(text, name)
+        if reg.dataset is not None:
+            mlflow.log_input(_as_input(reg.dataset), context="training", tags=reg.dataset.tags)
         info = mlflow.pyfunc.log_model(
             name="model",
             python_model=reg.python_model,
@@ -123,6 +145,33 @@ def register(tracking_uri: str, reg: Registration) -> RegisteredVersion:
     )
     client.set_registered_model_alias(reg.model_name, CANDIDATE, version.version)
     return RegisteredVersion(reg.model_name, version.version, run_id)
+
+
+def _as_input(dataset: DatasetUsed) -> MetaDataset:
+    with warnings.catch_warnings():  # a file:// URI matches two equivalent source types
+        warnings.simplefilter("ignore")
+        source = resolve_dataset_source(dataset.uri)
+    # MLflow keeps at most 36 characters of a digest.
+    return MetaDataset(source, name=dataset.name, digest=dataset.digest[:32])
+
+
+def open_run(
+    tracking_uri: str, run_name: str, key: str, params: Mapping[str, Any], tags: dict[str, str]
+) -> str:
+    """The MLflow run that tracks a training run from its start (metrics stream into it as
+    the ranks train; registration logs the model into it). Idempotent on `key`."""
+    client = _client(tracking_uri)
+    experiment = mlflow.set_experiment(EXPERIMENT)
+    found = client.search_runs(
+        [experiment.experiment_id], f"tags.`{IDEMPOTENCY_TAG}` = '{key}'", max_results=1
+    )
+    if found:
+        return found[0].info.run_id
+    run = client.create_run(
+        experiment.experiment_id, run_name=run_name, tags={**tags, IDEMPOTENCY_TAG: key}
+    )
+    client.log_batch(run.info.run_id, params=[Param(k, v) for k, v in flatten(params).items()])
+    return run.info.run_id
 
 
 def _ensure_registered_model(client: MlflowClient, name: str) -> str:
@@ -143,23 +192,27 @@ def record_decision(
     approve: bool,
     reason: str,
     decided_at: datetime,
+    expired: bool = False,
+    extra_tags: Mapping[str, str] | None = None,
 ) -> None:
-    """Tag the version with who decided what and when; on approval move `production` to it."""
+    """Tag the version with who decided what and when; on approval move `production` to it.
+    An expired approval window is recorded as the decision `expired`, and moves nothing."""
     client = _client(tracking_uri)
     try:
         client.get_model_version(model_name, version)
     except mlflow.exceptions.MlflowException:
         raise VersionNotFound(f"model {model_name} has no version {version}") from None
-    decision = "approved" if approve else "rejected"
+    decision = "expired" if expired else ("approved" if approve else "rejected")
     tags = {
         "forgeline.decision": decision,
         "forgeline.decided_by": approver,
         "forgeline.decided_at": decided_at.isoformat(),
         "forgeline.decision_reason": reason,
+        **(extra_tags or {}),
     }
     for key, value in tags.items():
         client.set_model_version_tag(model_name, version, key, value)
-    if approve:
+    if approve and not expired:
         client.set_registered_model_alias(model_name, PRODUCTION, version)
 
 

@@ -20,7 +20,7 @@ class Evaluation:
     val_loss: float
     perplexity: float
     val_tokens: int  # tokens actually scored
-    sample: str
+    samples: list[str]  # one continuation per prompt, in the prompts' order
 
 
 def load_model(checkpoint_folder: Path, model_config: dict) -> GPT:
@@ -74,7 +74,7 @@ def evaluate_checkpoint(
     tokenizer_file: Path,
     batch_size: int,
     max_batches: int,
-    prompt: str,
+    prompts: list[str],
     sample_tokens: int,
     seed: int,
 ) -> Evaluation:
@@ -82,5 +82,19 @@ def evaluate_checkpoint(
     stream = TokenStream(val_shards, dtype, model.config.block_size)
     loss, tokens = held_out_loss(model, stream, batch_size, max_batches)
     tokenizer = Tokenizer.from_file(str(tokenizer_file))
-    sample = sample_text(model, tokenizer, prompt, sample_tokens, seed)
-    return Evaluation(val_loss=loss, perplexity=math.exp(loss), val_tokens=tokens, sample=sample)
+    samples = [sample_text(model, tokenizer, prompt, sample_tokens, seed) for prompt in prompts]
+    return Evaluation(val_loss=loss, perplexity=math.exp(loss), val_tokens=tokens, samples=samples)
+
+
+def checkpoint_val_loss(
+    checkpoint_folder: Path,
+    model_config: dict,
+    val_shards: list[Path],
+    dtype: str,
+    batch_size: int,
+    max_batches: int,
+) -> float:
+    """The held-out loss of one checkpoint: a point of the run's val-loss curve."""
+    model = load_model(checkpoint_folder, model_config)
+    stream = TokenStream(val_shards, dtype, model.config.block_size)
+    return held_out_loss(model, stream, batch_size, max_batches)[0]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -17,6 +18,7 @@ from temporalio.service import RPCError
 from infra.errors import StackError
 from infra.settings import Settings, state_home
 from worker import stack
+from worker.approvals_cli import approvals_app
 from worker.chaos import chaos_app
 from worker.cli_common import CliError, check_name, console, get_client, get_settings
 from worker.cli_common import run as run_async
@@ -33,6 +35,15 @@ from worker.data_cli import (
 from worker.lineage import lineage_command
 from worker.render import progress_line, run_link, runs_table, status_text
 from worker.runs import RunNotFound, list_run_names, submit, view
+from worker.serve import (
+    ServeError,
+    curl_example,
+    generate_local,
+    generate_remote,
+    parse_ref,
+    start_server,
+    wait_in_foreground,
+)
 from worker.specfile import SpecError, load_spec, spec_sha256
 from workflows.models import Decision, Phase, RunStatus
 
@@ -43,6 +54,7 @@ app.add_typer(data_app, name="data")
 app.add_typer(cluster_app, name="cluster")
 app.add_typer(node_app, name="node")
 app.add_typer(chaos_app, name="chaos")
+app.add_typer(approvals_app, name="approvals")
 app.command("lineage")(lineage_command)
 app.command()(nodes)
 app.command()(queues)
@@ -183,6 +195,31 @@ def status(name: Annotated[str, typer.Argument(help="run name")]) -> None:
     console.print(status_text(run_async(go()), settings))
 
 
+@app.command()
+def report(
+    name: Annotated[str, typer.Argument(help="run name")],
+    out: Annotated[Path | None, typer.Option(help="folder to write; default reports/RUN/")] = None,
+) -> None:
+    """PNG plots (loss, throughput and MFU, goodput timeline) and a Markdown summary of a run,
+    also logged to its MLflow run under report/."""
+    # matplotlib and the plotting code load only for this command, not for every `forgeline`.
+    from worker.report import report_run
+
+    settings = get_settings()
+    check_name(name)
+
+    async def go():
+        return await view(await get_client(settings), name)
+
+    written = report_run(settings, run_async(go()).status, out or Path("reports") / name)
+    for path in written.files:
+        console.print(f"wrote {path}")
+    for what in written.missing:
+        console.print(f"[yellow]missing[/yellow] {what}")
+    if written.logged_to:
+        console.print(f"logged to {written.logged_to}")
+
+
 def _decide(name: str, decision: Decision) -> None:
     settings = get_settings()
     check_name(name)
@@ -217,9 +254,15 @@ def approve(
     name: Annotated[str, typer.Argument(help="run name")],
     approver: Annotated[str, typer.Option("--as", help="who approves")],
     note: Annotated[str, typer.Option(help="recorded on the model version")] = "",
+    override_gate: Annotated[
+        bool, typer.Option(help="approve although the eval gate failed; --note must say why")
+    ] = False,
 ) -> None:
-    """Approve the run's model: alias `production` moves to its version."""
-    _decide(name, Decision(approver=approver, approve=True, reason=note))
+    """Approve the run's model: alias `production` moves to its version. Only a listed approver
+    other than the submitter may (see `forgeline approvals`), and the eval gate must pass."""
+    _decide(
+        name, Decision(approver=approver, approve=True, reason=note, override_gate=override_gate)
+    )
 
 
 @app.command()
@@ -260,6 +303,80 @@ def cancel(
 
     final = run_async(go())
     console.print(f"run {name}: {final.phase.value}; its nodes are released")
+
+
+# --- deploy -------------------------------------------------------------------------------------
+
+_MODEL_HELP = "NAME (alias production), NAME@ALIAS or NAME/VERSION"
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt  # SIGTERM (systemd, docker stop, kill) stops it like Ctrl-C does
+
+
+def _serve_failed(err: ServeError) -> CliError:
+    if err.log_tail:
+        console.print(err.log_tail, markup=False, emoji=False)
+    return CliError(str(err))
+
+
+@app.command()
+def serve(
+    model: Annotated[str, typer.Argument(help=_MODEL_HELP)],
+    port: Annotated[int | None, typer.Option(min=1, max=65535, help="default: a free one")] = None,
+    host: Annotated[str, typer.Option(help="0.0.0.0 to accept other machines")] = "127.0.0.1",
+    workers: Annotated[int, typer.Option(min=1, max=64, help="each loads the model")] = 1,
+) -> None:
+    """Serve a registered model over HTTP (`mlflow models serve`) until Ctrl-C."""
+    settings = get_settings()
+    signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        ref = parse_ref(model)
+        server = start_server(
+            settings.mlflow_uri, settings.home, ref, host, port, workers, say=console.print
+        )
+    except ServeError as err:
+        raise _serve_failed(err) from None
+    except KeyboardInterrupt:
+        raise typer.Exit(130) from None
+    try:
+        console.print(f"{ref} (version {server.version}) is ready at {server.url}", markup=False)
+        console.print(f"  {curl_example(server.url)}", markup=False)
+        console.print(f'  forgeline generate {ref} "ROMEO:" --url {server.url}', markup=False)
+        console.print(f"log {server.process.log_file}; Ctrl-C stops it", markup=False)
+        wait_in_foreground(server)
+    except ServeError as err:
+        raise _serve_failed(err) from None
+    except KeyboardInterrupt:
+        console.print(f"stopping the model server for {ref}")
+    finally:
+        # A second Ctrl-C must not cut the stop short and leave the server's group running.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        server.stop()
+
+
+@app.command()
+def generate(
+    model: Annotated[str, typer.Argument(help=_MODEL_HELP)],
+    prompt: Annotated[str, typer.Argument(help="text to continue")],
+    max_new_tokens: Annotated[int, typer.Option(min=1, max=100_000)] = 200,
+    seed: Annotated[int, typer.Option(help="same seed, same text")] = 0,
+    url: Annotated[
+        str | None,
+        typer.Option(help="a `forgeline serve` server; default: load the model here"),
+    ] = None,
+) -> None:
+    """Continue a prompt with a registered model, here or on a model server."""
+    try:
+        ref = parse_ref(model)
+        if url:
+            text = generate_remote(url, prompt, max_new_tokens, seed)
+        else:
+            text = generate_local(get_settings().mlflow_uri, ref, prompt, max_new_tokens, seed)
+    except ServeError as err:
+        raise _serve_failed(err) from None
+    typer.echo(text)  # exactly the model's text: no markup, emoji codes or wrapping
 
 
 # --- data -----------------------------------------------------------------------------------------

@@ -20,7 +20,8 @@ from activities.node import NodeActivities
 from infra import node_health
 from infra.processes import free_port
 from infra.settings import Settings
-from worker.temporal_client import connect, ensure_cluster, register_node
+from registry.metric_stream import MetricShipper, seal_abandoned
+from worker.temporal_client import connect, ensure_cluster, ensure_search_attributes, register_node
 from workflows.cluster import ClusterWorkflow
 from workflows.cluster_models import NodeHealthReport, NodeInfo
 from workflows.dataset import DatasetSnapshotWorkflow
@@ -42,6 +43,7 @@ async def _run_until_signalled(worker: Worker) -> None:
 
 async def run_control_worker(settings: Settings) -> None:
     client = await connect(settings)
+    await ensure_search_attributes(client)
     await ensure_cluster(client)
     activities = ControlActivities(settings)
     with ThreadPoolExecutor(max_workers=4, thread_name_prefix="activity") as pool:
@@ -125,6 +127,10 @@ async def run_node_agent(
     node_dir = settings.home / "nodes" / node_id
     node_health.repaired(node_dir)  # a new incarnation runs on a repaired node
     activities = NodeActivities(settings, node_id, on_cached)
+    # No writer of this node's spool is alive yet: what a crashed predecessor left open is
+    # sealed, so it is deleted once shipped. The shipper lives as long as the agent.
+    seal_abandoned(activities.metrics_dir)
+    shipper = MetricShipper(activities.metrics_dir, settings.mlflow_uri).start()
     worker = Worker(
         client,
         task_queue=node_task_queue(node_id),
@@ -144,6 +150,8 @@ async def run_node_agent(
         await _run_until_signalled(worker)
     finally:
         watch.cancel()
+        # A short last try: what is left waits in the spool for the next agent.
+        await asyncio.to_thread(shipper.stop, 3.0)
     await client.get_workflow_handle(CLUSTER_WORKFLOW_ID).signal("node_stopped", info)
 
 

@@ -8,7 +8,7 @@ from rich.table import Table
 
 from infra.settings import Settings
 from worker.runs import RunView
-from workflows.models import DatasetProgress, Goodput
+from workflows.models import DatasetProgress, Goodput, Phase, RunStatus, Sample
 
 
 def _num(value: float | None, fmt: str) -> str:
@@ -130,17 +130,19 @@ def status_text(view: RunView, settings: Settings) -> str:
             f"evaluation     val_loss {e.val_loss:.4f}  perplexity {e.perplexity:.2f}  "
             f"on {e.val_tokens:,} tokens at step {e.step}"
         )
-        sample = textwrap.indent(e.sample.strip(), " " * 15).lstrip()
-        lines.append(f"sample         {sample}")
+        if len(e.curve) > 1:
+            points = ", ".join(f"{p.step}: {p.val_loss:.3f}" for p in e.curve)
+            lines.append(f"val curve      {points}")
+        for sample in e.samples or [Sample(prompt="", text=e.sample)]:
+            text = textwrap.indent(sample.text.strip(), " " * 15).lstrip()
+            lines.append(f"sample         {text}")
     if s.model_version:
         mv = s.model_version
         lines.append(f"model          {mv.model_name} version {mv.version} (alias {mv.alias})")
         lines.append(
             f"               {settings.mlflow_uri}/#/models/{mv.model_name}/versions/{mv.version}"
         )
-    if s.decision:
-        verb = "approved" if s.decision.approve else "rejected"
-        lines.append(f"decision       {verb} by {s.decision.approver} {s.decision.reason}".rstrip())
+    lines += approval_lines(s)
     for preempted in s.preemptions:
         where = f" at step {preempted.step}" if preempted.step is not None else ""
         lines.append(
@@ -164,6 +166,31 @@ def status_text(view: RunView, settings: Settings) -> str:
         lines.append(f"retrying       {retry}")
     lines.append(f"temporal       {run_link(settings, s.name)}")
     return "\n".join(lines)
+
+
+def approval_lines(s: RunStatus) -> list[str]:
+    """Who may decide and by when, the eval gate, and the decision once there is one."""
+    lines = []
+    policy = s.approval
+    if policy is not None and s.phase == Phase.AWAITING_APPROVAL:
+        who = ", ".join(policy.approvers) if policy.approvers else "anyone"
+        if not policy.allow_self_approval:
+            who += f" (not {s.owner}, who submitted it)"
+        lines.append(f"approvers      {who}  [{policy.source}]")
+        if policy.max_val_loss is not None:
+            passed = s.evaluation is not None and s.evaluation.val_loss <= policy.max_val_loss
+            verdict = "passes" if passed else "FAILS: approval needs --override-gate and a --note"
+            lines.append(f"eval gate      val_loss <= {policy.max_val_loss:g}: {verdict}")
+        if s.approval_deadline is not None:
+            lines.append(f"expires        {s.approval_deadline:%Y-%m-%d %H:%M:%S %Z}")
+    if s.phase == Phase.EXPIRED:
+        lines.append("decision       none: the approval window closed (version tagged expired)")
+    if s.decision:
+        verb = "approved" if s.decision.approve else "rejected"
+        if s.decision.override_gate:
+            verb += " overriding the eval gate"
+        lines.append(f"decision       {verb} by {s.decision.approver} {s.decision.reason}".rstrip())
+    return lines
 
 
 def goodput_lines(goodput: Goodput) -> list[str]:

@@ -25,9 +25,10 @@ from infra.local_servers import (
 )
 from infra.processes import ManagedProcess, free_port, http_ok, port_is_open, wait_until
 from infra.settings import Settings, load_settings
-from worker.temporal_client import connect, ensure_cluster
+from worker.temporal_client import connect, ensure_cluster, ensure_search_attributes
 from workflows.cluster_models import ClusterState, Health
 from workflows.names import CLUSTER_WORKFLOW_ID
+from workflows.search_attributes import SEARCH_ATTRIBUTE_TYPES
 
 TEMPORAL, MLFLOW, CONTROL = "temporal", "mlflow", "control-worker"
 NODE_PREFIX = "node-"
@@ -101,7 +102,10 @@ async def _up(
     else:
         port = _port(ports.temporal, _port_of(recorded.temporal_address), DEFAULT_PORTS["temporal"])
         ui_port = _port(ports.ui, _port_of(recorded.temporal_ui_url), DEFAULT_PORTS["ui"])
-        temporal.start(temporal_dev_server_argv(home / "temporal.db", port, ui_port), env)
+        argv = temporal_dev_server_argv(
+            home / "temporal.db", port, ui_port, search_attributes=SEARCH_ATTRIBUTE_TYPES
+        )
+        temporal.start(argv, env)
         wait_until(lambda: port_is_open("127.0.0.1", port), 60, "Temporal dev server", temporal)
         temporal_address, ui_url = f"127.0.0.1:{port}", f"http://127.0.0.1:{ui_port}"
         say(f"temporal      started (pid {temporal.pid()}) at {temporal_address}")
@@ -127,6 +131,7 @@ async def _up(
     )
     settings.save()
     client = await connect(settings)
+    await ensure_search_attributes(client)
     await ensure_cluster(client)
 
     control = ManagedProcess(home, CONTROL)

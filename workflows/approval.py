@@ -1,9 +1,39 @@
 """The approval gate's rules: who may decide what, and when. Pure: the TrainingRun workflow's
-update validator calls it, and a refusal reaches the person as one line."""
+update validator calls it, and a refusal reaches the person as one line.
+
+The rules come from two places: the operators' approvals file (who may approve, whether the
+submitter may approve their own model, a quality bar), read once when the model is registered,
+and the run's spec, which may only make the bar stricter.
+"""
 
 from __future__ import annotations
 
-from workflows.models import Decision, Phase, RunStatus
+from workflows.models import ApprovalPolicy, Decision, EvalResult, Phase, RunStatus
+from workflows.spec import RunSpec
+
+
+def with_spec(policy: ApprovalPolicy, spec: RunSpec) -> ApprovalPolicy:
+    """The operators' rules, with the spec's own eval gate where it is stricter."""
+    bars = [b for b in (policy.max_val_loss, spec.registry.max_val_loss) if b is not None]
+    source = policy.source
+    if spec.registry.max_val_loss is not None:
+        source = f"{source}; spec registry.max_val_loss" if source else "spec"
+    return policy.model_copy(update={"max_val_loss": min(bars, default=None), "source": source})
+
+
+def gate_passed(policy: ApprovalPolicy, evaluation: EvalResult | None) -> bool:
+    if policy.max_val_loss is None:
+        return True
+    return evaluation is not None and evaluation.val_loss <= policy.max_val_loss
+
+
+def gate_tags(policy: ApprovalPolicy, evaluation: EvalResult | None, decision: Decision) -> dict:
+    """What the version records of the gate beside the decision."""
+    if policy.max_val_loss is None:
+        return {"forgeline.gate": "none"}
+    passed = gate_passed(policy, evaluation)
+    verdict = "passed" if passed else ("overridden" if decision.override_gate else "failed")
+    return {"forgeline.gate": verdict, "forgeline.gate_max_val_loss": f"{policy.max_val_loss:g}"}
 
 
 def refusal(status: RunStatus, decided: bool, decision: Decision) -> str | None:
@@ -11,10 +41,54 @@ def refusal(status: RunStatus, decided: bool, decision: Decision) -> str | None:
     if status.phase != Phase.AWAITING_APPROVAL:
         return (
             f"run {status.name} is {status.phase.value}, not AWAITING_APPROVAL: "
-            "only a registered model waiting for approval can be approved or rejected"
+            "only a run AWAITING_APPROVAL can be approved or rejected"
         )
     if decided:
         return f"run {status.name} already has a decision"
     if not decision.approve and not decision.reason.strip():
         return "a rejection needs a reason: pass --reason"
+    policy = status.approval
+    if policy is None:  # a run registered before approval rules existed
+        return None
+    return _not_authorised(status, policy, decision) or _gate_refusal(status, policy, decision)
+
+
+def _not_authorised(status: RunStatus, policy: ApprovalPolicy, decision: Decision) -> str | None:
+    who = decision.approver
+    if who == status.owner:
+        # Withdrawing your own model is always allowed; approving it needs a second person.
+        if decision.approve and not policy.allow_self_approval:
+            return (
+                f"{who} submitted run {status.name} and may not approve it: a second person "
+                f"must ({_listed(policy)}; self-approval is off in {policy.source})"
+            )
+        return None
+    if policy.approvers and who not in policy.approvers:
+        verb = "approve" if decision.approve else "reject"
+        return (
+            f"{who} may not {verb} run {status.name}: {_listed(policy)} ({policy.source}); "
+            "an operator adds approvers with `forgeline approvals apply FILE`"
+        )
     return None
+
+
+def _gate_refusal(status: RunStatus, policy: ApprovalPolicy, decision: Decision) -> str | None:
+    if not decision.approve or gate_passed(policy, status.evaluation):
+        return None
+    loss = status.evaluation.val_loss if status.evaluation else None
+    measured = f"val loss {loss:.4f}" if loss is not None else "no evaluation"
+    if not decision.override_gate:
+        return (
+            f"run {status.name} fails its eval gate: {measured}, the gate is at most "
+            f"{policy.max_val_loss:g} ({policy.source}); to approve anyway pass --override-gate "
+            "with --note saying why"
+        )
+    if not decision.reason.strip():
+        return "overriding the eval gate needs a reason: pass --note"
+    return None
+
+
+def _listed(policy: ApprovalPolicy) -> str:
+    if not policy.approvers:
+        return "anyone else may approve"
+    return "approvers are " + ", ".join(policy.approvers)

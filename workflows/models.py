@@ -25,6 +25,7 @@ class Phase(StrEnum):
     AWAITING_APPROVAL = "AWAITING_APPROVAL"
     APPROVED = "APPROVED"
     REJECTED = "REJECTED"
+    EXPIRED = "EXPIRED"  # nobody decided within the approval window
     FAILED = "FAILED"
     CANCELLED = "CANCELLED"
 
@@ -33,7 +34,7 @@ class Phase(StrEnum):
         return self in _FINAL_PHASES
 
 
-_FINAL_PHASES = {Phase.APPROVED, Phase.REJECTED, Phase.FAILED, Phase.CANCELLED}
+_FINAL_PHASES = {Phase.APPROVED, Phase.REJECTED, Phase.EXPIRED, Phase.FAILED, Phase.CANCELLED}
 
 
 # --- data, training, evaluation, registry ------------------------------------------------------
@@ -114,6 +115,7 @@ class NodeTrainInput(BaseModel):
     node_id: str
     resume: CheckpointRef | None = None
     init_from: CheckpointRef | None = None  # fine-tuning: weights to start from (no resume yet)
+    mlflow_run_id: str | None = None  # where the head node streams the ranks' metrics
 
 
 class TrainProgress(BaseModel):
@@ -214,12 +216,24 @@ class EvaluateInput(BaseModel):
     checkpoint: CheckpointRef
 
 
+class EvalPoint(BaseModel):
+    step: int
+    val_loss: float
+
+
+class Sample(BaseModel):
+    prompt: str
+    text: str
+
+
 class EvalResult(BaseModel):
     step: int
     val_loss: float
     perplexity: float
     val_tokens: int
-    sample: str
+    sample: str  # the first prompt's continuation
+    samples: list[Sample] = []  # every prompt's (registry.sample_prompt, then sample_prompts)
+    curve: list[EvalPoint] = []  # held-out loss of every committed checkpoint kept, by step
 
 
 class Goodput(BaseModel):
@@ -252,6 +266,14 @@ class RegisterInput(BaseModel):
     attempts: int = 0
     goodput: Goodput | None = None
     health: list[HealthEvent] = []
+    mlflow_run_id: str | None = None  # the run opened at the start; None: registration opens one
+
+
+class TrackingInput(BaseModel):
+    run_id: str
+    workflow_run_id: str
+    spec: RunSpec
+    spec_sha256: str
 
 
 class ModelVersionRef(BaseModel):
@@ -265,12 +287,30 @@ class Decision(BaseModel):
     approver: str
     approve: bool
     reason: str = ""
+    override_gate: bool = False  # approve although the eval gate failed; needs a reason
+
+
+class ApprovalPolicyInput(BaseModel):
+    model_name: str
+    team: str
+
+
+class ApprovalPolicy(BaseModel):
+    """Who may decide on one run's model, and the bar it must clear: the operators' approvals
+    file (registry.approvals) merged with the run's own, stricter, settings."""
+
+    approvers: list[str] = []  # empty: anyone but the submitter (unless self-approval is on)
+    allow_self_approval: bool = False
+    max_val_loss: float | None = None  # the eval gate; None: no gate
+    source: str = ""  # where the rules came from, for the person who is refused
 
 
 class DecisionInput(BaseModel):
     version: ModelVersionRef
     decision: Decision
     decided_at: datetime
+    tags: dict[str, str] = {}  # what the gate said, recorded beside the decision
+    expired: bool = False  # nobody decided in time: record that, move no alias
 
 
 # --- the run as a whole ----------------------------------------------------------------------
@@ -311,8 +351,11 @@ class RunStatus(BaseModel):
     last_checkpoint: CheckpointRef | None = None
     init_from: CheckpointRef | None = None  # the weights fine-tuning started from
     evaluation: EvalResult | None = None
+    mlflow_run_id: str | None = None  # the MLflow run that tracks this run from its start
     model_version: ModelVersionRef | None = None
     decision: Decision | None = None
+    approval: ApprovalPolicy | None = None  # the rules the decision is checked against
+    approval_deadline: datetime | None = None  # the run ends EXPIRED if nobody decides by then
     failures: list[Failure] = []
     preemptions: list[PreemptionRecord] = []
     health: list[HealthEvent] = []  # the newest 20 of the current and past generations

@@ -249,7 +249,20 @@ class RecoverySpec(_Strict):
 class RegistrySpec(_Strict):
     model_name: Name | None = None
     sample_prompt: str = Field("\n", max_length=1000)
+    sample_prompts: list[Annotated[str, Field(max_length=1000)]] = Field(
+        [], max_length=16, description="more prompts to sample at evaluation (after sample_prompt)"
+    )
     sample_tokens: int = Field(200, ge=1, le=4096)
+    max_val_loss: float | None = Field(
+        None, gt=0, description="eval gate: approval needs val loss at most this (or an override)"
+    )
+    approval_window_hours: float = Field(
+        168.0, gt=0, le=24 * 365, description="nobody decides within this: the run ends EXPIRED"
+    )
+
+    @property
+    def prompts(self) -> list[str]:
+        return [self.sample_prompt, *self.sample_prompts]
 
 
 class RunSpec(_Strict):

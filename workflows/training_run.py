@@ -19,7 +19,8 @@ from temporalio.exceptions import (
 )
 
 with workflow.unsafe.imports_passed_through():
-    from workflows.approval import refusal
+    from workflows import search_attributes
+    from workflows.approval import gate_tags, refusal, with_spec
     from workflows.cluster_calls import gang_request, nodes_at_fault, report_nodes
     from workflows.cluster_models import (
         Allocation,
@@ -38,6 +39,8 @@ with workflow.unsafe.imports_passed_through():
     )
     from workflows.goodput import account
     from workflows.models import (
+        ApprovalPolicy,
+        ApprovalPolicyInput,
         AttemptLedger,
         AttemptLedgerInput,
         AttemptRecord,
@@ -60,6 +63,7 @@ with workflow.unsafe.imports_passed_through():
         PreemptionRecord,
         RegisterInput,
         RunStatus,
+        TrackingInput,
         TrainingRunInput,
     )
     from workflows.names import (
@@ -109,9 +113,12 @@ class TrainingRun:
     @workflow.run
     async def run(self, inp: TrainingRunInput) -> RunStatus:
         try:
+            tracking = self._open_tracking()  # while the data is prepared
             dataset = await self._prepare()
             if self._spec.model.init_from:
                 self._status.init_from = await self._resolve_init_from(dataset)
+            if tracking is not None:
+                self._status.mlflow_run_id = await tracking
             checkpoint, results = await self._train(dataset)
             evaluation = await self._evaluate(dataset, checkpoint)
             version = await self._register(dataset, checkpoint, evaluation, results)
@@ -348,6 +355,7 @@ class TrainingRun:
                     node_id=node.node_id,
                     resume=resume,
                     init_from=self._status.init_from,
+                    mlflow_run_id=self._status.mlflow_run_id,
                 ),
                 result_type=NodeTrainResult,
                 task_queue=node_task_queue(node.node_id),
@@ -475,6 +483,7 @@ class TrainingRun:
                 attempts=self._status.attempts,
                 goodput=self._status.goodput,
                 health=self._status.health,
+                mlflow_run_id=self._status.mlflow_run_id,
             ),
             ModelVersionRef,
             timeout=timedelta(minutes=30),
@@ -482,19 +491,79 @@ class TrainingRun:
         self._status.model_version = version
         return version
 
+    def _open_tracking(self) -> asyncio.Task[str] | None:
+        """Open the MLflow run that the metrics stream into, beside data preparation."""
+        if not workflow.patched("tracking-run"):  # runs started before streaming replay as such
+            return None
+        opened = self._control(
+            "open_tracking_run",
+            TrackingInput(
+                run_id=self._spec.name,
+                workflow_run_id=workflow.info().run_id,
+                spec=self._spec,
+                spec_sha256=self._input.spec_sha256,
+            ),
+            str,
+            timeout=timedelta(minutes=2),
+        )
+        return asyncio.ensure_future(opened)
+
     async def _await_decision(self, version: ModelVersionRef) -> None:
+        """Wait for an authorised decision; nobody deciding within the window ends the run."""
+        window: timedelta | None = None
+        if workflow.patched("approval-rules"):  # earlier runs wait for any decision, forever
+            policy = await self._control(
+                "approval_policy",
+                ApprovalPolicyInput(model_name=version.model_name, team=self._spec.resources.team),
+                ApprovalPolicy,
+                timeout=timedelta(minutes=5),
+            )
+            self._status.approval = with_spec(policy, self._spec)
+            window = timedelta(hours=self._spec.registry.approval_window_hours)
+            self._status.approval_deadline = workflow.now() + window
         self._set_phase(Phase.AWAITING_APPROVAL)
-        await workflow.wait_condition(lambda: self._decision is not None)
+        try:
+            await workflow.wait_condition(lambda: self._decision is not None, timeout=window)
+        except TimeoutError:
+            self._set_phase(Phase.EXPIRED)  # first: a decision arriving now is refused
+            expiry = Decision(
+                approver="forgeline", approve=False, reason=f"nobody decided within {window}"
+            )
+            await self._record(version, expiry, expired=True)
+            return
         assert self._decision is not None
+        await self._record(version, self._decision)
+        self._status.decision = self._decision
+        self._set_phase(Phase.APPROVED if self._decision.approve else Phase.REJECTED)
+
+    async def _record(
+        self, version: ModelVersionRef, decision: Decision, expired: bool = False
+    ) -> None:
+        policy = self._status.approval
+        tags = gate_tags(policy, self._status.evaluation, decision) if policy else {}
         await self._control(
             "record_decision",
-            DecisionInput(version=version, decision=self._decision, decided_at=workflow.now()),
+            DecisionInput(
+                version=version,
+                decision=decision,
+                decided_at=workflow.now(),
+                tags=tags,
+                expired=expired,
+            ),
             None,
             timeout=timedelta(minutes=5),
         )
-        self._status.decision = self._decision
-        self._set_phase(Phase.APPROVED if self._decision.approve else Phase.REJECTED)
 
     def _set_phase(self, phase: Phase) -> None:
         self._status.phase = phase
         self._status.updated_at = workflow.now()
+        if workflow.patched("search-attributes"):  # filterable in the Temporal UI
+            spec = self._spec
+            workflow.upsert_search_attributes(
+                [
+                    search_attributes.TEAM.value_set(spec.resources.team),
+                    search_attributes.MODEL.value_set(spec.model_name),
+                    search_attributes.OWNER.value_set(spec.owner),
+                    search_attributes.PHASE.value_set(phase.value),
+                ]
+            )

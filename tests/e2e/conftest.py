@@ -60,16 +60,18 @@ def variant(
     name: str,
     team: str | None = None,
     recovery: dict[str, object] | None = None,
+    registry: dict[str, object] | None = None,
     **train: int,
 ) -> Path:
     """examples/tiny.toml under another name, with other [train] values (any key it has), a
-    team, and more [recovery] settings."""
+    team, and more [recovery] and [registry] settings."""
     text = TINY.read_text().replace('name = "tiny"', f'name = "{name}"')
     if team is not None:
         text = text.replace("[resources]\n", f'[resources]\nteam = "{team}"\n')
-    for key, value in (recovery or {}).items():
-        literal = f'"{value}"' if isinstance(value, str) else value
-        text = text.replace("[recovery]\n", f"[recovery]\n{key} = {literal}\n")
+    for section, settings in (("recovery", recovery), ("registry", registry)):
+        for key, value in (settings or {}).items():
+            literal = f'"{value}"' if isinstance(value, str) else value
+            text = text.replace(f"[{section}]\n", f"[{section}]\n{key} = {literal}\n")
     text = text.replace(
         '"data/tinyshakespeare.txt"', f'"{REPO / "examples" / "data" / "tinyshakespeare.txt"}"'
     )
@@ -129,8 +131,13 @@ def progress_events(stack: Stack, run: str, generation: int) -> list[dict]:
 @pytest.fixture(scope="package")
 def reference(stack: Stack, tmp_path_factory: pytest.TempPathFactory) -> str:
     """A fault-free run that others compare themselves with (same spec, another name)."""
+    # Nobody decides on it: its approval window (18 s) closes and it ends EXPIRED.
     spec = variant(
-        tmp_path_factory.mktemp("reference"), "reference", steps=300, checkpoint_every=100
+        tmp_path_factory.mktemp("reference"),
+        "reference",
+        registry={"approval_window_hours": 0.005},
+        steps=300,
+        checkpoint_every=100,
     )
     stack.cli("run", str(spec))
     return "reference"

@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
 from pathlib import Path
 
 import pytest
 import torch
 from mlflow.tracking import MlflowClient
 
+from infra.local_servers import temporal_binary
 from infra.store import LocalStore
 from tests.conftest import REPO
 from tests.e2e.conftest import TINY, Stack, final_weights, ranks_of, variant, wait_for
@@ -19,7 +21,21 @@ from trainer.manifest import committed_steps, find_latest
 pytestmark = pytest.mark.e2e
 
 
-def test_run_to_approval_and_the_registered_model(stack: Stack) -> None:
+APPROVALS = """
+[teams.default]
+approvers = ["carol"]
+
+[models.tiny]
+approvers = ["bob"]
+max_val_loss = 1.0   # tiny does not get there in 60 steps: approving it needs an override
+"""
+
+
+def test_run_to_approval_and_the_registered_model(stack: Stack, tmp_path: Path) -> None:
+    rules = tmp_path / "approvals.toml"
+    rules.write_text(APPROVALS)
+    installed = stack.cli("approvals", "apply", str(rules)).stdout
+    assert re.search(r"model tiny +approvers bob; gate val_loss <= 1", installed), installed
     submitted = stack.cli("run", str(TINY), "--detach")
     assert "submitted run tiny" in submitted.stdout
 
@@ -41,7 +57,19 @@ def test_run_to_approval_and_the_registered_model(stack: Stack) -> None:
     val_loss = float(re.search(r"val_loss (\d+\.\d+)", status).group(1))
     assert val_loss < 3.5  # from ln(67) ≈ 4.2 at initialisation
 
-    approved = stack.cli("approve", "tiny", "--as", "bob", "--note", "looks right")
+    assert re.search(r"^approvers +bob, carol \(not alice, who submitted it\)", status, re.M)
+    assert re.search(r"^eval gate +val_loss <= 1: FAILS", status, re.M), status
+    # The submitter, someone not listed, and a listed approver below the gate are all refused.
+    for who, extra, why in [
+        ("alice", [], "alice submitted run tiny and may not approve it"),
+        ("mallory", [], "mallory may not approve run tiny: approvers are bob, carol"),
+        ("bob", ["--note", "looks right"], "fails its eval gate"),
+    ]:
+        refused = stack.cli("approve", "tiny", "--as", who, *extra, check=False)
+        assert refused.returncode == 2 and why in refused.stdout, (who, refused.stdout)
+    approved = stack.cli(
+        "approve", "tiny", "--as", "bob", "--override-gate", "--note", "looks right"
+    )
     assert "run tiny: APPROVED" in approved.stdout
 
     client = MlflowClient(tracking_uri=stack.settings.mlflow_uri)
@@ -61,6 +89,26 @@ def test_run_to_approval_and_the_registered_model(stack: Stack) -> None:
     manifest = json.loads(store.get_bytes(tags["forgeline.dataset_manifest_key"]))
     assert manifest["snapshot_id"] == tags["forgeline.dataset_snapshot"]
     assert float(tags["forgeline.val_loss"]) == pytest.approx(val_loss, abs=1e-4)
+    assert tags["forgeline.gate"] == "overridden" and tags["forgeline.gate_max_val_loss"] == "1"
+    assert len(tags["forgeline.packages_sha256"]) == 64
+    # One MLflow run from start to registration: the ranks' metrics streamed in while they
+    # trained, the dataset snapshot is its input, the val-loss curve covers the kept checkpoints.
+    run = client.get_run(production.run_id)
+    streamed = client.get_metric_history(run.info.run_id, "train/loss")
+    assert {m.step for m in streamed} >= {5, 30, 60}, streamed
+    assert client.get_metric_history(run.info.run_id, "train/tokens_per_s")
+    curve = client.get_metric_history(run.info.run_id, "val_loss_by_checkpoint")
+    assert sorted(m.step for m in curve) == [40, 60]
+    (dataset_input,) = run.inputs.dataset_inputs
+    assert dataset_input.dataset.name == f"snapshot-{tags['forgeline.dataset_snapshot']}"
+    # Filterable in the Temporal UI by team, model and phase.
+    query = 'ForgelineTeam="default" AND ForgelineModel="tiny" AND ForgelinePhase="APPROVED"'
+    listed = subprocess.run(
+        [temporal_binary(), "workflow", "list", "--address", stack.settings.temporal_address,
+         "--query", query],
+        capture_output=True, text=True, timeout=30,
+    )  # fmt: skip
+    assert re.search(r"^\s*\S+\s+tiny\s", listed.stdout, re.M), listed
     # keep_checkpoints = 2: older checkpoints are gone, files and all, once newer ones commit.
     assert committed_steps(store, "tiny") == [60, 40]
     assert store.list("runs/tiny/checkpoints/step-20/") == []
@@ -89,6 +137,18 @@ def test_run_to_approval_and_the_registered_model(stack: Stack) -> None:
         assert broken.returncode == 1 and "[BROKEN: checkpoint file" in broken.stdout
     finally:
         shard.write_bytes(original)
+
+    # Pictures of how it went, on disk and in the MLflow run; the approved model answers.
+    out = tmp_path / "report"
+    printed = stack.cli("report", "tiny", "--out", str(out)).stdout
+    for name in ("loss.png", "throughput.png", "goodput.png"):
+        assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", printed
+    summary = (out / "report.md").read_text()
+    assert f"{val_loss:.4f}" in summary and "goodput" in summary.lower(), summary
+    logged = {a.path for a in client.list_artifacts(production.run_id, "report")}
+    assert "report/goodput.png" in logged and "report/report.md" in logged, logged
+    generated = stack.cli("generate", "tiny@production", "ROMEO:", "--max-new-tokens", "20")
+    assert generated.stdout.startswith("ROMEO:") and len(generated.stdout.strip()) > 6
 
 
 def test_cancel_stops_the_ranks_and_releases_the_gang(stack: Stack, tmp_path: Path) -> None:

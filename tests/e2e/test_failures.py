@@ -254,6 +254,14 @@ def test_corrupt_gradients_are_traced_to_their_node_and_rolled_back(
         assert all(torch.equal(weights[k], theirs[k]) for k in theirs)
     finally:
         stack.cli("node", "undrain", culprit)
+    # Nobody decided on the reference run within its window: it ends EXPIRED, and says so.
+    wait_for(lambda: "EXPIRED" in stack.cli("status", reference).stdout, 60, "the expiry")
+    late = stack.cli("approve", reference, "--as", "bob", check=False)
+    assert late.returncode == 2 and "is EXPIRED" in late.stdout, late.stdout
+    version = MlflowClient(tracking_uri=stack.settings.mlflow_uri).get_model_version_by_alias(
+        reference, "candidate"
+    )
+    assert version.tags["forgeline.decision"] == "expired"
 
 
 def test_a_straggler_is_swapped_for_another_node(stack: Stack, tmp_path: Path) -> None:
@@ -307,17 +315,20 @@ def test_a_straggler_is_swapped_for_another_node(stack: Stack, tmp_path: Path) -
 def test_the_control_plane_can_die_under_a_training_run(
     stack: Stack, reference: str, tmp_path: Path
 ) -> None:
-    """SIGKILL the control worker and the Temporal dev server mid-training: the node agents own
-    the ranks, which train on; `forgeline up` brings back what is missing, and the run
-    completes with no restart and the reference's weights."""
+    """SIGKILL the control worker, the Temporal dev server and the MLflow server mid-training:
+    the node agents own the ranks, which train on, and spool their metrics on disk; `forgeline
+    up` brings back what is missing, and the run completes with no restart, the reference's
+    weights, and every streamed metric in MLflow exactly once."""
     # The outage must stay inside the heartbeat timeout, whatever the machine's load: 30 s.
     spec = variant(tmp_path, "tiny-cp", steps=300, checkpoint_every=100, heartbeat_timeout_s=30)
     stack.cli("run", str(spec), "--detach")
     store = LocalStore(Path(stack.settings.store))
     wait_for(lambda: committed_steps(store, "tiny-cp"), 120, "the first checkpoint", 0.05)
     generation, _ = gang_of(stack, "tiny-cp")
-    for name in ("control-worker", "temporal"):
-        os.kill(int((stack.home / "run" / f"{name}.pid").read_text().split()[0]), signal.SIGKILL)
+    for name in ("control-worker", "temporal", "mlflow"):
+        # The whole group: MLflow's server runs in children that would otherwise serve on.
+        pid = int((stack.home / "run" / f"{name}.pid").read_text().split()[0])
+        os.killpg(os.getpgid(pid), signal.SIGKILL)
     # Nobody is left to tell the ranks anything, and they train on.
     before = latest_step(stack, "tiny-cp", generation)
     wait_for(
@@ -334,6 +345,10 @@ def test_the_control_plane_can_die_under_a_training_run(
     assert re.search(rf"checkpoint +step 300 \(generation {generation},", status), status
     weights, theirs = final_weights(stack, "tiny-cp"), final_weights(stack, reference)
     assert all(torch.equal(weights[k], theirs[k]) for k in theirs)
+    client = MlflowClient(tracking_uri=stack.settings.mlflow_uri)
+    run_id = client.get_model_version_by_alias("tiny-cp", "candidate").run_id
+    streamed = [m.step for m in client.get_metric_history(run_id, "train/loss")]
+    assert sorted(streamed) == [1, *range(5, 301, 5)], streamed  # log_every = 5, each once
 
 
 # Covered faster by tests/activities/test_node_health_check.py and the Cluster workflow's tests.

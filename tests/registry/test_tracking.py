@@ -16,9 +16,11 @@ from registry.tracking import (
     CANDIDATE,
     CHECKPOINT_TAG,
     PRODUCTION,
+    DatasetUsed,
     Registration,
     checkpoint_of,
     flatten,
+    open_run,
     record_decision,
     register,
 )
@@ -167,3 +169,48 @@ def test_a_registered_version_leads_back_to_its_checkpoint(
         checkpoint_of(tracking_uri, "models:/tiny-lm/999")
     with pytest.raises(VersionNotFound, match="check the name"):
         checkpoint_of(tracking_uri, "models:/no-such-model@production")
+
+
+def test_the_run_opened_at_the_start_receives_the_model_and_its_dataset(
+    tracking_uri: str, artifacts: dict[str, str]
+) -> None:
+    """Training opens the MLflow run (metrics stream into it); registration logs into the same
+    run, with the dataset snapshot as its input. Opening again finds the same run."""
+    opened = open_run(tracking_uri, "tiny", "wf-run-6", {"train": {"steps": 10}}, {"a": "b"})
+    assert open_run(tracking_uri, "tiny", "wf-run-6", {"train": {"steps": 10}}, {}) == opened
+    reg = registration(artifacts, "wf-run-6")
+    reg.mlflow_run_id = opened
+    reg.dataset = DatasetUsed(
+        name="snapshot-abc123",
+        uri="file:///tmp/store/datasets/abc123/MANIFEST.json",
+        digest="f" * 64,
+        tags={"snapshot": "abc123"},
+    )
+    registered = register(tracking_uri, reg)
+    assert registered.mlflow_run_id == opened
+    client = MlflowClient(tracking_uri=tracking_uri, registry_uri=tracking_uri)
+    (used,) = client.get_run(opened).inputs.dataset_inputs
+    assert used.dataset.name == "snapshot-abc123" and used.dataset.digest == "f" * 32
+
+
+def test_an_expired_window_is_recorded_and_moves_no_alias(
+    tracking_uri: str, artifacts: dict[str, str]
+) -> None:
+    client = MlflowClient(tracking_uri=tracking_uri, registry_uri=tracking_uri)
+    before = client.get_registered_model("tiny-lm").aliases.get(PRODUCTION)
+    late = register(tracking_uri, registration(artifacts, "wf-run-7"))
+    when = datetime(2026, 11, 30, tzinfo=UTC)
+    record_decision(
+        tracking_uri,
+        "tiny-lm",
+        late.version,
+        approver="forgeline",
+        approve=False,
+        reason="nobody decided within 7 days",
+        decided_at=when,
+        expired=True,
+        extra_tags={"forgeline.gate": "none"},
+    )
+    tags = client.get_model_version("tiny-lm", late.version).tags
+    assert tags["forgeline.decision"] == "expired" and tags["forgeline.gate"] == "none"
+    assert client.get_registered_model("tiny-lm").aliases.get(PRODUCTION) == before

@@ -161,13 +161,14 @@ def test_evaluation_in_a_plain_process(trainer: Trainer, reference: dict) -> Non
         tokenizer_file=tokenizer,
         batch_size=8,
         max_batches=5,
-        prompt="ROMEO:",
+        prompts=["ROMEO:", "JULIET:"],
         sample_tokens=30,
         seed=0,
     )
     assert result.val_tokens == 5 * 8 * 32
     assert 1.0 < result.val_loss < reference["loss_history"][0][1]  # it learned something
-    assert result.sample.startswith("ROMEO:") and len(result.sample) > len("ROMEO:")
+    for prompt, sample in zip(["ROMEO:", "JULIET:"], result.samples, strict=True):
+        assert sample.startswith(prompt) and len(sample) > len(prompt)
 
 
 def test_fine_tuning_starts_from_a_checkpoint_s_weights(trainer: Trainer, reference: dict) -> None:

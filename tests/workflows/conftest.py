@@ -9,6 +9,7 @@ import pytest
 
 from infra.local_servers import temporal_dev_server_argv
 from infra.processes import ManagedProcess, free_port, port_is_open, wait_until
+from workflows.search_attributes import SEARCH_ATTRIBUTE_TYPES
 
 CONTINUE_AS_NEW_AFTER = 300  # events
 
@@ -26,6 +27,7 @@ def temporal_address(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         0,
         headless=True,
         dynamic_config={"limit.historyCount.suggestContinueAsNew": CONTINUE_AS_NEW_AFTER},
+        search_attributes=SEARCH_ATTRIBUTE_TYPES,
     )
     server.start(argv)
     try:

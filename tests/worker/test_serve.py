@@ -1,0 +1,183 @@
+"""`forgeline serve` and `forgeline generate` against a real registry (MLflow on SQLite) and a real
+`mlflow models serve`: one tiny model, one server, started through the CLI as a user would."""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from mlflow.tracking import MlflowClient
+from tokenizers import Tokenizer
+from typer.testing import CliRunner
+
+from infra.processes import free_port, port_is_open
+from registry.tracking import EXPERIMENT, PRODUCTION, register
+from tests.registry import test_tracking
+from worker.cli import app
+from worker.cli_common import CliError
+from worker.serve import ModelRef, ServeError, check_registered, parse_ref
+
+REPO = Path(__file__).resolve().parents[2]
+MODEL = "tiny-lm"  # the name `registration()` registers under
+PROMPT = "To be"
+NEW_TOKENS = 12
+SEED = 7
+
+artifacts = test_tracking.artifacts  # the exported tiny model: a fixture, found here by name
+
+
+@dataclass(frozen=True)
+class Registry:
+    tracking_uri: str
+    home: Path
+    version: str
+
+    def env(self) -> dict[str, str]:
+        return {"FORGELINE_MLFLOW_URI": self.tracking_uri, "FORGELINE_HOME": str(self.home)}
+
+
+@pytest.fixture(scope="module")
+def registry(tmp_path_factory: pytest.TempPathFactory, artifacts: dict[str, str]) -> Registry:
+    """The tiny model registered and approved (alias production), everything under tmp."""
+    root = tmp_path_factory.mktemp("serve")
+    tracking_uri = f"sqlite:///{root / 'mlflow.db'}"
+    # Created first so the run's artifacts land under tmp, not in ./mlruns of the working folder.
+    MlflowClient(tracking_uri).create_experiment(EXPERIMENT, str(root / "artifacts"))
+    registered = register(tracking_uri, test_tracking.registration(artifacts, "serve-run"))
+    client = MlflowClient(tracking_uri=tracking_uri, registry_uri=tracking_uri)
+    client.set_registered_model_alias(MODEL, PRODUCTION, registered.version)
+    return Registry(tracking_uri, root / "home", registered.version)
+
+
+def _read_lines(stream, lines: queue.Queue[str]) -> None:
+    for line in stream:
+        lines.put(line)
+    lines.put("")  # end of output
+
+
+def _wait_for(proc: subprocess.Popen, lines: queue.Queue[str], marker: str, timeout: float) -> str:
+    seen: list[str] = []
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            line = lines.get(timeout=deadline - time.monotonic())
+        except queue.Empty:
+            break
+        seen.append(line)
+        if marker in line:
+            return line
+        if line == "":
+            break
+    raise AssertionError(f"no {marker!r} (exit {proc.poll()}):\n{''.join(seen)}")
+
+
+def test_served_model_answers_http_and_generate_matches_it(
+    registry: Registry, artifacts: dict[str, str]
+) -> None:
+    started = time.monotonic()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "worker.cli", "serve", MODEL],  # NAME alone: alias production
+        cwd=REPO,
+        env={**os.environ, **registry.env()},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    lines: queue.Queue[str] = queue.Queue()
+    threading.Thread(target=_read_lines, args=(proc.stdout, lines), daemon=True).start()
+    try:
+        ready = _wait_for(proc, lines, "is ready at", timeout=120)
+        print(f"server ready after {time.monotonic() - started:.1f} s")
+        assert f"(version {registry.version})" in ready
+        url = ready.split("is ready at")[1].strip()
+        assert "curl -s " + url + "/invocations" in _wait_for(proc, lines, "curl", 5)
+
+        body = {"inputs": [PROMPT], "params": {"max_new_tokens": NEW_TOKENS, "seed": SEED}}
+        request = urllib.request.Request(
+            f"{url}/invocations",
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(request, timeout=60) as response:
+            (served,) = json.loads(response.read())["predictions"]
+        tokenizer = Tokenizer.from_file(artifacts["tokenizer"])
+        assert served.startswith(PROMPT)
+        assert len(tokenizer.encode(served).ids) == len(PROMPT) + NEW_TOKENS
+
+        # The same request through `generate`: on the server, and with the model loaded here.
+        runner = CliRunner()
+        args = [PROMPT, "--max-new-tokens", str(NEW_TOKENS), "--seed", str(SEED)]
+        remote = runner.invoke(app, ["generate", MODEL, *args, "--url", url], env=registry.env())
+        assert remote.exit_code == 0, remote.output
+        assert remote.output == served + "\n"
+        local = runner.invoke(app, ["generate", f"{MODEL}@{PRODUCTION}", *args], env=registry.env())
+        assert local.exit_code == 0, local.output
+        assert local.output == served + "\n"
+
+        port = int(url.rsplit(":", 1)[1])
+        proc.send_signal(signal.SIGTERM)  # as `kill` or `docker stop` would
+        assert proc.wait(timeout=30) == 0
+        _wait_for(proc, lines, "stopping the model server", 5)
+        assert not port_is_open("127.0.0.1", port)  # the server's whole group stopped
+        assert not list((registry.home / "run").glob("serve-*.pid"))
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_a_missing_alias_or_model_is_a_clear_error(registry: Registry, tmp_path: Path) -> None:
+    with pytest.raises(ServeError, match=f"{MODEL} has no version with alias staging"):
+        check_registered(registry.tracking_uri, parse_ref(f"{MODEL}@staging"))
+    with pytest.raises(ServeError, match="no model named nope in the registry"):
+        check_registered(registry.tracking_uri, parse_ref("nope"))
+    with pytest.raises(ServeError, match="has no version with number 99"):
+        check_registered(registry.tracking_uri, parse_ref(f"{MODEL}/99"))
+    assert check_registered(registry.tracking_uri, parse_ref(MODEL)) == str(registry.version)
+
+    # Through the CLI, before anything is started: no production version yet.
+    client = MlflowClient(tracking_uri=registry.tracking_uri, registry_uri=registry.tracking_uri)
+    client.delete_registered_model_alias(MODEL, PRODUCTION)
+    try:
+        env = {**registry.env(), "FORGELINE_HOME": str(tmp_path)}
+        result = CliRunner().invoke(app, ["serve", MODEL], env=env)
+    finally:
+        client.set_registered_model_alias(MODEL, PRODUCTION, registry.version)
+    assert isinstance(result.exception, CliError)
+    assert str(result.exception) == (
+        f"{MODEL} has no version with alias production: approve one with "
+        f"`forgeline approve RUN --as APPROVER` (or serve {MODEL}@candidate)"
+    )
+    assert not (tmp_path / "logs").exists()  # refused before a server was started
+
+
+def test_model_references() -> None:
+    assert parse_ref("tiny") == ModelRef("tiny", alias=PRODUCTION)
+    assert parse_ref("tiny@candidate") == ModelRef("tiny", alias="candidate")
+    assert parse_ref("tiny/03") == ModelRef("tiny", version="3")
+    assert parse_ref("tiny/3").uri == "models:/tiny/3"
+    assert parse_ref("tiny").uri == "models:/tiny@production"
+    with pytest.raises(CliError, match="model name 'Tiny LM' is not valid"):
+        parse_ref("Tiny LM")
+    with pytest.raises(ServeError, match="version 'latest' is not a number"):
+        parse_ref("tiny/latest")
+    with pytest.raises(ServeError, match="alias 'a b' is not valid"):
+        parse_ref("tiny@a b")
+
+
+def test_generate_against_no_server_is_one_clear_line() -> None:
+    url = f"http://127.0.0.1:{free_port()}"
+    result = CliRunner().invoke(app, ["generate", "tiny", "hi", "--url", url])
+    assert isinstance(result.exception, CliError)
+    assert str(result.exception).startswith(f"cannot reach the model server at {url} (")
+    assert "`forgeline serve MODEL`" in str(result.exception)

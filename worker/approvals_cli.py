@@ -1,0 +1,73 @@
+"""`forgeline approvals [apply FILE]`: the operators' approval rules (registry.approvals).
+
+`apply` checks the file before it replaces the installed one, so a typo never locks every run
+out of approval; runs read the rules when their model is registered."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from registry.approvals import APPROVALS_FILE, ApprovalsFile, load_approvals, parse_approvals
+from registry.errors import ApprovalsInvalid
+from worker.cli_common import CliError, console, get_settings
+
+approvals_app = typer.Typer(
+    help="Who may approve which models, self-approval, the eval gate.", invoke_without_command=True
+)
+
+
+@approvals_app.callback()
+def show(ctx: typer.Context) -> None:
+    """The installed rules (with no subcommand)."""
+    if ctx.invoked_subcommand is not None:
+        return
+    home = get_settings().home
+    try:
+        installed = load_approvals(home)
+    except ApprovalsInvalid as err:
+        raise CliError(str(err)) from None
+    if installed is None:
+        console.print(
+            f"no {home / APPROVALS_FILE}: anyone but the submitter may approve, no eval gate "
+            "beyond the runs' own; install rules with `forgeline approvals apply FILE`"
+        )
+        return
+    console.print(describe(installed), markup=False)
+
+
+@approvals_app.command("apply")
+def apply(
+    file: Annotated[Path, typer.Argument(help="TOML: [defaults], [teams.X], [models.X]")],
+) -> None:
+    """Check the rules and install them for the runs that reach approval from now on."""
+    if not file.is_file():
+        raise CliError(f"{file} does not exist")
+    try:
+        rules = parse_approvals(file.read_text(), str(file))
+    except ApprovalsInvalid as err:
+        raise CliError(str(err)) from None
+    target = get_settings().home / APPROVALS_FILE
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_suffix(".tmp")
+    tmp.write_text(file.read_text())
+    tmp.replace(target)
+    console.print(f"installed {target}", markup=False)
+    console.print(describe(rules), markup=False)
+
+
+def describe(rules: ApprovalsFile) -> str:
+    lines = []
+    sections = [("defaults", rules.defaults)]
+    sections += [(f"team {name}", r) for name, r in sorted(rules.teams.items())]
+    sections += [(f"model {name}", r) for name, r in sorted(rules.models.items())]
+    for name, r in sections:
+        parts = [f"approvers {', '.join(r.approvers) or '-'}"]
+        if r.allow_self_approval is not None:
+            parts.append(f"self-approval {'on' if r.allow_self_approval else 'off'}")
+        if r.max_val_loss is not None:
+            parts.append(f"gate val_loss <= {r.max_val_loss:g}")
+        lines.append(f"{name:<20} " + "; ".join(parts))
+    return "\n".join(lines)

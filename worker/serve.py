@@ -1,0 +1,301 @@
+"""`forgeline serve MODEL[@ALIAS|/VERSION]` and `forgeline generate MODEL "prompt"`: a registered
+model answering prompts, behind `mlflow models serve` or loaded in this process.
+
+The server is MLflow's own scoring server (uvicorn), so what answers here answers the same way in
+a container built with `mlflow models build-docker`: POST {"inputs": [prompts], "params":
+{"max_new_tokens": N, "seed": S}} to /invocations, get {"predictions": [continuations]}.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shlex
+import signal
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import mlflow.pyfunc
+from mlflow.exceptions import MlflowException
+from mlflow.tracking import MlflowClient
+
+from infra.processes import ManagedProcess, free_port, http_ok, port_is_open
+from registry.tracking import PRODUCTION
+from worker.cli_common import check_name
+
+# MLflow's own rule for aliases (letters, digits, `_`, `-`); checked here so a typo is refused
+# before it becomes part of a models:/ URI.
+ALIAS_PATTERN = r"^[A-Za-z0-9_-]{1,255}$"
+START_TIMEOUT_S = 180.0  # importing torch and MLflow on a busy 2-core machine takes a while
+
+
+class ServeError(Exception):
+    """The model cannot be found, served or reached; the message says which and what to do."""
+
+    def __init__(self, message: str, log_tail: str = "") -> None:
+        super().__init__(message)
+        self.log_tail = log_tail  # the server's last lines, when it is the server that failed
+
+
+@dataclass(frozen=True)
+class ModelRef:
+    """NAME@ALIAS or NAME/VERSION: exactly one of `alias` and `version` is set."""
+
+    name: str
+    alias: str | None = None
+    version: str | None = None
+
+    @property
+    def uri(self) -> str:
+        return f"models:/{self}"
+
+    def __str__(self) -> str:
+        return f"{self.name}@{self.alias}" if self.alias else f"{self.name}/{self.version}"
+
+
+def parse_ref(text: str, default_alias: str = PRODUCTION) -> ModelRef:
+    """`NAME` (the default alias), `NAME@ALIAS` or `NAME/VERSION`."""
+    if "@" in text:
+        name, alias = text.split("@", 1)
+        if not re.match(ALIAS_PATTERN, alias):
+            raise ServeError(
+                f"alias {alias!r} is not valid: use letters, digits, '_' and '-' "
+                f"(e.g. {name}@{PRODUCTION})"
+            )
+        ref = ModelRef(name, alias=alias)
+    elif "/" in text:
+        name, version = text.split("/", 1)
+        if not version.isdigit():
+            raise ServeError(f"version {version!r} is not a number: use NAME/3 or NAME@ALIAS")
+        ref = ModelRef(name, version=str(int(version)))
+    else:
+        ref = ModelRef(text, alias=default_alias)
+    check_name(ref.name, "model name")
+    return ref
+
+
+def check_registered(tracking_uri: str, ref: ModelRef) -> str:
+    """The version `ref` points at now; fails with the fix when there is none."""
+    _check_reachable(tracking_uri)
+    client = MlflowClient(tracking_uri=tracking_uri, registry_uri=tracking_uri)
+    try:
+        if ref.alias:
+            return str(client.get_model_version_by_alias(ref.name, ref.alias).version)
+        return str(client.get_model_version(ref.name, ref.version).version)
+    except MlflowException:
+        pass
+    try:
+        client.get_registered_model(ref.name)
+    except MlflowException:
+        raise ServeError(
+            f"no model named {ref.name} in the registry at {tracking_uri}: "
+            "`forgeline runs` shows each run's model"
+        ) from None
+    if ref.alias == PRODUCTION:
+        fix = (
+            "approve one with `forgeline approve RUN --as APPROVER` "
+            f"(or serve {ref.name}@candidate)"
+        )
+    elif ref.alias:
+        fix = f"set the alias in the MLflow UI, or serve {ref.name}/VERSION"
+    else:
+        fix = f"the MLflow UI at {tracking_uri} lists its versions"
+    what = f"alias {ref.alias}" if ref.alias else f"number {ref.version}"
+    raise ServeError(f"{ref.name} has no version with {what}: {fix}")
+
+
+def _check_reachable(tracking_uri: str) -> None:
+    # MlflowClient retries an unreachable server with back-off for minutes; ask once, quickly.
+    if tracking_uri.startswith(("http://", "https://")) and not http_ok(f"{tracking_uri}/health"):
+        raise ServeError(
+            f"cannot reach MLflow at {tracking_uri}: start the local stack with `forgeline up`"
+        )
+
+
+@dataclass
+class ModelServer:
+    """`mlflow models serve` running in its own process group, with its log file."""
+
+    ref: ModelRef
+    version: str
+    url: str
+    process: ManagedProcess
+
+    def running(self) -> bool:
+        return self.process.running()
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """SIGTERM the group and wait for all of it: the port is free once this returns."""
+        group = self.process.pid()  # the leader's pid is the group's id (its own session)
+        self.process.stop(timeout=timeout_s)
+        # The leader (mlflow's CLI) exits at once; uvicorn, in the same group, finishes its
+        # requests and shuts down after it. Only an empty group means the server is gone.
+        deadline, killed = time.monotonic() + timeout_s, False
+        while group is not None and _group_alive(group):
+            if time.monotonic() > deadline:
+                if killed:
+                    break  # stuck in the kernel: nothing more a signal can do
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(group, signal.SIGKILL)
+                deadline, killed = time.monotonic() + 5, True
+            time.sleep(0.1)
+
+    def log_tail(self, lines: int = 30) -> str:
+        return self.process.log_tail(lines)
+
+
+def _group_alive(group: int) -> bool:
+    """Whether any live (non-zombie) process is in process group `group` (Linux /proc)."""
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            text = stat.read_text()
+        except OSError:  # exited while we looked
+            continue
+        # After the command name's last ')': state, ppid, pgrp, ...
+        state, _ppid, pgrp = text.rsplit(")", 1)[1].split()[:3]
+        if int(pgrp) == group and state != "Z":
+            return True
+    return False
+
+
+def start_server(
+    tracking_uri: str,
+    home: Path,
+    ref: ModelRef,
+    host: str = "127.0.0.1",
+    port: int | None = None,
+    workers: int = 1,
+    timeout_s: float = START_TIMEOUT_S,
+    say: Callable[[str], None] = lambda _: None,
+) -> ModelServer:
+    """Start serving `ref` and return once it answers /ping; stopped again if it never does."""
+    version = check_registered(tracking_uri, ref)
+    say(f"starting the model server for {ref} (version {version}) from {tracking_uri}")
+    # A server on every interface is reached through loopback from here.
+    local = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
+    if port is None:
+        port = free_port()
+    elif port_is_open(local, port):
+        raise ServeError(f"port {port} on {host} is in use: pass another --port, or none")
+    bin_dir = Path(sys.executable).parent
+    argv = [
+        str(bin_dir / "mlflow"),
+        "models",
+        "serve",
+        "-m",
+        ref.uri,
+        "--env-manager",
+        "local",
+        "-h",
+        host,
+        "-p",
+        str(port),
+        "-w",
+        str(workers),
+    ]
+    env = {
+        "MLFLOW_TRACKING_URI": tracking_uri,
+        "MLFLOW_REGISTRY_URI": tracking_uri,
+        # `mlflow models serve` starts `uvicorn` through bash by name: without the venv on PATH
+        # (forgeline called by path, venv not activated) it would not be found, or be another's.
+        "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}",
+    }
+    # One log (and pid file) per port: two servers of one model may run side by side.
+    process = ManagedProcess(home, f"serve-{ref.name}-{port}")
+    process.log_file.unlink(missing_ok=True)
+    process.start(argv, env=env)
+    url = f"http://[{local}]:{port}" if ":" in local else f"http://{local}:{port}"
+    server = ModelServer(ref, version, url, process)
+    try:
+        _wait_ready(server, timeout_s)
+    except BaseException:  # failed, or Ctrl-C while it starts: leave nothing behind
+        server.stop()
+        raise
+    return server
+
+
+def _wait_ready(server: ModelServer, timeout_s: float) -> None:
+    # /ping answers 200 only once the model is loaded, so "ready" means ready to generate.
+    deadline = time.monotonic() + timeout_s
+    while not http_ok(f"{server.url}/ping"):
+        if not server.running():
+            raise ServeError(
+                f"the model server for {server.ref} exited during start-up "
+                f"(log: {server.process.log_file})",
+                server.log_tail(),
+            )
+        if time.monotonic() > deadline:
+            raise ServeError(
+                f"the model server for {server.ref} did not answer {server.url}/ping within "
+                f"{timeout_s:.0f} s (log: {server.process.log_file})",
+                server.log_tail(),
+            )
+        time.sleep(0.2)
+
+
+def curl_example(url: str, prompt: str = "ROMEO:", max_new_tokens: int = 100) -> str:
+    body = json.dumps({"inputs": [prompt], "params": {"max_new_tokens": max_new_tokens, "seed": 0}})
+    return f"curl -s {url}/invocations -H 'Content-Type: application/json' -d {shlex.quote(body)}"
+
+
+def generate_local(
+    tracking_uri: str, ref: ModelRef, prompt: str, max_new_tokens: int, seed: int
+) -> str:
+    """Load the registered model into this process and continue `prompt`."""
+    check_registered(tracking_uri, ref)
+    # models:/ URIs resolve through the process-wide registry URI; there is no per-call argument.
+    mlflow.set_tracking_uri(tracking_uri)
+    mlflow.set_registry_uri(tracking_uri)
+    model = mlflow.pyfunc.load_model(ref.uri)
+    (text,) = model.predict([prompt], params={"max_new_tokens": max_new_tokens, "seed": seed})
+    return text
+
+
+def generate_remote(
+    url: str, prompt: str, max_new_tokens: int, seed: int, timeout_s: float = 300.0
+) -> str:
+    """Ask a running model server (`forgeline serve`) to continue `prompt`."""
+    url = url.rstrip("/")
+    body = {"inputs": [prompt], "params": {"max_new_tokens": max_new_tokens, "seed": seed}}
+    request = urllib.request.Request(
+        f"{url}/invocations",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=timeout_s) as response:
+            answer = json.loads(response.read())
+    except urllib.error.HTTPError as err:
+        detail = err.read().decode(errors="replace")
+        with contextlib.suppress(json.JSONDecodeError, AttributeError):
+            detail = json.loads(detail).get("message", detail)
+        raise ServeError(f"the model server at {url} answered {err.code}: {detail[:300]}") from None
+    except (urllib.error.URLError, OSError) as err:
+        reason = getattr(err, "reason", err)
+        raise ServeError(
+            f"cannot reach the model server at {url} ({reason}): start one with "
+            "`forgeline serve MODEL`, or drop --url to run the model here"
+        ) from None
+    except json.JSONDecodeError:
+        raise ServeError(f"{url}/invocations did not answer JSON: is it a model server?") from None
+    predictions = answer.get("predictions") if isinstance(answer, dict) else None
+    if not isinstance(predictions, list) or not predictions:
+        raise ServeError(f"{url}/invocations answered {str(answer)[:200]}, not predictions")
+    return str(predictions[0])
+
+
+def wait_in_foreground(server: ModelServer, poll_s: float = 0.5) -> None:
+    """Block until the server exits by itself (ServeError with its log) or we are interrupted."""
+    while server.running():
+        time.sleep(poll_s)
+    raise ServeError(
+        f"the model server for {server.ref} stopped by itself (log: {server.process.log_file})",
+        server.log_tail(),
+    )
