@@ -264,6 +264,10 @@ def test_corrupt_gradients_are_traced_to_their_node_and_rolled_back(
     assert version.tags["forgeline.decision"] == "expired"
 
 
+# Covered faster, part by part: tests/trainer/test_stragglers.py (a throttled rank is named,
+# the gang checkpoints and stops with the straggler reason) and the Cluster workflow's
+# test_a_straggler_is_cordoned_not_counted_as_a_death; the run's re-queue is recovery's path.
+@pytest.mark.slow
 def test_a_straggler_is_swapped_for_another_node(stack: Stack, tmp_path: Path) -> None:
     """One node of the gang runs at a fifth of its speed: the gang names it with evidence,
     checkpoints, the node is cordoned, and the run goes on on the others from that step."""

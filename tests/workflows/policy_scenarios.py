@@ -8,6 +8,7 @@ A `Scenario` is what one property test runs through `tests.workflows.simulation.
 from __future__ import annotations
 
 import os
+from collections import defaultdict
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
@@ -224,20 +225,30 @@ def fill(
     """Every GPU held: gangs over runs of equal nodes, or jobs sharing one node (unless
     `whole_nodes`), of random teams, priorities and ages; some non-preemptible if `rigid`."""
     nodes = state.nodes
+    rigid_gpus: dict[str, int] = defaultdict(int)  # non-preemptible GPUs held, by team
 
     def gang(node_ids: list[str], gpus_per_node: int) -> None:
         age_s = draw(st.integers(60, 3 * 3600))
+        team = draw(st.sampled_from(teams))
+        gpus = len(node_ids) * gpus_per_node
+        # Reachable states only: the scheduler grants a non-preemptible gang only within its
+        # team's guarantee, so a state with more is one it never made (a recovering gang of it
+        # would then be granted "over" the guarantee it already held).
+        fits = rigid_gpus[team] + gpus <= state.config.queue(team).guaranteed_gpus
+        preemptible = not (rigid and draw(st.booleans()) and fits)
+        if not preemptible:
+            rigid_gpus[team] += gpus
         hold(
             state,
             node_ids,
             gpus_per_node,
-            team=draw(st.sampled_from(teams)),
+            team=team,
             priority=draw(st.integers(0, 3)),
             granted=NOW - timedelta(seconds=age_s),
             hours_left=draw(st.floats(0.1, 6)),
             # any checkpoint age: the cheapest victim is then not always the youngest gang
             checkpointed=NOW - timedelta(seconds=draw(st.integers(0, age_s))),
-            preemptible=not (rigid and draw(st.booleans())),
+            preemptible=preemptible,
         )
 
     i = 0

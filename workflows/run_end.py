@@ -1,0 +1,151 @@
+"""The end of a TrainingRun: the MLflow run opened at the start, evaluation, registration, and
+the wait for an authorised decision. A part of the TrainingRun workflow class (deterministic
+workflow code), kept apart so the training loop's file stays readable."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from datetime import timedelta
+from typing import Any
+
+from temporalio import workflow
+
+with workflow.unsafe.imports_passed_through():
+    from workflows.approval import gate_tags, with_spec
+    from workflows.models import (
+        ApprovalPolicy,
+        ApprovalPolicyInput,
+        CheckpointRef,
+        DatasetRef,
+        Decision,
+        DecisionInput,
+        EvalResult,
+        EvaluateInput,
+        ModelVersionRef,
+        NodeTrainResult,
+        Phase,
+        RegisterInput,
+        RunStatus,
+        TrackingInput,
+        TrainingRunInput,
+    )
+    from workflows.spec import RunSpec
+
+
+class RunEnd:
+    """Steps of TrainingRun after training; the workflow class provides these attributes."""
+
+    _input: TrainingRunInput
+    _spec: RunSpec
+    _status: RunStatus
+    _decision: Decision | None
+    _control: Callable[..., Awaitable[Any]]  # one control-worker activity, patient retries
+    _set_phase: Callable[[Phase], None]
+
+    async def _evaluate(self, dataset: DatasetRef, checkpoint: CheckpointRef) -> EvalResult:
+        self._set_phase(Phase.EVALUATING)
+        evaluation = await self._control(
+            "evaluate",
+            EvaluateInput(
+                run_id=self._spec.name, spec=self._spec, dataset=dataset, checkpoint=checkpoint
+            ),
+            EvalResult,
+            timeout=timedelta(hours=2),
+            heartbeat=timedelta(minutes=2),
+        )
+        self._status.evaluation = evaluation
+        return evaluation
+
+    async def _register(
+        self,
+        dataset: DatasetRef,
+        checkpoint: CheckpointRef,
+        evaluation: EvalResult,
+        results: list[NodeTrainResult],
+    ) -> ModelVersionRef:
+        self._set_phase(Phase.REGISTERING)
+        version = await self._control(
+            "register_model",
+            RegisterInput(
+                run_id=self._spec.name,
+                workflow_run_id=workflow.info().run_id,
+                spec=self._spec,
+                spec_sha256=self._input.spec_sha256,
+                dataset=dataset,
+                checkpoint=checkpoint,
+                evaluation=evaluation,
+                training=results,
+                attempts=self._status.attempts,
+                goodput=self._status.goodput,
+                health=self._status.health,
+                mlflow_run_id=self._status.mlflow_run_id,
+            ),
+            ModelVersionRef,
+            timeout=timedelta(minutes=30),
+        )
+        self._status.model_version = version
+        return version
+
+    def _open_tracking(self) -> asyncio.Task[str] | None:
+        """Open the MLflow run that the metrics stream into, beside data preparation."""
+        if not workflow.patched("tracking-run"):  # runs started before streaming replay as such
+            return None
+        opened = self._control(
+            "open_tracking_run",
+            TrackingInput(
+                run_id=self._spec.name,
+                workflow_run_id=workflow.info().run_id,
+                spec=self._spec,
+                spec_sha256=self._input.spec_sha256,
+            ),
+            str,
+            timeout=timedelta(minutes=2),
+        )
+        return asyncio.ensure_future(opened)
+
+    async def _await_decision(self, version: ModelVersionRef) -> None:
+        """Wait for an authorised decision; nobody deciding within the window ends the run."""
+        window: timedelta | None = None
+        if workflow.patched("approval-rules"):  # earlier runs wait for any decision, forever
+            policy = await self._control(
+                "approval_policy",
+                ApprovalPolicyInput(model_name=version.model_name, team=self._spec.resources.team),
+                ApprovalPolicy,
+                timeout=timedelta(minutes=5),
+            )
+            self._status.approval = with_spec(policy, self._spec)
+            window = timedelta(hours=self._spec.registry.approval_window_hours)
+            self._status.approval_deadline = workflow.now() + window
+        self._set_phase(Phase.AWAITING_APPROVAL)
+        try:
+            await workflow.wait_condition(lambda: self._decision is not None, timeout=window)
+        except TimeoutError:
+            self._set_phase(Phase.EXPIRED)  # first: a decision arriving now is refused
+            expiry = Decision(
+                approver="forgeline", approve=False, reason=f"nobody decided within {window}"
+            )
+            await self._record(version, expiry, expired=True)
+            return
+        assert self._decision is not None
+        await self._record(version, self._decision)
+        self._status.decision = self._decision
+        self._set_phase(Phase.APPROVED if self._decision.approve else Phase.REJECTED)
+
+    async def _record(
+        self, version: ModelVersionRef, decision: Decision, expired: bool = False
+    ) -> None:
+        policy = self._status.approval
+        tags = gate_tags(policy, self._status.evaluation, decision) if policy else {}
+        await self._control(
+            "record_decision",
+            DecisionInput(
+                version=version,
+                decision=decision,
+                decided_at=workflow.now(),
+                tags=tags,
+                expired=expired,
+            ),
+            None,
+            timeout=timedelta(minutes=5),
+        )
