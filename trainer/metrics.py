@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+from infra.capacity import palm_flops_per_token
 from trainer.model import GPTConfig
 
 
 def flops_per_token(config: GPTConfig, non_embedding_params: int) -> float:
-    """6N for the matmuls of forward and backward, plus 12·L·H·Q·T for attention scores."""
-    head_dim = config.n_embd // config.n_head
-    attention = 12 * config.n_layer * config.n_head * head_dim * config.block_size
-    return 6 * non_embedding_params + attention
+    """6N for the matmuls of forward and backward, plus 12·L·H·Q·T for attention scores: the
+    planner's figure (infra.capacity), so plans and measured MFU agree."""
+    return palm_flops_per_token(
+        non_embedding_params, config.n_layer, config.n_embd, config.block_size
+    )
 
 
 def mfu(

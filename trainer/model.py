@@ -19,6 +19,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from infra.capacity import mlp_hidden
+
 
 @dataclass(frozen=True)
 class GPTConfig:
@@ -46,17 +48,6 @@ class GPTConfig:
 
     def to_dict(self) -> dict:
         return asdict(self)
-
-
-def mlp_hidden(n_embd: int, swiglu: bool) -> int:
-    """Hidden width of the MLP: 4·C for GELU; for SwiGLU 8·C/3 rounded up to a multiple of 16.
-
-    SwiGLU has three matrices instead of two, so 2/3 of 4·C keeps the parameter count near GELU's;
-    the multiple of 16 keeps the width divisible by every tensor-parallel degree up to 16.
-    """
-    if not swiglu:
-        return 4 * n_embd
-    return -(-8 * n_embd // (3 * 16)) * 16  # ceil(8·C / 48) · 16
 
 
 def rotary_tables(head_dim: int, n_pos: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:

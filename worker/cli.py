@@ -33,6 +33,7 @@ from worker.data_cli import (
     write_report,
 )
 from worker.lineage import lineage_command
+from worker.plan_cli import plan
 from worker.render import progress_line, run_link, runs_table, status_text
 from worker.runs import RunNotFound, list_run_names, submit, view
 from worker.serve import (
@@ -56,6 +57,7 @@ app.add_typer(node_app, name="node")
 app.add_typer(chaos_app, name="chaos")
 app.add_typer(approvals_app, name="approvals")
 app.command("lineage")(lineage_command)
+app.command("plan")(plan)
 app.command()(nodes)
 app.command()(queues)
 app.command()(jobs)

@@ -1,0 +1,210 @@
+"""A run's plan: time and cost of the token budget, failures, checkpoints, goodput, and a fit.
+
+Reliability is the first-order model the trainer's `checkpoint_every = "auto"` uses: nodes fail
+independently, so a gang of N fails N times as often as one node; Young's interval √(2·C·M) and
+Daly's first-order correction √(2·C·M) − C for a save costing C seconds and a gang MTBF of M.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+from infra.capacity import (
+    Memory,
+    Precision,
+    Shape,
+    flops_per_token,
+    memory_per_gpu,
+    non_embedding_params,
+    param_count,
+)
+from infra.capacity_hardware import Hardware
+
+GIB = 1 << 30
+
+
+@dataclass(frozen=True)
+class Layout:
+    nodes: int
+    gpus_per_node: int
+    replicate: int
+    shard: int
+    tensor: int
+
+    @property
+    def world(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+
+@dataclass(frozen=True)
+class Budget:
+    steps: int
+    batch_size: int  # sequences per optimizer step, all ranks together
+    grad_accum_steps: int = 1
+    checkpoint_every: int | None = None  # steps; None: "auto" (Daly's interval)
+
+    def micro_batch(self, layout: Layout) -> int:
+        """Sequences one rank runs per forward: tensor-parallel ranks share theirs."""
+        return max(1, self.batch_size // (layout.replicate * layout.shard * self.grad_accum_steps))
+
+
+def gang_mtbf_s(node_mtbf_hours: float, nodes: int) -> float:
+    return node_mtbf_hours * 3600 / nodes
+
+
+def young_interval_s(save_s: float, mtbf_s: float) -> float:
+    return math.sqrt(2 * save_s * mtbf_s)
+
+
+def daly_interval_s(save_s: float, mtbf_s: float) -> float:
+    """Daly (2006), first order; past C ≥ M/2 the expansion fails: one save per MTBF is best."""
+    return mtbf_s if save_s >= mtbf_s / 2 else young_interval_s(save_s, mtbf_s) - save_s
+
+
+def goodput(save_s: float, interval_s: float, restart_s: float, mtbf_s: float) -> float:
+    """Useful fraction of wall time, first order: each period of τ work plus a C-second save
+    loses C to saving; a failure, once per M on average, loses half a period and the restart."""
+    period = interval_s + save_s
+    return max(0.0, 1 - save_s / period - (period / 2 + restart_s) / mtbf_s)
+
+
+def save_seconds(checkpoint_bytes: float, nodes: int, hardware: Hardware) -> float:
+    """Every rank writes its own shard, so nodes write in parallel, capped by the storage."""
+    bandwidth = hardware.write_gb_per_s_per_node * 1e9 * nodes
+    if hardware.write_gb_per_s is not None:
+        bandwidth = min(bandwidth, hardware.write_gb_per_s * 1e9)
+    return checkpoint_bytes / bandwidth
+
+
+@dataclass(frozen=True)
+class Plan:
+    params: int
+    non_embedding_params: int
+    flops_per_token: float
+    precision: Precision
+    model_state_bytes: int
+    micro_batch: int
+    memory: Memory
+    usable_memory_bytes: float
+    tokens: int
+    tokens_per_s: float
+    step_s: float
+    compute_s: float
+    gang_mtbf_s: float
+    checkpoint_bytes: int
+    checkpoint_bytes_per_rank: float
+    save_s: float
+    young_s: float
+    daly_s: float
+    interval_s: float  # the spec's checkpoint_every in seconds, or Daly's when it is "auto"
+    goodput_optimal: float
+    goodput: float
+    wall_s: float
+    expected_failures: float
+    gpu_hours: float
+    cost_per_hour: float
+    cost: float
+
+    @property
+    def fits(self) -> bool:
+        return self.memory.total <= self.usable_memory_bytes
+
+
+def make_plan(
+    shape: Shape,
+    layout: Layout,
+    budget: Budget,
+    precision: Precision,
+    hardware: Hardware,
+    node_mtbf_hours: float,
+) -> Plan:
+    params, world = param_count(shape), layout.world
+    flops_tok = flops_per_token(shape)
+    micro = budget.micro_batch(layout)
+    memory = memory_per_gpu(
+        shape, precision, layout.shard, layout.tensor, micro, hardware.flash_attention
+    )
+    tokens = budget.steps * budget.batch_size * shape.block_size
+    tokens_per_s = world * hardware.peak_flops_per_gpu * hardware.mfu / flops_tok
+    step_s = budget.batch_size * shape.block_size / tokens_per_s
+    mtbf = gang_mtbf_s(node_mtbf_hours, layout.nodes)
+    checkpoint = params * precision.checkpoint_per_param
+    save = save_seconds(checkpoint, layout.nodes, hardware)
+    daly = daly_interval_s(save, mtbf)
+    interval = daly if budget.checkpoint_every is None else budget.checkpoint_every * step_s
+    useful = goodput(save, interval, hardware.restart_s, mtbf)
+    compute = tokens / tokens_per_s
+    wall = compute / useful if useful > 0 else math.inf
+    gpu_hours = world * wall / 3600
+    return Plan(
+        params=params,
+        non_embedding_params=non_embedding_params(shape),
+        flops_per_token=flops_tok,
+        precision=precision,
+        model_state_bytes=params * precision.per_param,
+        micro_batch=micro,
+        memory=memory,
+        usable_memory_bytes=hardware.gpu_memory_gib * GIB * hardware.usable_memory_fraction,
+        tokens=tokens,
+        tokens_per_s=tokens_per_s,
+        step_s=step_s,
+        compute_s=compute,
+        gang_mtbf_s=mtbf,
+        checkpoint_bytes=checkpoint,
+        checkpoint_bytes_per_rank=checkpoint / world,
+        save_s=save,
+        young_s=young_interval_s(save, mtbf),
+        daly_s=daly,
+        interval_s=interval,
+        goodput_optimal=goodput(save, daly, hardware.restart_s, mtbf),
+        goodput=useful,
+        wall_s=wall,
+        expected_failures=wall / mtbf,
+        gpu_hours=gpu_hours,
+        cost_per_hour=world * hardware.cost_per_gpu_hour,
+        cost=gpu_hours * hardware.cost_per_gpu_hour,
+    )
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def what_would_fit(
+    shape: Shape, layout: Layout, budget: Budget, precision: Precision, hardware: Hardware
+) -> dict[str, int] | None:
+    """The smallest change to the layout that fits, tried cheapest first: more sharding (same
+    data-parallel ranks, same batch), then smaller micro-batches by gradient accumulation, then
+    tensor parallelism inside a node. None if nothing does at this gang size."""
+    usable = hardware.gpu_memory_gib * GIB * hardware.usable_memory_fraction
+
+    def fits(lay: Layout, accum: int) -> bool:
+        micro = replace(budget, grad_accum_steps=accum).micro_batch(lay)
+        memory = memory_per_gpu(
+            shape, precision, lay.shard, lay.tensor, micro, hardware.flash_attention
+        )
+        return memory.total <= usable
+
+    def sharded(tensor: int, shard: int) -> Layout:
+        return replace(
+            layout, replicate=layout.world // (tensor * shard), shard=shard, tensor=tensor
+        )
+
+    accum = budget.grad_accum_steps
+    for shard in _divisors(layout.world // layout.tensor):
+        if shard > layout.shard and fits(sharded(layout.tensor, shard), accum):
+            return {"shard": shard, "replicate": layout.world // (layout.tensor * shard)}
+    for tensor in _divisors(layout.gpus_per_node):
+        if tensor < layout.tensor or shape.n_head % tensor or shape.n_embd % tensor:
+            continue
+        if layout.world % tensor:
+            continue
+        data_parallel = layout.world // tensor
+        if budget.batch_size % data_parallel:
+            continue
+        full = sharded(tensor, data_parallel)
+        for more in _divisors(budget.batch_size // data_parallel):
+            if more >= accum and fits(full, more):
+                return {"tensor": tensor, "shard": data_parallel, "replicate": 1, "accum": more}
+    return None

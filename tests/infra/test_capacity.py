@@ -1,0 +1,205 @@
+"""Capacity planning: the seeds' arithmetic, the closed-form parameter count against torch, memory
+verdicts, and `forgeline plan` end to end on real spec files."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import typer
+from typer.testing import CliRunner
+
+from infra.capacity import (
+    PRECISIONS,
+    Shape,
+    flops_per_token,
+    memory_per_gpu,
+    model_state_bytes,
+    non_embedding_params,
+    param_count,
+)
+from infra.capacity_hardware import Hardware, PlanError, hardware_from_dict, load_hardware
+from infra.capacity_plan import (
+    GIB,
+    Budget,
+    Layout,
+    daly_interval_s,
+    gang_mtbf_s,
+    goodput,
+    make_plan,
+    what_would_fit,
+    young_interval_s,
+)
+from workflows.cluster_models import ClusterConfig
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+MIXED = PRECISIONS["bf16-mixed"]
+# Llama-2-70B's width and depth with this repo's GPT (SwiGLU 8C/3, no GQA): about 65 B.
+BIG = Shape(32000, n_layer=80, n_head=64, n_embd=8192, block_size=4096, rope=True, swiglu=True)
+
+
+def test_500_nodes_at_a_six_month_mtbf_fail_every_9_hours() -> None:
+    assert gang_mtbf_s(4380, 500) / 3600 == pytest.approx(8.76)
+
+
+def test_a_30s_save_at_an_8h_mtbf_checkpoints_every_22_minutes() -> None:
+    young = young_interval_s(30, 8 * 3600)
+    assert young == pytest.approx(math.sqrt(2 * 30 * 28800)) and round(young / 60) == 22
+    assert daly_interval_s(30, 8 * 3600) == pytest.approx(young - 30)
+    assert daly_interval_s(5000, 8000) == 8000  # C ≥ M/2: once per MTBF
+
+
+def test_70b_parameters_at_16_bytes_are_1_1_tb() -> None:
+    assert model_state_bytes(70_000_000_000, MIXED) == 1.12e12
+    assert PRECISIONS["fp32"].per_param == 16 and PRECISIONS["bf16"].per_param == 8
+    assert MIXED.checkpoint_per_param == 12  # master weights + two moments
+
+
+def test_4096_gpus_at_2_dollars_cost_8192_an_hour() -> None:
+    layout = Layout(nodes=512, gpus_per_node=8, replicate=512, shard=8, tensor=1)
+    plan = make_plan(BIG, layout, Budget(10, 4096), MIXED, Hardware(cost_per_gpu_hour=2.0), 4380)
+    assert plan.cost_per_hour == 8192
+    assert plan.cost == pytest.approx(plan.gpu_hours * 2)
+
+
+def test_daly_interval_is_the_best_goodput() -> None:
+    save, mtbf, restart = 30.0, 8 * 3600.0, 300.0
+    best = goodput(save, daly_interval_s(save, mtbf), restart, mtbf)
+    for factor in (0.25, 0.5, 2, 4):
+        assert goodput(save, factor * daly_interval_s(save, mtbf), restart, mtbf) < best
+
+
+@pytest.mark.parametrize(
+    "shape",
+    [
+        Shape(65, n_layer=4, n_head=4, n_embd=128, block_size=128),
+        Shape(257, n_layer=2, n_head=2, n_embd=64, block_size=64, rope=True, swiglu=True),
+        Shape(1000, n_layer=3, n_head=5, n_embd=200, block_size=32, swiglu=True),  # 8C/3 → 544
+    ],
+)
+def test_closed_form_matches_the_torch_model(shape: Shape) -> None:
+    from trainer.metrics import flops_per_token as trainer_flops
+    from trainer.model import GPT, GPTConfig
+
+    config = GPTConfig(
+        vocab_size=shape.vocab_size,
+        n_layer=shape.n_layer,
+        n_head=shape.n_head,
+        n_embd=shape.n_embd,
+        block_size=shape.block_size,
+        rope=shape.rope,
+        swiglu=shape.swiglu,
+    )
+    model = GPT(config)
+    assert param_count(shape) == sum(p.numel() for p in model.parameters())
+    assert non_embedding_params(shape) == model.num_params()
+    assert flops_per_token(shape) == trainer_flops(config, model.num_params())
+
+
+def test_70b_replicated_does_not_fit_and_sharding_would() -> None:
+    usable = 80 * GIB * Hardware().usable_memory_fraction
+    replicated = memory_per_gpu(BIG, MIXED, shard=1, tensor=1, micro_batch=1, flash=True)
+    assert replicated.total > usable
+    assert replicated.moments == pytest.approx(param_count(BIG) * 8)
+
+    layout = Layout(nodes=64, gpus_per_node=8, replicate=512, shard=1, tensor=1)
+    budget = Budget(steps=10, batch_size=512)
+    plan = make_plan(BIG, layout, budget, MIXED, Hardware(), 4380)
+    assert not plan.fits and plan.memory.dominant()[0] == "training state"
+    change = what_would_fit(BIG, layout, budget, MIXED, Hardware())
+    # 4,096-token sequences of 8,192 channels outgrow a GPU even one at a time: it takes
+    # tensor parallelism on top of full sharding.
+    assert change == {"tensor": 2, "shard": 256, "replicate": 1, "accum": 2}
+    changed = Layout(64, 8, change["replicate"], change["shard"], change["tensor"])
+    accumulated = Budget(steps=10, batch_size=512, grad_accum_steps=change["accum"])
+    assert make_plan(BIG, changed, accumulated, MIXED, Hardware(), 4380).fits
+
+    short = Shape(32000, n_layer=80, n_head=64, n_embd=8192, block_size=512, rope=True)
+    assert what_would_fit(short, layout, budget, MIXED, Hardware()) == {
+        "shard": 32,
+        "replicate": 16,
+    }
+
+
+def test_a_small_model_fits_one_gpu() -> None:
+    tiny = Shape(65, n_layer=4, n_head=4, n_embd=128, block_size=128)
+    plan = make_plan(tiny, Layout(1, 1, 1, 1, 1), Budget(600, 32), MIXED, Hardware(), 4380)
+    assert plan.fits and plan.memory.total < GIB
+    assert plan.tokens == 600 * 32 * 128
+    assert what_would_fit(BIG, Layout(1, 1, 1, 1, 1), Budget(1, 1), MIXED, Hardware()) is None
+
+
+def test_cluster_files_name_a_bad_key(tmp_path: Path) -> None:
+    with pytest.raises(PlanError, match="unknown key 'mfuu'"):
+        hardware_from_dict({"mfuu": 0.5}, "x.toml")
+    with pytest.raises(PlanError, match=r"mfu = 1\.5 must be > 0 and ≤ 1"):
+        hardware_from_dict({"mfu": 1.5}, "x.toml")
+    with pytest.raises(PlanError, match=r"gpus_per_node = 8\.5 must be a whole number"):
+        hardware_from_dict({"gpus_per_node": 8.5}, "x.toml")
+    assert load_hardware(EXAMPLES / "plan-h100.toml") == Hardware(node_mtbf_hours=4380.0)
+    with pytest.raises(PlanError, match="unknown key 'aging_s'"):
+        load_hardware(EXAMPLES / "cluster.toml")
+    scheduler_keys = frozenset(ClusterConfig.model_fields)
+    assert load_hardware(EXAMPLES / "cluster.toml", scheduler_keys).cost_per_gpu_hour == 2.0
+
+
+BIG_SPEC = """
+name = "big-70b"
+[data]
+sources = ["corpus.txt"]
+tokenizer = "bpe"
+vocab_size = 32000
+[model]
+n_layer = 80
+n_head = 64
+n_embd = 8192
+block_size = 4096
+rope = true
+swiglu = true
+[train]
+steps = 500000
+batch_size = 1024
+checkpoint_every = "auto"
+[resources]
+nodes = 512
+gpus_per_node = 8
+[parallel]
+tensor = 8
+shard = 1
+"""
+
+
+def test_the_plan_command(tmp_path: Path) -> None:
+    # The command alone: importing all of worker.cli (MLflow, Temporal) would double this test.
+    from worker.plan_cli import plan as plan_command
+
+    app = typer.Typer()
+    app.command("plan")(plan_command)
+    app.callback()(lambda: None)  # a group, so `plan` is named as on the real CLI
+    runner = CliRunner()
+    small = runner.invoke(
+        app,
+        [
+            "plan",
+            str(EXAMPLES / "shakespeare-char.toml"),
+            "--cluster",
+            str(EXAMPLES / "cluster.toml"),
+        ],
+    )
+    assert small.exit_code == 0, small.output
+    assert "memory: fits" in small.output and "char tokenizer: assumed" in small.output
+
+    (tmp_path / "corpus.txt").write_text("some text\n")
+    (tmp_path / "big.toml").write_text(BIG_SPEC)
+    big = runner.invoke(app, ["plan", str(tmp_path / "big.toml"), "--json"])
+    assert big.exit_code == 0, big.output
+    numbers = json.loads(big.output)
+    assert numbers["params"] == param_count(BIG) and 64e9 < numbers["params"] < 66e9
+    assert not numbers["fits"] and numbers["would_fit"]["shard"] > 1
+    assert numbers["cost_per_hour"] == 8192
+    assert numbers["gang_mtbf_s"] / 3600 == pytest.approx(4380 / 512)
+
+    table = runner.invoke(app, ["plan", str(tmp_path / "big.toml")])
+    assert "does NOT fit" in table.output and "would fit" in table.output
