@@ -176,7 +176,7 @@ def approval_lines(s: RunStatus) -> list[str]:
         who = ", ".join(policy.approvers) if policy.approvers else "anyone"
         if not policy.allow_self_approval:
             who += f" (not {s.owner}, who submitted it)"
-        lines.append(f"approvers      {who}  [{policy.source}]")
+        lines.append(f"approvers      {who}  (rules: {policy.source})")
         if policy.max_val_loss is not None:
             passed = s.evaluation is not None and s.evaluation.val_loss <= policy.max_val_loss
             verdict = "passes" if passed else "FAILS: approval needs --override-gate and a --note"

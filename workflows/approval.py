@@ -36,8 +36,12 @@ def gate_tags(policy: ApprovalPolicy, evaluation: EvalResult | None, decision: D
     return {"forgeline.gate": verdict, "forgeline.gate_max_val_loss": f"{policy.max_val_loss:g}"}
 
 
-def refusal(status: RunStatus, decided: bool, decision: Decision) -> str | None:
-    """Why this decision cannot be taken now, or None when it can."""
+def refusal(
+    status: RunStatus, decided: bool, decision: Decision, rules: bool = True
+) -> str | None:
+    """Why this decision cannot be taken now, or None when it can. `rules=False` checks only
+    what does not depend on the operators' rules (the update's validator: the rules are read
+    afresh in the handler, so an approver added while the model waited counts)."""
     if status.phase != Phase.AWAITING_APPROVAL:
         return (
             f"run {status.name} is {status.phase.value}, not AWAITING_APPROVAL: "
@@ -47,8 +51,10 @@ def refusal(status: RunStatus, decided: bool, decision: Decision) -> str | None:
         return f"run {status.name} already has a decision"
     if not decision.approve and not decision.reason.strip():
         return "a rejection needs a reason: pass --reason"
+    if decision.override_gate and not decision.reason.strip():
+        return "overriding the eval gate needs a reason: pass --note"
     policy = status.approval
-    if policy is None:  # a run registered before approval rules existed
+    if policy is None or not rules:  # None: a run registered before approval rules existed
         return None
     return _not_authorised(status, policy, decision) or _gate_refusal(status, policy, decision)
 
@@ -83,8 +89,6 @@ def _gate_refusal(status: RunStatus, policy: ApprovalPolicy, decision: Decision)
             f"{policy.max_val_loss:g} ({policy.source}); to approve anyway pass --override-gate "
             "with --note saying why"
         )
-    if not decision.reason.strip():
-        return "overriding the eval gate needs a reason: pass --note"
     return None
 
 

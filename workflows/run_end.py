@@ -108,13 +108,7 @@ class RunEnd:
         """Wait for an authorised decision; nobody deciding within the window ends the run."""
         window: timedelta | None = None
         if workflow.patched("approval-rules"):  # earlier runs wait for any decision, forever
-            policy = await self._control(
-                "approval_policy",
-                ApprovalPolicyInput(model_name=version.model_name, team=self._spec.resources.team),
-                ApprovalPolicy,
-                timeout=timedelta(minutes=5),
-            )
-            self._status.approval = with_spec(policy, self._spec)
+            self._status.approval = await self._approval_rules(version.model_name)
             window = timedelta(hours=self._spec.registry.approval_window_hours)
             self._status.approval_deadline = workflow.now() + window
         self._set_phase(Phase.AWAITING_APPROVAL)
@@ -131,6 +125,16 @@ class RunEnd:
         await self._record(version, self._decision)
         self._status.decision = self._decision
         self._set_phase(Phase.APPROVED if self._decision.approve else Phase.REJECTED)
+
+    async def _approval_rules(self, model_name: str) -> ApprovalPolicy:
+        """The operators' rules as they are now (registry.approvals), with the spec's gate."""
+        policy = await self._control(
+            "approval_policy",
+            ApprovalPolicyInput(model_name=model_name, team=self._spec.resources.team),
+            ApprovalPolicy,
+            timeout=timedelta(minutes=5),
+        )
+        return with_spec(policy, self._spec)
 
     async def _record(
         self, version: ModelVersionRef, decision: Decision, expired: bool = False

@@ -155,13 +155,20 @@ class TrainingRun(RunEnd):
 
     @workflow.update
     async def decide(self, decision: Decision) -> RunStatus:
+        version = self._status.model_version
+        if self._status.approval is not None and version is not None:
+            # The rules as they are now: an approver listed while the model waited counts, one
+            # removed no longer does. A refusal fails this update, not the run.
+            self._status.approval = await self._approval_rules(version.model_name)
+            if why := refusal(self._status, self._decision is not None, decision):
+                raise ApplicationError(why)
         self._decision = decision
         await workflow.wait_condition(lambda: self._status.phase.final)
         return self._status
 
     @decide.validator
     def _validate_decision(self, decision: Decision) -> None:
-        if why := refusal(self._status, self._decision is not None, decision):
+        if why := refusal(self._status, self._decision is not None, decision, rules=False):
             raise ApplicationError(why)
 
     # --- phases ----------------------------------------------------------------------------

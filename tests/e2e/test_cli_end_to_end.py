@@ -67,8 +67,15 @@ def test_run_to_approval_and_the_registered_model(stack: Stack, tmp_path: Path) 
     ]:
         refused = stack.cli("approve", "tiny", "--as", who, *extra, check=False)
         assert refused.returncode == 2 and why in refused.stdout, (who, refused.stdout)
+    # The rules are read when someone decides: new rules count for a model already waiting.
+    rules.write_text('[models.tiny]\napprovers = ["dave"]\nmax_val_loss = 1.0\n')
+    stack.cli("approvals", "apply", str(rules))
+    removed = stack.cli(
+        "approve", "tiny", "--as", "bob", "--override-gate", "--note", "x", check=False
+    )
+    assert "bob may not approve run tiny: approvers are dave" in removed.stdout, removed.stdout
     approved = stack.cli(
-        "approve", "tiny", "--as", "bob", "--override-gate", "--note", "looks right"
+        "approve", "tiny", "--as", "dave", "--override-gate", "--note", "looks right"
     )
     assert "run tiny: APPROVED" in approved.stdout
 
@@ -78,7 +85,8 @@ def test_run_to_approval_and_the_registered_model(stack: Stack, tmp_path: Path) 
     assert production.version == candidate.version == "1"
     tags = production.tags
     assert (
-        tags["forgeline.decided_by"] == "bob" and tags["forgeline.decision_reason"] == "looks right"
+        tags["forgeline.decided_by"] == "dave"
+        and tags["forgeline.decision_reason"] == "looks right"
     )
     assert (
         tags["forgeline.checkpoint_manifest_key"] == "runs/tiny/checkpoints/step-60/MANIFEST.json"
@@ -117,7 +125,7 @@ def test_run_to_approval_and_the_registered_model(stack: Stack, tmp_path: Path) 
     # Lineage: the version back to its checkpoint, data, code and history, hashes checked now.
     lineage = stack.cli("lineage", "tiny", "@production").stdout
     expected_lines = [
-        r"^version +tiny v1 \(aliases: .*production.*\); approved by bob",
+        r"^version +tiny v1 \(aliases: .*production.*\); approved by dave",
         r"^checkpoint +runs/tiny/checkpoints/step-60/MANIFEST.json: step 60, .*\[verified\]",
         rf"^dataset +snapshot {tags['forgeline.dataset_snapshot']} from .*tinyshakespeare.txt: "
         r"[\d,]+ documents read, .*\[verified\]",

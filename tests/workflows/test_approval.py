@@ -143,3 +143,14 @@ def test_the_shipped_example_rules_parse() -> None:
         parse_approvals(text, "examples/approvals.toml"), "shakespeare-char", "default"
     )
     assert rules.approvers == ("bob", "carol", "dave") and rules.max_val_loss == 2.5
+
+
+def test_the_validator_leaves_the_rules_to_the_handler() -> None:
+    """Rules change while a model waits: the update's validator checks only what they cannot
+    change; the handler reads them afresh and applies all of them."""
+    status = waiting(val_loss=2.71, policy=policy_for("tiny", "research"))
+    newcomer = Decision(approver="zoe", approve=True)
+    assert refusal(status, False, newcomer, rules=False) is None
+    assert refusal(status, False, newcomer) is not None
+    bare = Decision(approver="dave", approve=True, override_gate=True)
+    assert "needs a reason" in refusal(status, False, bare, rules=False)
