@@ -45,6 +45,7 @@ from worker.serve import (
     start_server,
     wait_in_foreground,
 )
+from worker.simulate_cli import simulate
 from worker.specfile import SpecError, load_spec, spec_sha256
 from workflows.models import Decision, Phase, RunStatus
 
@@ -58,6 +59,7 @@ app.add_typer(chaos_app, name="chaos")
 app.add_typer(approvals_app, name="approvals")
 app.command("lineage")(lineage_command)
 app.command("plan")(plan)
+app.command("simulate")(simulate)
 app.command()(nodes)
 app.command()(queues)
 app.command()(jobs)

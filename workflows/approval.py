@@ -36,9 +36,7 @@ def gate_tags(policy: ApprovalPolicy, evaluation: EvalResult | None, decision: D
     return {"forgeline.gate": verdict, "forgeline.gate_max_val_loss": f"{policy.max_val_loss:g}"}
 
 
-def refusal(
-    status: RunStatus, decided: bool, decision: Decision, rules: bool = True
-) -> str | None:
+def refusal(status: RunStatus, decided: bool, decision: Decision, rules: bool = True) -> str | None:
     """Why this decision cannot be taken now, or None when it can. `rules=False` checks only
     what does not depend on the operators' rules (the update's validator: the rules are read
     afresh in the handler, so an approver added while the model waited counts)."""

@@ -213,7 +213,11 @@ class Allocation(BaseModel):
 
     @property
     def gpus(self) -> int:
-        return sum(self.held_on(node) for node in self.nodes)
+        # As the sum of `held_on` over the nodes, without a call per node: quotas and usage
+        # ask for this of every allocation on every pass.
+        if len(self.nodes) == 1:
+            return self.gpus_per_node
+        return sum([node.gpus for node in self.nodes])
 
     @property
     def rdzv_endpoint(self) -> str:

@@ -36,10 +36,21 @@ class Capacity:
             self.add(info, free)
 
     def add(self, info: NodeInfo, free: int) -> None:
-        self.info[info.node_id] = info
-        self.free[info.node_id] = 0
+        node_id = info.node_id
         self.largest[info.gpu_type] = max(self.largest.get(info.gpu_type, 0), info.gpus)
-        self.give(info.node_id, free)
+        if node_id in self.info:  # already here: take the indexed path
+            self.free[node_id] = 0
+            self.give(node_id, free)
+            return
+        # A new node (every pass builds thousands): index it directly, as `give` would.
+        self.info[node_id] = info
+        free = min(info.gpus, free)
+        self.free[node_id] = free
+        if free > 0:
+            self.by_free[(info.gpu_type, free)].add(node_id)
+        if free == info.gpus:
+            self.whole[(info.gpu_type, info.pod)].add(node_id)
+        self.free_by_type[info.gpu_type] += free
 
     def copy(self) -> Capacity:
         clone = Capacity(())

@@ -10,6 +10,7 @@ recovery requests. The `Cluster` workflow applies the decisions; nothing here mu
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
@@ -21,6 +22,7 @@ from workflows.cluster_models import (
     ClusterConfig,
     ClusterState,
     GangRequest,
+    Health,
     Node,
     Preemption,
     Reservation,
@@ -46,8 +48,10 @@ def effective_priority(request: GangRequest, now: datetime, aging_s: float) -> f
     return request.priority + max(0.0, waited) // aging_s
 
 
-def order(state: ClusterState, now: datetime) -> list[GangRequest]:
+def order(state: ClusterState, now: datetime, arrival_order: bool = False) -> list[GangRequest]:
     config = state.config
+    if arrival_order:  # strict FIFO, for comparing policies (`forgeline simulate --compare`)
+        return sorted(state.queue, key=lambda r: (r.submitted_at or now, r.run_id))
     return sorted(
         state.queue,
         key=lambda r: (
@@ -67,17 +71,35 @@ def choose_spares(nodes: list[Node], count: int) -> set[str]:
     return set(keep + others[: count - len(keep)])
 
 
-def _capacity(nodes: list[Node], include: set[str] | None = None, exclude: set[str] = frozenset()):
-    return Capacity(
-        (n.info, n.free)
-        for n in nodes
-        if n.schedulable
-        and n.info.node_id not in exclude
-        and (include is None or n.info.node_id in include)
-    )
+def _pools(
+    nodes: list[Node], spares: set[str], claimed: Collection[str]
+) -> tuple[Capacity, Capacity]:
+    """The schedulable nodes' free GPUs: the general pool (neither spare nor claimed) and the
+    spare pool, in one sweep (at 2,500 nodes this sweep is much of a pass)."""
+    general, spare = Capacity(()), Capacity(())
+    for n in nodes:
+        if n.health != Health.HEALTHY or n.admin != Admin.ACTIVE:
+            continue
+        node_id = n.info.node_id
+        free = n.info.gpus - sum(n.jobs.values())
+        if node_id in spares:
+            spare.add(n.info, free)
+        elif node_id not in claimed:
+            general.add(n.info, free)
+    return general, spare
 
 
-def schedule(state: ClusterState, now: datetime) -> Decisions:
+def schedule(
+    state: ClusterState,
+    now: datetime,
+    *,
+    arrival_order: bool = False,
+    backfill: bool = True,
+    preemption: bool = True,
+) -> Decisions:
+    """The switches exist to compare weaker policies in simulation; the cluster uses the
+    defaults: `arrival_order` ignores priority and fair share, `backfill=False` starts nothing
+    behind the head of the line, `preemption=False` never reclaims a guarantee."""
     config = state.config
     default_runtime_s = config.default_max_runtime_h * 3600
     decisions = Decisions(spares=choose_spares(state.nodes, config.spare_nodes))
@@ -89,8 +111,7 @@ def schedule(state: ClusterState, now: datetime) -> Decisions:
             for node_id in claim.nodes:
                 if node_id not in decisions.spares:
                     owner.setdefault(node_id, claim.run_id)
-    general = _capacity(state.nodes, exclude=decisions.spares | owner.keys())
-    spare_capacity = _capacity(state.nodes, include=decisions.spares)
+    general, spare_capacity = _pools(state.nodes, decisions.spares, owner.keys())
     held_for: dict[str, Capacity] = {}
     all_claimed = Capacity(())  # grows with this pass's claims
     for node in state.nodes:
@@ -113,10 +134,13 @@ def schedule(state: ClusterState, now: datetime) -> Decisions:
     def wait(position: int, request: GangRequest, reason: str) -> None:
         decisions.waiting.append(Waiting(run_id=request.run_id, position=position, reason=reason))
 
-    for position, request in enumerate(order(state, now)):
+    for position, request in enumerate(order(state, now, arrival_order)):
         quota = check(config, used, request)
         if not quota.allowed:
             wait(position, request, quota.reason)
+            continue
+        if reservation is not None and not backfill:
+            wait(position, request, f"no backfill: behind {reservation.run_id}")
             continue
         if request.run_id in reclaiming:
             wait(
@@ -159,7 +183,7 @@ def schedule(state: ClusterState, now: datetime) -> Decisions:
             decisions.spares -= set(placed)
             granted_now.append(_as_allocation(request, pools, placed, now, default_runtime_s))
             continue
-        if not quota.borrowing:
+        if preemption and not quota.borrowing:
             candidates = [a for a in running if a.run_id not in being_preempted]
             chosen = choose_victims(request, general.merged(own), candidates, lenders, now)
             if chosen and not _books_within_quota(config, used, request, chosen[1], state.nodes):

@@ -1,0 +1,162 @@
+"""`forgeline simulate [--config FILE] [--days N] [--seed S] [--compare] [--out DIR]`.
+
+A datacenter's weeks in a minute or two, through the real scheduling policy
+(`workflows/fleet/`). The checkpoint interval of every job is Daly's for its save cost and its
+gang's MTBF (`infra.capacity_plan.daly_interval_s`, the rule `checkpoint_every = "auto"` uses),
+passed in from here because `workflows/` may not import `infra`.
+"""
+
+from __future__ import annotations
+
+import time
+import tomllib
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from pydantic import ValidationError
+from rich.table import Table
+
+from infra.capacity_plan import daly_interval_s
+from worker.cli_common import CliError, console
+from workflows.fleet.config import SimConfig
+from workflows.fleet.report import Report, compare, run
+
+DEFAULT_OUT = Path("reports/simulate")
+
+
+def load_config(path: Path | None) -> SimConfig:
+    if path is None:
+        return SimConfig()
+    try:
+        return SimConfig.model_validate(tomllib.loads(path.read_text()))
+    except OSError as err:
+        raise CliError(f"cannot read {path}: {err.strerror}") from err
+    except tomllib.TOMLDecodeError as err:
+        raise CliError(f"{path} is not valid TOML: {err}") from err
+    except ValidationError as err:
+        first = err.errors()[0]
+        where = ".".join(str(p) for p in first["loc"]) or "(top level)"
+        raise CliError(f"{path}: {where}: {first['msg']}") from err
+
+
+def _pct(x: float) -> str:
+    return f"{100 * x:.1f} %"
+
+
+def _summary(r: Report, seconds: float) -> Table:
+    table = Table(title=f"Simulation: {r.gpus:,} GPUs, {r.days:g} days, policy {r.policy}")
+    table.add_column("figure")
+    table.add_column("value", justify="right")
+    rows = [
+        ("offered work (of healthy GPU-time)", _pct(r.offered)),
+        ("allocation (target ≥ 85 %)", _pct(r.allocation)),
+        ("useful GPU time (target ≥ 75 %)", _pct(r.useful)),
+        ("preemptions", f"{r.preemptions:,}"),
+        ("node failures under a gang", f"{r.failures_under_jobs:,}"),
+        ("recoveries / of them on a spare", f"{r.recoveries:,} / {r.spare_hits:,}"),
+        ("still waiting at the end", f"{r.still_waiting:,}"),
+        ("scheduling passes / longest queue", f"{r.passes:,} / {r.max_queue:,}"),
+        ("wall-clock", f"{seconds:.1f} s"),
+    ]
+    for row in rows:
+        table.add_row(*row)
+    return table
+
+
+def _classes(r: Report) -> Table:
+    table = Table(title="Per job-size class (GPUs)")
+    for name in ("class", "jobs", "finished", "GPU-h share", "goodput", "wait p50", "wait p99",
+                 "starved", "preempted", "failures"):  # fmt: skip
+        table.add_column(name, justify="left" if name == "class" else "right")
+    for c in r.classes:
+        table.add_row(
+            c.name, f"{c.jobs:,}", f"{c.finished:,}", _pct(c.gpu_hours_share), _pct(c.goodput),
+            f"{c.wait_p50_h:.2f} h", f"{c.wait_p99_h:.1f} h", f"{c.starved:,}",
+            f"{c.preemptions:,}", f"{c.failures:,}",
+        )  # fmt: skip
+    return table
+
+
+def _big_runs(r: Report) -> Table:
+    table = Table(title="The biggest runs")
+    for name in ("run", "submitted", "waited", "progress", "goodput", "attempts", "failures"):
+        table.add_column(name, justify="left" if name == "run" else "right")
+    for b in r.big_runs:
+        table.add_row(
+            b.run_id, f"day {b.submitted_h / 24:.1f}", f"{b.waited_h:.1f} h", _pct(b.progress),
+            _pct(b.goodput), str(b.attempts), str(b.failures),
+        )  # fmt: skip
+    return table
+
+
+def _comparison(reports: list[Report]) -> Table:
+    table = Table(title="Policies on the same seed (each adds to the one above)")
+    columns = ["policy", "allocation", "useful", "preemptions", "spare hits", "still waiting"]
+    columns += [f"wait p50/p99 {c.name}" for c in reports[0].classes]
+    for name in columns:
+        table.add_column(name, justify="left" if name == "policy" else "right")
+    for r in reports:
+        waits = [f"{c.wait_p50_h:.1f} / {c.wait_p99_h:.0f} h" for c in r.classes]
+        table.add_row(r.policy, _pct(r.allocation), _pct(r.useful), f"{r.preemptions:,}",
+                      f"{r.spare_hits:,}", f"{r.still_waiting:,}", *waits)  # fmt: skip
+    return table
+
+
+def plot(reports: list[Report], warmup_days: float, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only: no display here
+    from matplotlib.figure import Figure
+
+    figure = Figure(figsize=(11, 4.5))
+    axes = figure.subplots()
+    for r in reports:
+        days = [h / 24 for h in range(len(r.hourly_allocation))]
+        allocated = [100 * x for x in r.hourly_allocation]
+        line = axes.plot(days, allocated, label=f"{r.policy}: allocated")
+        if len(reports) == 1:
+            axes.plot(days, [100 * x for x in r.hourly_useful], label="useful",
+                      color=line[0].get_color(), linestyle="--")  # fmt: skip
+    axes.axvspan(0, warmup_days, color="grey", alpha=0.15, label="warm-up (not measured)")
+    axes.axhline(85, color="black", linewidth=0.8, linestyle=":", label="target 85 %")
+    axes.set(xlabel="day", ylabel="% of healthy GPUs", ylim=(0, 100),
+             title="GPU utilisation over time (hourly)")  # fmt: skip
+    axes.legend(loc="lower right", fontsize=8)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=110, bbox_inches="tight")
+
+
+def simulate(
+    config: Annotated[
+        Path | None, typer.Option("--config", help="TOML (examples/simulate.toml)")
+    ] = None,
+    days: Annotated[float | None, typer.Option(help="simulated days (default 21)")] = None,
+    seed: Annotated[int | None, typer.Option(help="the workload's and failures' seed")] = None,
+    compare_policies: Annotated[
+        bool, typer.Option("--compare", help="FIFO vs backfill vs preemption vs spares")
+    ] = False,
+    out: Annotated[Path, typer.Option(help="where the PNG goes")] = DEFAULT_OUT,
+) -> None:
+    """Simulate the datacenter through the real scheduling policy: utilisation, goodput, waits."""
+    settings = load_config(config)
+    updates = {k: v for k, v in (("days", days), ("seed", seed)) if v is not None}
+    try:
+        settings = SimConfig.model_validate(settings.model_dump() | updates)
+    except ValidationError as err:
+        raise CliError(f"--days/--seed: {err.errors()[0]['msg']}") from err
+    started = time.perf_counter()
+    if compare_policies:
+        reports = compare(settings, daly_interval_s)
+        seconds = time.perf_counter() - started
+        console.print(_comparison(reports))
+        console.print(f"{len(reports)} policies in {seconds:.1f} s")
+        path = out / "utilisation-compare.png"
+    else:
+        reports = [run(settings, daly_interval_s)]
+        seconds = time.perf_counter() - started
+        for table in (_summary(reports[0], seconds), _classes(reports[0]), _big_runs(reports[0])):
+            console.print(table)
+        path = out / "utilisation.png"
+    plot(reports, settings.warmup_days, path)
+    console.print(f"utilisation over time: {path}")

@@ -1,0 +1,208 @@
+"""What a simulation declares: the fleet, its failures, the teams, the job mix and the policy.
+
+The defaults are the issue's datacenter: 2,500 nodes × 8 GPUs in pods of 32, 300 users,
+~1,200 jobs a day (most ≤ 8 GPUs, ~60 % of GPU-hours in 64–1,024-GPU gangs, a few 4,096-GPU
+runs), three weeks. `examples/simulate.toml` lists every key.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from workflows.cluster_models import ClusterConfig, QueueConfig
+
+
+class PolicyName(StrEnum):
+    """The policies `--compare` sets side by side, each adding to the one before."""
+
+    FIFO = "fifo"  # strict arrival order, no backfill, no borrowing, no preemption, no spares
+    BACKFILL = "backfill"  # priority + fair share order, EASY backfill
+    PREEMPTION = "preemption"  # + borrowing beyond guarantees, reclaimed by preemption
+    SPARES = "spares"  # + a spare pool for failed gangs: the platform's default
+
+
+class Policy(BaseModel):
+    arrival_order: bool
+    backfill: bool
+    borrowing: bool
+    preemption: bool
+    spares: bool
+
+
+POLICIES: dict[PolicyName, Policy] = {
+    PolicyName.FIFO: Policy(
+        arrival_order=True, backfill=False, borrowing=False, preemption=False, spares=False
+    ),
+    PolicyName.BACKFILL: Policy(
+        arrival_order=False, backfill=True, borrowing=False, preemption=False, spares=False
+    ),
+    PolicyName.PREEMPTION: Policy(
+        arrival_order=False, backfill=True, borrowing=True, preemption=True, spares=False
+    ),
+    PolicyName.SPARES: Policy(
+        arrival_order=False, backfill=True, borrowing=True, preemption=True, spares=True
+    ),
+}
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class Fleet(_Strict):
+    nodes: int = Field(2_500, ge=1)
+    gpus_per_node: int = Field(8, ge=1)
+    pod_size: int = Field(32, ge=1, description="nodes per pod (one network island)")
+    spare_nodes: int = Field(16, ge=0, description="held back for failed gangs (policy spares)")
+    preemption_grace_s: int = Field(300, ge=1)
+    aging_s: float = Field(3_600.0, gt=0)
+    fair_share_half_life_h: float = Field(24.0, gt=0)
+
+
+class Failures(_Strict):
+    # Llama 3 (Dubey et al., 2024): 419 unexpected interruptions in 54 days on 16,384 GPUs,
+    # about one per 6,300 node-hours.
+    node_mtbf_h: float = Field(6_000.0, gt=0, description="0 < MTBF; per node")
+    repair_h: float = Field(8.0, ge=0, description="mean time a failed node stays down")
+    recovery_backoff_s: float = Field(30.0, ge=0, description="failure noticed → asks again")
+
+
+class JobClass(_Strict):
+    """A size class of the workload: how often it arrives, how big and long, how it saves."""
+
+    name: str
+    jobs_per_day: float = Field(ge=0)
+    gpus: list[int] = Field(min_length=1, description="sizes, drawn log-uniformly among these")
+    hours_median: float = Field(gt=0, description="work (compute) hours; lognormal")
+    hours_sigma: float = Field(1.0, ge=0)
+    hours_max: float = Field(gt=0)
+    priority: int = 0
+    save_s: float = Field(30.0, ge=0, description="a checkpoint's blocking save")
+    restart_s: float = Field(120.0, ge=0, description="startup/restart: spawn, rendezvous, load")
+    teams: dict[str, float] = Field(min_length=1, description="team → weight")
+
+
+def _classes() -> list[JobClass]:
+    research = {"llm": 3.0, "multimodal": 2.0, "rl": 1.0, "pretrain": 1.0}
+    everyone = research | {"ranking": 3.0, "search": 2.0, "ads": 1.5, "speech": 1.0}
+    return [
+        JobClass(
+            name="1-8",
+            jobs_per_day=960,
+            gpus=[1, 2, 4, 8],
+            hours_median=2.0,
+            hours_sigma=1.2,
+            hours_max=48,
+            save_s=10,
+            restart_s=60,
+            teams=everyone,
+        ),
+        JobClass(
+            name="16-32",
+            jobs_per_day=170,
+            gpus=[16, 32],
+            hours_median=8.5,
+            hours_sigma=1.0,
+            hours_max=72,
+            save_s=20,
+            restart_s=120,
+            teams=everyone,
+        ),
+        JobClass(
+            name="64-1024",
+            jobs_per_day=70,
+            gpus=[64, 128, 256, 512, 1024],
+            hours_median=7.5,
+            hours_sigma=0.8,
+            hours_max=96,
+            save_s=40,
+            restart_s=300,
+            teams=research | {"ranking": 2.0, "search": 1.0},
+        ),
+        JobClass(
+            name="4096",
+            jobs_per_day=0.3,
+            gpus=[4_096],
+            hours_median=72.0,
+            hours_sigma=0.3,
+            hours_max=150,
+            priority=1,
+            save_s=60,
+            restart_s=600,
+            teams={"pretrain": 1.0},
+        ),
+    ]
+
+
+def _queues() -> list[QueueConfig]:
+    q = QueueConfig
+    return [
+        q(name="research", guaranteed_gpus=13_000),
+        q(name="pretrain", parent="research", guaranteed_gpus=6_000),
+        q(name="llm", parent="research", guaranteed_gpus=3_400, max_gpus=10_000),
+        q(name="multimodal", parent="research", guaranteed_gpus=2_400, max_gpus=8_000),
+        q(name="rl", parent="research", guaranteed_gpus=1_200, max_gpus=4_000),
+        q(name="product", guaranteed_gpus=6_600),
+        q(name="ranking", parent="product", guaranteed_gpus=3_000, max_gpus=8_000),
+        q(name="search", parent="product", guaranteed_gpus=1_800, max_gpus=6_000),
+        q(name="ads", parent="product", guaranteed_gpus=1_000, max_gpus=3_000),
+        q(name="speech", parent="product", guaranteed_gpus=800, max_gpus=3_000),
+    ]
+
+
+class SimConfig(_Strict):
+    days: float = Field(21.0, gt=0)
+    warmup_days: float = Field(2.0, ge=0, description="not measured: the cluster fills up")
+    seed: int = 0
+    users: int = Field(300, ge=1)
+    # The Cluster workflow passes every 60 s; 300 s keeps three weeks at 20,000 GPUs in ~2 min
+    # here (a pass sweeps every node), at the cost of up to 5 min of extra wait per grant.
+    tick_s: float = Field(300.0, gt=0, description="at most one scheduling pass per tick")
+    runtime_estimate: float = Field(1.5, ge=1.0, description="declared max runtime ÷ expected")
+    starvation_h: float = Field(24.0, gt=0, description="a wait longer than this is starvation")
+    policy: PolicyName = PolicyName.SPARES
+    fleet: Fleet = Fleet()
+    failures: Failures = Failures()
+    checkpoint_interval_s: float = Field(
+        1_800.0, gt=0, description="used when no interval rule (Young/Daly) is passed in"
+    )
+    classes: list[JobClass] = Field(default_factory=_classes)
+    queues: list[QueueConfig] = Field(default_factory=_queues)
+
+    @model_validator(mode="after")
+    def _sound(self) -> SimConfig:
+        if self.warmup_days >= self.days:
+            raise ValueError(f"warmup_days ({self.warmup_days}) must be below days ({self.days})")
+        known = {q.name for q in self.queues}
+        for job_class in self.classes:
+            unknown = sorted(set(job_class.teams) - known)
+            if unknown:
+                raise ValueError(f"class {job_class.name}: teams {unknown} are not in queues")
+        ClusterConfig(queues=self.queues)  # the tree's own checks
+        return self
+
+    def cluster_config(self, policy: Policy) -> ClusterConfig:
+        """The scheduler's configuration under `policy`: no borrowing caps every team at its
+        guarantee; no spares keeps no node back."""
+        queues = self.queues
+        if not policy.borrowing:
+            queues = [q.model_copy(update={"max_gpus": q.guaranteed_gpus}) for q in queues]
+        fleet = self.fleet
+        return ClusterConfig(
+            pods=[f"pod{i:03d}" for i in range(self.pods)],
+            queues=queues,
+            spare_nodes=fleet.spare_nodes if policy.spares else 0,
+            preemption_grace_s=fleet.preemption_grace_s,
+            aging_s=fleet.aging_s,
+            fair_share_half_life_h=fleet.fair_share_half_life_h,
+        )
+
+    @property
+    def pods(self) -> int:
+        return -(-self.fleet.nodes // self.fleet.pod_size)
+
+    @property
+    def gpus(self) -> int:
+        return self.fleet.nodes * self.fleet.gpus_per_node
