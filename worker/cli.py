@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+from rich.markup import escape
 from temporalio.client import WorkflowExecutionStatus, WorkflowUpdateFailedError
 from temporalio.service import RPCError
 
@@ -458,7 +459,8 @@ def main() -> None:
     except SystemExit as done:  # typer ends every command this way
         code = done.code if isinstance(done.code, int) else (0 if done.code is None else 1)
     except (CliError, RunNotFound, DataCliError) as err:
-        console.print(f"[red]error:[/red] {err}")
+        # Escaped: messages quote TOML sections and paths, whose [brackets] are not markup.
+        console.print(f"[red]error:[/red] {escape(str(err))}")
         code = 2
     except (RPCError, TimeoutError) as err:
         console.print(
