@@ -7,11 +7,11 @@ accepted, and `cost_per_gpu_hour` is shared. Any other key is an error naming it
 
 from __future__ import annotations
 
-import tomllib
 from dataclasses import dataclass, fields
 from pathlib import Path
 
 from infra.errors import InfraError
+from infra.toml_files import read_toml
 
 
 class PlanError(InfraError):
@@ -82,10 +82,5 @@ def hardware_from_dict(
 
 
 def load_hardware(path: Path, other_keys: frozenset[str] = frozenset()) -> Hardware:
-    try:
-        data = tomllib.loads(path.read_text())
-    except FileNotFoundError:
-        raise PlanError(f"cluster file {path} does not exist") from None
-    except tomllib.TOMLDecodeError as err:
-        raise PlanError(f"{path} is not valid TOML: {err}") from None
+    data = read_toml(path, PlanError, "cluster file")
     return hardware_from_dict(data, str(path), other_keys)

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import tomllib
 from pathlib import Path
 from typing import Annotated
 
@@ -11,6 +10,7 @@ import typer
 from pydantic import ValidationError
 from temporalio.client import WorkflowUpdateFailedError
 
+from infra.toml_files import read_toml
 from worker.cli_common import CliError, check_name, console, get_client, get_settings, run
 from worker.cluster_render import jobs_table, nodes_table, queues_table
 from worker.specfile import explain_errors
@@ -56,12 +56,7 @@ def jobs() -> None:
 
 
 def load_cluster_config(path: Path) -> ClusterConfig:
-    try:
-        data = tomllib.loads(path.read_text())
-    except FileNotFoundError:
-        raise CliError(f"cluster file {path} does not exist") from None
-    except tomllib.TOMLDecodeError as err:
-        raise CliError(f"{path} is not valid TOML: {err}") from None
+    data = read_toml(path, CliError, "cluster file")
     try:
         return ClusterConfig.model_validate(data)
     except ValidationError as err:

@@ -9,7 +9,6 @@ passed in from here because `workflows/` may not import `infra`.
 from __future__ import annotations
 
 import time
-import tomllib
 from pathlib import Path
 from typing import Annotated
 
@@ -18,6 +17,7 @@ from pydantic import ValidationError
 from rich.table import Table
 
 from infra.capacity_plan import daly_interval_s
+from infra.toml_files import read_toml
 from worker.cli_common import CliError, console
 from workflows.fleet.config import SimConfig
 from workflows.fleet.report import Report, compare, run
@@ -28,12 +28,9 @@ DEFAULT_OUT = Path("reports/simulate")
 def load_config(path: Path | None) -> SimConfig:
     if path is None:
         return SimConfig()
+    data = read_toml(path, CliError, "simulation settings")
     try:
-        return SimConfig.model_validate(tomllib.loads(path.read_text()))
-    except OSError as err:
-        raise CliError(f"cannot read {path}: {err.strerror}") from err
-    except tomllib.TOMLDecodeError as err:
-        raise CliError(f"{path} is not valid TOML: {err}") from err
+        return SimConfig.model_validate(data)
     except ValidationError as err:
         first = err.errors()[0]
         where = ".".join(str(p) for p in first["loc"]) or "(top level)"

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import hashlib
 import json
-import tomllib
 from pathlib import Path
 
 from pydantic import ValidationError
 
+from infra.toml_files import read_toml
 from workflows.spec import NAME_PATTERN, NAME_RULE, RunSpec
 
 
@@ -59,12 +59,7 @@ def parse_spec(data: dict, spec_dir: Path, overrides: dict | None = None) -> Run
 
 
 def load_spec(path: Path, overrides: dict | None = None) -> RunSpec:
-    try:
-        data = tomllib.loads(path.read_text())
-    except FileNotFoundError:
-        raise SpecError(f"spec file {path} does not exist") from None
-    except tomllib.TOMLDecodeError as err:
-        raise SpecError(f"{path} is not valid TOML: {err}") from None
+    data = read_toml(path, SpecError, "spec file")
     spec = parse_spec(data, path.resolve().parent, overrides)
     missing = [s for s in spec.data.sources if not Path(s).is_file()]
     if missing:
