@@ -26,7 +26,7 @@ from infra.local_servers import (
 from infra.processes import ManagedProcess, free_port, http_ok, port_is_open, wait_until
 from infra.settings import Settings, load_settings
 from worker.temporal_client import connect, ensure_cluster, ensure_search_attributes
-from workflows.cluster_models import ClusterState, Health
+from workflows.cluster_models import ClusterState, Health, Node
 from workflows.names import CLUSTER_WORKFLOW_ID
 from workflows.search_attributes import SEARCH_ATTRIBUTE_TYPES
 
@@ -168,10 +168,27 @@ async def _up(
         expected[node_name(index)] = incarnation
         say(f"{node_name(index):<13} started (pid {agent.pid()}, {gpus_per_node} GPU slots)")
 
-    await _wait_for_nodes(
+    state = await _wait_for_nodes(
         client, expected, [control, *_processes(home, NODE_PREFIX), *_processes(home, DATA_PREFIX)]
     )
+    for node in state.nodes:
+        if node.info.node_id in expected and node.health == Health.DOWN:
+            say(
+                f"{node.info.node_id:<13} its agent runs, but the cluster has the node down "
+                f"({node.down_reason}): it gets no work until its agent restarts "
+                f"(`kill {ManagedProcess(home, node.info.node_id).pid()}`, then `forgeline up`)"
+            )
     return settings
+
+
+def _ready(node: Node, expected: dict[str, str | None]) -> bool:
+    """An agent started now: registered with its new incarnation and up. One that was already
+    running: registered, whatever the cluster thinks of its health (a gang may have reported it
+    dead after a hang; waiting cannot change that, and `up` says so below)."""
+    wanted = expected.get(node.info.node_id)
+    if wanted is None:
+        return True
+    return node.info.incarnation == wanted and node.health != Health.DOWN
 
 
 async def _wait_for_nodes(
@@ -179,7 +196,7 @@ async def _wait_for_nodes(
     expected: dict[str, str | None],
     processes: list[ManagedProcess],
     timeout: float = 120.0,
-) -> None:
+) -> ClusterState:
     """Until every node agent has registered (with the incarnation we just started it with)
     and the control worker answers queries: then a run submitted next is scheduled at once."""
     handle = client.get_workflow_handle(CLUSTER_WORKFLOW_ID)
@@ -198,14 +215,9 @@ async def _wait_for_nodes(
         except Exception:  # the control worker is still starting: queries need a worker
             state = None
         if state is not None:
-            ready = {
-                n.info.node_id
-                for n in state.nodes
-                if n.health != Health.DOWN
-                and expected.get(n.info.node_id) in (None, n.info.incarnation)
-            }
+            ready = {n.info.node_id for n in state.nodes if _ready(n, expected)}
             if set(expected) <= ready:
-                return
+                return state
         if loop.time() > deadline:
             raise StackError(f"node agents did not register within {timeout:.0f} s")
         await asyncio.sleep(0.5)
