@@ -17,6 +17,7 @@ import mlflow
 from mlflow.data.dataset_source_registry import resolve_dataset_source
 from mlflow.data.meta_dataset import MetaDataset
 from mlflow.entities import Metric, Param, RunTag
+from mlflow.entities.model_registry import ModelVersion
 from mlflow.models import ModelSignature
 from mlflow.tracking import MlflowClient
 
@@ -219,6 +220,19 @@ def record_decision(
 CHECKPOINT_TAG = "forgeline.checkpoint_manifest_key"
 
 
+def lookup_version(
+    client: MlflowClient, name: str, *, alias: str | None = None, version: str | None = None
+) -> ModelVersion | None:
+    """The version an alias (or a number) names now, or None when there is none: callers say
+    what is missing in their own words."""
+    try:
+        if alias:
+            return client.get_model_version_by_alias(name, alias)
+        return client.get_model_version(name, str(version))
+    except mlflow.exceptions.MlflowException:
+        return None
+
+
 def checkpoint_of(tracking_uri: str, uri: str) -> tuple[str, str]:
     """The checkpoint manifest a registered version was made from, for fine-tuning.
 
@@ -226,14 +240,13 @@ def checkpoint_of(tracking_uri: str, uri: str) -> tuple[str, str]:
     """
     client = _client(tracking_uri)
     path = uri.removeprefix("models:/")
-    try:
-        if "@" in path:
-            name, alias = path.split("@", 1)
-            found = client.get_model_version_by_alias(name, alias)
-        else:
-            name, version = path.rsplit("/", 1)
-            found = client.get_model_version(name, version)
-    except mlflow.exceptions.MlflowException:
+    if "@" in path:
+        name, alias = path.split("@", 1)
+        found = lookup_version(client, name, alias=alias)
+    else:
+        name, version = path.rsplit("/", 1)
+        found = lookup_version(client, name, version=version)
+    if found is None:
         raise VersionNotFound(
             f"{uri} is not in the registry at {tracking_uri}: check the name and the version "
             "or alias (`forgeline runs` lists what was registered)"

@@ -12,8 +12,9 @@ rank saves at the same step whatever its clock says.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
+
+from infra.capacity_plan import daly_interval_s
 
 # auto: the first save comes at once, to measure what a save costs on this gang.
 FIRST_AUTO_SAVE_S = 0.0
@@ -23,9 +24,7 @@ def young_daly_interval_s(cost_s: float, mtbf_s: float) -> float:
     """The checkpoint interval that loses least work + checkpoint time to failures."""
     if cost_s <= 0:
         return 0.0
-    if cost_s >= mtbf_s / 2:  # Daly: beyond this the expansion fails; save once per MTBF
-        return mtbf_s
-    return math.sqrt(2 * cost_s * mtbf_s) - cost_s
+    return daly_interval_s(cost_s, mtbf_s)  # the planner's rule (infra.capacity_plan)
 
 
 @dataclass(frozen=True)

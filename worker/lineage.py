@@ -12,14 +12,13 @@ from dataclasses import dataclass
 from typing import Annotated
 
 import typer
-from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
 from infra.digest import sha256_bytes
 from infra.errors import IntegrityError, ObjectNotFound
 from infra.settings import Settings
 from infra.store import ObjectStore, open_store
-from registry.tracking import CHECKPOINT_TAG, IDEMPOTENCY_TAG
+from registry.tracking import CHECKPOINT_TAG, IDEMPOTENCY_TAG, lookup_version
 from trainer.manifest import read_manifest, verify_files
 from worker.cli_common import CliError, check_name, console, get_settings
 
@@ -60,12 +59,11 @@ def lineage_command(
 
 def trace(settings: Settings, store: ObjectStore, name: str, version: str) -> list[Link]:
     client = MlflowClient(tracking_uri=settings.mlflow_uri, registry_uri=settings.mlflow_uri)
-    try:
-        if version.startswith("@"):
-            found = client.get_model_version_by_alias(name, version[1:])
-        else:
-            found = client.get_model_version(name, version)
-    except MlflowException:
+    if version.startswith("@"):
+        found = lookup_version(client, name, alias=version[1:])
+    else:
+        found = lookup_version(client, name, version=version)
+    if found is None:
         raise LineageError(
             f"{name} version {version} is not in the registry at {settings.mlflow_uri}"
         ) from None

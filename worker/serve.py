@@ -27,7 +27,7 @@ from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
 from infra.processes import ManagedProcess, free_port, http_ok, port_is_open
-from registry.tracking import PRODUCTION
+from registry.tracking import PRODUCTION, lookup_version
 from worker.cli_common import check_name
 
 # MLflow's own rule for aliases (letters, digits, `_`, `-`); checked here so a typo is refused
@@ -85,12 +85,9 @@ def check_registered(tracking_uri: str, ref: ModelRef) -> str:
     """The version `ref` points at now; fails with the fix when there is none."""
     _check_reachable(tracking_uri)
     client = MlflowClient(tracking_uri=tracking_uri, registry_uri=tracking_uri)
-    try:
-        if ref.alias:
-            return str(client.get_model_version_by_alias(ref.name, ref.alias).version)
-        return str(client.get_model_version(ref.name, ref.version).version)
-    except MlflowException:
-        pass
+    found = lookup_version(client, ref.name, alias=ref.alias, version=ref.version)
+    if found is not None:
+        return str(found.version)
     try:
         client.get_registered_model(ref.name)
     except MlflowException:
