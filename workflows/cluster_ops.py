@@ -20,7 +20,7 @@ Message = tuple[str, str, object]  # (run id, signal, argument) for the workflow
 
 
 def node(state: ClusterState, node_id: str) -> Node | None:
-    return next((n for n in state.nodes if n.info.node_id == node_id), None)
+    return state.node(node_id)
 
 
 def allocation_of(state: ClusterState, run_id: str) -> Allocation | None:
@@ -31,9 +31,10 @@ def account(state: ClusterState, now: datetime) -> None:
     """Charge GPU-seconds up to `now` and decay older usage (fair share)."""
     half_life_s = state.config.fair_share_half_life_h * 3600
     state.usage = decay_usage(state.usage, state.usage_at, now, half_life_s, state.allocations)
-    if state.usage_at is not None:  # the time between failures: healthy nodes' time observed
-        healthy = sum(1 for n in state.nodes if n.health == Health.HEALTHY)
-        state.node_seconds += healthy * max((now - state.usage_at).total_seconds(), 0.0)
+    elapsed = (now - state.usage_at).total_seconds() if state.usage_at is not None else 0.0
+    if elapsed > 0:  # the time between failures: healthy nodes' time observed
+        healthy = [n.health for n in state.nodes].count(Health.HEALTHY)
+        state.node_seconds += healthy * elapsed
     state.usage_at = now
 
 
@@ -43,8 +44,10 @@ def free(state: ClusterState, allocation: Allocation, now: datetime) -> None:
     # By identity: `list.remove` would compare pydantic models field by field.
     at = next(i for i, a in enumerate(state.allocations) if a is allocation)
     del state.allocations[at]
-    for each in state.nodes:
-        each.jobs.pop(allocation.run_id, None)
+    for info in allocation.nodes:
+        held = state.node(info.node_id)
+        if held is not None:
+            held.jobs.pop(allocation.run_id, None)
 
 
 def revoke_overdue(state: ClusterState, now: datetime) -> list[Allocation]:

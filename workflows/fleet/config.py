@@ -90,9 +90,9 @@ def _classes() -> list[JobClass]:
     return [
         JobClass(
             name="1-8",
-            jobs_per_day=960,
+            jobs_per_day=870,
             gpus=[1, 2, 4, 8],
-            hours_median=2.0,
+            hours_median=4.4,
             hours_sigma=1.2,
             hours_max=48,
             save_s=10,
@@ -101,7 +101,7 @@ def _classes() -> list[JobClass]:
         ),
         JobClass(
             name="16-32",
-            jobs_per_day=170,
+            jobs_per_day=280,
             gpus=[16, 32],
             hours_median=8.5,
             hours_sigma=1.0,
@@ -112,7 +112,7 @@ def _classes() -> list[JobClass]:
         ),
         JobClass(
             name="64-1024",
-            jobs_per_day=70,
+            jobs_per_day=63,
             gpus=[64, 128, 256, 512, 1024],
             hours_median=7.5,
             hours_sigma=0.8,
