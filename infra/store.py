@@ -1,4 +1,4 @@
-"""Object store: a flat key space with create-if-absent puts.
+"""Object store: a flat key space with create-if-absent puts (S3: see infra/s3_store.py).
 
 The local store keeps objects as files under a root folder; every write lands in a temporary
 file first and is renamed into place, so a reader never sees half an object and a process killed
@@ -149,14 +149,19 @@ class LocalStore:
 
 
 def open_store(url: str) -> ObjectStore:
-    """Open the store that `url` names: `file:///abs/path` or a plain folder path."""
+    """Open the store that `url` names: `s3://bucket/prefix`, `file:///abs/path` or a folder."""
     if url.startswith("file://"):
         return LocalStore(Path(url.removeprefix("file://")))
+    if url.startswith("s3://"):
+        # Imported here: boto3 takes a while to import, and the local stack never needs it.
+        from infra.s3_store import S3Store
+
+        return S3Store.from_url(url)
     if "://" in url:
         scheme = url.split("://", 1)[0]
         raise StoreError(
             f"store URL {url!r} uses the scheme {scheme!r}, which this build does not support: "
-            "use a local folder path or file:///path"
+            "use s3://bucket/prefix, a local folder path or file:///path"
         )
     return LocalStore(Path(url))
 

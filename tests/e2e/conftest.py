@@ -12,12 +12,14 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import boto3
 import pytest
 import torch
 
-from infra.processes import free_port
+from infra.processes import free_port, port_is_open
+from infra.s3_store import S3Store, client_config
 from infra.settings import load_settings
-from infra.store import LocalStore
+from infra.store import ObjectStore, fetch_verified
 from tests.conftest import REPO
 from trainer.evaluate import load_model
 from trainer.manifest import find_latest
@@ -25,12 +27,30 @@ from worker.chaos import trainer_processes
 
 FORGELINE = str(Path(sys.executable).parent / "forgeline")
 TINY = REPO / "examples" / "tiny.toml"
+# The stack keeps datasets and checkpoints in this bucket of an S3-compatible server (moto, over
+# HTTP on loopback), chosen by settings alone: FORGELINE_STORE and the standard AWS variables.
+BUCKET = "forgeline-e2e"
 
 
 @dataclass
 class Stack:
     home: Path
     env: dict[str, str]
+
+    def store(self) -> ObjectStore:
+        """The stack's store as its processes see it (from this process's own boto3 client: the
+        test process's environment is left alone)."""
+        client = boto3.client(
+            "s3",
+            endpoint_url=self.env["AWS_ENDPOINT_URL"],
+            region_name=self.env["AWS_DEFAULT_REGION"],
+            aws_access_key_id=self.env["AWS_ACCESS_KEY_ID"],
+            aws_secret_access_key=self.env["AWS_SECRET_ACCESS_KEY"],
+            config=client_config(),
+        )
+        url = self.settings.store
+        assert url.startswith(f"s3://{BUCKET}/"), url
+        return S3Store(BUCKET, url.removeprefix(f"s3://{BUCKET}/"), client=client)
 
     def cli(
         self, *args: str, timeout: float = 300, check: bool = True
@@ -109,13 +129,26 @@ def alive(pid: int) -> bool:
         return False
 
 
-def final_weights(stack: Stack, run: str) -> dict[str, torch.Tensor]:
+def final_weights(stack: Stack, run: str, scratch: Path) -> dict[str, torch.Tensor]:
     """The model weights of the run's last committed checkpoint, read from the store."""
-    store = LocalStore(Path(stack.settings.store))
+    store = stack.store()
     found = find_latest(store, run, max_generation=10**9)
     assert found is not None, f"{run} has no committed checkpoint"
-    folder = store.root / f"runs/{run}/checkpoints/step-{found.step}"
+    folder = scratch / f"{run}-step-{found.step}"
+    prefix = found.key.rsplit("/", 1)[0] + "/"
+    for entry in found.manifest["files"]:
+        dest = folder / entry["key"].removeprefix(prefix)
+        fetch_verified(store, entry["key"], dest, entry["sha256"], entry["bytes"])
     return load_model(folder, found.manifest["model_config"]).state_dict()
+
+
+def flip_a_byte(store: ObjectStore, key: str) -> bytes:
+    """Corrupt an object in place, as bit rot at rest would; returns what it held."""
+    original = store.get_bytes(key)
+    data = bytearray(original)
+    data[len(data) // 2] ^= 0x01
+    store.put_bytes(key, bytes(data))
+    return original
 
 
 def progress_events(stack: Stack, run: str, generation: int) -> list[dict]:
@@ -144,12 +177,47 @@ def reference(stack: Stack, tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 @pytest.fixture(scope="package")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
+    """An S3-compatible server over HTTP (moto) in its own process, with the stack's bucket;
+    the AWS variables that point a standard boto3 client at it."""
+    port = free_port()
+    log = tmp_path_factory.mktemp("s3") / "moto.log"
+    with log.open("w") as out:
+        server = subprocess.Popen(
+            [str(Path(sys.executable).parent / "moto_server"), "-H", "127.0.0.1", "-p", str(port)],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    env = {
+        "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}",
+        "AWS_DEFAULT_REGION": "us-east-1",
+        "AWS_ACCESS_KEY_ID": "forgeline-e2e",
+        "AWS_SECRET_ACCESS_KEY": "forgeline-e2e-secret",
+    }
+    try:
+        wait_for(lambda: port_is_open("127.0.0.1", port), 30, f"the S3 server (log: {log})")
+        boto3.client(
+            "s3",
+            endpoint_url=env["AWS_ENDPOINT_URL"],
+            region_name=env["AWS_DEFAULT_REGION"],
+            aws_access_key_id=env["AWS_ACCESS_KEY_ID"],
+            aws_secret_access_key=env["AWS_SECRET_ACCESS_KEY"],
+        ).create_bucket(Bucket=BUCKET)
+        yield env
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+
+
+@pytest.fixture(scope="package")
+def stack(tmp_path_factory: pytest.TempPathFactory, s3_server: dict[str, str]) -> Iterator[Stack]:
     home = tmp_path_factory.mktemp("forgeline-home")
     env = {**os.environ, "FORGELINE_HOME": str(home)}
     for name in list(env):
-        if name.startswith("FORGELINE_") and name != "FORGELINE_HOME":
+        if name.startswith(("FORGELINE_", "AWS_")) and name != "FORGELINE_HOME":
             del env[name]
+    env |= s3_server | {"FORGELINE_STORE": f"s3://{BUCKET}/{home.name}"}
     s = Stack(home, env)
     ports = [
         "--temporal-port",

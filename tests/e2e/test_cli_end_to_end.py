@@ -13,9 +13,16 @@ import torch
 from mlflow.tracking import MlflowClient
 
 from infra.local_servers import temporal_binary
-from infra.store import LocalStore
 from tests.conftest import REPO
-from tests.e2e.conftest import TINY, Stack, final_weights, ranks_of, variant, wait_for
+from tests.e2e.conftest import (
+    TINY,
+    Stack,
+    final_weights,
+    flip_a_byte,
+    ranks_of,
+    variant,
+    wait_for,
+)
 from trainer.manifest import committed_steps, find_latest
 
 pytestmark = pytest.mark.e2e
@@ -93,7 +100,7 @@ def test_run_to_approval_and_the_registered_model(stack: Stack, tmp_path: Path) 
     )
     assert tags["forgeline.temporal_workflow_id"] == "tiny"
     assert len(tags["forgeline.spec_sha256"]) == 64 and len(tags["forgeline.git_commit"]) >= 7
-    store = LocalStore(Path(stack.settings.store))
+    store = stack.store()
     manifest = json.loads(store.get_bytes(tags["forgeline.dataset_manifest_key"]))
     assert manifest["snapshot_id"] == tags["forgeline.dataset_snapshot"]
     assert float(tags["forgeline.val_loss"]) == pytest.approx(val_loss, abs=1e-4)
@@ -134,17 +141,14 @@ def test_run_to_approval_and_the_registered_model(stack: Stack, tmp_path: Path) 
         assert re.search(line, lineage, re.M), (line, lineage)
     assert re.search(rf"^code +git {tags['forgeline.git_commit']}", lineage, re.M), lineage
     assert f"/workflows/tiny/{tags['forgeline.temporal_run_id']}" in lineage
-    shard = (
-        store.root
-        / json.loads(store.get_bytes(tags["forgeline.checkpoint_manifest_key"]))["files"][0]["key"]
-    )
-    original = shard.read_bytes()
-    shard.write_bytes(original[:-1] + bytes([original[-1] ^ 1]))
+    checkpoint = json.loads(store.get_bytes(tags["forgeline.checkpoint_manifest_key"]))
+    shard = checkpoint["files"][0]["key"]
+    original = flip_a_byte(store, shard)
     try:
         broken = stack.cli("lineage", "tiny", "1", check=False)
         assert broken.returncode == 1 and "[BROKEN: checkpoint file" in broken.stdout
     finally:
-        shard.write_bytes(original)
+        store.put_bytes(shard, original)
 
     # Pictures of how it went, on disk and in the MLflow run; the approved model answers.
     out = tmp_path / "report"
@@ -205,7 +209,7 @@ def test_a_team_reclaims_its_guarantee_and_the_victim_resumes_exactly(
     checkpoints, gives them back, waits, and later finishes with the losses it would have had."""
     stack.cli("cluster", "apply", str(REPO / "examples" / "cluster.toml"))
     try:
-        store = LocalStore(Path(stack.settings.store))
+        store = stack.store()
         borrower = variant(tmp_path, "borrower", team="vision", steps=300, checkpoint_every=100)
         stack.cli("run", str(borrower), "--detach")
         wait_for(lambda: "TRAINING" in stack.cli("status", "borrower").stdout, 60, "borrower")
@@ -233,7 +237,10 @@ def test_a_team_reclaims_its_guarantee_and_the_victim_resumes_exactly(
         expected = find_latest(store, reference, max_generation=10**9)
         assert final is not None and expected is not None
         assert final.manifest["loss_history"] == expected.manifest["loss_history"]
-        weights, theirs = final_weights(stack, "borrower"), final_weights(stack, reference)
+        weights, theirs = (
+            final_weights(stack, "borrower", tmp_path),
+            final_weights(stack, reference, tmp_path),
+        )
         assert all(torch.equal(weights[k], theirs[k]) for k in theirs)
         assert re.search(r"attempts +0 restart", stack.cli("status", "borrower").stdout)
     finally:

@@ -15,11 +15,12 @@ import pytest
 import torch
 from mlflow.tracking import MlflowClient
 
-from infra.store import LocalStore
+from infra.store import ObjectStore
 from tests.e2e.conftest import (
     Stack,
     alive,
     final_weights,
+    flip_a_byte,
     node_of,
     progress_events,
     ranks_of,
@@ -78,7 +79,7 @@ def kill_a_node_of(stack: Stack, run: str, after_generation: int, chance: random
     return generation
 
 
-def tear_the_newest_checkpoint(store: LocalStore, run: str) -> tuple[int, int]:
+def tear_the_newest_checkpoint(store: ObjectStore, run: str) -> tuple[int, int]:
     """Leave the newest checkpoint as a kill during its upload would: files, no manifest.
     Returns its step and the step of the checkpoint before it."""
     newest, previous = committed_steps(store, run)[:2]
@@ -98,14 +99,11 @@ def first_step_of_generation_after(stack: Stack, run: str, generation: int) -> i
     return min((e["step"] for e in events if e["event"] == "started"), default=None)
 
 
-def flip_a_byte_of_the_newest_checkpoint(store: LocalStore, run: str) -> str:
+def flip_a_byte_of_the_newest_checkpoint(store: ObjectStore, run: str) -> str:
     """Corrupt one shard of the newest committed checkpoint in place; its manifest's key."""
     step = committed_steps(store, run)[0]
     manifest = json.loads(store.get_bytes(manifest_key(run, step)))
-    shard = store.root / manifest["files"][0]["key"]
-    data = bytearray(shard.read_bytes())
-    data[len(data) // 2] ^= 0x01
-    shard.write_bytes(bytes(data))
+    flip_a_byte(store, manifest["files"][0]["key"])
     return manifest_key(run, step)
 
 
@@ -122,7 +120,7 @@ def test_three_sigkills_and_a_flipped_byte_change_no_weight(
         heartbeat_timeout_s=5,
     )  # fmt: skip
     stack.cli("run", str(spec), "--detach")
-    store = LocalStore(Path(stack.settings.store))
+    store = stack.store()
     chance = random.Random(6)
     generation = 0
     for kill in range(3):
@@ -147,7 +145,10 @@ def test_three_sigkills_and_a_flipped_byte_change_no_weight(
     expected = find_latest(store, reference, max_generation=10**9)
     assert final is not None and expected is not None and final.generation >= 4
     assert final.manifest["loss_history"] == expected.manifest["loss_history"]
-    weights, theirs = final_weights(stack, "tiny-kill"), final_weights(stack, reference)
+    weights, theirs = (
+        final_weights(stack, "tiny-kill", tmp_path),
+        final_weights(stack, reference, tmp_path),
+    )
     assert weights.keys() == theirs.keys()
     assert all(torch.equal(weights[k], theirs[k]) for k in theirs)
 
@@ -175,7 +176,7 @@ def test_a_paused_node_that_comes_back_cannot_commit(stack: Stack, tmp_path: Pat
         tmp_path, "tiny-pause", steps=200, checkpoint_every=20, nodes=1, heartbeat_timeout_s=5
     )
     stack.cli("run", str(spec), "--detach")
-    store = LocalStore(Path(stack.settings.store))
+    store = stack.store()
     wait_for(lambda: committed_steps(store, "tiny-pause"), 120, "the first checkpoint", 0.05)
     status = stack.cli("status", "tiny-pause").stdout
     generation, victim = re.search(r"allocation +generation (\d+) on (\S+)", status).groups()
@@ -223,7 +224,7 @@ def test_corrupt_gradients_are_traced_to_their_node_and_rolled_back(
     and resumes from the last checkpoint, ending with the reference's weights."""
     spec = variant(tmp_path, "tiny-nan", steps=300, checkpoint_every=100)
     stack.cli("run", str(spec), "--detach")
-    store = LocalStore(Path(stack.settings.store))
+    store = stack.store()
     wait_for(lambda: committed_steps(store, "tiny-nan"), 120, "the first checkpoint", 0.05)
     generation, nodes = gang_of(stack, "tiny-nan")
     culprit = nodes[0]  # its rank is rank 0
@@ -250,7 +251,10 @@ def test_corrupt_gradients_are_traced_to_their_node_and_rolled_back(
         expected = find_latest(store, reference, max_generation=10**9)
         assert final is not None and expected is not None and final.generation > generation
         assert final.manifest["loss_history"] == expected.manifest["loss_history"]
-        weights, theirs = final_weights(stack, "tiny-nan"), final_weights(stack, reference)
+        weights, theirs = (
+            final_weights(stack, "tiny-nan", tmp_path),
+            final_weights(stack, reference, tmp_path),
+        )
         assert all(torch.equal(weights[k], theirs[k]) for k in theirs)
     finally:
         stack.cli("node", "undrain", culprit)
@@ -282,7 +286,7 @@ def test_a_straggler_is_swapped_for_another_node(stack: Stack, tmp_path: Path) -
     # Long enough that the slow-down lands mid-training; the test cancels it once it moved on.
     spec = variant(tmp_path, "tiny-slow", recovery=settings, steps=100_000, checkpoint_every=100)
     stack.cli("run", str(spec), "--detach")
-    store = LocalStore(Path(stack.settings.store))
+    store = stack.store()
     wait_for(lambda: committed_steps(store, "tiny-slow"), 120, "the first checkpoint", 0.05)
     generation, nodes = gang_of(stack, "tiny-slow")
     assert generation and len(nodes) == 2
@@ -326,7 +330,7 @@ def test_the_control_plane_can_die_under_a_training_run(
     # The outage must stay inside the heartbeat timeout, whatever the machine's load: 30 s.
     spec = variant(tmp_path, "tiny-cp", steps=300, checkpoint_every=100, heartbeat_timeout_s=30)
     stack.cli("run", str(spec), "--detach")
-    store = LocalStore(Path(stack.settings.store))
+    store = stack.store()
     wait_for(lambda: committed_steps(store, "tiny-cp"), 120, "the first checkpoint", 0.05)
     generation, _ = gang_of(stack, "tiny-cp")
     for name in ("control-worker", "temporal", "mlflow"):
@@ -347,7 +351,10 @@ def test_the_control_plane_can_die_under_a_training_run(
     status = stack.cli("status", "tiny-cp").stdout
     assert re.search(r"attempts +0 restart", status), status
     assert re.search(rf"checkpoint +step 300 \(generation {generation},", status), status
-    weights, theirs = final_weights(stack, "tiny-cp"), final_weights(stack, reference)
+    weights, theirs = (
+        final_weights(stack, "tiny-cp", tmp_path),
+        final_weights(stack, reference, tmp_path),
+    )
     assert all(torch.equal(weights[k], theirs[k]) for k in theirs)
     client = MlflowClient(tracking_uri=stack.settings.mlflow_uri)
     run_id = client.get_model_version_by_alias("tiny-cp", "candidate").run_id
@@ -363,7 +370,7 @@ def test_a_node_failing_its_health_check_is_left_behind(stack: Stack, tmp_path: 
     when the check passes again the node is back in service."""
     spec = variant(tmp_path, "tiny-sick", steps=300, checkpoint_every=100)
     stack.cli("run", str(spec), "--detach")
-    store = LocalStore(Path(stack.settings.store))
+    store = stack.store()
     wait_for(lambda: committed_steps(store, "tiny-sick"), 120, "the first checkpoint", 0.05)
     generation, nodes = gang_of(stack, "tiny-sick")
     sick = nodes[1]
