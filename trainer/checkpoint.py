@@ -17,7 +17,8 @@ fenced so the loop stops.
 
 One save is in flight at a time: a new one first waits for the previous commit. Loading fetches
 and verifies every file first (`fetch_checkpoint`), then each rank reads what it needs, resharded
-to whatever layout it now has.
+to whatever layout it now has, through `trainer.safe_load`: nothing in a checkpoint is unpickled
+by anything that could run code.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 from infra.digest import sha256_file
 from infra.store import ObjectStore, fetch_verified
+from trainer import safe_load
 from trainer.manifest import (
     MANIFEST_FORMAT,
     Fences,
@@ -48,8 +50,7 @@ from trainer.manifest import (
     manifest_key,
     prune,
 )
-
-METADATA_FILE = ".metadata"
+from trainer.safe_load import METADATA_FILE, UnsafeCheckpoint
 
 
 def _files_written_by(folder: Path, rank: int) -> list[Path]:
@@ -264,8 +265,17 @@ def fetch_checkpoint(store: ObjectStore, manifest: dict, dest: Path) -> Path:
     """Download every file of a committed checkpoint into `dest`, each checked by sha256."""
     dest.mkdir(parents=True, exist_ok=True)
     for entry in manifest["files"]:
-        fetch_verified(store, entry["key"], dest / entry["name"], entry["sha256"], entry["bytes"])
+        local = _local_path(dest, entry["name"])
+        fetch_verified(store, entry["key"], local, entry["sha256"], entry["bytes"])
     return dest
+
+
+def _local_path(dest: Path, name: object) -> Path:
+    """Where a manifest's file lands: a plain name inside `dest`, never a path out of it (the
+    manifest is read from the store, and a crafted one could name ../../.bashrc)."""
+    if not isinstance(name, str) or not safe_load.is_plain_file_name(name):
+        raise UnsafeCheckpoint(f"refusing checkpoint file name {name!r}: not a plain file name")
+    return dest / name
 
 
 def load_training_state(
@@ -274,7 +284,7 @@ def load_training_state(
     """Restore model and optimizer in place from a fetched checkpoint, resharded to this layout."""
     model_state, optim_state = get_state_dict(model, optimizer)
     state = {"model": model_state, "optim": optim_state}
-    dcp.load(state, checkpoint_id=str(folder))
+    safe_load.load(state, folder)
     set_state_dict(
         model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
     )
@@ -286,5 +296,5 @@ def load_model_weights(model: torch.nn.Module, folder: Path) -> None:
     with warnings.catch_warnings():
         # Loading without a process group is the point here, not a mistake to warn about.
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(state, checkpoint_id=str(folder))
+        safe_load.load(state, folder)
     model.load_state_dict(state["model"])
