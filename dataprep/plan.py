@@ -13,6 +13,7 @@ import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from dataprep.errors import SourceError
 from dataprep.settings import SnapshotSettings
 from dataprep.sources import SourceFile, expand_sources
 from infra.digest import sha256_file
@@ -67,12 +68,7 @@ class SnapshotPlan:
 
 
 def plan_snapshot(patterns: list[str], settings: SnapshotSettings) -> SnapshotPlan:
-    files = [
-        PlannedFile(
-            s.path, s.format, s.language, Path(s.path).stat().st_size, sha256_file(Path(s.path))
-        )
-        for s in expand_sources(patterns)
-    ]
+    files = [_planned(s) for s in expand_sources(patterns)]
     identity = {"dataprep_version": DATAPREP_VERSION, **settings.identity()}
     digest = hashlib.sha256(json.dumps(identity, sort_keys=True).encode())
     # Contents and order name the snapshot, not paths: moving a corpus does not rebuild it.
@@ -81,6 +77,18 @@ def plan_snapshot(patterns: list[str], settings: SnapshotSettings) -> SnapshotPl
     total = sum(f.bytes for f in files)
     chunk_bytes = max(settings.chunk_bytes, -(-total // MAX_CHUNKS))
     return SnapshotPlan(digest.hexdigest()[:20], identity, _chunk(files, chunk_bytes))
+
+
+def _planned(source: SourceFile) -> PlannedFile:
+    path = Path(source.path)
+    try:
+        size, digest = path.stat().st_size, sha256_file(path)
+    except OSError as err:  # unreadable, or gone since the sources were listed
+        raise SourceError(
+            f"source {source.path} cannot be read ({err.strerror or err}): fix it or remove it "
+            "from data.sources"
+        ) from None
+    return PlannedFile(source.path, source.format, source.language, size, digest)
 
 
 def _chunk(files: list[PlannedFile], chunk_bytes: int) -> list[Chunk]:

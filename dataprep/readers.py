@@ -189,16 +189,143 @@ def split_documents(text: str, rule: SplitRule) -> Iterator[str]:
 def _read_text_file(
     source: SourceFile, settings: ReaderSettings, tally: _Tally
 ) -> Iterator[Document]:
-    data = _read_bytes(source.path).removeprefix(_BOM)
+    too_long = f"document longer than {MAX_RECORD_BYTES >> 20} MiB"
+    if settings.split == "whole-file":
+        pieces = _whole_file(source.path)
+    else:
+        pieces = _text_pieces(source.path, settings.split)
     # Each piece is decoded alone, so one bad byte costs one document, not the file.
-    for index, (line, start, end) in enumerate(_spans(data, settings.split)):
+    for index, (line, raw) in enumerate(pieces):
+        if raw is None:
+            tally.bad(line, too_long)
+            continue
         try:
-            text = data[start:end].decode("utf-8").rstrip()
+            text = raw.decode("utf-8").rstrip()
         except UnicodeDecodeError:
             tally.bad(line, "not UTF-8")
             continue
         tally.good()
         yield Document(text, source.path, index, "text")
+
+
+def _open(path: str) -> IO[bytes]:
+    try:
+        return open(path, "rb")  # the caller's `with` closes it
+    except FileNotFoundError:
+        raise SourceError(f"source {path} does not exist: check data.sources") from None
+    except OSError as err:
+        raise SourceError(f"source {path} cannot be read: {err.strerror}") from None
+
+
+def _whole_file(path: str) -> Iterator[tuple[int, bytes | None]]:
+    with _open(path) as stream:
+        try:
+            data = stream.read(len(_BOM) + MAX_RECORD_BYTES + 1).removeprefix(_BOM)
+            if len(data) > MAX_RECORD_BYTES:  # the file is the document: not read further
+                if not _blank_to_end(stream, data, line=False):
+                    first = _LEADING_SPACE[bytes].match(data).end()  # type: ignore[union-attr]
+                    yield 1 + data.count(b"\n", 0, first), None
+                return
+        except OSError as err:
+            raise SourceError(f"source {path} cannot be read: {err.strerror}") from None
+    for line, start, end in _spans(data, "whole-file"):
+        yield line, data[start:end]
+
+
+# bytes.strip's share of str.isspace(): the rest of UNICODE_SPACES is not ASCII.
+_ASCII_SPACES = b" \t\n\r\x0b\x0c\x1c\x1d\x1e\x1f"
+_ONLY_SPACES = re.compile(_WS_BYTES + b"*")
+
+
+def _is_blank(line: bytes) -> bool:
+    """Whether `line` is only whitespace, as str.isspace() would say."""
+    rest = line.strip(_ASCII_SPACES)
+    if not rest:
+        return True
+    if rest[0] < 0x80:  # a character that is not a space: most lines end here
+        return False
+    return _ONLY_SPACES.fullmatch(rest) is not None
+
+
+def _text_pieces(path: str, rule: SplitRule) -> Iterator[tuple[int, bytes | None]]:
+    """(1-based line, bytes) of every non-blank piece of a text file, leading whitespace
+    skipped, cut exactly where `_spans` cuts the whole file; None for a piece longer than
+    MAX_RECORD_BYTES, which is counted, not kept.
+
+    The file is read a line at a time, so memory holds one document however large the file
+    (a 10 GB file without a newline must not become one 10 GB line). For "blank-line", lines
+    that are only whitespace end a document: exactly the separator `\\n\\s*\\n`.
+    """
+    leading = _LEADING_SPACE[bytes]
+    parts: list[bytes] = []
+    size, start, overlong = 0, 0, False  # start: the open piece's first line (0: none open)
+    with _open(path) as stream:
+        try:
+            for number, (body, blank) in enumerate(_lines(stream), 1):
+                if blank:
+                    if start:
+                        yield start, None if overlong else b"\n".join(parts)
+                        parts, size, start, overlong = [], 0, 0, False
+                    continue
+                if body is not None and not start:
+                    body = body[leading.match(body).end() :]  # type: ignore[union-attr]
+                if rule == "line":
+                    yield number, body
+                    continue
+                start = start or number
+                if overlong:
+                    continue
+                size += len(body) + 1 if body is not None else 0  # + 1: its newline
+                if body is None or size > MAX_RECORD_BYTES + 1:
+                    parts, overlong = [], True  # the rest of it is skipped unkept
+                else:
+                    parts.append(body)
+        except OSError as err:
+            raise SourceError(f"source {path} cannot be read: {err.strerror}") from None
+    if start:
+        yield start, None if overlong else b"\n".join(parts)
+
+
+def _lines(stream: IO[bytes]) -> Iterator[tuple[bytes | None, bool]]:
+    """(line without its newline, whether it is blank); None for a line longer than
+    MAX_RECORD_BYTES, which is skipped unkept."""
+    if stream.peek(len(_BOM)).startswith(_BOM):  # type: ignore[attr-defined]
+        stream.read(len(_BOM))  # before the first line, so the BOM takes none of its length
+    while raw := stream.readline(MAX_RECORD_BYTES + 1):
+        if raw.endswith(b"\n"):
+            yield raw[:-1], _is_blank(raw[:-1])
+        elif len(raw) <= MAX_RECORD_BYTES:  # the last line, without a newline
+            yield raw, _is_blank(raw)
+        else:
+            yield None, _blank_to_end(stream, raw, line=True)
+
+
+def _blank_to_end(stream: IO[bytes], head: bytes, line: bool) -> bool:
+    """Read on to the end of the line (or of the file) that began with `head`, keeping none
+    of it; whether all of it was whitespace (a blank line still separates documents)."""
+    pending, blank = head, True
+    while True:
+        # A multi-byte space cut at the chunk's end is judged with the next chunk.
+        cut = _complete_utf8(pending)
+        blank = blank and _is_blank(pending[:cut])
+        pending = pending[cut:]
+        chunk = stream.readline(1 << 20) if line else stream.read(1 << 20)
+        ended = line and chunk.endswith(b"\n")
+        pending += chunk[:-1] if ended else chunk
+        if ended or not chunk:
+            return blank and _is_blank(pending)
+
+
+def _complete_utf8(data: bytes) -> int:
+    """Where a UTF-8 sequence cut short at the end of `data` starts; len(data) if none is."""
+    for back in range(1, min(4, len(data)) + 1):
+        byte = data[-back]
+        if byte < 0x80:
+            return len(data)
+        if byte >= 0xC0:  # the lead byte: how long its sequence should be
+            length = 2 if byte < 0xE0 else 3 if byte < 0xF0 else 4
+            return len(data) - back if back < length else len(data)
+    return len(data)
 
 
 # --- JSON lines ---------------------------------------------------------------------------
@@ -289,21 +416,26 @@ def _is_string_view(kind: pa.DataType) -> bool:
     return bool(check and check(kind))
 
 
+# What a damaged Parquet file raises. UnicodeDecodeError: pyarrow decodes the footer's column
+# names without checking them, so a flipped byte there escapes as that.
+_PARQUET_ERRORS = (pa.ArrowException, OSError, UnicodeDecodeError)
+
+
 def _read_parquet(
     source: SourceFile, settings: ReaderSettings, tally: _Tally
 ) -> Iterator[Document]:
     field = settings.text_field
     try:
         parquet = pq.ParquetFile(source.path)
+        schema = parquet.schema_arrow
     except FileNotFoundError:
         raise SourceError(f"source {source.path} does not exist: check data.sources") from None
-    except (pa.ArrowException, OSError) as err:
+    except _PARQUET_ERRORS as err:
         raise SourceError(
             f"source {source.path} is not a readable Parquet file ({err}): "
             "fix it or remove it from data.sources"
         ) from None
     with parquet:
-        schema = parquet.schema_arrow
         if field not in schema.names:
             raise SourceError(
                 f"source {source.path} has no column {field!r} (columns: "
@@ -321,22 +453,52 @@ def _read_parquet(
         while True:
             try:
                 batch = next(batches, None)
-            except (pa.ArrowException, OSError) as err:
+            except _PARQUET_ERRORS as err:
                 raise SourceError(
                     f"source {source.path} is damaged near row {row} ({err}): "
                     "fix it or remove it from data.sources"
                 ) from None
             if batch is None:
                 break
-            for text in batch.column(0).to_pylist():
+            for text in _cell_texts(batch.column(0)):
                 if text is None:
                     tally.bad(row, f"field {field!r} is null")
+                elif isinstance(text, bytes):
+                    tally.bad(row, "not UTF-8")
                 elif not text.strip():
                     tally.bad(row, "empty text")
                 else:
                     tally.good()
                     yield Document(text, source.path, row, "text")
                 row += 1
+
+
+def _cell_texts(column: pa.Array) -> list[str | bytes | None]:
+    """The cells as text; a cell whose bytes are not UTF-8 as its bytes. Parquet writers are
+    trusted to write UTF-8 into string columns and readers do not check: a damaged file's
+    cell made pyarrow raise UnicodeDecodeError for the whole batch."""
+    try:
+        return column.to_pylist()
+    except UnicodeDecodeError:
+        pass
+    if pa.types.is_dictionary(column.type):
+        column = column.dictionary_decode()
+    if pa.types.is_large_string(column.type):
+        raw = column.cast(pa.large_binary())
+    elif _is_string_view(column.type):
+        raw = column.cast(pa.binary_view())
+    else:
+        raw = column.cast(pa.binary())
+    return [_utf8_or_bytes(cell) for cell in raw.to_pylist()]
+
+
+def _utf8_or_bytes(cell: bytes | None) -> str | bytes | None:
+    if cell is None:
+        return None
+    try:
+        return cell.decode("utf-8")
+    except UnicodeDecodeError:
+        return cell
 
 
 # --- code ---------------------------------------------------------------------------------

@@ -146,6 +146,11 @@ def _expand_one(pattern: str) -> list[SourceFile]:
     elif _MAGIC.search(pattern):
         parts = PurePath(pattern).parts
         _glob(parts[0], parts[1:], matches)
+    elif os.path.islink(pattern):
+        raise SourceError(
+            f"source {pattern} is a symbolic link to nothing (broken, or a loop of links): "
+            "check data.sources"
+        )
     else:
         raise SourceError(f"source {pattern} does not exist: check data.sources")
     if not matches.files:
@@ -175,6 +180,15 @@ def _is_real_dir(entry: os.DirEntry[str]) -> bool:
     return entry.is_dir(follow_symlinks=False)
 
 
+def _is_file(entry: os.DirEntry[str]) -> bool:
+    """A regular file, following file symlinks. A broken link or a loop of links names no file
+    (DirEntry.is_file says False for the first and raises ELOOP for the second)."""
+    try:
+        return entry.is_file()
+    except OSError:
+        return False
+
+
 def _walk(root: str, matches: _Matches) -> None:
     stack = [root]
     while stack:
@@ -183,7 +197,7 @@ def _walk(root: str, matches: _Matches) -> None:
                 continue
             if _is_real_dir(entry):
                 stack.append(entry.path)
-            elif entry.is_file():  # follows file symlinks; broken links are neither
+            elif _is_file(entry):
                 matches.take(entry.path)
 
 
@@ -219,7 +233,7 @@ def _glob(base: str, parts: tuple[str, ...], matches: _Matches) -> None:
             continue
         if _is_real_dir(entry):
             _glob(entry.path, rest, matches)
-        elif not rest and entry.is_file():
+        elif not rest and _is_file(entry):
             matches.take(entry.path)
 
 

@@ -51,19 +51,25 @@ _RANGES: dict[str, tuple[float, bool, float | None]] = {
 }
 
 
+def _shown(value: object) -> str:
+    """The value as the file wrote it, cut: a megabyte string must not become the message."""
+    text = repr(value)
+    return text if len(text) <= 80 else f"{text[:79]}…"
+
+
 def _check(key: str, value: object, where: str) -> object:
     if key == "flash_attention":
         if not isinstance(value, bool):
-            raise PlanError(f"{where}: {key} = {value!r} must be true or false")
+            raise PlanError(f"{where}: {key} = {_shown(value)} must be true or false")
         return value
     kind = "a whole number" if key == "gpus_per_node" else "a number"
     wrong_type = not isinstance(value, int | float) or isinstance(value, bool)
     if wrong_type or (key == "gpus_per_node" and not isinstance(value, int)):
-        raise PlanError(f"{where}: {key} = {value!r} must be {kind}")
+        raise PlanError(f"{where}: {key} = {_shown(value)} must be {kind}")
     low, inclusive, high = _RANGES[key]
     if value < low or (value == low and not inclusive) or (high is not None and value > high):
         bound = f"{'≥' if inclusive else '>'} {low:g}" + (f" and ≤ {high:g}" if high else "")
-        raise PlanError(f"{where}: {key} = {value!r} must be {bound}")
+        raise PlanError(f"{where}: {key} = {_shown(value)} must be {bound}")
     return value
 
 

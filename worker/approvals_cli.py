@@ -29,6 +29,8 @@ def show(ctx: typer.Context) -> None:
         installed = load_approvals(home)
     except ApprovalsInvalid as err:
         raise CliError(str(err)) from None
+    except UnicodeDecodeError as err:  # edited by hand: `apply` installs UTF-8 only
+        raise CliError(_not_utf8(home / APPROVALS_FILE, err)) from None
     if installed is None:
         console.print(
             f"no {home / APPROVALS_FILE}: anyone but the submitter may approve, no eval gate "
@@ -45,17 +47,29 @@ def apply(
     """Check the rules and install them for the runs that reach approval from now on."""
     if not file.is_file():
         raise CliError(f"{file} does not exist")
+    # Read once: what is checked is exactly what is installed, even if the file changes now.
     try:
-        rules = parse_approvals(file.read_text(), str(file))
+        raw = file.read_bytes()
+        text = raw.decode("utf-8")
+    except OSError as err:
+        raise CliError(f"cannot read {file}: {err.strerror or err}") from None
+    except UnicodeDecodeError as err:
+        raise CliError(_not_utf8(file, err)) from None
+    try:
+        rules = parse_approvals(text, str(file))
     except ApprovalsInvalid as err:
         raise CliError(str(err)) from None
     target = get_settings().home / APPROVALS_FILE
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.with_suffix(".tmp")
-    tmp.write_text(file.read_text())
+    tmp.write_bytes(raw)
     tmp.replace(target)
     console.print(f"installed {target}", markup=False)
     console.print(describe(rules), markup=False)
+
+
+def _not_utf8(path: Path, err: UnicodeDecodeError) -> str:
+    return f"{path} is not UTF-8 text (a bad byte at offset {err.start}): TOML files are UTF-8"
 
 
 def describe(rules: ApprovalsFile) -> str:

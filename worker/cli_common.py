@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import re
 import sys
 from collections.abc import Awaitable
 from typing import TypeVar
@@ -13,7 +12,7 @@ from temporalio.client import Client
 
 from infra.settings import Settings, load_settings
 from worker.temporal_client import connect
-from workflows.spec import NAME_PATTERN, NAME_RULE
+from workflows import names
 
 # Piped output (logs, tests) gets wide tables instead of rich's 80-column default.
 console = Console(highlight=False, soft_wrap=True, width=None if sys.stdout.isatty() else 200)
@@ -44,6 +43,8 @@ async def get_client(settings: Settings) -> Client:
 
 
 def check_name(name: str, what: str = "run name") -> str:
-    if not re.match(NAME_PATTERN, name):
-        raise CliError(f"{what} {name!r} is not valid: use {NAME_RULE}")
-    return name
+    """Before a name becomes a workflow id, a store key or a folder (workflows.names' rule)."""
+    try:
+        return names.check_name(name, what)
+    except names.InvalidName as err:
+        raise CliError(str(err)) from None

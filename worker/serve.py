@@ -17,6 +17,7 @@ import signal
 import sys
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -64,7 +65,7 @@ def parse_ref(text: str, default_alias: str = PRODUCTION) -> ModelRef:
     """`NAME` (the default alias), `NAME@ALIAS` or `NAME/VERSION`."""
     if "@" in text:
         name, alias = text.split("@", 1)
-        if not re.match(ALIAS_PATTERN, alias):
+        if not re.fullmatch(ALIAS_PATTERN, alias):  # match's '$' would allow a final newline
             raise ServeError(
                 f"alias {alias!r} is not valid: use letters, digits, '_' and '-' "
                 f"(e.g. {name}@{PRODUCTION})"
@@ -260,6 +261,16 @@ def generate_remote(
 ) -> str:
     """Ask a running model server (`forgeline serve`) to continue `prompt`."""
     url = url.rstrip("/")
+    try:
+        parts = urllib.parse.urlsplit(url)
+        usable = parts.scheme in ("http", "https") and bool(parts.hostname)
+    except ValueError:  # e.g. an unclosed IPv6 bracket
+        usable = False
+    if not usable:  # urllib would raise ValueError ("unknown url type") for these
+        raise ServeError(
+            f"--url {url[:100]!r} is not a model server's address: use http://HOST:PORT as "
+            "`forgeline serve` prints it"
+        )
     body = {"inputs": [prompt], "params": {"max_new_tokens": max_new_tokens, "seed": seed}}
     request = urllib.request.Request(
         f"{url}/invocations",

@@ -8,7 +8,9 @@ passed in from here because `workflows/` may not import `infra`.
 
 from __future__ import annotations
 
+import math
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Annotated
 
@@ -29,12 +31,28 @@ def load_config(path: Path | None) -> SimConfig:
     if path is None:
         return SimConfig()
     data = read_toml(path, CliError, "simulation settings")
+    # TOML has inf and nan; no setting means them, and inf days would never end.
+    for where, value in _numbers(data):
+        if not math.isfinite(value):
+            raise CliError(f"{path}: {where}: {value} is not a finite number")
     try:
         return SimConfig.model_validate(data)
     except ValidationError as err:
         first = err.errors()[0]
         where = ".".join(str(p) for p in first["loc"]) or "(top level)"
         raise CliError(f"{path}: {where}: {first['msg']}") from err
+
+
+def _numbers(data: object, where: str = "") -> Iterator[tuple[str, float]]:
+    """Every float in a TOML table, with its dotted key."""
+    if isinstance(data, dict):
+        for key, value in data.items():
+            yield from _numbers(value, f"{where}.{key}" if where else str(key))
+    elif isinstance(data, list):
+        for index, value in enumerate(data):
+            yield from _numbers(value, f"{where}.{index}")
+    elif isinstance(data, float):
+        yield where, data
 
 
 def _pct(x: float) -> str:
@@ -136,6 +154,8 @@ def simulate(
     out: Annotated[Path, typer.Option(help="where the PNG goes")] = DEFAULT_OUT,
 ) -> None:
     """Simulate the datacenter through the real scheduling policy: utilisation, goodput, waits."""
+    if days is not None and not math.isfinite(days):  # click's FLOAT takes "inf" and "nan"
+        raise CliError(f"--days {days}: give a finite number of days, e.g. 21")
     settings = load_config(config)
     updates = {k: v for k, v in (("days", days), ("seed", seed)) if v is not None}
     try:

@@ -2,14 +2,22 @@
 
 from __future__ import annotations
 
+import datetime as dt
+import difflib
 import hashlib
 import json
+import os
+import re
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
+from dataprep.errors import SourceError
+from dataprep.sources import expand_sources
 from infra.toml_files import read_toml
-from workflows.spec import NAME_PATTERN, NAME_RULE, RunSpec
+from workflows.spec import MAX_PATH_CHARS, NAME_PATTERN, NAME_RULE, RunSpec
 
 
 class SpecError(Exception):
@@ -17,43 +25,150 @@ class SpecError(Exception):
 
 
 # What a patterned field expects, said the way a person would.
-_FORMS = {"memory_limit": "a size such as 512MB or 2GB"}
+_FORMS = {
+    "memory_limit": "a size such as 512MB or 2GB",
+    "gpu_type": "a GPU type such as h100 (letters, digits, '.', '_', '-')",
+}
+_GLOB = re.compile(r"[*?[]")
+_BARE_KEY = re.compile(r"[A-Za-z0-9_-]+")
+# An input quoted in a message is cut to this: a megabyte-long value must not become the message.
+_QUOTE_CHARS = 80
 
 
-def _explain(error: dict) -> str:
-    where = ".".join(str(part) for part in error["loc"]) or "(top level)"
+def _quote(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= _QUOTE_CHARS else f"{text[: _QUOTE_CHARS - 1]}…"
+
+
+def _key(part: str | int) -> str:
+    """A key as a dotted path shows it; quoted when it is not a bare TOML key, so a key with a
+    newline or a dot in it cannot break the one-line-per-problem message or fake a path."""
+    text = str(part)
+    return text if _BARE_KEY.fullmatch(text) else _quote(text)
+
+
+def _where(path: tuple) -> str:
+    return ".".join(_key(part) for part in path) or "(top level)"
+
+
+def _section(model: type[BaseModel] | None, key: str) -> type[BaseModel] | None:
+    """The model class of `key` in `model` (a spec section), or None for a plain field."""
+    if model is None or key not in model.model_fields:
+        return None
+    annotation = model.model_fields[key].annotation
+    is_section = isinstance(annotation, type) and issubclass(annotation, BaseModel)
+    return annotation if is_section else None
+
+
+def _field_path(loc: tuple) -> tuple[tuple[str | int, ...], type[BaseModel] | None]:
+    """The error's location as the keys a person wrote, and the section model it ends in.
+
+    pydantic adds the branch of a union to the location (`train.checkpoint_every.int`); those
+    parts are not keys of the spec and are dropped."""
+    model: type[BaseModel] | None = RunSpec
+    parent: type[BaseModel] | None = RunSpec
+    path: list[str | int] = []
+    for part in loc:
+        if isinstance(part, int):
+            path.append(part)
+            model = None
+        elif model is not None:
+            path.append(part)  # a field of the section, or an unknown key in it
+            parent, model = model, _section(model, part)
+        # else: a union branch's tag below a plain field
+    return tuple(path), parent
+
+
+def _unknown_key(key: str, section: type[BaseModel] | None) -> str:
+    if section is None:
+        return "unknown key (check its spelling)"
+    known = list(section.model_fields)
+    close = difflib.get_close_matches(key, known, n=1)
+    if close:
+        return f"unknown key: did you mean {close[0]!r}?"
+    return f"unknown key: this table takes {', '.join(known)}"
+
+
+def _explain(errors: list[dict], path: tuple, section: type[BaseModel] | None) -> str:
+    """One line for the errors at one place: a union's branches each fail alone ('a valid
+    integer', "'auto'") and are said together."""
+    where = _where(path)
+    error = errors[0]
     kind = error["type"]
     if kind == "extra_forbidden":
-        return f"{where}: unknown key (check its spelling)"
+        return f"{where}: {_unknown_key(str(path[-1]), section)}"
     if kind == "missing":
         return f"{where}: required but missing"
-    if kind == "string_pattern_mismatch":
+    if kind == "string_pattern_mismatch" and len(errors) == 1:
         if error["ctx"]["pattern"] == NAME_PATTERN:
-            return f"{where}: {error['input']!r} is not a valid name: use {NAME_RULE}"
-        form = _FORMS.get(str(error["loc"][-1]), f"text matching {error['ctx']['pattern']}")
-        return f"{where}: {error['input']!r} is not valid: expected {form}"
-    message = error["msg"].removeprefix("Value error, ")
-    return f"{where}: {message} (got {error['input']!r})" if "input" in error else message
+            return f"{where}: {_quote(error['input'])} is not a valid name: use {NAME_RULE}"
+        form = _FORMS.get(str(path[-1]), f"text matching {error['ctx']['pattern']}")
+        return f"{where}: {_quote(error['input'])} is not valid: expected {form}"
+    # JSON's words for TOML's things: the spec is validated through JSON (see parse_spec).
+    messages = [
+        e["msg"].removeprefix("Value error, ").replace("an object", "a TOML table") for e in errors
+    ]
+    message = messages[0] + "".join(
+        f", or {m.removeprefix('Input should be ')}" for m in dict.fromkeys(messages[1:])
+    )
+    if not path:
+        return message  # a check across sections names its fields itself
+    if "input" not in error or isinstance(error["input"], dict):
+        # A check across a table's fields quotes the values it needs; the table is too much.
+        return f"{where}: {message}"
+    return f"{where}: {message} (got {_quote(error['input'])})"
 
 
 def explain_errors(err: ValidationError) -> str:
     """One line per problem, each naming the field and what is allowed."""
-    return "\n  ".join(_explain(e) for e in err.errors(include_url=False))
+    found: dict[tuple, tuple[list[dict], type[BaseModel] | None]] = {}
+    for error in err.errors(include_url=False):
+        path, section = _field_path(error["loc"])
+        found.setdefault(path, ([], section))[0].append(error)
+    return "\n  ".join(_explain(errors, path, section) for path, (errors, section) in found.items())
+
+
+# The deepest value of a spec is data.filters.max_top_ngram_char_fraction[i][j]: 5 levels.
+_MAX_DEPTH = 16
+
+
+def _unusable_values(data: Any, path: tuple = ()) -> Iterator[str]:
+    """Values no spec key takes, found before validation: TOML dates and times, and nesting so
+    deep that the validator's JSON reader would stop with a message about JSON."""
+    if len(path) > _MAX_DEPTH:
+        yield f"{_where(path)}: nested more than {_MAX_DEPTH} levels deep; no spec value does"
+    elif isinstance(data, dict):
+        for key, value in data.items():
+            yield from _unusable_values(value, (*path, key))
+    elif isinstance(data, list):
+        for index, value in enumerate(data):
+            yield from _unusable_values(value, (*path, index))
+    elif isinstance(data, dt.date | dt.time):  # datetime is a date
+        yield f"{_where(path)}: a TOML date or time ({data}) is not a value any spec key takes"
+
+
+def _resolved(source: object, spec_dir: Path) -> object:
+    """Absolute and normalised, against the spec's folder. Not Path.resolve: it raises on a
+    symlink loop and follows links the reader would report by the name the user wrote."""
+    if not isinstance(source, str) or "\x00" in source or len(source) > MAX_PATH_CHARS:
+        return source  # validation reports it, by the value the user wrote
+    return os.path.abspath(spec_dir / source)
 
 
 def parse_spec(data: dict, spec_dir: Path, overrides: dict | None = None) -> RunSpec:
-    """Validate a spec; data sources become absolute paths, resolved against the spec's folder."""
+    """Validate a spec; data sources become absolute paths, resolved against the spec's folder.
+
+    Types are strict: TOML says what each value is, so `steps = true` or `preemptible = "no"`
+    are mistakes to report, not values to coerce (lax validation makes them 1 and False)."""
     data = {**data, **(overrides or {})}
     sources = data.get("data", {}).get("sources") if isinstance(data.get("data"), dict) else None
     if isinstance(sources, list):
-        data["data"] = {
-            **data["data"],
-            "sources": [
-                str((spec_dir / s).resolve()) if isinstance(s, str) else s for s in sources
-            ],
-        }
+        data["data"] = {**data["data"], "sources": [_resolved(s, spec_dir) for s in sources]}
+    if unusable := list(_unusable_values(data)):
+        raise SpecError("invalid run spec:\n  " + "\n  ".join(unusable))
     try:
-        return RunSpec.model_validate(data)
+        # Through JSON because strict Python validation refuses TOML's arrays for tuple fields.
+        return RunSpec.model_validate_json(json.dumps(data), strict=True)
     except ValidationError as err:
         raise SpecError(f"invalid run spec:\n  {explain_errors(err)}") from None
 
@@ -61,9 +176,15 @@ def parse_spec(data: dict, spec_dir: Path, overrides: dict | None = None) -> Run
 def load_spec(path: Path, overrides: dict | None = None) -> RunSpec:
     data = read_toml(path, SpecError, "spec file")
     spec = parse_spec(data, path.resolve().parent, overrides)
-    missing = [s for s in spec.data.sources if not Path(s).is_file()]
+    missing = [s for s in spec.data.sources if not _GLOB.search(s) and not os.path.exists(s)]
     if missing:
         raise SpecError(f"invalid run spec:\n  data.sources: no such file: {', '.join(missing)}")
+    # The data workers expand the sources the same way; a pattern that names nothing is found
+    # here, before the run is submitted, rather than minutes later in its dataset workflow.
+    try:
+        expand_sources(spec.data.sources)
+    except SourceError as err:
+        raise SpecError(f"invalid run spec:\n  data.sources: {err}") from None
     return spec
 
 

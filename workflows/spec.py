@@ -1,7 +1,9 @@
 """The run spec: what a user submits, validated in full before anything starts.
 
 Every model forbids unknown keys, so a typo (`step = 100` for `steps`) is an error that names the
-field instead of a silently ignored setting.
+field instead of a silently ignored setting. Every number is bounded and finite and every string
+has a length limit: the spec travels in workflow histories as JSON (where inf would become null
+and a run could not read its own input back) and must stay far under Temporal's 2 MB payloads.
 """
 
 from __future__ import annotations
@@ -9,12 +11,23 @@ from __future__ import annotations
 import re
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    StringConstraints,
+    field_validator,
+    model_validator,
+)
 
-# Names become workflow ids, store keys and MLflow model names: keep them path- and URL-safe.
-NAME_PATTERN = r"^[a-z0-9][a-z0-9._-]{0,62}$"
+# Names become workflow ids, store keys and MLflow model names: keep them path- and URL-safe
+# (the rule lives in workflows.names; re-exported here for the models that use it).
+from workflows.names import NAME_PATTERN, NAME_RULE
+
+__all__ = ["NAME_PATTERN", "NAME_RULE", "RunSpec"]
+
 Name = Annotated[str, StringConstraints(pattern=NAME_PATTERN)]
-NAME_RULE = "1-63 characters from a-z, 0-9, '.', '_', '-', starting with a letter or digit"
 _NAME = NAME_PATTERN.strip("^$")
 INIT_FROM = re.compile(
     rf"^(models:/{_NAME}(/[1-9][0-9]{{0,8}}|@{_NAME})|runs/{_NAME}/checkpoints/step-[0-9]+/MANIFEST\.json)$"
@@ -22,7 +35,26 @@ INIT_FROM = re.compile(
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+
+# Counts of steps (and step intervals): a year of 3-second steps is ~10 M.
+MAX_STEPS = 10_000_000
+# A document longer than this cannot reach a filter: readers skip records over 64 MiB.
+MAX_DOC_CHARS = 1 << 30
+MAX_SOURCES = 128  # more files: name their folder or a glob
+MAX_PATH_CHARS = 4096  # PATH_MAX on Linux
+
+
+def _no_nul(path: str) -> str:
+    if "\x00" in path:
+        raise ValueError("a path cannot contain a NUL character")
+    return path
+
+
+SourcePath = Annotated[
+    str, StringConstraints(min_length=1, max_length=MAX_PATH_CHARS), AfterValidator(_no_nul)
+]
 
 
 NgramBound = tuple[Annotated[int, Field(ge=1, le=100)], Annotated[float, Field(ge=0.0, le=1.0)]]
@@ -31,11 +63,11 @@ NgramBound = tuple[Annotated[int, Field(ge=1, le=100)], Annotated[float, Field(g
 class FilterSpec(_Strict):
     """Quality filters (names and defaults as dataprep.filters.FilterSettings: Gopher's)."""
 
-    min_chars: int = Field(1, ge=0)
-    max_chars: int = Field(1_000_000, ge=1)
+    min_chars: int = Field(1, ge=0, le=MAX_DOC_CHARS)
+    max_chars: int = Field(1_000_000, ge=1, le=MAX_DOC_CHARS)
     gopher: bool = True
-    min_words: int = Field(50, ge=0)
-    max_words: int = Field(100_000, ge=1)
+    min_words: int = Field(50, ge=0, le=MAX_DOC_CHARS)
+    max_words: int = Field(100_000, ge=1, le=MAX_DOC_CHARS)
     min_mean_word_length: float = Field(3.0, ge=0)
     max_mean_word_length: float = Field(10.0, ge=0)
     max_symbol_word_ratio: float = Field(0.1, ge=0)
@@ -64,6 +96,19 @@ class FilterSpec(_Strict):
         return self
 
 
+MEMORY_PATTERN = r"^\d+(\.\d+)? ?(KB|MB|GB|TB|KiB|MiB|GiB|TiB)$"
+_UNITS = {"KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12, "KiB": 2**10, "MiB": 2**20,
+          "GiB": 2**30, "TiB": 2**40}  # fmt: skip
+MIN_MEMORY, MAX_MEMORY = 32e6, 1024e12
+
+
+def memory_bytes(size: str) -> float:
+    """Bytes of a size that matches MEMORY_PATTERN ('512MB', '1.5 GiB')."""
+    match = re.fullmatch(r"(\d+(?:\.\d+)?) ?([KMGT]i?B)", size)
+    assert match is not None, size
+    return float(match[1]) * _UNITS[match[2]]
+
+
 class DedupSpec(_Strict):
     exact: bool = True
     near: bool = True
@@ -72,15 +117,28 @@ class DedupSpec(_Strict):
     rows: int = Field(8, ge=1, le=64)
     verify: bool = Field(False, description="check candidates' exact Jaccard ≥ threshold")
     threshold: float = Field(0.8, gt=0.0, le=1.0)
-    memory_limit: str = Field("1GB", pattern=r"^\d+(\.\d+)?\s*(KB|MB|GB|TB|KiB|MiB|GiB|TiB)$")
+    memory_limit: str = Field("1GB", pattern=MEMORY_PATTERN)
+
+    @field_validator("memory_limit")
+    @classmethod
+    def _memory_in_range(cls, value: str) -> str:
+        # DuckDB refuses these only when the dedup stage starts, after every chunk was scanned.
+        size = memory_bytes(value)
+        if not MIN_MEMORY <= size <= MAX_MEMORY:
+            raise ValueError(f"{value!r} is outside what DuckDB can work in: use 32MB to 1024TB")
+        return value
 
 
 class DataSpec(_Strict):
-    sources: list[str] = Field(
-        min_length=1, description="files, directories or globs; relative to the spec file"
+    sources: list[SourcePath] = Field(
+        min_length=1,
+        max_length=MAX_SOURCES,
+        description="files, directories or globs; relative to the spec file",
     )
     split: Literal["blank-line", "line", "whole-file"] = "blank-line"
-    text_field: str = Field("text", min_length=1, description="JSONL / Parquet text column")
+    text_field: str = Field(
+        "text", min_length=1, max_length=256, description="JSONL / Parquet text column"
+    )
     max_bad_fraction: float = Field(0.01, ge=0.0, le=1.0)
     tokenizer: Literal["char", "byte", "bpe"] = "char"
     vocab_size: int = Field(8192, ge=257, le=1 << 20, description="for bpe")
@@ -103,10 +161,22 @@ class ModelSpec(_Strict):
     rope_theta: float = Field(10000.0, gt=0)
     init_from: str | None = Field(
         None,
+        max_length=300,
         description="fine-tune from a registered model (models:/NAME/VERSION or "
         "models:/NAME@ALIAS) or a checkpoint manifest key "
         "(runs/RUN/checkpoints/step-N/MANIFEST.json)",
     )
+
+    @field_validator("init_from")
+    @classmethod
+    def _init_from_form(cls, value: str | None) -> str | None:
+        # fullmatch: with match, '$' would also accept a trailing newline.
+        if value is not None and not INIT_FROM.fullmatch(value):
+            raise ValueError(
+                f"init_from {value!r} is neither models:/NAME/VERSION, models:/NAME@ALIAS "
+                "nor runs/RUN/checkpoints/step-N/MANIFEST.json"
+            )
+        return value
 
     @model_validator(mode="after")
     def _heads_divide_width(self) -> ModelSpec:
@@ -116,11 +186,6 @@ class ModelSpec(_Strict):
             raise ValueError(
                 f"rope needs an even head size; n_embd / n_head = {self.n_embd // self.n_head}"
             )
-        if self.init_from is not None and not INIT_FROM.match(self.init_from):
-            raise ValueError(
-                f"init_from {self.init_from!r} is neither models:/NAME/VERSION, models:/NAME@ALIAS "
-                "nor runs/RUN/checkpoints/step-N/MANIFEST.json"
-            )
         return self
 
     def architecture(self) -> dict:
@@ -129,19 +194,21 @@ class ModelSpec(_Strict):
 
 
 class TrainSpec(_Strict):
-    steps: int = Field(200, ge=1, le=10_000_000)
+    steps: int = Field(200, ge=1, le=MAX_STEPS)
     batch_size: int = Field(32, ge=1, le=1 << 20, description="sequences per step, all ranks")
     learning_rate: float = Field(1e-3, gt=0.0, le=1.0)
     min_lr: float = Field(1e-4, ge=0.0, le=1.0)
-    warmup_steps: int = Field(20, ge=0)
+    warmup_steps: int = Field(20, ge=0, le=MAX_STEPS)
     weight_decay: float = Field(0.1, ge=0.0, le=1.0)
     grad_clip: float = Field(1.0, ge=0.0)
     seed: int = Field(1337, ge=0, lt=2**31)
-    log_every: int = Field(10, ge=1)
-    checkpoint_every: Annotated[int, Field(ge=1)] | Literal["auto"] = Field(
+    log_every: int = Field(10, ge=1, le=MAX_STEPS)
+    checkpoint_every: Annotated[int, Field(ge=1, le=MAX_STEPS)] | Literal["auto"] = Field(
         50, description='steps between checkpoints, or "auto" (Young/Daly from measured cost)'
     )
-    checkpoint_every_minutes: float | None = Field(None, gt=0, description="also by time")
+    checkpoint_every_minutes: float | None = Field(
+        None, gt=0, le=60 * 24 * 365, description="also by time"
+    )
     checkpoint_each_epoch: bool = Field(False, description="also when an epoch ends")
     keep_checkpoints: int = Field(2, ge=1, le=100)
     eval_batches: int = Field(20, ge=1, le=10_000)
@@ -150,7 +217,9 @@ class TrainSpec(_Strict):
         1e11, gt=0, description="the device's peak FLOP/s used for MFU (CPU core here)"
     )
     grad_accum_steps: int = Field(1, ge=1, le=4096, description="micro-batches per step and rank")
-    eval_every: int = Field(0, ge=0, description="validation loss every N steps; 0: at the end")
+    eval_every: int = Field(
+        0, ge=0, le=MAX_STEPS, description="validation loss every N steps; 0: at the end"
+    )
     async_checkpoint: bool = Field(True, description="save in the background (False: blocking)")
     collective_timeout_s: int = Field(
         300, ge=10, le=86_400, description="a stuck collective fails the ranks after this long"
@@ -172,7 +241,9 @@ class ResourcesSpec(_Strict):
     priority: int = Field(0, ge=-100, le=100)
     preemptible: bool = Field(True, description="may borrow idle capacity; may be preempted")
     max_runtime_h: float | None = Field(None, gt=0, le=24 * 365, description="default: cluster's")
-    gpu_type: str | None = Field(None, description="None: any")
+    gpu_type: str | None = Field(
+        None, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$", description="e.g. h100; None: any"
+    )
     allow_multi_pod: bool = True
 
     @property
@@ -292,9 +363,11 @@ class RunSpec(_Strict):
                 )
         split = replicate * shard * self.train.grad_accum_steps
         if self.train.batch_size % split:
+            # Name every knob behind the divisor: a change of resources.nodes alone can cause it.
             raise ValueError(
                 f"train.batch_size ({self.train.batch_size}) must be a multiple of the "
                 f"data-parallel ranks ({replicate * shard}) × train.grad_accum_steps "
-                f"({self.train.grad_accum_steps}) = {split}"
+                f"({self.train.grad_accum_steps}) = {split}; the data-parallel ranks are "
+                f"resources.nodes × resources.gpus_per_node ({world}) / parallel.tensor ({tensor})"
             )
         return self
