@@ -17,7 +17,6 @@ from activities.fetch import NodeCache
 from activities.heartbeat import keep_alive
 from infra.code_version import code_version, installed_packages, packages_digest
 from infra.settings import Settings
-from infra.store import open_store
 from registry.approvals import load_approvals, rules_for
 from registry.tracking import (
     CHECKPOINT_TAG,
@@ -94,7 +93,7 @@ def _ledger_mark(mark: Mark | None) -> LedgerMark | None:
 class ControlActivities:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
-        self.store = open_store(settings.store)
+        self.store = settings.open_store()
         self.cache = NodeCache(settings.home / "cache" / "control", self.store)
 
     @activity.defn(name="latest_checkpoint")

@@ -30,7 +30,6 @@ from dataprep.snapshot import (
 )
 from dataprep.tokenize_stage import tokenize_chunk, train_tokenizer
 from infra.settings import Settings
-from infra.store import open_store
 from workflows.models import DatasetInput, DatasetPlanRef, DatasetRef, DataStageInput
 from workflows.spec import DataSpec
 
@@ -83,7 +82,7 @@ def dataset_ref(snapshot: Snapshot) -> DatasetRef:
 
 class DataActivities:
     def __init__(self, settings: Settings, worker_name: str = "data") -> None:
-        self.store = open_store(settings.store)
+        self.store = settings.open_store()
         self.workdir = settings.home / "data-work" / worker_name
 
     def _workdir(self, snapshot_id: str) -> Path:

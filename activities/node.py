@@ -22,7 +22,6 @@ from activities.errors import domain_errors
 from activities.fetch import NodeCache
 from infra import node_health
 from infra.settings import Settings
-from infra.store import open_store
 from registry.metric_stream import MetricSpool
 from trainer.errors import RanksFailed
 from trainer.hang import HangWatch
@@ -56,7 +55,7 @@ class NodeActivities:
         self.settings = settings
         self.node_id = node_id
         self.on_cached = on_cached  # called when a dataset snapshot is in this node's cache
-        self.store = open_store(settings.store)
+        self.store = settings.open_store()
         self.workdir = settings.home / "nodes" / node_id
         # The spool the agent's MetricShipper sends to MLflow (worker.processes_main).
         self.metrics_dir = self.workdir / "metrics"
@@ -166,6 +165,7 @@ class NodeActivities:
             train_shards=[str(p) for p in shards],
             dtype=dataset["dtype"],
             store_url=self.store.url,
+            twin_store_url=self.settings.twin_store_url,
             staging_dir=str(gen_dir / "staging"),
             progress_file=str(gen_dir / "progress.jsonl"),
             stop_file=str(gen_dir / STOP_FILE),

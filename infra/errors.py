@@ -17,6 +17,11 @@ class InvalidKey(StoreError):
     """A key that could escape the store or is malformed."""
 
 
+class StoreUnavailable(StoreError):
+    """The store did not answer (endpoint down, partitioned, failing with 5xx after retries):
+    a twin site may serve instead."""
+
+
 class IntegrityError(StoreError):
     """A stored object's content does not match its recorded sha256 or size."""
 

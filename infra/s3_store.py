@@ -41,7 +41,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
-from urllib.parse import urlsplit
+from urllib.parse import parse_qs, urlsplit
 
 import boto3
 from boto3.s3.transfer import TransferConfig, create_transfer_manager
@@ -58,7 +58,13 @@ from s3transfer.exceptions import RetriesExceededError
 from s3transfer.subscribers import BaseSubscriber
 
 from infra.digest import sha256_file
-from infra.errors import IntegrityError, InvalidKey, ObjectNotFound, StoreError
+from infra.errors import (
+    IntegrityError,
+    InvalidKey,
+    ObjectNotFound,
+    StoreError,
+    StoreUnavailable,
+)
 from infra.store import validate_key
 
 MiB = 1 << 20
@@ -82,6 +88,12 @@ _CONFLICT_ATTEMPTS = 3
 # What servers without conditional writes answer to If-None-Match on PutObject.
 _NO_CONDITIONAL_WRITES = frozenset({"NotImplemented", "501", "InvalidArgument"})
 _NOT_FOUND = frozenset({"NoSuchKey", "NotFound", "404"})
+# Still failing after botocore's retries: the site is down or overloaded, not the request wrong.
+_SERVER_DOWN = frozenset(
+    {"InternalError", "ServiceUnavailable", "SlowDown", "500", "502", "503", "504"}
+)
+# The options an s3:// URL may carry after '?': where and as whom, never a secret.
+_URL_OPTIONS = frozenset({"endpoint", "region", "profile"})
 _REFUSED = frozenset(
     {
         "AccessDenied",
@@ -158,6 +170,7 @@ class S3Store:
         self.bucket = bucket
         self.prefix = validate_key(prefix) if prefix else ""
         self.url = f"s3://{bucket}/{self.prefix}" if self.prefix else f"s3://{bucket}"
+        self._location = self.url  # without the options `from_url` may add to `url`
         self._root = f"{self.prefix}/" if self.prefix else ""
         self._client = (
             client if client is not None else _default_client(transfer_config.max_concurrency)
@@ -176,11 +189,30 @@ class S3Store:
 
     @classmethod
     def from_url(cls, url: str, **options: Any) -> S3Store:
-        """Open `s3://bucket` or `s3://bucket/prefix`."""
+        """Open `s3://bucket[/prefix][?endpoint=URL&region=R&profile=P]`. The options are for a
+        second site (a twin bucket on another server or in another region) that the process-wide
+        AWS variables do not describe; credentials still come from the standard chain."""
         parts = urlsplit(url)
-        if parts.scheme != "s3" or parts.query or parts.fragment:
+        if parts.scheme != "s3" or parts.fragment:
             raise StoreError("the store URL is not of the form s3://bucket/prefix")
-        return cls(parts.netloc, parts.path, **options)
+        query = parse_qs(parts.query, keep_blank_values=True)
+        unknown = sorted(set(query) - _URL_OPTIONS)
+        if unknown or any(len(v) != 1 or not v[0] for v in query.values()):
+            raise StoreError(
+                f"the store URL's options {sorted(query)} are not valid: use at most one each of "
+                "endpoint=URL, region=NAME and profile=NAME after '?'"
+            )
+        if "client" not in options and query:
+            options["client"] = _default_client(
+                DEFAULT_TRANSFER.max_concurrency,
+                endpoint=query.get("endpoint", [None])[0],
+                region=query.get("region", [None])[0],
+                profile=query.get("profile", [None])[0],
+            )
+        store = cls(parts.netloc, parts.path, **options)
+        if parts.query:  # kept, so that open_store(store.url) reaches the same site
+            store.url = f"{store.url}?{parts.query}"
+        return store
 
     # Writes
 
@@ -326,7 +358,7 @@ class S3Store:
         return self._root + validate_key(key)
 
     def _url(self, key: str) -> str:
-        return f"{self.url}/{key}" if key else self.url
+        return f"{self._location}/{key}" if key else self._location
 
     def _put_object(self, key: str, data: bytes, **conditions: str) -> None:
         digest = hashlib.sha256(data).digest()
@@ -402,7 +434,7 @@ class S3Store:
         if isinstance(exc, NoCredentialsError | PartialCredentialsError):
             return StoreError(f"no usable AWS credentials for {url}: {_CREDENTIALS_FIX}")
         if isinstance(exc, EndpointUnreachable | HTTPClientError):
-            return StoreError(
+            return StoreUnavailable(
                 f"cannot reach the S3 endpoint {self._endpoint} for {url} "
                 f"({type(exc).__name__}): check AWS_ENDPOINT_URL (or AWS_ENDPOINT_URL_S3) "
                 "and that the server is up"
@@ -414,6 +446,10 @@ class S3Store:
             return self._no_bucket()
         if code in _NOT_FOUND:
             return ObjectNotFound(f"no object at {url}")
+        if code in _SERVER_DOWN:
+            return StoreUnavailable(
+                f"the S3 endpoint {self._endpoint} keeps failing for {url} ({code}) after retries"
+            )
         if code in _REFUSED:
             return StoreError(f"S3 refused access to {url} ({code}): {_CREDENTIALS_FIX}")
         if code in _PRECONDITION_FAILED:
@@ -428,11 +464,18 @@ class S3Store:
         )
 
 
-def _default_client(max_concurrency: int) -> Any:
+def _default_client(
+    max_concurrency: int,
+    endpoint: str | None = None,
+    region: str | None = None,
+    profile: str | None = None,
+) -> Any:
     try:
         # A session of its own: boto3's default session is shared and not thread-safe.
-        return boto3.session.Session().client(
-            "s3", config=client_config(max_pool_connections=max(10, max_concurrency))
+        return boto3.session.Session(profile_name=profile, region_name=region).client(
+            "s3",
+            endpoint_url=endpoint,
+            config=client_config(max_pool_connections=max(10, max_concurrency)),
         )
     except (BotoCoreError, ValueError) as exc:
         raise StoreError(

@@ -23,6 +23,7 @@ from pydantic import SecretStr
 
 from infra.errors import InfraError
 from infra.redact import API_KEY_ENV, API_KEY_FILE_ENV, has_credentials, redact_url
+from infra.store import ObjectStore, open_store
 
 STACK_FILE = "stack.json"
 
@@ -41,6 +42,7 @@ _ENV = {
     "temporal_ui_url": "FORGELINE_TEMPORAL_UI",
     "mlflow_uri": "FORGELINE_MLFLOW_URI",
     "store_url": "FORGELINE_STORE",
+    "twin_store_url": "FORGELINE_TWIN_STORE",
     "temporal_tls": "FORGELINE_TEMPORAL_TLS",
     "temporal_tls_ca": "FORGELINE_TEMPORAL_TLS_CA",
     "temporal_tls_cert": "FORGELINE_TEMPORAL_TLS_CERT",
@@ -56,6 +58,7 @@ _CREDENTIALS_GO_TO = {
     "temporal_ui_url": "your browser's login, not the URL",
     "mlflow_uri": "MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD or MLFLOW_TRACKING_TOKEN",
     "store_url": "AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY (or an AWS profile or role)",
+    "twin_store_url": "an AWS profile (?profile=NAME in the URL) or the AWS_* variables",
 }
 _TRUE, _FALSE = {"1", "true", "yes", "on"}, {"0", "false", "no", "off"}
 
@@ -73,6 +76,9 @@ class Settings:
     temporal_ui_url: str = "http://127.0.0.1:8233"
     mlflow_uri: str = "http://127.0.0.1:5000"
     store_url: str = ""
+    # A second site (e.g. s3://bucket/prefix?endpoint=URL): committed checkpoints and dataset
+    # snapshots are replicated there, and it serves while the primary is down. Empty: none.
+    twin_store_url: str = ""
     # TLS to Temporal. None: on exactly when an API key or another TLS option is set
     # (Temporal Cloud takes an API key only over TLS; the local dev server speaks plaintext).
     temporal_tls: bool | None = None
@@ -91,6 +97,10 @@ class Settings:
     @property
     def store(self) -> str:
         return self.store_url or str(self.home / "store")
+
+    def open_store(self) -> ObjectStore:
+        """The store every process uses: the primary, with its twin when one is set."""
+        return open_store(self.store, twin=self.twin_store_url)
 
     @property
     def temporal_tls_enabled(self) -> bool:

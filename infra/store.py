@@ -148,8 +148,13 @@ class LocalStore:
                 break
 
 
-def open_store(url: str) -> ObjectStore:
-    """Open the store that `url` names: `s3://bucket/prefix`, `file:///abs/path` or a folder."""
+def open_store(url: str, twin: str = "") -> ObjectStore:
+    """Open the store that `url` names: `s3://bucket/prefix`, `file:///abs/path` or a folder;
+    with `twin`, a second site that stands in while it is down (infra/twin_store.py)."""
+    if twin:
+        from infra.twin_store import TwinStore
+
+        return TwinStore(open_store(url), open_store(twin))
     if url.startswith("file://"):
         return LocalStore(Path(url.removeprefix("file://")))
     if url.startswith("s3://"):

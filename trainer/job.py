@@ -38,6 +38,7 @@ class TrainJob:
     resume: ResumePoint | None = None
     node_index: int = 0  # this node's place in the allocation: fixes the ranks' order
     layout: dict = field(default_factory=dict)  # replicate, shard, tensor; empty: DDP over all
+    twin_store_url: str = ""  # the twin site that serves while the store is down (none: "")
     val_shards: list[str] = field(default_factory=list)  # for eval_every
     init_weights: str = ""  # fine-tuning: a verified checkpoint folder or a safetensors file
     sample_log: str = ""  # audit: each rank appends the sample indices it trained on

@@ -123,7 +123,7 @@ def main(job_path: str) -> None:
     rt = runtime.start(job.node_index, cfg.get("collective_timeout_s", 300))
     term = runtime.TermSignal()
     progress = ProgressFile(job.progress_file, enabled=rt.local_rank == 0)
-    store = open_store(job.store_url)
+    store = open_store(job.store_url, twin=job.twin_store_url)
     stop_file = Path(job.stop_file) if job.stop_file else None
     chaos_file = Path(job.chaos_file) if job.chaos_file else None
 

@@ -16,7 +16,7 @@ from rich.markup import escape
 from temporalio.client import WorkflowExecutionStatus, WorkflowUpdateFailedError
 from temporalio.service import RPCError
 
-from infra.errors import StackError
+from infra.errors import InfraError, StackError
 from infra.settings import Settings, state_home
 from worker import stack
 from worker.approvals_cli import approvals_app
@@ -36,6 +36,7 @@ from worker.data_cli import (
 from worker.lineage import lineage_command
 from worker.plan_cli import plan
 from worker.render import progress_line, run_link, runs_table, status_text
+from worker.replication_cli import replication
 from worker.runs import RunNotFound, list_run_names, submit, view
 from worker.serve import (
     ServeError,
@@ -49,6 +50,7 @@ from worker.serve import (
 from worker.simulate_cli import simulate
 from worker.specfile import SpecError, load_spec, spec_sha256
 from workflows.models import Decision, Phase, RunStatus
+from workflows.names import InvalidName, check_snapshot_id
 
 app = typer.Typer(help=__doc__, no_args_is_help=True, add_completion=False)
 worker_app = typer.Typer(help="Processes started by `forgeline up` (not for direct use).")
@@ -61,6 +63,7 @@ app.add_typer(approvals_app, name="approvals")
 app.command("lineage")(lineage_command)
 app.command("plan")(plan)
 app.command("simulate")(simulate)
+app.command("replication")(replication)
 app.command()(nodes)
 app.command()(queues)
 app.command()(jobs)
@@ -225,10 +228,20 @@ def report(
         console.print(f"logged to {written.logged_to}")
 
 
+# A decision's reason travels in a Temporal update and becomes an MLflow tag: a sentence or a
+# paragraph, far below either's limits.
+MAX_REASON_CHARS = 5000
+
+
 def _decide(name: str, decision: Decision) -> None:
     settings = get_settings()
     check_name(name)
     check_name(decision.approver, "approver")
+    if len(decision.reason) > MAX_REASON_CHARS:
+        raise CliError(
+            f"the note or reason is {len(decision.reason):,} characters: keep it under "
+            f"{MAX_REASON_CHARS:,}"
+        )
 
     async def go() -> RunStatus:
         client = await get_client(settings)
@@ -412,6 +425,11 @@ def data_report(
     out: Annotated[Path | None, typer.Option(help="default: report-SNAPSHOT.json")] = None,
 ) -> None:
     """What happened to every document of a snapshot: per source, filter, dedup and split."""
+    # The id becomes a store key and a file name: a '/' or '..' must not reach either.
+    try:
+        check_snapshot_id(snapshot)
+    except InvalidName as err:
+        raise CliError(str(err)) from None
     report = load_report(get_settings(), snapshot)
     render_report(report, console)
     path = write_report(report, out or Path(f"report-{snapshot}.json"))
@@ -426,6 +444,15 @@ def control_worker() -> None:
     from worker.processes_main import run_control_worker
 
     run_async(run_control_worker(get_settings()))
+
+
+@worker_app.command("replicator")
+def replicator_process(
+    interval: Annotated[float, typer.Option(help="seconds between passes")] = 2.0,
+) -> None:
+    from worker.replication_cli import run_replicator
+
+    run_replicator(get_settings(), interval)
 
 
 @worker_app.command("data")
@@ -451,6 +478,19 @@ def node_agent(
     )
 
 
+def error_message(err: BaseException) -> str | None:
+    """What `forgeline` prints for an error it expects (bad input, a stack that is down), or
+    None for anything else: a bug, which keeps its traceback."""
+    # InfraError: a bad setting, an unreachable or missing store, a stack that will not start:
+    # each message already names the setting or the object, and the fix.
+    if isinstance(err, CliError | RunNotFound | DataCliError | InfraError):
+        return str(err)
+    if isinstance(err, RPCError | TimeoutError):
+        reason = err or type(err).__name__
+        return f"Temporal did not answer ({reason}): is the stack up? `forgeline up`"
+    return None
+
+
 def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     code = 0
@@ -458,15 +498,12 @@ def main() -> None:
         app()
     except SystemExit as done:  # typer ends every command this way
         code = done.code if isinstance(done.code, int) else (0 if done.code is None else 1)
-    except (CliError, RunNotFound, DataCliError) as err:
+    except Exception as err:
+        message = error_message(err)
+        if message is None:
+            raise
         # Escaped: messages quote TOML sections and paths, whose [brackets] are not markup.
-        console.print(f"[red]error:[/red] {escape(str(err))}")
-        code = 2
-    except (RPCError, TimeoutError) as err:
-        console.print(
-            f"[red]error:[/red] Temporal did not answer ({err or type(err).__name__}): "
-            "is the stack up? `forgeline up`"
-        )
+        console.print(f"[red]error:[/red] {escape(message)}")
         code = 2
     # Skip interpreter finalisation: the Temporal client's core threads can still hold Python
     # objects then, and releasing them in a finalising interpreter aborts the process

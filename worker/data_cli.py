@@ -19,7 +19,6 @@ from dataprep.near_dedup import connect
 from dataprep.report import summarize
 from dataprep.snapshot import existing_snapshot
 from infra.settings import Settings
-from infra.store import open_store
 from worker.render import stage_bars
 from worker.runs import dataset_progress
 from workflows.models import DatasetInput, DatasetRef
@@ -71,7 +70,7 @@ async def prepare(client: Client, data: DataSpec, console: Console) -> DatasetRe
 
 def load_report(settings: Settings, snapshot_id: str) -> dict:
     """The snapshot's report, recomputed with DuckDB over its per-document table."""
-    store = open_store(settings.store)
+    store = settings.open_store()
     snapshot = existing_snapshot(store, snapshot_id)
     if snapshot is None:
         raise DataCliError(

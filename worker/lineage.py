@@ -8,6 +8,7 @@ with every hash checked against the store now (not just what was recorded then).
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from typing import Annotated
 
@@ -16,11 +17,13 @@ from mlflow.tracking import MlflowClient
 
 from infra.digest import sha256_bytes
 from infra.errors import IntegrityError, ObjectNotFound
+from infra.processes import http_ok
 from infra.settings import Settings
-from infra.store import ObjectStore, open_store
+from infra.store import ObjectStore
 from registry.tracking import CHECKPOINT_TAG, IDEMPOTENCY_TAG, lookup_version
 from trainer.manifest import read_manifest, verify_files
 from worker.cli_common import CliError, check_name, console, get_settings
+from worker.serve import ALIAS_PATTERN
 
 
 @dataclass(frozen=True)
@@ -46,8 +49,13 @@ def lineage_command(
     checked against the store; exits 1 when one does not match."""
     settings = get_settings()
     check_name(name, "model name")
+    check_version(version)
+    # MlflowClient retries an unreachable server with back-off for minutes; ask once, quickly.
+    uri = settings.mlflow_uri
+    if uri.startswith(("http://", "https://")) and not http_ok(f"{uri}/health"):
+        raise CliError(f"cannot reach MLflow at {uri}: start the local stack with `forgeline up`")
     try:
-        links = trace(settings, open_store(settings.store), name, version)
+        links = trace(settings, settings.open_store(), name, version)
     except LineageError as err:
         raise CliError(str(err)) from None
     for link in links:
@@ -55,6 +63,17 @@ def lineage_command(
         console.print(f"{link.what:<11} {link.detail}{mark}", markup=False)
     if any(link.broken for link in links):
         raise typer.Exit(1)
+
+
+def check_version(version: str) -> str:
+    """A version number or @ALIAS, before it reaches the registry's URLs."""
+    number = re.fullmatch(r"[1-9][0-9]{0,8}", version)
+    alias = version.startswith("@") and re.fullmatch(ALIAS_PATTERN, version[1:])
+    if not (number or alias):
+        raise CliError(
+            f"version {version[:80]!r} is neither a number (3) nor an alias (@production)"
+        )
+    return version
 
 
 def trace(settings: Settings, store: ObjectStore, name: str, version: str) -> list[Link]:

@@ -21,7 +21,7 @@ from mlflow.tracking import MlflowClient
 
 from infra.errors import StoreError
 from infra.settings import Settings
-from infra.store import ObjectStore, open_store
+from infra.store import ObjectStore
 from trainer.manifest import committed_steps, manifest_key, read_manifest
 from worker.report_data import (
     CheckpointMark,
@@ -95,7 +95,7 @@ def report_run(settings: Settings, status: RunStatus, out_dir: Path) -> Report:
             run_id = None  # nor can the report go there
     checkpoints = []
     try:
-        checkpoints = fetch_checkpoints(open_store(settings.store), status.name)
+        checkpoints = fetch_checkpoints(settings.open_store(), status.name)
     except (StoreError, OSError, ValueError, KeyError) as err:
         notes.append(f"checkpoint manifests in {settings.store} unreadable: {first_line(err)}")
     report = build_report(status, metrics, out_dir, checkpoints=checkpoints, notes=notes)

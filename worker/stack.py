@@ -31,6 +31,7 @@ from workflows.names import CLUSTER_WORKFLOW_ID
 from workflows.search_attributes import SEARCH_ATTRIBUTE_TYPES
 
 TEMPORAL, MLFLOW, CONTROL = "temporal", "mlflow", "control-worker"
+REPLICATOR = "replicator"  # only with a twin site (twin_store_url)
 NODE_PREFIX = "node-"
 DATA_PREFIX = "data-"
 DEFAULT_PORTS = {"temporal": 7233, "ui": 8233, "mlflow": 5000}
@@ -128,6 +129,7 @@ async def _up(
         temporal_ui_url=ui_url,
         mlflow_uri=mlflow_uri,
         store_url=recorded.store_url,
+        twin_store_url=recorded.twin_store_url,
     )
     settings.save()
     client = await connect(settings)
@@ -140,6 +142,14 @@ async def _up(
     else:
         control.start(_worker_argv("control"), env)
         say(f"control       started (pid {control.pid()})")
+
+    if settings.twin_store_url:
+        replicator = ManagedProcess(home, REPLICATOR)
+        if replicator.running():
+            say(f"{REPLICATOR:<13} running (pid {replicator.pid()})")
+        else:
+            replicator.start(_worker_argv(REPLICATOR), env)
+            say(f"{REPLICATOR:<13} started (pid {replicator.pid()}) to {settings.twin_store_url}")
 
     for index in range(data_workers):
         name = f"{DATA_PREFIX}{index}"
@@ -236,6 +246,7 @@ def down(home: Path, say: Callable[[str], None] = print) -> None:
         *_processes(home, NODE_PREFIX),
         *_processes(home, DATA_PREFIX),
         ManagedProcess(home, CONTROL),
+        ManagedProcess(home, REPLICATOR),
         ManagedProcess(home, MLFLOW),
         ManagedProcess(home, TEMPORAL),
     ]:

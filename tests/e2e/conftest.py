@@ -20,37 +20,56 @@ from infra.processes import free_port, port_is_open
 from infra.s3_store import S3Store, client_config
 from infra.settings import load_settings
 from infra.store import ObjectStore, fetch_verified
+from infra.twin_store import TwinStore
 from tests.conftest import REPO
+from tests.partition import Partition
 from trainer.evaluate import load_model
 from trainer.manifest import find_latest
 from worker.chaos import trainer_processes
 
 FORGELINE = str(Path(sys.executable).parent / "forgeline")
 TINY = REPO / "examples" / "tiny.toml"
-# The stack keeps datasets and checkpoints in this bucket of an S3-compatible server (moto, over
-# HTTP on loopback), chosen by settings alone: FORGELINE_STORE and the standard AWS variables.
-BUCKET = "forgeline-e2e"
+# The stack keeps datasets and checkpoints in a bucket of an S3-compatible server (moto, over HTTP
+# on loopback), chosen by settings alone: FORGELINE_STORE and the standard AWS variables. A second
+# server is its twin site (FORGELINE_TWIN_STORE); the primary is reached through a forwarder that
+# a test can cut, as a site dropping off the network.
+BUCKET, TWIN_BUCKET = "forgeline-e2e", "forgeline-e2e-twin"
+
+
+@dataclass
+class Sites:
+    env: dict[str, str]  # the AWS variables: credentials, and the primary's endpoint
+    twin_endpoint: str
+    partition: Partition  # between everyone and the primary
 
 
 @dataclass
 class Stack:
     home: Path
     env: dict[str, str]
+    sites: Sites
 
-    def store(self) -> ObjectStore:
-        """The stack's store as its processes see it (from this process's own boto3 client: the
-        test process's environment is left alone)."""
+    def _site(self, bucket: str, endpoint: str) -> S3Store:
         client = boto3.client(
             "s3",
-            endpoint_url=self.env["AWS_ENDPOINT_URL"],
+            endpoint_url=endpoint,
             region_name=self.env["AWS_DEFAULT_REGION"],
             aws_access_key_id=self.env["AWS_ACCESS_KEY_ID"],
             aws_secret_access_key=self.env["AWS_SECRET_ACCESS_KEY"],
-            config=client_config(),
+            config=client_config(max_attempts=2),
         )
-        url = self.settings.store
-        assert url.startswith(f"s3://{BUCKET}/"), url
-        return S3Store(BUCKET, url.removeprefix(f"s3://{BUCKET}/"), client=client)
+        return S3Store(bucket, self.home.name, client=client)
+
+    def primary(self) -> S3Store:
+        return self._site(BUCKET, self.env["AWS_ENDPOINT_URL"])
+
+    def twin(self) -> S3Store:
+        return self._site(TWIN_BUCKET, self.sites.twin_endpoint)
+
+    def store(self) -> ObjectStore:
+        """The store as the stack's processes see it: the primary, the twin standing in (from
+        this process's own boto3 clients: the test process's environment is left alone)."""
+        return TwinStore(self.primary(), self.twin())
 
     def cli(
         self, *args: str, timeout: float = 300, check: bool = True
@@ -176,49 +195,61 @@ def reference(stack: Stack, tmp_path_factory: pytest.TempPathFactory) -> str:
     return "reference"
 
 
-@pytest.fixture(scope="package")
-def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
-    """An S3-compatible server over HTTP (moto) in its own process, with the stack's bucket;
-    the AWS variables that point a standard boto3 client at it."""
-    port = free_port()
-    log = tmp_path_factory.mktemp("s3") / "moto.log"
+def _s3_server(port: int, log: Path) -> subprocess.Popen:
     with log.open("w") as out:
-        server = subprocess.Popen(
+        return subprocess.Popen(
             [str(Path(sys.executable).parent / "moto_server"), "-H", "127.0.0.1", "-p", str(port)],
             stdout=out,
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
+
+
+@pytest.fixture(scope="package")
+def s3_sites(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Sites]:
+    """Two S3-compatible servers over HTTP (moto), each in its own process with its bucket: the
+    primary (behind a forwarder) and the twin."""
+    logs = tmp_path_factory.mktemp("s3")
+    ports = {bucket: free_port() for bucket in (BUCKET, TWIN_BUCKET)}
+    servers = [_s3_server(port, logs / f"{bucket}.log") for bucket, port in ports.items()]
+    partition = Partition(ports[BUCKET])
     env = {
-        "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}",
+        "AWS_ENDPOINT_URL": f"http://127.0.0.1:{partition.port}",
         "AWS_DEFAULT_REGION": "us-east-1",
         "AWS_ACCESS_KEY_ID": "forgeline-e2e",
         "AWS_SECRET_ACCESS_KEY": "forgeline-e2e-secret",
     }
     try:
-        wait_for(lambda: port_is_open("127.0.0.1", port), 30, f"the S3 server (log: {log})")
-        boto3.client(
-            "s3",
-            endpoint_url=env["AWS_ENDPOINT_URL"],
-            region_name=env["AWS_DEFAULT_REGION"],
-            aws_access_key_id=env["AWS_ACCESS_KEY_ID"],
-            aws_secret_access_key=env["AWS_SECRET_ACCESS_KEY"],
-        ).create_bucket(Bucket=BUCKET)
-        yield env
+        for bucket, port in ports.items():
+            wait_for(lambda p=port: port_is_open("127.0.0.1", p), 30, f"S3 server ({logs})")
+            boto3.client(
+                "s3",
+                endpoint_url=f"http://127.0.0.1:{port}",
+                region_name=env["AWS_DEFAULT_REGION"],
+                aws_access_key_id=env["AWS_ACCESS_KEY_ID"],
+                aws_secret_access_key=env["AWS_SECRET_ACCESS_KEY"],
+            ).create_bucket(Bucket=bucket)
+        partition.heal()
+        yield Sites(env, f"http://127.0.0.1:{ports[TWIN_BUCKET]}", partition)
     finally:
-        server.terminate()
-        server.wait(timeout=30)
+        partition.cut()
+        for server in servers:
+            server.terminate()
+            server.wait(timeout=30)
 
 
 @pytest.fixture(scope="package")
-def stack(tmp_path_factory: pytest.TempPathFactory, s3_server: dict[str, str]) -> Iterator[Stack]:
+def stack(tmp_path_factory: pytest.TempPathFactory, s3_sites: Sites) -> Iterator[Stack]:
     home = tmp_path_factory.mktemp("forgeline-home")
     env = {**os.environ, "FORGELINE_HOME": str(home)}
     for name in list(env):
         if name.startswith(("FORGELINE_", "AWS_")) and name != "FORGELINE_HOME":
             del env[name]
-    env |= s3_server | {"FORGELINE_STORE": f"s3://{BUCKET}/{home.name}"}
-    s = Stack(home, env)
+    env |= s3_sites.env | {
+        "FORGELINE_STORE": f"s3://{BUCKET}/{home.name}",
+        "FORGELINE_TWIN_STORE": f"s3://{TWIN_BUCKET}/{home.name}?endpoint={s3_sites.twin_endpoint}",
+    }
+    s = Stack(home, env, s3_sites)
     ports = [
         "--temporal-port",
         str(free_port()),

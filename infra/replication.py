@@ -1,0 +1,181 @@
+"""Asynchronous replication to the twin site: what a committed checkpoint or snapshot needs there.
+
+One pass (`Replicator.run_once`) copies, from the primary to the twin:
+
+- every committed unit, i.e. a folder with a `MANIFEST.json` (a checkpoint's `step-N/`, a dataset
+  snapshot's root): its other objects first, each checked by sha256, then the manifest, with a
+  create-if-absent put. The contract of the primary holds on the twin too: no manifest, no
+  checkpoint, and a manifest there means every file it lists is there. A folder without a
+  manifest is a save in flight, or one that died: it is not copied.
+- the small run records that resume and accounting read (`runs/<run>/generations/`,
+  `runs/<run>/attempts/`), whenever they differ.
+
+Nothing is deleted by replication: pruning deletes on both sites (`TwinStore.delete`), and
+objects that only the twin has were written there while the primary was down.
+
+Lag is measured per unit: when the copy of its manifest landed on the twin, minus the
+`committed_at` (checkpoint) or `created_at` (snapshot) its manifest records. The pass writes a
+status object (`replication/status.json`) to the twin, where it can be read while the primary is
+down; `forgeline replication` prints it.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import tempfile
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+
+from infra.errors import ObjectNotFound, StoreError, StoreUnavailable
+from infra.store import ObjectStore
+
+MANIFEST = "MANIFEST.json"
+STATUS_KEY = "replication/status.json"
+# The units that carry a manifest, and the records copied as they change.
+_UNIT = re.compile(r"^(datasets/[^/]+|runs/[^/]+/checkpoints/step-\d+)/MANIFEST\.json$")
+_RECORD = re.compile(r"^runs/[^/]+/(generations|attempts)/[^/]+$")
+_SKIPPED_IN_UNIT = "/work/"  # a snapshot's staging area: dropped when it commits
+_RECENT = 20  # replicated units kept in the status, newest first
+
+
+@dataclass
+class Replicated:
+    manifest_key: str
+    committed_at: str
+    replicated_at: str
+    lag_s: float
+    objects: int
+    bytes: int
+
+
+@dataclass
+class ReplicationStatus:
+    primary: str
+    twin: str
+    updated_at: str
+    primary_reachable: bool = True
+    pending: list[str] = field(default_factory=list)  # committed units not yet on the twin
+    recent: list[Replicated] = field(default_factory=list)
+    max_lag_s: float = 0.0  # of the units replicated by this replicator so far
+    error: str = ""
+
+    @classmethod
+    def read(cls, twin: ObjectStore) -> ReplicationStatus | None:
+        try:
+            data = json.loads(twin.get_bytes(STATUS_KEY))
+        except ObjectNotFound:
+            return None
+        data["recent"] = [Replicated(**r) for r in data.get("recent", [])]
+        return cls(**data)
+
+
+def _now() -> datetime:
+    return datetime.now(UTC)
+
+
+class Replicator:
+    def __init__(
+        self,
+        primary: ObjectStore,
+        twin: ObjectStore,
+        scratch: Path,
+        clock: Callable[[], datetime] = _now,
+    ) -> None:
+        self.primary = primary
+        self.twin = twin
+        self.scratch = scratch
+        self.clock = clock
+        # Units known to be complete on the twin: manifests never change once committed.
+        self._done: set[str] = set()
+        self._recent: list[Replicated] = []
+        self._max_lag_s = 0.0
+
+    def run_once(self) -> ReplicationStatus:
+        """One pass; the status it wrote to the twin. Never raises for a primary that is down."""
+        status = ReplicationStatus(self.primary.url, self.twin.url, "")
+        try:
+            keys = self.primary.list("")
+            units = [k for k in keys if _UNIT.match(k) and k not in self._done]
+            for manifest_key in units:
+                self._unit(manifest_key, keys)
+            for key in keys:
+                if _RECORD.match(key):
+                    self._record(key)
+            status.pending = [k for k in units if k not in self._done]
+        except StoreUnavailable as err:
+            status.primary_reachable = False
+            status.error = str(err)
+        except StoreError as err:  # one bad object must not stop replication for good
+            status.error = str(err)
+        status.recent = self._recent[:_RECENT]
+        status.max_lag_s = self._max_lag_s
+        status.updated_at = self.clock().isoformat()
+        self.twin.put_bytes(STATUS_KEY, json.dumps(asdict(status), indent=1).encode())
+        return status
+
+    def _unit(self, manifest_key: str, keys: list[str]) -> None:
+        folder = manifest_key.removesuffix(MANIFEST)
+        if self.twin.exists(manifest_key):
+            self._done.add(manifest_key)  # copied by an earlier replicator
+            return
+        try:
+            manifest = self.primary.get_bytes(manifest_key)
+            members = [
+                k
+                for k in keys
+                if k.startswith(folder) and k != manifest_key and _SKIPPED_IN_UNIT not in k
+            ]
+            copied = sum(self._copy(key) for key in members)
+        except ObjectNotFound:
+            return  # pruned on the primary while we copied: nothing to keep
+        self.twin.put_if_absent(manifest_key, manifest)
+        landed = self.clock()
+        committed = _commit_time(manifest) or landed
+        entry = Replicated(
+            manifest_key=manifest_key,
+            committed_at=committed.isoformat(),
+            replicated_at=landed.isoformat(),
+            lag_s=max(0.0, (landed - committed).total_seconds()),
+            objects=len(members) + 1,
+            bytes=copied + len(manifest),
+        )
+        self._recent.insert(0, entry)
+        self._max_lag_s = max(self._max_lag_s, entry.lag_s)
+        self._done.add(manifest_key)
+
+    def _record(self, key: str) -> None:
+        try:
+            if self.twin.exists(key) and self.twin.digest(key) == self.primary.digest(key):
+                return
+            self.twin.put_bytes(key, self.primary.get_bytes(key))
+        except ObjectNotFound:
+            return
+
+    def _copy(self, key: str) -> int:
+        """Copy one object unless the twin holds the same bytes; the bytes it moved."""
+        size, sha256 = self.primary.digest(key)
+        try:
+            if self.twin.digest(key) == (size, sha256):
+                return 0
+        except ObjectNotFound:
+            pass
+        self.scratch.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=self.scratch) as tmp:
+            local = Path(tmp) / "object"
+            self.primary.get_file(key, local)
+            self.twin.put_file(key, local)
+        if self.twin.digest(key) != (size, sha256):
+            raise StoreError(f"{self.twin.url}/{key} does not match the primary after copying")
+        return size
+
+
+def _commit_time(manifest: bytes) -> datetime | None:
+    try:
+        data = json.loads(manifest)
+        stamp = data.get("committed_at") or data.get("created_at")
+        return datetime.fromisoformat(stamp) if stamp else None
+    except (ValueError, TypeError, AttributeError):
+        return None

@@ -1,0 +1,133 @@
+"""A store with a twin site: the primary serves, the twin stands in when the primary is down.
+
+What reaches the twin, and when:
+
+- Committed checkpoints and dataset snapshots, and the small run records resume needs (the
+  generation fences, the attempt ledgers), are copied there asynchronously by the replicator
+  (`infra/replication.py`), files first and manifest last, as on the primary.
+- While the primary is unreachable (`StoreUnavailable`), reads and writes go to the twin instead:
+  training keeps committing checkpoints, resume and evaluation read what the twin has.
+
+So an object may live on either site. Reads try the primary, then the twin (an object the
+primary lacks may have been written during an outage); listings are the union of both. Keys
+under `runs/` and `datasets/` name immutable content (a step's files, a snapshot's shards) or
+records written by one generation, so the same key on both sites holds the same bytes, and the
+primary's copy wins where both answer.
+
+After a failure the primary is left alone for `retry_after_s`: every request would otherwise pay
+botocore's retries (seconds) before falling back.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import TypeVar
+
+from infra.errors import ObjectNotFound, StoreUnavailable
+from infra.store import ObjectStore
+
+T = TypeVar("T")
+
+
+class TwinStore:
+    def __init__(
+        self,
+        primary: ObjectStore,
+        twin: ObjectStore,
+        retry_after_s: float = 30.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.primary = primary
+        self.twin = twin
+        self.url = primary.url  # where the data belongs: what records and messages name
+        self.twin_url = twin.url
+        self._retry_after_s = retry_after_s
+        self._clock = clock
+        self._primary_down_until = 0.0
+
+    @property
+    def primary_down(self) -> bool:
+        return self._clock() < self._primary_down_until
+
+    def _on_primary(self, operation: Callable[[ObjectStore], T]) -> T:
+        """Run `operation` on the primary; StoreUnavailable if it is (or just went) down."""
+        if self.primary_down:
+            raise StoreUnavailable(f"{self.primary.url} is down (retrying it later)")
+        try:
+            return operation(self.primary)
+        except StoreUnavailable:
+            self._primary_down_until = self._clock() + self._retry_after_s
+            raise
+
+    def _read(self, operation: Callable[[ObjectStore], T]) -> T:
+        try:
+            return self._on_primary(operation)
+        except (StoreUnavailable, ObjectNotFound) as primary_error:
+            try:
+                return operation(self.twin)
+            except ObjectNotFound:
+                raise primary_error from None
+
+    def _write(self, operation: Callable[[ObjectStore], T]) -> T:
+        try:
+            return self._on_primary(operation)
+        except StoreUnavailable:
+            return operation(self.twin)
+
+    # Writes: the primary, or the twin while the primary is down.
+
+    def put_bytes(self, key: str, data: bytes) -> None:
+        self._write(lambda store: store.put_bytes(key, data))
+
+    def put_file(self, key: str, path: Path) -> None:
+        self._write(lambda store: store.put_file(key, path))
+
+    def put_if_absent(self, key: str, data: bytes) -> bool:
+        return self._write(lambda store: store.put_if_absent(key, data))
+
+    def delete(self, key: str) -> None:
+        """Gone from both sites; a site that is down keeps its copy (pruning retries later, and
+        a leftover old checkpoint costs space, not correctness)."""
+        reached = False
+        sites: list[Callable[[], None]] = [
+            lambda: self._on_primary(lambda store: store.delete(key)),
+            lambda: self.twin.delete(key),
+        ]
+        for delete in sites:
+            with contextlib.suppress(StoreUnavailable):
+                delete()
+                reached = True
+        if not reached:
+            raise StoreUnavailable(f"neither {self.primary.url} nor {self.twin.url} answers")
+
+    # Reads: the primary, then the twin.
+
+    def get_bytes(self, key: str) -> bytes:
+        return self._read(lambda store: store.get_bytes(key))
+
+    def get_file(self, key: str, dest: Path) -> None:
+        self._read(lambda store: store.get_file(key, dest))
+
+    def digest(self, key: str) -> tuple[int, str]:
+        return self._read(lambda store: store.digest(key))
+
+    def exists(self, key: str) -> bool:
+        with contextlib.suppress(StoreUnavailable):
+            if self._on_primary(lambda store: store.exists(key)):
+                return True
+        return self.twin.exists(key)
+
+    def list(self, prefix: str) -> list[str]:
+        keys: set[str] = set()
+        try:
+            keys.update(self._on_primary(lambda store: store.list(prefix)))
+        except StoreUnavailable:
+            keys.update(self.twin.list(prefix))  # the twin down too: nothing to list from
+            return sorted(keys)
+        # The primary answered: what the twin adds is only an outage's writes.
+        with contextlib.suppress(StoreUnavailable):
+            keys.update(self.twin.list(prefix))
+        return sorted(keys)

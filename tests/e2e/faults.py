@@ -1,0 +1,57 @@
+"""Faults the end-to-end tests cause on the stack, and what they watch while doing it."""
+
+from __future__ import annotations
+
+import os
+import random
+import re
+import signal
+
+from tests.e2e.conftest import Stack, alive, progress_events, ranks_of, wait_for
+
+
+def gang_of(stack: Stack, run: str) -> tuple[int, list[str]]:
+    """The run's current generation and nodes, as `forgeline status` shows them ((0, []) while
+    it holds no gang)."""
+    found = re.search(r"allocation +generation (\d+) on (.+)", stack.cli("status", run).stdout)
+    return (int(found.group(1)), found.group(2).split(", ")) if found else (0, [])
+
+
+def latest_step(stack: Stack, run: str, generation: int) -> int:
+    """The newest step the ranks of `generation` reported (-1: none yet)."""
+    events = progress_events(stack, run, generation)
+    return max((e["step"] for e in events if e["event"] == "step"), default=-1)
+
+
+def own_commit(stack: Stack, run: str, generation: int) -> int | None:
+    """The first step `generation` itself committed (None: none yet)."""
+    commits = [
+        e["step"]
+        for e in progress_events(stack, run, generation)
+        if e["event"] == "checkpoint" and e["manifest_key"]
+    ]
+    return min(commits, default=None)
+
+
+def kill_a_node_of(stack: Stack, run: str, after_generation: int, chance: random.Random) -> int:
+    """Wait for the run's next generation to commit a checkpoint and train a random number of
+    steps more, then SIGKILL the agent of a random node of its gang; return the generation
+    once all its ranks are gone. (The signal is sent from here, as `forgeline chaos kill-node`
+    sends it: a command's start-up would let the tiny model train on for dozens of steps.)"""
+    generation, nodes = wait_for(
+        lambda: (gang := gang_of(stack, run))[0] > after_generation and gang, 120, "a new gang"
+    )
+    victim = chance.choice(nodes)
+    agent = int((stack.home / "run" / f"{victim}.pid").read_text().split()[0])
+    committed = wait_for(lambda: own_commit(stack, run, generation), 120, "a commit", poll=0.05)
+    past = committed + chance.randint(5, 40)
+    wait_for(
+        lambda: latest_step(stack, run, generation) >= past,
+        120,
+        f"generation {generation} to reach step {past}",
+        poll=0.02,
+    )
+    os.kill(agent, signal.SIGKILL)
+    # The other node's ranks fail at their next collective: nothing of this gang is left.
+    wait_for(lambda: not any(map(alive, ranks_of(stack.home, run))), 60, "the gang to die")
+    return generation

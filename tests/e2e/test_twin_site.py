@@ -1,0 +1,65 @@
+"""The twin site, end to end: the primary store drops off the network in the middle of a run."""
+
+from __future__ import annotations
+
+import random
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.e2e.conftest import Stack, final_weights, variant, wait_for
+from tests.e2e.faults import kill_a_node_of
+from trainer.manifest import committed_steps, find_latest
+
+pytestmark = pytest.mark.e2e
+
+
+def test_the_twin_serves_resume_and_evaluation_while_the_primary_is_down(
+    stack: Stack, reference: str, tmp_path: Path
+) -> None:
+    """The dataset and the first checkpoints reach the twin while the run trains. Then the
+    primary is cut off and a node dies: the run resumes from the twin, commits its later
+    checkpoints there, is evaluated and registered from it, and ends with the weights of the
+    fault-free reference. `forgeline replication` shows the lag, and the outage."""
+    spec = variant(
+        tmp_path, "tiny-twin", steps=300, checkpoint_every=50, max_restarts=5,
+        heartbeat_timeout_s=5,
+    )  # fmt: skip
+    stack.cli("run", str(spec), "--detach")
+    twin = stack.twin()
+    wait_for(lambda: committed_steps(twin, "tiny-twin"), 120, "a checkpoint on the twin")
+    shown = stack.cli("replication").stdout
+    assert re.search(r"^lag +[\d.]+ s for the latest copy", shown, re.M), shown
+    assert re.search(r"runs/tiny-twin/checkpoints/step-\d+/MANIFEST.json .* s ", shown), shown
+
+    stack.sites.partition.cut()
+    try:
+        kill_a_node_of(stack, "tiny-twin", 0, random.Random(4))
+        stack.cli("up", "--nodes", "3")
+        followed = stack.cli("run", str(spec), timeout=300)
+        assert "AWAITING_APPROVAL" in followed.stdout, followed.stdout
+        outage = wait_for(
+            lambda: "UNREACHABLE" in (out := stack.cli("replication").stdout) and out,
+            60,
+            "the replicator to report the primary unreachable",
+        )
+        print("\n" + outage)
+    finally:
+        stack.sites.partition.heal()
+
+    status = stack.cli("status", "tiny-twin").stdout
+    assert re.search(r"attempts +1 restart", status), status
+    assert re.search(r"evaluation +val_loss [\d.]+", status), status
+    # The later checkpoints were committed during the outage: on the twin, not the primary.
+    assert 300 in committed_steps(twin, "tiny-twin")
+    assert 300 not in committed_steps(stack.primary(), "tiny-twin")
+    store = stack.store()
+    final = find_latest(store, "tiny-twin", max_generation=10**9)
+    expected = find_latest(store, reference, max_generation=10**9)
+    assert final is not None and expected is not None and final.step == 300
+    assert final.manifest["loss_history"] == expected.manifest["loss_history"]
+    weights = final_weights(stack, "tiny-twin", tmp_path)
+    theirs = final_weights(stack, reference, tmp_path)
+    assert all(torch.equal(weights[k], theirs[k]) for k in theirs)

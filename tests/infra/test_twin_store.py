@@ -1,0 +1,169 @@
+"""The twin site: replication of committed units, and a primary that drops off the network.
+
+Replication is tested between two local folders (it only needs the store contract). Failover
+needs a primary that really becomes unreachable: an S3 server (moto, over HTTP) behind a TCP
+forwarder that the test cuts and heals (tests/partition.py).
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from infra.errors import ObjectNotFound, StoreUnavailable
+from infra.replication import STATUS_KEY, ReplicationStatus, Replicator
+from infra.s3_store import S3Store, client_config
+from infra.store import LocalStore, open_store
+from infra.twin_store import TwinStore
+from tests.partition import Partition
+
+COMMITTED = datetime(2026, 11, 29, 12, 0, tzinfo=UTC)
+
+
+def checkpoint(store: LocalStore, run: str, step: int, *, committed: bool = True) -> str:
+    folder = f"runs/{run}/checkpoints/step-{step}"
+    store.put_bytes(f"{folder}/__0_0.distcp", f"weights of {step}".encode() * 100)
+    store.put_bytes(f"{folder}/.metadata", b"metadata")
+    if committed:
+        manifest = {"step": step, "committed_at": COMMITTED.isoformat()}
+        store.put_if_absent(f"{folder}/MANIFEST.json", json.dumps(manifest).encode())
+    return f"{folder}/MANIFEST.json"
+
+
+class Clock:
+    def __init__(self, start: datetime) -> None:
+        self.now = start
+
+    def __call__(self) -> datetime:
+        return self.now
+
+
+def test_committed_units_and_run_records_replicate_manifest_last(tmp_path: Path) -> None:
+    primary, twin = LocalStore(tmp_path / "primary"), LocalStore(tmp_path / "twin")
+    done = checkpoint(primary, "r", 100)
+    checkpoint(primary, "r", 150, committed=False)  # a save in flight: not a checkpoint yet
+    primary.put_bytes("datasets/abc/shards/train-00000.bin", b"tokens")
+    primary.put_bytes("datasets/abc/work/scan/part-0", b"staging")  # dropped at commit
+    primary.put_bytes("datasets/abc/MANIFEST.json", b'{"created_at": "2026-11-29T11:00:00+00:00"}')
+    primary.put_bytes("runs/r/generations/gen-1.json", b'{"generation": 1}')
+    clock = Clock(COMMITTED + timedelta(seconds=3))
+
+    status = Replicator(primary, twin, tmp_path / "scratch", clock).run_once()
+
+    assert twin.get_bytes(done) == primary.get_bytes(done)
+    assert twin.list("runs/r/checkpoints/step-100/") == primary.list("runs/r/checkpoints/step-100/")
+    assert twin.list("runs/r/checkpoints/step-150/") == []
+    assert twin.exists("datasets/abc/shards/train-00000.bin")
+    assert not twin.exists("datasets/abc/work/scan/part-0")
+    assert twin.get_bytes("runs/r/generations/gen-1.json") == b'{"generation": 1}'
+    lags = {entry.manifest_key: entry.lag_s for entry in status.recent}
+    assert lags[done] == 3.0 and lags["datasets/abc/MANIFEST.json"] == 3603.0
+    assert status.pending == [] and status.primary_reachable
+    # The status lives on the twin, readable while the primary is down.
+    assert ReplicationStatus.read(twin) == status and twin.exists(STATUS_KEY)
+
+    # A record that changes is copied again; a unit already there is not looked at again.
+    primary.put_bytes("runs/r/generations/gen-1.json", b'{"generation": 1, "fenced": 120}')
+    assert Replicator(primary, twin, tmp_path / "scratch", clock).run_once().recent == []
+    assert twin.get_bytes("runs/r/generations/gen-1.json").endswith(b"120}")
+
+
+def test_a_checkpoint_pruned_while_being_copied_leaves_no_manifest_on_the_twin(
+    tmp_path: Path,
+) -> None:
+    primary, twin = LocalStore(tmp_path / "primary"), LocalStore(tmp_path / "twin")
+    key = checkpoint(primary, "r", 100)
+    replicator = Replicator(primary, twin, tmp_path / "scratch")
+    keys = primary.list("")
+    primary.delete("runs/r/checkpoints/step-100/__0_0.distcp")  # pruned after the listing
+    replicator._unit(key, keys)
+    assert not twin.exists(key)
+
+
+def fast_failing(bucket: str, port: int) -> S3Store:
+    """A store at the forwarder's port that gives up at once: failover tests need no retries."""
+    import boto3
+
+    client = boto3.session.Session().client(
+        "s3", endpoint_url=f"http://127.0.0.1:{port}", config=client_config(max_attempts=1)
+    )
+    return S3Store(bucket, "site", client=client)
+
+
+@pytest.fixture
+def partitioned(endpoint: str, bucket: str, raw: Any, tmp_path: Path) -> Any:
+    partition = Partition(int(endpoint.rsplit(":", 1)[1]))
+    partition.heal()
+    yield partition, fast_failing(bucket, partition.port)
+    partition.cut()
+
+
+def test_reads_and_writes_go_to_the_twin_while_the_primary_is_unreachable(
+    partitioned: Any, tmp_path: Path
+) -> None:
+    partition, primary = partitioned
+    twin = LocalStore(tmp_path / "twin")
+    ticks = [0.0]
+    store = TwinStore(primary, twin, retry_after_s=30, clock=lambda: ticks[0])
+    store.put_bytes("runs/r/checkpoints/step-10/MANIFEST.json", b"on the primary")
+    twin.put_bytes("runs/r/checkpoints/step-10/MANIFEST.json", b"replicated")
+    assert store.get_bytes("runs/r/checkpoints/step-10/MANIFEST.json") == b"on the primary"
+
+    partition.cut()
+    # Reads come from the twin; the primary is marked down and left alone for retry_after_s.
+    assert store.get_bytes("runs/r/checkpoints/step-10/MANIFEST.json") == b"replicated"
+    assert store.primary_down
+    # Writes (a checkpoint committed during the outage) land on the twin.
+    assert store.put_if_absent("runs/r/checkpoints/step-20/MANIFEST.json", b"failover")
+    assert twin.get_bytes("runs/r/checkpoints/step-20/MANIFEST.json") == b"failover"
+    assert store.list("runs/r/checkpoints/") == [
+        "runs/r/checkpoints/step-10/MANIFEST.json",
+        "runs/r/checkpoints/step-20/MANIFEST.json",
+    ]
+
+    partition.heal()
+    ticks[0] = 31.0  # past retry_after_s: the primary is asked again, and serves what it has
+    assert store.get_bytes("runs/r/checkpoints/step-10/MANIFEST.json") == b"on the primary"
+    assert not store.primary_down
+    # The outage's writes stay readable: the union of both sites, the primary first.
+    assert store.get_bytes("runs/r/checkpoints/step-20/MANIFEST.json") == b"failover"
+    assert len(store.list("runs/r/checkpoints/")) == 2
+    store.delete("runs/r/checkpoints/step-20/MANIFEST.json")  # pruning reaches both sites
+    with pytest.raises(ObjectNotFound):
+        store.get_bytes("runs/r/checkpoints/step-20/MANIFEST.json")
+
+
+def test_the_replicator_reports_an_unreachable_primary_and_catches_up(
+    partitioned: Any, tmp_path: Path
+) -> None:
+    partition, primary = partitioned
+    twin = LocalStore(tmp_path / "twin")
+    replicator = Replicator(primary, twin, tmp_path / "scratch")
+    partition.cut()
+    status = replicator.run_once()
+    assert not status.primary_reachable and "cannot reach" in status.error
+    assert not ReplicationStatus.read(twin).primary_reachable
+    partition.heal()
+    primary.put_bytes("runs/r/checkpoints/step-5/w", b"w")
+    primary.put_if_absent("runs/r/checkpoints/step-5/MANIFEST.json", b"{}")
+    status = replicator.run_once()
+    assert status.primary_reachable and twin.exists("runs/r/checkpoints/step-5/MANIFEST.json")
+
+
+def test_an_unreachable_primary_alone_is_an_error_that_names_it(partitioned: Any) -> None:
+    partition, primary = partitioned
+    partition.cut()
+    with pytest.raises(StoreUnavailable, match="cannot reach the S3 endpoint"):
+        primary.get_bytes("anything")
+
+
+def test_open_store_with_a_twin_and_url_options(endpoint: str, bucket: str, tmp_path: Path) -> None:
+    store = open_store(str(tmp_path / "p"), twin=f"s3://{bucket}/twin?endpoint={endpoint}")
+    assert isinstance(store, TwinStore) and store.url == f"file://{tmp_path / 'p'}"
+    assert store.twin_url == f"s3://{bucket}/twin?endpoint={endpoint}"
+    store.twin.put_bytes("k", b"v")
+    assert open_store(store.twin_url).get_bytes("k") == b"v"  # the URL reaches the same site
