@@ -21,6 +21,7 @@ down; `forgeline replication` prints it.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import tempfile
@@ -90,6 +91,9 @@ class Replicator:
         self.clock = clock
         # Units known to be complete on the twin: manifests never change once committed.
         self._done: set[str] = set()
+        # Each record's (size, sha256) as last copied: a record unchanged on the primary costs
+        # one HEAD there, not one on each site, every pass.
+        self._records: dict[str, tuple[int, str]] = {}
         self._recent: list[Replicated] = []
         self._max_lag_s = 0.0
 
@@ -148,9 +152,15 @@ class Replicator:
 
     def _record(self, key: str) -> None:
         try:
-            if self.twin.exists(key) and self.twin.digest(key) == self.primary.digest(key):
+            current = self.primary.digest(key)
+            if self._records.get(key) == current:
                 return
-            self.twin.put_bytes(key, self.primary.get_bytes(key))
+            if self.twin.exists(key) and self.twin.digest(key) == current:
+                self._records[key] = current
+                return
+            data = self.primary.get_bytes(key)
+            self.twin.put_bytes(key, data)
+            self._records[key] = (len(data), hashlib.sha256(data).hexdigest())
         except ObjectNotFound:
             return
 

@@ -130,7 +130,7 @@ def test_a_paused_node_that_comes_back_cannot_commit(stack: Stack, tmp_path: Pat
     )
     stack.cli("run", str(spec), "--detach")
     store = stack.store()
-    wait_for(lambda: committed_steps(store, "tiny-pause"), 120, "the first checkpoint", 0.05)
+    wait_for(lambda: committed_steps(store, "tiny-pause"), 120, "the first checkpoint", 0.25)
     status = stack.cli("status", "tiny-pause").stdout
     generation, victim = re.search(r"allocation +generation (\d+) on (\S+)", status).groups()
     agent = int((stack.home / "run" / f"{victim}.pid").read_text().split()[0])
@@ -169,6 +169,11 @@ def test_a_paused_node_that_comes_back_cannot_commit(stack: Stack, tmp_path: Pat
     stack.cli("up", "--nodes", "3")
 
 
+# Covered faster, part by part: tests/trainer/test_layouts.py (real ranks: the NaN stops the
+# gang, its replica is named, resume from the last manifest reproduces the clean run),
+# tests/workflows/test_cluster_calls.py (the named node is reported as corruption) and
+# tests/workflows/test_cluster_workflow.py (the cluster cordons it).
+@pytest.mark.slow
 def test_corrupt_gradients_are_traced_to_their_node_and_rolled_back(
     stack: Stack, reference: str, tmp_path: Path
 ) -> None:
@@ -178,7 +183,7 @@ def test_corrupt_gradients_are_traced_to_their_node_and_rolled_back(
     spec = variant(tmp_path, "tiny-nan", steps=300, checkpoint_every=100)
     stack.cli("run", str(spec), "--detach")
     store = stack.store()
-    wait_for(lambda: committed_steps(store, "tiny-nan"), 120, "the first checkpoint", 0.05)
+    wait_for(lambda: committed_steps(store, "tiny-nan"), 120, "the first checkpoint", 0.25)
     generation, nodes = gang_of(stack, "tiny-nan")
     culprit = nodes[0]  # its rank is rank 0
     stack.cli("chaos", "corrupt-grad", culprit)
@@ -240,7 +245,7 @@ def test_a_straggler_is_swapped_for_another_node(stack: Stack, tmp_path: Path) -
     spec = variant(tmp_path, "tiny-slow", recovery=settings, steps=100_000, checkpoint_every=100)
     stack.cli("run", str(spec), "--detach")
     store = stack.store()
-    wait_for(lambda: committed_steps(store, "tiny-slow"), 120, "the first checkpoint", 0.05)
+    wait_for(lambda: committed_steps(store, "tiny-slow"), 120, "the first checkpoint", 0.25)
     generation, nodes = gang_of(stack, "tiny-slow")
     assert generation and len(nodes) == 2
     victim = nodes[1]
@@ -284,7 +289,7 @@ def test_the_control_plane_can_die_under_a_training_run(
     spec = variant(tmp_path, "tiny-cp", steps=300, checkpoint_every=100, heartbeat_timeout_s=30)
     stack.cli("run", str(spec), "--detach")
     store = stack.store()
-    wait_for(lambda: committed_steps(store, "tiny-cp"), 120, "the first checkpoint", 0.05)
+    wait_for(lambda: committed_steps(store, "tiny-cp"), 120, "the first checkpoint", 0.25)
     generation, _ = gang_of(stack, "tiny-cp")
     for name in ("control-worker", "temporal", "mlflow"):
         # The whole group: MLflow's server runs in children that would otherwise serve on.
@@ -324,7 +329,7 @@ def test_a_node_failing_its_health_check_is_left_behind(stack: Stack, tmp_path: 
     spec = variant(tmp_path, "tiny-sick", steps=300, checkpoint_every=100)
     stack.cli("run", str(spec), "--detach")
     store = stack.store()
-    wait_for(lambda: committed_steps(store, "tiny-sick"), 120, "the first checkpoint", 0.05)
+    wait_for(lambda: committed_steps(store, "tiny-sick"), 120, "the first checkpoint", 0.25)
     generation, nodes = gang_of(stack, "tiny-sick")
     sick = nodes[1]
     stack.cli("chaos", "fail-health", sick, "--reason", "uncorrectable ECC errors")

@@ -10,6 +10,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import TypeVar
 
+import pytest
 from temporalio.client import Client, WorkflowHandle
 from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.service import RPCError
@@ -256,15 +257,21 @@ def test_a_death_reported_after_the_agent_restarted_leaves_the_new_one_up(
     run_scenario(temporal_address, task_queue, scenario)
 
 
-def test_a_straggler_is_cordoned_not_counted_as_a_death(
-    temporal_address: str, task_queue: str
+@pytest.mark.parametrize(
+    ("kind", "reason"),
+    [
+        ("straggler", "straggler: rank 1 is 3.0× slower"),
+        ("corruption", "suspected silent corruption: rank 1's own gradients were non-finite"),
+    ],
+)
+def test_a_straggler_or_corruption_suspect_is_cordoned_not_counted_as_a_death(
+    temporal_address: str, task_queue: str, kind: str, reason: str
 ) -> None:
     async def scenario(h: Harness) -> None:
         grant = await h.gang_of_two()
         slow = NodeFailure(
-            run_id="run-a", generation=grant.generation, node_id="n1",
-            reason="straggler: rank 1 is 3.0× slower", kind="straggler",
-        )  # fmt: skip
+            run_id="run-a", generation=grant.generation, node_id="n1", reason=reason, kind=kind
+        )
         await h.cluster.signal(ClusterWorkflow.report_failure, slow)
         state = await h.state(lambda s: any(n.state == "cordoned" for n in s.nodes))
         n1 = next(n for n in state.nodes if n.info.node_id == "n1")
