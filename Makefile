@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 FL     := $(BIN)/forgeline
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test test-all up down lint format clean bench-dataprep bench-trainer bench-recovery
+.PHONY: demo test test-all up down lint format clean bench-dataprep bench-trainer bench-recovery bench-load
 
 # torch first, pinned to the CPU wheel on this machine's disk: resolving `torch` through the
 # project's dependencies could pull a multi-GB CUDA build.
@@ -43,6 +43,10 @@ bench-trainer: $(STAMP)
 
 bench-recovery: $(STAMP)
 	$(BIN)/python -m bench.recovery
+
+# 50 small runs at once through one scheduler on a private stack (about 6 minutes).
+bench-load: $(STAMP)
+	$(BIN)/python -m bench.load
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -111,7 +111,7 @@ def check(state: ClusterState, watch: Watch) -> None:
 async def drive(home: Path, specs: list[Path]) -> tuple[dict[str, RunStatus], Watch, float]:
     client = await connect(load_settings(home))
     cluster = client.get_workflow_handle(CLUSTER_WORKFLOW_ID)
-    loaded = [(load_spec(p), spec_sha256(p)) for p in specs]
+    loaded = [(spec, spec_sha256(spec)) for spec in map(load_spec, specs)]
     started = time.monotonic()
     handles = await asyncio.gather(*(submit(client, spec, sha) for spec, sha in loaded))
     names = [handle.id for handle, _ in handles]
@@ -147,7 +147,7 @@ def report(runs: int, final: dict[str, RunStatus], watch: Watch, wall_s: float) 
     waits = [
         (a.granted_at - a.requested_at).total_seconds()
         for status in final.values()
-        for a in status.attempts
+        for a in status.gang_attempts
     ]
     phases = Counter(status.phase.value for status in final.values())
     lost = runs - len(final)
