@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 from dataprep.snapshot import load_manifest
+from infra.errors import IntegrityError
 from infra.store import ObjectStore, fetch_verified
 from trainer.checkpoint import fetch_checkpoint
 from trainer.manifest import read_manifest
 from workflows.models import CheckpointRef, DatasetRef
+
+_SHA256 = re.compile(r"[0-9a-f]{64}")
 
 
 class NodeCache:
@@ -20,8 +24,15 @@ class NodeCache:
         self.store = store
 
     def _blob(self, entry: dict) -> Path:
-        dest = self.root / "blobs" / entry["sha256"]
-        return fetch_verified(self.store, entry["key"], dest, entry["sha256"], entry["bytes"])
+        sha256 = entry["sha256"]
+        # The name of the cached file comes from a manifest read from the store: only a hex
+        # digest may become a path here, never "../" or a name a crafted manifest chose.
+        if not isinstance(sha256, str) or not _SHA256.fullmatch(sha256):
+            raise IntegrityError(
+                f"{entry.get('key')!r}: manifest sha256 {sha256!r} is not a hex digest"
+            )
+        dest = self.root / "blobs" / sha256
+        return fetch_verified(self.store, entry["key"], dest, sha256, entry["bytes"])
 
     def dataset_manifest(self, dataset: DatasetRef) -> dict:
         return load_manifest(self.store, dataset.manifest_key, dataset.manifest_sha256)

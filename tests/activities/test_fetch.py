@@ -29,3 +29,14 @@ def test_a_corrupt_shard_is_named_and_refused(corpus: Path, tmp_path: Path) -> N
     fresh = NodeCache(tmp_path / "other-node", store)
     with pytest.raises(IntegrityError, match=rf"{shard['key']} is corrupt: expected .*sha256"):
         fresh.split(manifest, "train")
+
+
+@pytest.mark.parametrize("sha256", ["../../outside", "A" * 64, "0" * 63, 7])
+def test_a_manifest_cannot_choose_where_a_cached_file_lands(tmp_path: Path, sha256) -> None:
+    """The cache names files by their sha256, which comes from a manifest in the store: anything
+    but a hex digest is refused before a path is made of it."""
+    cache = NodeCache(tmp_path / "node-cache", LocalStore(tmp_path / "store"))
+    entry = {"key": "datasets/x/shards/train-00000.bin", "sha256": sha256, "bytes": 1}
+    with pytest.raises(IntegrityError, match="is not a hex digest"):
+        cache.split({"splits": {"train": {"shards": [entry]}}}, "train")
+    assert not (tmp_path / "outside").exists()
