@@ -4,6 +4,7 @@ domain code they call is."""
 
 from __future__ import annotations
 
+import functools
 import json
 import tempfile
 from dataclasses import asdict
@@ -28,6 +29,7 @@ from registry.tracking import (
 )
 from registry.tracking import record_decision as record_version_decision
 from trainer.attempt_clock import Mark, read_ledger
+from trainer.checkpoint import vet_metadata
 from trainer.evaluate import checkpoint_val_loss, evaluate_checkpoint, load_model
 from trainer.manifest import (
     CommittedCheckpoint,
@@ -105,7 +107,8 @@ class ControlActivities:
             activity.logger.warning("skipping checkpoint %s", why)
             skipped.append(why)
 
-        found = find_latest(self.store, inp.run_id, inp.max_generation, skip)
+        vet = functools.partial(vet_metadata, self.store)
+        found = find_latest(self.store, inp.run_id, inp.max_generation, skip, vet)
         if inp.fence:
             record_generation(
                 self.store, inp.run_id, inp.max_generation, found.step if found else 0

@@ -270,6 +270,15 @@ def fetch_checkpoint(store: ObjectStore, manifest: dict, dest: Path) -> Path:
     return dest
 
 
+def vet_metadata(store: ObjectStore, manifest: dict) -> None:
+    """Refuse (UnsafeCheckpoint) a committed checkpoint whose DCP metadata would run code when
+    unpickled, before any rank is started on it: resume then falls back to the one before, as
+    it does for a file whose hash is wrong. (Items are vetted when the ranks load them.)"""
+    for entry in manifest["files"]:
+        if entry.get("name") == METADATA_FILE:
+            safe_load.check_metadata(store.get_bytes(entry["key"]), entry["key"])
+
+
 def _local_path(dest: Path, name: object) -> Path:
     """Where a manifest's file lands: a plain name inside `dest`, never a path out of it (the
     manifest is read from the store, and a crafted one could name ../../.bashrc)."""

@@ -131,8 +131,10 @@ def find_latest(
     run_id: str,
     max_generation: int,
     on_skip: Callable[[str], None] = lambda _: None,
+    vet: Callable[[dict], None] = lambda _: None,
 ) -> CommittedCheckpoint | None:
-    """The newest checkpoint that verifies and was committed by generation ≤ max_generation."""
+    """The newest checkpoint that verifies and was committed by generation ≤ max_generation;
+    `vet` may refuse one more (raising CheckpointError), and the search goes on past it."""
     fences = Fences.read(store, run_id)
     for step in committed_steps(store, run_id):
         key = manifest_key(run_id, step)
@@ -145,7 +147,8 @@ def find_latest(
                 on_skip(f"{key}: {stale}")
                 continue
             verify_files(store, manifest)
-        except (IntegrityError, ObjectNotFound, ValueError, KeyError) as err:
+            vet(manifest)
+        except (IntegrityError, ObjectNotFound, CheckpointError, ValueError, KeyError) as err:
             on_skip(f"{key}: {err}")
             continue
         return CommittedCheckpoint(key, manifest)

@@ -83,9 +83,14 @@ def read_metadata(folder: Path) -> Metadata:
     """The folder's DCP metadata, unpickled safely, with every data file it points at checked
     to be a plain file name inside the folder."""
     path = folder / METADATA_FILE
+    return check_metadata(path.read_bytes(), str(path))
+
+
+def check_metadata(data: bytes, path: str) -> Metadata:
+    """`read_metadata` of bytes already in hand (e.g. read from the store, to vet a checkpoint
+    before any rank is started on it); `path` names it in messages."""
     try:
-        with open(path, "rb") as handle:
-            metadata = _MetadataUnpickler(handle).load()
+        metadata = _MetadataUnpickler(io.BytesIO(data)).load()
     except (pickle.UnpicklingError, EOFError, AttributeError, ValueError, TypeError) as err:
         raise UnsafeCheckpoint(f"refusing checkpoint {path}: {err}") from None
     if not isinstance(metadata, Metadata):

@@ -10,6 +10,7 @@ import builtins
 import json
 import pickle
 import warnings
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -19,7 +20,13 @@ from torch.distributed.checkpoint.state_dict import get_state_dict
 
 from dataprep.tokenizer import char_tokenizer
 from infra.store import LocalStore
-from trainer.checkpoint import fetch_checkpoint, load_model_weights, load_training_state
+from trainer.checkpoint import (
+    fetch_checkpoint,
+    load_model_weights,
+    load_training_state,
+    vet_metadata,
+)
+from trainer.manifest import MANIFEST_FORMAT, find_latest, manifest_key
 from trainer.model import GPT, GPTConfig
 from trainer.safe_load import METADATA_FILE, UnsafeCheckpoint
 
@@ -162,3 +169,29 @@ def test_registered_weights_are_safetensors_and_load_without_pickle(tmp_path: Pa
     loaded = TextGenerator(weights, Path(artifacts["config"]), tokenizer).model
     for name, tensor in model.state_dict().items():
         assert torch.equal(loaded.state_dict()[name], tensor), name
+
+
+def commit(store: LocalStore, run: str, step: int, folder: Path) -> None:
+    """Upload a checkpoint folder and its manifest, as a generation-1 commit would."""
+    files = []
+    for path in sorted(folder.iterdir()):
+        key = f"runs/{run}/checkpoints/step-{step}/{path.name}"
+        store.put_file(key, path)
+        size, sha256 = store.digest(key)
+        files.append({"key": key, "name": path.name, "bytes": size, "sha256": sha256})
+    manifest = {"format": MANIFEST_FORMAT, "step": step, "generation": 1, "files": files}
+    store.put_if_absent(manifest_key(run, step), json.dumps(manifest).encode())
+
+
+def test_resume_passes_over_a_checkpoint_whose_metadata_would_run_code(tmp_path: Path) -> None:
+    """Its files match their hashes (whoever wrote it listed them), but its metadata is a
+    crafted pickle: the run resumes from the checkpoint before, as for a corrupt file, and no
+    rank is ever started on the crafted one."""
+    store, marker = LocalStore(tmp_path / "store"), tmp_path / "ran"
+    commit(store, "r", 10, save(tmp_path / "ten", *trained(seed=1)))
+    commit(store, "r", 20, malicious_metadata(save(tmp_path / "twenty", *trained(seed=2)), marker))
+    skipped: list[str] = []
+    found = find_latest(store, "r", 1, skipped.append, partial(vet_metadata, store))
+    assert found is not None and found.step == 10
+    assert len(skipped) == 1 and "step-20/.metadata: it names builtins.exec" in skipped[0]
+    assert not marker.exists()
