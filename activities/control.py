@@ -24,6 +24,7 @@ from registry.tracking import (
     DatasetUsed,
     Registration,
     checkpoint_of,
+    close_run,
     open_run,
     register,
 )
@@ -46,6 +47,7 @@ from workflows.models import (
     AttemptLedger,
     AttemptLedgerInput,
     CheckpointRef,
+    CloseTrackingInput,
     DecisionInput,
     EvalPoint,
     EvalResult,
@@ -197,6 +199,11 @@ class ControlActivities:
             ],
             curve=sorted(curve, key=lambda point: point.step),
         )
+
+    @activity.defn(name="close_tracking_run")
+    def close_tracking_run(self, inp: CloseTrackingInput) -> None:
+        with domain_errors():
+            close_run(self.settings.mlflow_uri, inp.mlflow_run_id, inp.status, inp.error)
 
     @activity.defn(name="open_tracking_run")
     def open_tracking_run(self, inp: TrackingInput) -> str:
@@ -360,6 +367,7 @@ class ControlActivities:
             self.resolve_init_from,
             self.evaluate,
             self.open_tracking_run,
+            self.close_tracking_run,
             self.approval_policy,
             self.register_model,
             self.record_decision,

@@ -175,6 +175,15 @@ def open_run(
     return run.info.run_id
 
 
+def close_run(tracking_uri: str, run_id: str, status: str, error: str = "") -> None:
+    """End a run that produced no model (FAILED, or KILLED when cancelled) with the reason, so
+    the MLflow UI does not show it RUNNING forever. Idempotent."""
+    client = _client(tracking_uri)
+    if error:
+        client.set_tag(run_id, "forgeline.error", error[:5000])
+    client.set_terminated(run_id, status=status)
+
+
 def _ensure_registered_model(client: MlflowClient, name: str) -> str:
     try:
         client.create_registered_model(name, description="Trained by Forgeline")

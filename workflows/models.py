@@ -276,6 +276,14 @@ class TrackingInput(BaseModel):
     spec_sha256: str
 
 
+class CloseTrackingInput(BaseModel):
+    """A training run that ended without a model: its MLflow run ends with it."""
+
+    mlflow_run_id: str
+    status: str  # MLflow's: FAILED or KILLED
+    error: str = ""
+
+
 class ModelVersionRef(BaseModel):
     model_name: str
     version: str

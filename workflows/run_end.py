@@ -10,6 +10,8 @@ from datetime import timedelta
 from typing import Any
 
 from temporalio import workflow
+from temporalio.common import RetryPolicy
+from temporalio.exceptions import ActivityError
 
 with workflow.unsafe.imports_passed_through():
     from workflows.approval import gate_tags, with_spec
@@ -17,6 +19,7 @@ with workflow.unsafe.imports_passed_through():
         ApprovalPolicy,
         ApprovalPolicyInput,
         CheckpointRef,
+        CloseTrackingInput,
         DatasetRef,
         Decision,
         DecisionInput,
@@ -30,6 +33,7 @@ with workflow.unsafe.imports_passed_through():
         TrackingInput,
         TrainingRunInput,
     )
+    from workflows.names import CONTROL_TASK_QUEUE
     from workflows.spec import RunSpec
 
 
@@ -86,6 +90,31 @@ class RunEnd:
         )
         self._status.model_version = version
         return version
+
+    async def _close_tracking(self, tracking: asyncio.Task[str] | None, status: str) -> None:
+        """A run that ends without a model ends its MLflow run too (FAILED, or KILLED when
+        cancelled), with the reason. Best effort: MLflow being down must not keep the run from
+        ending, so a few tries and no more."""
+        if tracking is None or not workflow.patched("close-tracking-run"):
+            return
+        if not tracking.done():
+            tracking.cancel()
+            return  # never opened: nothing to close
+        if tracking.cancelled() or tracking.exception() is not None:
+            return
+        close = CloseTrackingInput(
+            mlflow_run_id=tracking.result(), status=status, error=self._status.error or ""
+        )
+        try:
+            await workflow.execute_activity(
+                "close_tracking_run",
+                close,
+                task_queue=CONTROL_TASK_QUEUE,
+                start_to_close_timeout=timedelta(minutes=1),
+                retry_policy=RetryPolicy(maximum_attempts=3),
+            )
+        except ActivityError:
+            workflow.logger.warning("could not end MLflow run %s", close.mlflow_run_id)
 
     def _open_tracking(self) -> asyncio.Task[str] | None:
         """Open the MLflow run that the metrics stream into, beside data preparation."""

@@ -119,11 +119,13 @@ class TrainingRun(RunEnd):
         except asyncio.CancelledError:
             self._set_phase(Phase.CANCELLED)
             await self._release_gang()
+            await self._close_tracking(tracking, "KILLED")
             raise
         except (ActivityError, ApplicationError) as err:
             self._status.error = describe(err)
             self._set_phase(Phase.FAILED)
             await self._release_gang()
+            await self._close_tracking(tracking, "FAILED")
             raise ApplicationError(f"run {self._spec.name} failed: {self._status.error}") from err
         return self._status
 

@@ -74,15 +74,30 @@ class Stack:
     def cli(
         self, *args: str, timeout: float = 300, check: bool = True
     ) -> subprocess.CompletedProcess:
-        result = subprocess.run(
-            [FORGELINE, *args], env=self.env, capture_output=True, text=True, timeout=timeout
-        )
+        try:
+            result = subprocess.run(
+                [FORGELINE, *args], env=self.env, capture_output=True, text=True, timeout=timeout
+            )
+        except subprocess.TimeoutExpired as err:
+            output = err.stdout.decode(errors="replace") if isinstance(err.stdout, bytes) else ""
+            raise AssertionError(
+                f"forgeline {' '.join(args)} still running after {timeout:.0f} s\n"
+                f"stdout:\n{output[-3000:]}\n{self.log_tails()}"
+            ) from None
         if check and result.returncode != 0:
             raise AssertionError(
                 f"forgeline {' '.join(args)} exited {result.returncode}\n"
-                f"stdout:\n{result.stdout}\nstderr:\n{result.stderr[-3000:]}"
+                f"stdout:\n{result.stdout}\nstderr:\n{result.stderr[-3000:]}\n{self.log_tails()}"
             )
         return result
+
+    def log_tails(self, lines: int = 15) -> str:
+        """The end of every stack process's log: what a failure in CI leaves to go on."""
+        tails = []
+        for log in sorted((self.home / "logs").glob("*.log")):
+            text = log.read_text(errors="replace").splitlines()[-lines:]
+            tails.append(f"--- {log.name}\n" + "\n".join(text))
+        return "\n".join(tails)
 
     @property
     def settings(self):

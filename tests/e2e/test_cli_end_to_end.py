@@ -13,6 +13,7 @@ import torch
 from mlflow.tracking import MlflowClient
 
 from infra.local_servers import temporal_binary
+from registry.tracking import EXPERIMENT
 from tests.conftest import REPO
 from tests.e2e.conftest import (
     TINY,
@@ -174,6 +175,18 @@ def test_cancel_stops_the_ranks_and_releases_the_gang(stack: Stack, tmp_path: Pa
     assert "tiny-cancel" not in nodes_table and "allocated" not in nodes_table, nodes_table
     again = stack.cli("cancel", "tiny-cancel", check=False)
     assert again.returncode == 2 and "is not running" in again.stdout
+    # Its MLflow run (opened while the data was prepared) ends with it, not RUNNING forever.
+    client = MlflowClient(tracking_uri=stack.settings.mlflow_uri)
+    experiment = client.get_experiment_by_name(EXPERIMENT)
+    assert experiment is not None
+
+    def mlflow_status() -> str | None:
+        found = client.search_runs(
+            [experiment.experiment_id], "attributes.run_name = 'tiny-cancel'", max_results=1
+        )
+        return found[0].info.status if found and found[0].info.status != "RUNNING" else None
+
+    assert wait_for(mlflow_status, 30, "the MLflow run to end") == "KILLED"
 
 
 def test_cancel_while_queued_withdraws_the_request(stack: Stack, tmp_path: Path) -> None:

@@ -19,6 +19,7 @@ from registry.tracking import (
     DatasetUsed,
     Registration,
     checkpoint_of,
+    close_run,
     flatten,
     open_run,
     record_decision,
@@ -191,6 +192,17 @@ def test_the_run_opened_at_the_start_receives_the_model_and_its_dataset(
     client = MlflowClient(tracking_uri=tracking_uri, registry_uri=tracking_uri)
     (used,) = client.get_run(opened).inputs.dataset_inputs
     assert used.dataset.name == "snapshot-abc123" and used.dataset.digest == "f" * 32
+
+
+def test_a_run_that_ends_without_a_model_ends_its_mlflow_run(tracking_uri: str) -> None:
+    opened = open_run(tracking_uri, "doomed", "wf-run-9", {"train": {"steps": 10}}, {})
+    client = MlflowClient(tracking_uri=tracking_uri)
+    assert client.get_run(opened).info.status == "RUNNING"
+    close_run(tracking_uri, opened, "FAILED", "node n1 died 6 times: max_restarts reached")
+    close_run(tracking_uri, opened, "FAILED", "node n1 died 6 times: max_restarts reached")
+    run = client.get_run(opened)
+    assert run.info.status == "FAILED" and run.info.end_time is not None
+    assert run.data.tags["forgeline.error"].startswith("node n1 died")
 
 
 def test_an_expired_window_is_recorded_and_moves_no_alias(
