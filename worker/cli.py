@@ -35,6 +35,7 @@ from worker.data_cli import (
 )
 from worker.lineage import lineage_command
 from worker.plan_cli import plan
+from worker.processes_cli import worker_app
 from worker.render import progress_line, run_link, runs_table, status_text
 from worker.replication_cli import replication
 from worker.runs import RunNotFound, list_run_names, submit, view
@@ -53,7 +54,6 @@ from workflows.models import Decision, Phase, RunStatus
 from workflows.names import InvalidName, check_snapshot_id
 
 app = typer.Typer(help=__doc__, no_args_is_help=True, add_completion=False)
-worker_app = typer.Typer(help="Processes started by `forgeline up` (not for direct use).")
 app.add_typer(worker_app, name="worker", hidden=True)
 app.add_typer(data_app, name="data")
 app.add_typer(cluster_app, name="cluster")
@@ -434,48 +434,6 @@ def data_report(
     render_report(report, console)
     path = write_report(report, out or Path(f"report-{snapshot}.json"))
     console.print(f"wrote {path}")
-
-
-# --- processes of the stack --------------------------------------------------------------------
-
-
-@worker_app.command("control")
-def control_worker() -> None:
-    from worker.processes_main import run_control_worker
-
-    run_async(run_control_worker(get_settings()))
-
-
-@worker_app.command("replicator")
-def replicator_process(
-    interval: Annotated[float, typer.Option(help="seconds between passes")] = 2.0,
-) -> None:
-    from worker.replication_cli import run_replicator
-
-    run_replicator(get_settings(), interval)
-
-
-@worker_app.command("data")
-def data_worker(name: Annotated[str, typer.Option()] = "data-0") -> None:
-    from worker.processes_main import run_data_worker
-
-    run_async(run_data_worker(get_settings(), check_name(name, "worker name")))
-
-
-@worker_app.command("node")
-def node_agent(
-    node_id: Annotated[str, typer.Option()],
-    gpus: Annotated[int, typer.Option(min=1)] = 1,
-    host: Annotated[str, typer.Option(help="address other nodes reach this one at")] = "127.0.0.1",
-    pod: Annotated[str, typer.Option(help="fabric island this node belongs to")] = "local",
-    incarnation: Annotated[str | None, typer.Option()] = None,
-) -> None:
-    from worker.processes_main import run_node_agent
-
-    node_id = check_name(node_id, "node id")
-    run_async(
-        run_node_agent(get_settings(), node_id, gpus, host, check_name(pod, "pod"), incarnation)
-    )
 
 
 def error_message(err: BaseException) -> str | None:

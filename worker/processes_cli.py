@@ -1,0 +1,55 @@
+"""`forgeline worker …`: the processes `forgeline up` starts (hidden: not for direct use).
+
+Each command only reads its settings and hands over to the process's main loop, imported late so
+that one kind of process does not pay for another's imports (torch, mlflow, boto3).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from worker.cli_common import check_name, get_settings
+from worker.cli_common import run as run_async
+
+worker_app = typer.Typer(help="Processes started by `forgeline up` (not for direct use).")
+
+
+@worker_app.command("control")
+def control_worker() -> None:
+    from worker.processes_main import run_control_worker
+
+    run_async(run_control_worker(get_settings()))
+
+
+@worker_app.command("replicator")
+def replicator_process(
+    interval: Annotated[float, typer.Option(help="seconds between passes")] = 2.0,
+) -> None:
+    from worker.replication_cli import run_replicator
+
+    run_replicator(get_settings(), interval)
+
+
+@worker_app.command("data")
+def data_worker(name: Annotated[str, typer.Option()] = "data-0") -> None:
+    from worker.processes_main import run_data_worker
+
+    run_async(run_data_worker(get_settings(), check_name(name, "worker name")))
+
+
+@worker_app.command("node")
+def node_agent(
+    node_id: Annotated[str, typer.Option()],
+    gpus: Annotated[int, typer.Option(min=1)] = 1,
+    host: Annotated[str, typer.Option(help="address other nodes reach this one at")] = "127.0.0.1",
+    pod: Annotated[str, typer.Option(help="fabric island this node belongs to")] = "local",
+    incarnation: Annotated[str | None, typer.Option()] = None,
+) -> None:
+    from worker.processes_main import run_node_agent
+
+    node_id = check_name(node_id, "node id")
+    run_async(
+        run_node_agent(get_settings(), node_id, gpus, host, check_name(pod, "pod"), incarnation)
+    )
