@@ -40,6 +40,7 @@ from worker.runs import submit
 from worker.specfile import load_spec, spec_sha256
 from worker.temporal_client import connect
 from workflows.cluster_models import ClusterState
+from workflows.fleet.report import percentile
 from workflows.models import Phase, RunStatus
 from workflows.names import CLUSTER_WORKFLOW_ID
 from workflows.scheduler import schedule
@@ -130,11 +131,6 @@ async def drive(home: Path, specs: list[Path]) -> tuple[dict[str, RunStatus], Wa
             break
         await asyncio.sleep(0.25)
     return final, watch, time.monotonic() - started
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q / 100 * len(ordered)))] if ordered else 0.0
 
 
 def _ratio(measured: list[float], baseline: list[float]) -> float:

@@ -49,11 +49,7 @@ from botocore.config import Config
 from botocore.exceptions import (
     BotoCoreError,
     ClientError,
-    HTTPClientError,
-    NoCredentialsError,
-    PartialCredentialsError,
 )
-from botocore.exceptions import ConnectionError as EndpointUnreachable
 from s3transfer.exceptions import RetriesExceededError
 from s3transfer.subscribers import BaseSubscriber
 
@@ -63,7 +59,16 @@ from infra.errors import (
     InvalidKey,
     ObjectNotFound,
     StoreError,
-    StoreUnavailable,
+)
+from infra.s3_errors import (
+    CONDITIONAL_CONFLICT,
+    NO_CONDITIONAL_WRITES,
+    NOT_FOUND,
+    PRECONDITION_FAILED,
+    error_code,
+    no_bucket,
+    store_error,
+    without_userinfo,
 )
 from infra.store import validate_key
 
@@ -81,35 +86,9 @@ _CHUNK = MiB
 # keeps URL syntax out, and the server judges the rest.
 _BUCKET = re.compile(r"^[A-Za-z0-9._-]+$")
 
-_PRECONDITION_FAILED = frozenset({"PreconditionFailed", "412"})
-# AWS answers 409 when another conditional write to the key is in flight: try again.
-_CONDITIONAL_CONFLICT = "ConditionalRequestConflict"
-_CONFLICT_ATTEMPTS = 3
-# What servers without conditional writes answer to If-None-Match on PutObject.
-_NO_CONDITIONAL_WRITES = frozenset({"NotImplemented", "501", "InvalidArgument"})
-_NOT_FOUND = frozenset({"NoSuchKey", "NotFound", "404"})
-# Still failing after botocore's retries: the site is down or overloaded, not the request wrong.
-_SERVER_DOWN = frozenset(
-    {"InternalError", "ServiceUnavailable", "SlowDown", "500", "502", "503", "504"}
-)
 # The options an s3:// URL may carry after '?': where and as whom, never a secret.
 _URL_OPTIONS = frozenset({"endpoint", "region", "profile"})
-_REFUSED = frozenset(
-    {
-        "AccessDenied",
-        "Forbidden",
-        "403",
-        "InvalidAccessKeyId",
-        "SignatureDoesNotMatch",
-        "ExpiredToken",
-        "InvalidToken",
-        "TokenRefreshRequired",
-    }
-)
-_CREDENTIALS_FIX = (
-    "set AWS credentials (AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or AWS_PROFILE) "
-    "for an identity allowed to use the bucket"
-)
+_CONFLICT_ATTEMPTS = 3  # tries of a conditional put that meets a concurrent one
 
 
 def client_config(max_pool_connections: int = 10, max_attempts: int = 5) -> Config:
@@ -175,7 +154,7 @@ class S3Store:
         self._client = (
             client if client is not None else _default_client(transfer_config.max_concurrency)
         )
-        self._endpoint = _without_userinfo(self._client.meta.endpoint_url)
+        self._endpoint = without_userinfo(self._client.meta.endpoint_url)
         self._transfer_config = transfer_config
         self._page_size = page_size
         self._conditional_writes = conditional_writes
@@ -309,9 +288,9 @@ class S3Store:
             for _ in range(2):
                 self._client.put_object(Bucket=self.bucket, Key=scratch, IfNoneMatch="*")
         except ClientError as exc:
-            if _code(exc) in _NO_CONDITIONAL_WRITES:
+            if error_code(exc) in NO_CONDITIONAL_WRITES:
                 return False
-            if _code(exc) in _PRECONDITION_FAILED:
+            if error_code(exc) in PRECONDITION_FAILED:
                 return True
             raise
         finally:
@@ -324,9 +303,9 @@ class S3Store:
                 self._put_object(key, data, IfNoneMatch="*")
                 return True
             except ClientError as exc:
-                if _code(exc) == _CONDITIONAL_CONFLICT:
+                if error_code(exc) == CONDITIONAL_CONFLICT:
                     continue
-                if _code(exc) not in _PRECONDITION_FAILED:
+                if error_code(exc) not in PRECONDITION_FAILED:
                     raise
                 # botocore retries a put whose answer was lost; the retry then meets the object
                 # its own first attempt created. Same content after a retry means that was us.
@@ -378,7 +357,7 @@ class S3Store:
             try:
                 response = self._client.head_object(Bucket=self.bucket, Key=self._object_key(key))
             except ClientError as exc:
-                if _code(exc) not in _NOT_FOUND:
+                if error_code(exc) not in NOT_FOUND:
                     raise
                 self._check_bucket()
                 return None
@@ -402,8 +381,8 @@ class S3Store:
             try:
                 self._client.head_bucket(Bucket=self.bucket)
             except ClientError as exc:
-                if _code(exc) in _NOT_FOUND:
-                    raise self._no_bucket() from None
+                if error_code(exc) in NOT_FOUND:
+                    raise no_bucket(self.bucket, self._endpoint) from None
                 raise
         self._bucket_seen = True
 
@@ -426,42 +405,7 @@ class S3Store:
         try:
             yield
         except (BotoCoreError, ClientError, RetriesExceededError) as exc:
-            raise self._store_error(exc, self._url(key)) from exc
-
-    def _store_error(self, exc: Exception, url: str) -> StoreError:
-        if isinstance(exc, RetriesExceededError) and exc.last_exception is not None:
-            exc = exc.last_exception
-        if isinstance(exc, NoCredentialsError | PartialCredentialsError):
-            return StoreError(f"no usable AWS credentials for {url}: {_CREDENTIALS_FIX}")
-        if isinstance(exc, EndpointUnreachable | HTTPClientError):
-            return StoreUnavailable(
-                f"cannot reach the S3 endpoint {self._endpoint} for {url} "
-                f"({type(exc).__name__}): check AWS_ENDPOINT_URL (or AWS_ENDPOINT_URL_S3) "
-                "and that the server is up"
-            )
-        if not isinstance(exc, ClientError):
-            return StoreError(f"S3 request for {url} failed: {exc}")
-        code = _code(exc)
-        if code == "NoSuchBucket":
-            return self._no_bucket()
-        if code in _NOT_FOUND:
-            return ObjectNotFound(f"no object at {url}")
-        if code in _SERVER_DOWN:
-            return StoreUnavailable(
-                f"the S3 endpoint {self._endpoint} keeps failing for {url} ({code}) after retries"
-            )
-        if code in _REFUSED:
-            return StoreError(f"S3 refused access to {url} ({code}): {_CREDENTIALS_FIX}")
-        if code in _PRECONDITION_FAILED:
-            return StoreError(f"{url} was replaced while it was being read: retry")
-        message = exc.response.get("Error", {}).get("Message", "")
-        return StoreError(f"S3 request for {url} failed with {code}: {message}")
-
-    def _no_bucket(self) -> StoreError:
-        return StoreError(
-            f"S3 bucket {self.bucket!r} does not exist at {self._endpoint}: create it, or point "
-            "FORGELINE_STORE (store_url) at an existing bucket"
-        )
+            raise store_error(exc, self._url(key), self._endpoint, self.bucket) from exc
 
 
 def _default_client(
@@ -483,10 +427,6 @@ def _default_client(
         ) from exc
 
 
-def _code(exc: ClientError) -> str:
-    return str(exc.response.get("Error", {}).get("Code", ""))
-
-
 def _is_key(name: str) -> bool:
     try:
         validate_key(name)
@@ -506,11 +446,3 @@ def _size_and_sha256(stream: BinaryIO) -> tuple[int, str]:
         digest.update(chunk)
         size += len(chunk)
     return size, digest.hexdigest()
-
-
-def _without_userinfo(url: str | None) -> str:
-    """The endpoint as messages may show it: never a user or password written into the URL."""
-    if not url:
-        return "(default AWS endpoint)"
-    parts = urlsplit(url)
-    return parts._replace(netloc=parts.netloc.rpartition("@")[2]).geturl()

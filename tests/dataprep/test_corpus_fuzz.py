@@ -20,7 +20,7 @@ from hypothesis import event, example, given
 from hypothesis import strategies as st
 
 from dataprep import plan as plan_module
-from dataprep import readers
+from dataprep import text_pieces
 from dataprep.documents import Document, ReadStats
 from dataprep.errors import DataprepError, SourceError
 from dataprep.filters import FilterSettings
@@ -153,7 +153,7 @@ def _oracle(data: bytes, rule: SplitRule) -> list[tuple[int, bytes, int]]:
     body = data.removeprefix(BOM)
     return [
         (line, body[start:end], end - (body.rfind(b"\n", 0, start) + 1))
-        for line, start, end in readers._spans(body, rule)
+        for line, start, end in text_pieces.spans(body, rule)
     ]
 
 
@@ -178,10 +178,10 @@ def test_streamed_text_cuts_where_the_whole_file_split_does(
     exactly as splitting the whole file did, and skip (only) documents over the size limit."""
     path = tmp_path / "c.txt"
     path.write_bytes(data)
-    limit = limit or readers.MAX_RECORD_BYTES
-    with mock.patch.object(readers, "MAX_RECORD_BYTES", limit):
-        pieces = list(readers._whole_file(str(path)) if rule == "whole-file" else
-                      readers._text_pieces(str(path), rule))  # fmt: skip
+    limit = limit or text_pieces.MAX_RECORD_BYTES
+    with mock.patch.object(text_pieces, "MAX_RECORD_BYTES", limit):
+        pieces = list(text_pieces.whole_file(str(path)) if rule == "whole-file" else
+                      text_pieces.text_pieces(str(path), rule))  # fmt: skip
     expected = _oracle(data, rule)
     assert len(pieces) == len(expected), (pieces, expected)
     for (line, raw), (want_line, want, extent) in zip(pieces, expected, strict=True):
@@ -194,7 +194,7 @@ def test_streamed_text_cuts_where_the_whole_file_split_does(
             assert extent > limit
         else:
             assert len(raw) <= limit and _text(raw) == _text(want)
-    if limit == readers.MAX_RECORD_BYTES:
+    if limit == text_pieces.MAX_RECORD_BYTES:
         docs, _ = read(path, ReaderSettings(split=rule, max_bad_fraction=1.0))
         assert [d.text for d in docs] == [t for _, w, _ in expected if (t := _text(w))]
 
@@ -234,7 +234,7 @@ def test_a_line_over_the_limit_is_skipped_without_holding_it(tmp_path: Path) -> 
     """Memory stays at the limit, not at the line: a 50 MiB line under a 1 MiB limit."""
     path = _one_line_file(tmp_path / "big.txt", BIG)
     (tmp_path / "small.txt").write_bytes(b"x" * 100)
-    with mock.patch.object(readers, "MAX_RECORD_BYTES", 1 << 20):
+    with mock.patch.object(text_pieces, "MAX_RECORD_BYTES", 1 << 20):
         for rule in RULES:
             (docs, stats), peak = _peak_allocated(
                 lambda rule=rule: read(path, ReaderSettings(split=rule, max_bad_fraction=1.0))

@@ -8,7 +8,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from dataprep import readers
+from dataprep import text_pieces
 from dataprep.documents import BadRecord, Document, ReadStats
 from dataprep.errors import BadRecordsError, SourceError
 from dataprep.readers import (
@@ -164,7 +164,7 @@ def test_corrupt_gzip_is_one_bad_record(tmp_path: Path) -> None:
 def test_overlong_record_is_skipped_without_losing_the_next(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(readers, "MAX_RECORD_BYTES", 100)
+    monkeypatch.setattr(text_pieces, "MAX_RECORD_BYTES", 100)
     path = tmp_path / "long.jsonl"
     path.write_text(json.dumps({"text": "x" * 500}) + "\n" + json.dumps({"text": "ok"}) + "\n")
     docs, stats = read(path)

@@ -11,6 +11,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import boto3
 import pytest
@@ -50,14 +51,7 @@ class Stack:
     sites: Sites
 
     def _site(self, bucket: str, endpoint: str) -> S3Store:
-        client = boto3.client(
-            "s3",
-            endpoint_url=endpoint,
-            region_name=self.env["AWS_DEFAULT_REGION"],
-            aws_access_key_id=self.env["AWS_ACCESS_KEY_ID"],
-            aws_secret_access_key=self.env["AWS_SECRET_ACCESS_KEY"],
-            config=client_config(max_attempts=2),
-        )
+        client = s3_client(endpoint, self.env, config=client_config(max_attempts=2))
         return S3Store(bucket, self.home.name, client=client)
 
     def primary(self) -> S3Store:
@@ -210,6 +204,19 @@ def reference(stack: Stack, tmp_path_factory: pytest.TempPathFactory) -> str:
     return "reference"
 
 
+def s3_client(endpoint: str, env: dict[str, str], **options: Any) -> Any:
+    """A boto3 client of this process for one site, with the stack's credentials (the test
+    process's own environment is left alone)."""
+    return boto3.client(
+        "s3",
+        endpoint_url=endpoint,
+        region_name=env["AWS_DEFAULT_REGION"],
+        aws_access_key_id=env["AWS_ACCESS_KEY_ID"],
+        aws_secret_access_key=env["AWS_SECRET_ACCESS_KEY"],
+        **options,
+    )
+
+
 def _s3_server(port: int, log: Path) -> subprocess.Popen:
     with log.open("w") as out:
         return subprocess.Popen(
@@ -237,13 +244,7 @@ def s3_sites(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Sites]:
     try:
         for bucket, port in ports.items():
             wait_for(lambda p=port: port_is_open("127.0.0.1", p), 30, f"S3 server ({logs})")
-            boto3.client(
-                "s3",
-                endpoint_url=f"http://127.0.0.1:{port}",
-                region_name=env["AWS_DEFAULT_REGION"],
-                aws_access_key_id=env["AWS_ACCESS_KEY_ID"],
-                aws_secret_access_key=env["AWS_SECRET_ACCESS_KEY"],
-            ).create_bucket(Bucket=bucket)
+            s3_client(f"http://127.0.0.1:{port}", env).create_bucket(Bucket=bucket)
         partition.heal()
         yield Sites(env, f"http://127.0.0.1:{ports[TWIN_BUCKET]}", partition)
     finally:
