@@ -326,6 +326,8 @@ class _MetricTap:
                 kind = event.get("event")
                 if kind == "step":
                     values = {key: event.get(field) for field, key in _STEP_METRICS.items()}
+                    # A script's own metrics (forgeline's step.report), beside the platform's.
+                    values |= {f"train/{k}": v for k, v in event.get("metrics", {}).items()}
                 elif kind == "eval":
                     values = {"train/val_loss": event.get("val_loss")}
                 else:

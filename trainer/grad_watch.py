@@ -12,6 +12,7 @@ GPU's memory would: the whole gang then sees NaN, and only this evidence names t
 # No `from __future__ import annotations` here: DDP checks the hook's annotations as objects.
 import math
 from collections.abc import Callable
+from pathlib import Path
 from statistics import median
 
 import torch
@@ -66,3 +67,18 @@ def suspects(norms: list[float]) -> list[int]:
         for rank, norm in enumerate(norms)
         if norm > OUTLIER_FACTOR * median(norms[:rank] + norms[rank + 1 :])
     ]
+
+
+def chaos_asks_to_corrupt(chaos_file: Path | None) -> bool:
+    """`forgeline chaos corrupt-grad` wrote its file: poison this rank's gradients once, as a
+    flipped bit in a GPU's memory would, so detection and rollback can be seen working."""
+    if chaos_file is None or not chaos_file.exists():
+        return False
+    chaos_file.unlink(missing_ok=True)
+    return True
+
+
+def corrupt_gradients(model: torch.nn.Module) -> None:
+    """The poison for a model with no all-reduce hook to apply it in (not DDP): after backward."""
+    grad = next(p.grad for p in model.parameters() if p.grad is not None)
+    grad.view(-1)[0] = float("nan")

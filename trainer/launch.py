@@ -131,6 +131,7 @@ async def run_ranks(
         **os.environ,
         "OMP_NUM_THREADS": str(threads_per_rank),
         "PYTHONUNBUFFERED": "1",
+        "FORGELINE_JOB": str(job_file),  # what forgeline.init() reads in a rank script
         # Ranks talk over loopback on the local stack; real nodes name their fabric instead.
         "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo"),
     }

@@ -1,0 +1,582 @@
+"""The training SDK: what a rank script calls to train on Forgeline.
+
+A rank script is started by torchrun on every rank of a gang. It calls `forgeline.init()` and
+gets a `Run`: its rank, world, device and layout; the run's dataset as a deterministic,
+resharding sampler; `restore()` from the last committed checkpoint; and `steps()`, the loop
+itself. Everything the platform needs from a rank happens inside these calls:
+
+- every step the ranks share one small all-gather (stop requests, step and forward times, each
+  rank's own gradient norm), from which the straggler watch and the corruption check judge;
+- checkpoints follow the spec's interval policy (steps, minutes, epochs, `auto`), are saved
+  asynchronously (torch.distributed.checkpoint) and committed by a manifest, fenced by the
+  allocation's generation;
+- stop requests (preemption, drain, a straggler swap, a newer generation) end the loop after a
+  checkpoint commits;
+- progress goes to the node agent (heartbeats, MLflow) and the goodput ledger to the store.
+
+The script keeps what is its own: the model, the optimizer, the forward and backward pass.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import re
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from infra.store import open_store
+from trainer import runtime
+from trainer.attempt_clock import AttemptClock
+from trainer.checkpoint import Checkpointer, SaveReport, load_training_state
+from trainer.checkpoint_policy import CheckpointPolicy
+from trainer.data import RankSlice, Sampler, TokenStream
+from trainer.grad_watch import PreReduceNorms, chaos_asks_to_corrupt, corrupt_gradients, suspects
+from trainer.job import TrainJob
+from trainer.metrics import mfu
+from trainer.parallel import Layout, Placement, build_mesh, local_grad_norm
+from trainer.progress import ProgressFile
+from trainer.step_share import (
+    ASKED_TO_STOP,
+    EXIT_NON_FINITE,
+    FENCED,
+    KEEP_GOING,
+    NON_FINITE,
+    PREEMPTED,
+    STOP_REASONS,
+    STRAGGLER,
+    StepShare,
+    share_step,
+)
+from trainer.stragglers import StragglerWatch
+from workflows.spec import TrainSpec
+
+# What MLflow accepts as a metric key (and what stays one path segment under train/).
+METRIC_NAME = re.compile(r"[A-Za-z0-9_.\-/]{1,200}")
+
+
+class SDKUsageError(RuntimeError):
+    """The rank script called the SDK out of order (a bug in the script, not in a node)."""
+
+
+class Step:
+    """One optimizer step of the loop, as `Run.steps()` hands it out.
+
+    `number` counts steps done once this one is (1 for the first step of a run): the number
+    that the logs, the checkpoints and the learning-rate schedule use.
+    """
+
+    def __init__(self, run: Run, number: int) -> None:
+        self.run = run
+        self.number = number
+        self.loss: torch.Tensor | None = None  # set by report()
+        self.metrics: dict[str, float] = {}
+        self.forward_s = 0.0
+        self.grad_norm: float | None = None  # set by gradients()
+        self.finite = True
+        self.started = time.perf_counter()
+
+    def micro_batches(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """This rank's (inputs, targets) of the step, one pair per gradient-accumulation
+        micro-batch, on the run's device: its slice of the global batch at the data cursor."""
+        run = self.run
+        sampler = run.sampler
+        if sampler is None:
+            raise SDKUsageError("call run.dataset(block_size) before step.micro_batches()")
+        for indices, x, y in sampler.micro_batches(run.samples_seen):
+            if run._sample_log is not None:
+                run._sample_log.write(f"{self.number - 1} {run.rank} "
+                                      f"{' '.join(map(str, indices.tolist()))}\n")  # fmt: skip
+            yield x.to(run.device), y.to(run.device)
+
+    @contextlib.contextmanager
+    def forward(self) -> Iterator[None]:
+        """Wrap the forward pass: its time is each rank's own speed, which the straggler watch
+        compares across the gang (the forward runs no collective under DDP). Under it, bf16
+        autocast on GPUs."""
+        started = time.perf_counter()
+        with self.run.autocast():
+            yield
+        self.forward_s += time.perf_counter() - started
+
+    def gradients(self, model: torch.nn.Module) -> float:
+        """Call after backward, before clipping: this rank's local gradient norm, checked for
+        non-finite values (for DDP, the norm of this replica's own gradients before the
+        all-reduce mixed them: what names the rank that went bad)."""
+        run = self.run
+        if run._own_norms is None and chaos_asks_to_corrupt(run._corrupt_next):
+            corrupt_gradients(model)  # no all-reduce hook to do it in: after backward
+        norm = local_grad_norm(model)
+        self.finite = self.finite and math.isfinite(norm)
+        if run._own_norms is not None:
+            norm = run._own_norms.take()
+        self.grad_norm = norm
+        return norm
+
+    def report(self, loss: torch.Tensor | float, **metrics: float) -> None:
+        """This rank's loss of the step (a tensor is fine: it is read only on logging steps)
+        and any metrics of the script's own. Every `log_every` steps the loss is averaged over
+        the ranks and goes, with the metrics, to the heartbeats and to MLflow."""
+        for name in metrics:
+            if not METRIC_NAME.fullmatch(name):
+                raise SDKUsageError(
+                    f"metric name {name!r}: use 1-200 letters, digits, '_', '-', '.' or '/'"
+                )
+        self.loss = loss if isinstance(loss, torch.Tensor) else torch.tensor(float(loss))
+        self.metrics.update({k: float(v) for k, v in metrics.items()})
+
+
+class Run:
+    """This rank's view of a training run. Made by `forgeline.init()`."""
+
+    def __init__(self, job: TrainJob, process_started_at: float) -> None:
+        self.job = job
+        self.settings = TrainSpec.model_validate(job.train)
+        cfg = self.settings
+        torch.set_num_threads(cfg.threads_per_rank)
+        rt = runtime.start(job.node_index, cfg.collective_timeout_s)
+        self._rt = rt
+        self.rank, self.world, self.local_rank = rt.rank, rt.world, rt.local_rank
+        self.device = rt.device
+        self.nodes = job.nodes
+        self.ranks_per_node = rt.world // job.nodes
+        self._term = runtime.TermSignal()
+        self._process_started_at = process_started_at
+        self._progress = ProgressFile(job.progress_file, enabled=rt.local_rank == 0)
+        self.store = open_store(job.store_url, twin=job.twin_store_url)
+        self._stop_file = Path(job.stop_file) if job.stop_file else None
+        chaos = Path(job.chaos_file) if job.chaos_file else None
+        self._corrupt_next = chaos if rt.local_rank == 0 else None
+        self.layout = (
+            Layout(**{k: job.layout[k] for k in ("replicate", "shard", "tensor")})
+            if job.layout
+            else Layout(replicate=rt.world)
+        )
+        self.placement: Placement = build_mesh(self.layout, rt.device.type)
+        self.sampler: Sampler | None = None
+        self._sample_log = open(job.sample_log, "a", buffering=1) if job.sample_log else None  # noqa: SIM115
+        # Set by restore():
+        self.step = 0
+        self.tokens_seen = 0
+        self.samples_seen = 0
+        self.loss_history: list[list[float]] = []  # [step, mean loss] on the log grid
+        self._model: torch.nn.Module | None = None
+        self._optimizer: torch.optim.Optimizer | None = None
+        self._own_norms: PreReduceNorms | None = None
+        self._checkpointer: Checkpointer | None = None
+        self._clock: AttemptClock | None = None
+        self._model_config: dict[str, Any] = {}
+        self._flops_per_token: float | None = None
+        self._stall_s = 0.0  # this step's wait for a checkpoint's staging
+        self._last_committed: int | None = job.resume.step if job.resume else None
+        self._last_costs: tuple[float | None, float | None] = (None, None)
+        self._current: Step | None = None  # the step the script is in
+
+    # ---- what the script reads ---------------------------------------------------------
+
+    @property
+    def resuming(self) -> bool:
+        """True when this attempt continues from a committed checkpoint."""
+        return self.job.resume is not None
+
+    @property
+    def init_from(self) -> Path | None:
+        """Fine-tuning on a fresh start: the verified weights to begin from (a checkpoint
+        folder or a safetensors file), None otherwise or when resuming."""
+        if self.job.init_weights and not self.resuming:
+            return Path(self.job.init_weights)
+        return None
+
+    @property
+    def model_shape(self) -> dict[str, Any]:
+        """The spec's `[model]` table with the dataset's `vocab_size`."""
+        return dict(self.job.model)
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        """bf16 autocast on GPUs; full precision on CPU, where bf16 matmuls are slower."""
+        return self._rt.autocast()
+
+    def dataset(self, block_size: int) -> Sampler:
+        """The run's training split in windows of `block_size + 1` tokens, each data-parallel
+        rank reading its slice of every global batch (`batch_size` sequences, split into
+        `grad_accum_steps` micro-batches). The order is a permutation keyed by (seed, epoch),
+        so a resume on any number of ranks neither skips nor repeats a sample."""
+        stream = TokenStream([Path(p) for p in self.job.train_shards], self.job.dtype, block_size)
+        self.sampler = Sampler(
+            stream,
+            self.settings.seed,
+            self.settings.batch_size,
+            RankSlice(
+                self.placement.dp_rank, self.placement.dp_size, self.settings.grad_accum_steps
+            ),
+        )
+        return self.sampler
+
+    def validation(self, block_size: int) -> TokenStream | None:
+        """The held-out split, when the spec asks for `eval_every`; None otherwise."""
+        if not (self.job.val_shards and self.settings.eval_every):
+            return None
+        return TokenStream([Path(p) for p in self.job.val_shards], self.job.dtype, block_size)
+
+    def eval_due(self, step: Step) -> bool:
+        return bool(self.settings.eval_every) and step.number % self.settings.eval_every == 0
+
+    # ---- restore, the loop, checkpoints ------------------------------------------------
+
+    def restore(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        *,
+        model_config: dict[str, Any] | None = None,
+        flops_per_token: float | None = None,
+    ) -> int:
+        """Hand the platform the (parallelized) model and its optimizer, and load the last
+        committed checkpoint into them when the run resumes (files verified by sha256 before
+        any is read, resharded to this attempt's layout). Returns the step to start from.
+
+        `model_config` goes into every checkpoint manifest (evaluation and serving rebuild the
+        model from it); `flops_per_token` lets the platform report MFU.
+        """
+        if self._model is not None:
+            raise SDKUsageError("run.restore() was called twice")
+        self._model, self._optimizer = model, optimizer
+        self._model_config = dict(model_config or {})
+        self._flops_per_token = flops_per_token
+        if isinstance(model, DistributedDataParallel):
+            # Each replica's own gradient norm, before the all-reduce mixes them.
+            self._own_norms = PreReduceNorms(
+                model,
+                self.placement.mesh.get_group("replicate"),
+                poison_now=lambda: chaos_asks_to_corrupt(self._corrupt_next),
+            )
+        load_started = time.perf_counter()
+        resume = self.job.resume
+        if resume is not None:
+            load_training_state(model, optimizer, Path(resume.folder))
+            self.step, self.tokens_seen = resume.step, resume.tokens_seen
+            self.loss_history = list(resume.loss_history)
+            self.samples_seen = resume.samples_seen
+            if self.samples_seen is None:  # older manifests
+                self.samples_seen = self.step * self.settings.batch_size
+        load_s = time.perf_counter() - load_started
+        # The weights change in optimizer.step(): a checkpoint being staged must have its copy
+        # by then. A hook, so no script has to remember it.
+        optimizer.register_step_pre_hook(self._before_weights_change)
+        self._checkpointer = Checkpointer(
+            store=self.store,
+            staging_dir=Path(self.job.staging_dir),
+            run_id=self.job.run_id,
+            generation=self.job.generation,
+            keep=self.settings.keep_checkpoints,
+            layout=self.layout.to_dict(),
+            asynchronous=self.settings.async_checkpoint,
+        )
+        self._progress.write(
+            event="started", step=self.step, rank=self.rank, world=self.world,
+            layout=self.layout.to_dict(),
+        )  # fmt: skip
+        self._clock = AttemptClock(
+            self.store, self.job.run_id, self.job.generation, self.step,
+            self._process_started_at, enabled=self.rank == 0,
+        )  # fmt: skip
+        self._clock.ready(load_s)
+        return self.step
+
+    def steps(self) -> Iterator[Step]:
+        """The training loop: one `Step` per optimizer step until `steps` are done or the run
+        is asked to stop. Before each step the RNG is seeded from (seed, step, rank), so a
+        resumed run draws what an uninterrupted one would; after each, the ranks agree on
+        stopping and checkpointing, and the platform does both."""
+        if self._checkpointer is None or self._clock is None:
+            raise SDKUsageError("call run.restore(model, optimizer) before run.steps()")
+        watch = StragglerWatch(**self.job.stragglers.get("watch", {"window": 20, "factor": 1.5,
+                                                                   "windows": 3}))  # fmt: skip
+        self._straggler_action = self.job.stragglers.get("policy", "report")
+        self._straggler_reason = ""
+        self._policy = CheckpointPolicy.from_train_config(self.job.train, self.job.mtbf_s)
+        self._last_save_at = time.monotonic()
+        self._window = (time.perf_counter(), 0)
+        start_step = self.step
+        while self.step < self.settings.steps:
+            # Randomness (dropout) derives from (seed, step, rank): nothing to save for resume.
+            torch.manual_seed(self.settings.seed + 1_000_003 * (self.step + 1) + self.rank)
+            self._stall_s = 0.0
+            step = self._current = Step(self, self.step + 1)
+            yield step
+            if self._end_step(step, watch, first=self.step == start_step):
+                break
+        self._wait_for_commit()
+        self._checkpointer.close()
+        if self.step >= self.settings.steps:
+            self._clock.end("done")
+            self._progress.write(event="done", step=self.step, tokens_seen=self.tokens_seen)
+
+    @contextlib.contextmanager
+    def evaluating(self) -> Iterator[None]:
+        """Wrap an evaluation inside the loop: its time is booked as evaluation in the goodput
+        ledger, not as training throughput."""
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            spent = time.perf_counter() - started
+            if self._clock is not None:
+                self._clock.add(eval_s=spent)
+            # Neither the step's time (straggler watch, ledger) nor tokens/s count it.
+            self._window = (self._window[0] + spent, self._window[1])
+            if self._current is not None:
+                self._current.started += spent
+
+    def report_eval(self, step: Step, val_loss: float, val_tokens: int) -> None:
+        self._progress.write(event="eval", step=step.number, val_loss=val_loss,
+                             val_tokens=val_tokens)  # fmt: skip
+
+    def finish(self) -> None:
+        """Leave the process group; the last call of a rank script."""
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+    # ---- the platform's side of a step -------------------------------------------------
+
+    def _before_weights_change(self, *_: object) -> None:
+        if self._checkpointer is not None:
+            started = time.perf_counter()
+            self._checkpointer.before_weights_change()
+            self._stall_s += time.perf_counter() - started
+
+    def _stop_request(self, step: Step) -> int:
+        assert self._checkpointer is not None
+        if not step.finite:  # silent corruption or divergence: nothing from here on is saved
+            return NON_FINITE
+        if self._checkpointer.fenced:  # a later generation owns the run: commit nothing more
+            return FENCED
+        if self._term.received:
+            return PREEMPTED
+        if self._stop_file is not None and self._stop_file.exists():
+            return ASKED_TO_STOP
+        return KEEP_GOING
+
+    def _end_step(self, step: Step, watch: StragglerWatch, first: bool) -> bool:
+        """Everything after the script's optimizer step; True when the loop must end."""
+        assert self._checkpointer is not None and self._clock is not None
+        cfg = self.settings
+        if step.loss is not None and not math.isfinite(step.loss.item()):
+            step.finite = False
+        self.step = step.number
+        self.samples_seen += cfg.batch_size
+        tokens_per_step = cfg.batch_size * (self.sampler.stream.block_size if self.sampler else 0)
+        self.tokens_seen += tokens_per_step
+        self._window = (self._window[0], self._window[1] + 1)
+        self._report_commit(self._checkpointer.poll())
+
+        asked = self._stop_request(step)
+        # Time and epoch boundaries are rank 0's call, so every rank saves at the same step.
+        save_due = self.rank == 0 and self._policy.due(
+            self.step,
+            time.monotonic() - self._last_save_at,
+            epoch_ended=self._epoch_ended(),
+            stall_s=self._last_costs[0],
+            commit_s=self._last_costs[1],
+        )
+        step_s = time.perf_counter() - step.started
+        grad_norm = step.grad_norm if step.grad_norm is not None else 0.0
+        shared = share_step(asked, save_due, step_s, grad_norm, step.forward_s)
+        stop = shared.stop
+        lost_before = watch.lost_s
+        straggler = watch.add(self.step, shared.forward_s, step_s - self._stall_s)
+        self._clock.step_done(
+            self.step,
+            train_s=step_s - self._stall_s,
+            stall_s=self._stall_s,
+            straggler_s=watch.lost_s - lost_before,
+        )
+        if straggler is not None and self._straggler_action != "off":
+            self._straggler_reason = straggler.describe(self.ranks_per_node)
+            self._health("straggler", straggler.rank, self._straggler_action,
+                         self._straggler_reason, ratio=straggler.ratio)  # fmt: skip
+            if self._straggler_action == "swap":  # checkpoint now; the run goes on without it
+                stop = max(stop, STRAGGLER)
+        if stop == NON_FINITE:
+            self._fail_non_finite(shared)
+
+        # The first step of a (re)start is always reported: it marks when recovery paid off.
+        on_grid = self.step % cfg.log_every == 0 or self.step == cfg.steps
+        if on_grid or first:
+            self._log_step(step, shared, tokens_per_step, on_grid)
+
+        if stop == FENCED:
+            # A save that straddled the fence may still report; it goes before the stop, so
+            # "stopped" is the last word of this generation.
+            self._wait_for_commit()
+            self._clock.end("stopped: fenced")
+            self._progress.write(event="stopped", step=self.step, tokens_seen=self.tokens_seen,
+                                 reason="fenced")  # fmt: skip
+            return True
+        if stop or shared.save or self.step == cfg.steps:
+            self.checkpoint()
+        if stop:
+            self._wait_for_commit()  # a stop is only safe once the commit landed
+            reason = self._stop_reason(stop)
+            self._clock.end(f"stopped: {reason}")
+            self._progress.write(event="stopped", step=self.step, tokens_seen=self.tokens_seen,
+                                 reason=reason)  # fmt: skip
+            return True
+        return False
+
+    def _epoch_ended(self) -> bool:
+        if self.sampler is None:
+            return False
+        return self.sampler.epoch(self.samples_seen) > self.sampler.epoch(
+            self.samples_seen - self.settings.batch_size
+        )
+
+    def _stop_reason(self, stop: int) -> str:
+        assert self._checkpointer is not None
+        if self._checkpointer.fenced:
+            return STOP_REASONS[FENCED]
+        if self._straggler_reason and stop == STRAGGLER and self._straggler_action == "swap":
+            return f"straggler: {self._straggler_reason}"
+        return STOP_REASONS[stop]
+
+    def _log_step(self, step: Step, shared: StepShare, tokens_per_step: int, on_grid: bool) -> None:
+        loss = step.loss if step.loss is not None else torch.zeros(())
+        # Each tensor-parallel rank holds the same loss; averaging over all ranks is exact.
+        mean_loss = loss.detach().to(self.device, torch.float32).clone()
+        dist.all_reduce(mean_loss, op=dist.ReduceOp.AVG)
+        started, steps = self._window
+        tokens_per_s = steps * tokens_per_step / (time.perf_counter() - started)
+        if on_grid:  # the same points whether or not the run was ever restarted
+            self.loss_history.append([self.step, mean_loss.item()])
+        cfg = self.settings
+        self._progress.write(
+            event="step",
+            step=self.step,
+            total_steps=cfg.steps,
+            loss=mean_loss.item(),
+            lr=step.metrics.get("lr"),
+            tokens_per_s=tokens_per_s,
+            mfu=(
+                mfu(tokens_per_s, self._flops_per_token, cfg.peak_flops_per_gpu, self.world)
+                if self._flops_per_token
+                else None
+            ),
+            checkpoint_step=self._last_committed,
+            epoch=self.sampler.epoch(self.samples_seen) if self.sampler else 0,
+            rank_step_s=shared.step_s,
+            rank_grad_norm=shared.grad_norm,
+            metrics={k: v for k, v in step.metrics.items() if k != "lr"},
+        )
+        self._window = (time.perf_counter(), 0)
+
+    def checkpoint(self) -> None:
+        """Start an asynchronous checkpoint of the model and optimizer at this step (every rank
+        calls it; the loop does so by the spec's policy, and on every stop). It returns once
+        the state is being copied; the files upload and the manifest commits in the
+        background."""
+        assert self._checkpointer is not None and self._clock is not None
+        assert self._model is not None and self._optimizer is not None
+        self._last_save_at = time.monotonic()
+        self._clock.save_issued(self.step)
+        epoch = self.sampler.epoch(self.samples_seen) if self.sampler else 0
+        previous = self._checkpointer.save(
+            self._model,
+            self._optimizer,
+            self.step,
+            meta={
+                "tokens_seen": self.tokens_seen,
+                "samples_seen": self.samples_seen,
+                "epoch": epoch,
+                "data_cursor": {
+                    "kind": "epoch-permutation",
+                    "seed": self.settings.seed,
+                    "samples_seen": self.samples_seen,
+                    "samples_per_epoch": self.sampler.stream.samples if self.sampler else 0,
+                },
+                "rng": "derived from (seed, step, rank) at every step",
+                "model_config": self._model_config,
+                "train_config": self.job.train,
+                "loss_history": self.loss_history,
+                **self.job.lineage,
+            },
+        )
+        self._report_commit(previous)  # the save before, which this one had to wait for
+        self._clock.add(stall_s=time.monotonic() - self._last_save_at)
+
+    def _report_commit(self, report: SaveReport | None) -> None:
+        if report is None:
+            return
+        assert self._clock is not None
+        self._last_costs = (report.stall_s, report.total_s)
+        if report.manifest_key is not None:
+            self._last_committed = report.step
+            self._clock.committed(report.step)
+        self._progress.write(
+            event="checkpoint",
+            step=report.step,
+            manifest_key=report.manifest_key,
+            seconds=report.total_s,
+            stall_s=report.stall_s,
+        )
+
+    def _wait_for_commit(self) -> None:
+        assert self._checkpointer is not None and self._clock is not None
+        waited = time.perf_counter()
+        self._report_commit(self._checkpointer.wait())
+        self._clock.add(stall_s=time.perf_counter() - waited)
+
+    def _health(self, kind: str, rank: int, action: str, evidence: str, **more: object) -> None:
+        """A finding about one rank's node, for the node agent to pass to the run."""
+        self._progress.write(
+            event="health", kind=kind, step=self.step, rank=rank,
+            node_index=rank // self.ranks_per_node, action=action, evidence=evidence, **more,
+        )  # fmt: skip
+
+    def _fail_non_finite(self, shared: StepShare) -> None:
+        """The gang saw NaN or inf: name the ranks that made it, and end this attempt so the
+        run resumes from the last committed checkpoint, which holds none of it."""
+        assert self._checkpointer is not None and self._clock is not None
+        bad = suspects(shared.grad_norm)
+        for rank in bad:
+            norm = shared.grad_norm[rank]
+            what = "non-finite" if not math.isfinite(norm) else f"far larger ({norm:.3g})"
+            self._health(
+                "corruption", rank, "quarantine",
+                f"rank {rank}'s own gradients were {what} before the all-reduce at step "
+                f"{self.step} (norms by rank: {shared.grad_norm})",
+            )  # fmt: skip
+        self._clock.end("failed: non-finite loss or gradients")
+        self._progress.write(
+            event="failed",
+            step=self.step,
+            reason=f"non-finite loss or gradients at step {self.step} "
+            f"({f'suspect ranks {bad}' if bad else 'on every rank: divergence?'}): "
+            "rolling back to the last committed checkpoint",
+        )
+        self._checkpointer.close()  # a save in flight was staged before this step: let it commit
+        dist.destroy_process_group()
+        sys.exit(EXIT_NON_FINITE)
+
+
+def init(job_path: str | None = None) -> Run:
+    """Join the gang and return this rank's `Run`: the first call of a rank script.
+
+    The node agent starts torchrun with the job file's path in `FORGELINE_JOB` (and as the
+    script's first argument, for the built-in trainer); `job_path` overrides both.
+    """
+    process_started_at = time.time()
+    path = job_path or os.environ.get("FORGELINE_JOB") or (sys.argv[1] if len(sys.argv) > 1 else "")
+    if not path:
+        raise SDKUsageError(
+            "forgeline.init() found no job file: a rank script runs under a Forgeline node "
+            "agent, which sets FORGELINE_JOB (submit it with `forgeline run SPEC`)"
+        )
+    return Run(TrainJob.read(Path(path)), process_started_at)

@@ -1,0 +1,51 @@
+"""What the ranks agree on after every step, in one small all-gather.
+
+Every rank must take the same decision at the same step (to stop, to checkpoint), or the next
+collective would pair a rank that saves with one that trains. Each rank contributes what it
+knows (its stop request, its times, its own gradient norm), and every rank reads the same table.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+# Why a rank wants to stop, in increasing precedence: the largest wins across the gang.
+# A straggler verdict needs no vote: every rank reaches it from the same shared times.
+KEEP_GOING, ASKED_TO_STOP, PREEMPTED, FENCED, NON_FINITE = 0, 1, 2, 3, 4
+STRAGGLER = ASKED_TO_STOP
+# Exit status of ranks that found non-finite numbers: the attempt fails and the run resumes
+# from the last committed checkpoint, which holds none of them.
+EXIT_NON_FINITE = 3
+STOP_REASONS = {ASKED_TO_STOP: "asked to stop", PREEMPTED: "preempted", FENCED: "fenced"}
+
+
+@dataclass(frozen=True)
+class StepShare:
+    stop: int  # the strongest stop request of any rank
+    save: bool  # rank 0's call on a time- or epoch-based checkpoint, the same on every rank
+    step_s: list[float]  # every rank's step time
+    grad_norm: list[float]  # every rank's local gradient norm
+    forward_s: list[float]  # every rank's forward time: its own speed (trainer.stragglers)
+
+
+def share_step(
+    stop: int, save: bool, step_s: float, grad_norm: float, forward_s: float
+) -> StepShare:
+    """One all-gather of five numbers per rank, for what the ranks must agree on and what the
+    health checks compare across ranks."""
+    mine = torch.tensor(
+        [float(stop), float(save), step_s, grad_norm, forward_s], dtype=torch.float64
+    )
+    everyone = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(everyone, mine)
+    table = torch.stack(everyone)  # (world, 5)
+    return StepShare(
+        stop=int(table[:, 0].max()),
+        save=bool(table[0, 1]),
+        step_s=table[:, 2].tolist(),
+        grad_norm=table[:, 3].tolist(),
+        forward_s=table[:, 4].tolist(),
+    )
