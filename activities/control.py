@@ -8,7 +8,6 @@ import functools
 import json
 import tempfile
 from dataclasses import asdict
-from importlib import metadata
 from pathlib import Path
 
 from temporalio import activity
@@ -61,8 +60,6 @@ from workflows.models import (
     Sample,
     TrackingInput,
 )
-
-_SERVING_PACKAGES = ("torch", "tokenizers", "safetensors", "numpy", "mlflow")
 
 
 def _reference(found: CommittedCheckpoint) -> CheckpointRef:
@@ -239,7 +236,7 @@ class ControlActivities:
     @activity.defn(name="register_model")
     def register_model(self, inp: RegisterInput) -> ModelVersionRef:
         # Imported here: it pulls in mlflow.pyfunc, which only registration needs.
-        from trainer.serving import GPTTextModel, export_model, signature
+        from trainer.serving import export_model, served_code
 
         info = activity.info()
         with domain_errors(), tempfile.TemporaryDirectory(prefix="forgeline-export-") as tmp:
@@ -247,6 +244,7 @@ class ControlActivities:
             folder, manifest = self.cache.checkpoint(inp.checkpoint)
             model = load_model(folder, manifest["model_config"])
             artifacts = export_model(model, self.cache.tokenizer(dataset), Path(tmp))
+            served = served_code()
             code = code_version()
             packages = installed_packages()
             lineage = {
@@ -318,9 +316,10 @@ class ControlActivities:
                     run_tags=lineage,
                     version_tags=lineage,
                     artifacts=artifacts,
-                    python_model=GPTTextModel(),
-                    signature=signature(),
-                    pip_requirements=[f"{p}=={metadata.version(p)}" for p in _SERVING_PACKAGES],
+                    python_model=served.entry,
+                    code_modules=served.modules,
+                    signature=served.signature,
+                    pip_requirements=served.pip_requirements,
                     idempotency_key=inp.workflow_run_id,
                     texts=texts,
                     mlflow_run_id=inp.mlflow_run_id,

@@ -6,11 +6,15 @@ created before instead of registering a second one.
 
 from __future__ import annotations
 
+import importlib.util
+import shutil
+import tempfile
 import time
 import warnings
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
+from pathlib import Path
 from typing import Any
 
 import mlflow
@@ -59,10 +63,14 @@ class Registration:
     run_tags: dict[str, str]
     version_tags: dict[str, str]
     artifacts: dict[str, str]
-    python_model: mlflow.pyfunc.PythonModel
+    # A models-from-code file (MLflow runs it at load), never a PythonModel object: an object is
+    # cloudpickled, so loading it would need the packages its classes live in, and would run
+    # whatever the pickle says.
+    python_model: str
     signature: ModelSignature
-    pip_requirements: list[str]
+    pip_requirements: list[str]  # all the version needs, and only that: nothing is inferred
     idempotency_key: str
+    code_modules: tuple[str, ...] = ()  # shipped in the version, at their package paths
     texts: dict[str, str] = field(default_factory=dict)  # file name -> content, on the run
     mlflow_run_id: str | None = None  # the run opened at the start (open_run); None: a new one
     dataset: DatasetUsed | None = None
@@ -130,13 +138,15 @@ def register(tracking_uri: str, reg: Registration) -> RegisteredVersion:
             mlflow.log_text(text, name)
         if reg.dataset is not None:
             mlflow.log_input(_as_input(reg.dataset), context="training", tags=reg.dataset.tags)
-        info = mlflow.pyfunc.log_model(
-            name="model",
-            python_model=reg.python_model,
-            signature=reg.signature,
-            artifacts=reg.artifacts,
-            pip_requirements=reg.pip_requirements,
-        )
+        with tempfile.TemporaryDirectory(prefix="forgeline-code-") as code:
+            info = mlflow.pyfunc.log_model(
+                name="model",
+                python_model=reg.python_model,
+                code_paths=stage_modules(reg.code_modules, Path(code)) or None,
+                signature=reg.signature,
+                artifacts=reg.artifacts,
+                pip_requirements=reg.pip_requirements,
+            )
     version = client.create_model_version(
         name=_ensure_registered_model(client, reg.model_name),
         source=info.model_uri,
@@ -146,6 +156,29 @@ def register(tracking_uri: str, reg: Registration) -> RegisteredVersion:
     )
     client.set_registered_model_alias(reg.model_name, CANDIDATE, version.version)
     return RegisteredVersion(reg.model_name, version.version, run_id)
+
+
+def stage_modules(modules: Iterable[str], dest: Path) -> list[str]:
+    """Copy each module's source to `dest` at its package path (a.b.c -> dest/a/b/c.py), with the
+    `__init__.py` of every package above it; returns the top-level folders and files, which are
+    what `code_paths` takes (MLflow copies each one into the version's code/ folder by name)."""
+    tops: set[Path] = set()
+    for name in modules:
+        parts = name.split(".")
+        for depth in range(1, len(parts) + 1):
+            spec = importlib.util.find_spec(".".join(parts[:depth]))
+            if spec is None or spec.origin is None or not spec.origin.endswith(".py"):
+                raise ValueError(f"{name}: {'.'.join(parts[:depth])} has no Python source to ship")
+            is_package = spec.submodule_search_locations is not None
+            if is_package:
+                target = dest.joinpath(*parts[:depth], "__init__.py")
+            else:
+                target = dest.joinpath(*parts[:depth]).with_suffix(".py")
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(spec.origin, target)
+        top = dest / parts[0]
+        tops.add(top if top.is_dir() else top.with_suffix(".py"))
+    return sorted(str(top) for top in tops)
 
 
 def _as_input(dataset: DatasetUsed) -> MetaDataset:

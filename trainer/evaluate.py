@@ -13,6 +13,7 @@ from tokenizers import Tokenizer
 from trainer.checkpoint import load_model_weights
 from trainer.data import TokenStream, rank_batches
 from trainer.model import GPT, GPTConfig
+from trainer.sampling import sample_text
 
 
 @dataclass(frozen=True)
@@ -52,17 +53,6 @@ def held_out_loss(
     if ranks > 1:
         dist.all_reduce(sums)
     return float(sums[0] / sums[1]), int(sums[1])
-
-
-def sample_text(
-    model: GPT, tokenizer: Tokenizer, prompt: str, max_new_tokens: int, seed: int = 0
-) -> str:
-    ids = tokenizer.encode(prompt).ids or [0]  # an empty prompt starts from end-of-document
-    idx = torch.tensor([ids], dtype=torch.long)
-    generator = torch.Generator().manual_seed(seed)
-    out = model.generate(idx, max_new_tokens, generator=generator)
-    # Keep special tokens: a visible <|endoftext|> shows where the model ended a document.
-    return tokenizer.decode(out[0].tolist(), skip_special_tokens=False)
 
 
 def evaluate_checkpoint(

@@ -1,9 +1,17 @@
-"""The trained model as something that answers prompts: safetensors weights + tokenizer +
-config, wrapped as an MLflow pyfunc so `mlflow models serve` and `forgeline` can load it."""
+"""The trained model as something that answers prompts, and the registered version that carries it.
+
+A version loads without Forgeline: its weights are safetensors (no pickle), its model config and
+tokenizer are JSON, and its code is this file and the modules it needs (SHIPPED_MODULES), copied
+into the version at their package paths and run by an MLflow models-from-code entry
+(trainer/serving_entry.py) instead of a cloudpickled object. Its requirements name only what that
+code imports. `mlflow models serve` and `forgeline generate` load it the same way.
+"""
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
+from importlib import metadata
 from pathlib import Path
 
 import mlflow.pyfunc
@@ -12,12 +20,27 @@ from mlflow.models import ModelSignature, infer_signature
 from safetensors.torch import load_model, save_model
 from tokenizers import Tokenizer
 
-from trainer.evaluate import sample_text
 from trainer.model import GPT, GPTConfig
+from trainer.sampling import sample_text
 
 WEIGHTS_FILE = "model.safetensors"
 CONFIG_FILE = "model_config.json"
 TOKENIZER_FILE = "tokenizer.json"
+
+# The code a version ships: the GPT with everything it imports from the project (mlp_hidden lives
+# in infra/capacity.py, stdlib only), and what serves it. Each file keeps its package path
+# (code/trainer/model.py, code/infra/capacity.py), the layout MLflow's own `infer_code_paths`
+# makes: MLflow puts code/ first on sys.path when it loads the version, so `from trainer.model
+# import GPT` means the same in the repository and in the version, and the files travel as they
+# are, with no second copy of the model to keep in step. tests/registry/test_standalone.py checks
+# that these modules import nothing else from the project.
+SHIPPED_MODULES = ("trainer.model", "trainer.sampling", "trainer.serving", "infra.capacity")
+ENTRY = Path(__file__).with_name("serving_entry.py")
+
+# What the shipped code imports, each pinned to the release installed here. mlflow-skinny rather
+# than mlflow: pyfunc and its scoring server without the tracking server's dependencies; skinny
+# does not declare numpy and pandas, which mlflow.pyfunc imports, so they are named here.
+SERVING_DISTRIBUTIONS = ("torch", "safetensors", "tokenizers", "mlflow-skinny", "numpy", "pandas")
 
 
 def export_model(model: GPT, tokenizer_file: Path, dest: Path) -> dict[str, str]:
@@ -32,6 +55,27 @@ def export_model(model: GPT, tokenizer_file: Path, dest: Path) -> dict[str, str]
         "config": str(dest / CONFIG_FILE),
         "tokenizer": str(dest / TOKENIZER_FILE),
     }
+
+
+def pip_requirements() -> list[str]:
+    """`name==version` for each of SERVING_DISTRIBUTIONS as installed here."""
+    # The public version only: the CPU wheel's `2.13.0+cpu` is no release on the package index,
+    # and `torch==2.13.0` is met by it (a pin without a local label ignores the label).
+    return [f"{name}=={metadata.version(name).split('+')[0]}" for name in SERVING_DISTRIBUTIONS]
+
+
+@dataclass(frozen=True)
+class ServedCode:
+    """How a version is built and what it needs, for `mlflow.pyfunc.log_model`."""
+
+    entry: str  # the models-from-code file
+    modules: tuple[str, ...]
+    pip_requirements: list[str]
+    signature: ModelSignature
+
+
+def served_code() -> ServedCode:
+    return ServedCode(str(ENTRY), SHIPPED_MODULES, pip_requirements(), signature())
 
 
 class TextGenerator:
@@ -55,7 +99,12 @@ def signature() -> ModelSignature:
 
 
 class GPTTextModel(mlflow.pyfunc.PythonModel):
-    """pyfunc: a list of prompts in, a list of continuations (prompt included) out."""
+    """pyfunc: a list of prompts in, a list of continuations (prompt included) out.
+
+    Versions registered before the models-from-code entry hold this class cloudpickled by
+    reference (trainer.serving.GPTTextModel): keep its name, module and state (none until
+    load_context) so they still load where Forgeline is installed.
+    """
 
     def load_context(self, context: mlflow.pyfunc.PythonModelContext) -> None:
         artifacts = context.artifacts

@@ -9,6 +9,7 @@ a container built with `mlflow models build-docker`: POST {"inputs": [prompts], 
 from __future__ import annotations
 
 import contextlib
+import importlib
 import json
 import os
 import re
@@ -246,7 +247,15 @@ def curl_example(url: str, prompt: str = "ROMEO:", max_new_tokens: int = 100) ->
 def generate_local(
     tracking_uri: str, ref: ModelRef, prompt: str, max_new_tokens: int, seed: int
 ) -> str:
-    """Load the registered model into this process and continue `prompt`."""
+    """Load the registered model into this process and continue `prompt`.
+
+    A version carries its own copy of the modules that serve it (code/trainer/, code/infra/), and
+    loading puts that folder first on sys.path. Forgeline's own packages are imported before
+    that (`infra` by this module's imports), so this process goes on using them, rather than
+    having `trainer` taken over by a model's folder; the shipped copies are these same files as
+    they were when the version was registered.
+    """
+    importlib.import_module("trainer")
     check_registered(tracking_uri, ref)
     # models:/ URIs resolve through the process-wide registry URI; there is no per-call argument.
     mlflow.set_tracking_uri(tracking_uri)

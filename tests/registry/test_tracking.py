@@ -15,6 +15,7 @@ from registry.errors import VersionNotFound
 from registry.tracking import (
     CANDIDATE,
     CHECKPOINT_TAG,
+    EXPERIMENT,
     PRODUCTION,
     DatasetUsed,
     Registration,
@@ -26,13 +27,16 @@ from registry.tracking import (
     register,
 )
 from trainer.model import GPT, GPTConfig
-from trainer.serving import GPTTextModel, export_model, signature
+from trainer.serving import export_model, served_code
 
 
 @pytest.fixture(scope="module")
 def tracking_uri(tmp_path_factory: pytest.TempPathFactory) -> str:
     root = tmp_path_factory.mktemp("mlflow")
-    return f"sqlite:///{root / 'mlflow.db'}"
+    uri = f"sqlite:///{root / 'mlflow.db'}"
+    # Created first so the runs' artifacts land under tmp, not in ./mlruns of the working folder.
+    MlflowClient(uri).create_experiment(EXPERIMENT, str(root / "artifacts"))
+    return uri
 
 
 @pytest.fixture(scope="module")
@@ -51,6 +55,8 @@ def artifacts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
 
 
 def registration(artifacts: dict[str, str], key: str) -> Registration:
+    """As activities/control.py's register_model registers (served_code), with made-up lineage."""
+    served = served_code()
     return Registration(
         model_name="tiny-lm",
         run_name="tiny",
@@ -64,9 +70,10 @@ def registration(artifacts: dict[str, str], key: str) -> Registration:
             CHECKPOINT_TAG: f"runs/{key}/checkpoints/step-10/MANIFEST.json",
         },
         artifacts=artifacts,
-        python_model=GPTTextModel(),
-        signature=signature(),
-        pip_requirements=["torch", "tokenizers", "safetensors"],
+        python_model=served.entry,
+        code_modules=served.modules,
+        signature=served.signature,
+        pip_requirements=served.pip_requirements,
         idempotency_key=key,
         texts={"sample.txt": "To be"},
     )
