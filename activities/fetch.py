@@ -6,11 +6,12 @@ import re
 from pathlib import Path
 
 from dataprep.snapshot import load_manifest
+from infra import code_snapshot
 from infra.errors import IntegrityError
 from infra.store import ObjectStore, fetch_verified
 from trainer.checkpoint import fetch_checkpoint
 from trainer.manifest import read_manifest
-from workflows.models import CheckpointRef, DatasetRef
+from workflows.models import CheckpointRef, CodeRef, DatasetRef
 
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 
@@ -48,3 +49,9 @@ class NodeCache:
         manifest = read_manifest(self.store, ref.manifest_key)
         folder = self.root / "checkpoints" / ref.manifest_key.rsplit("/", 1)[0]
         return fetch_checkpoint(self.store, manifest, folder), manifest
+
+    def code(self, ref: CodeRef) -> Path:
+        """The user's code snapshot, each file checked against the manifest the run carries."""
+        return code_snapshot.fetch(
+            self.store, ref.snapshot_id, ref.manifest_sha256, self.root / "code" / ref.snapshot_id
+        )

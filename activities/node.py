@@ -21,13 +21,15 @@ from temporalio.exceptions import ApplicationError
 from activities.errors import domain_errors
 from activities.fetch import NodeCache
 from infra import node_health
+from infra.requirements import unmet
 from infra.settings import Settings
 from registry.metric_stream import MetricSpool
-from trainer.errors import RanksFailed
+from trainer.errors import RanksFailed, UserCodeFailed
 from trainer.hang import HangWatch
 from trainer.job import CHAOS_FILE, ResumePoint, TrainJob
 from trainer.launch import Rendezvous, run_ranks
 from workflows.cluster_models import CheckpointCommitted
+from workflows.gang_outcome import USER_CODE_ERROR
 from workflows.models import (
     HealthEvent,
     NodeStopInput,
@@ -94,6 +96,8 @@ class NodeActivities:
                 threads_per_rank=inp.spec.train.threads_per_rank,
                 hang=HangWatch(inp.spec.recovery.hang_factor, inp.spec.recovery.hang_min_s),
             )
+        except UserCodeFailed as err:  # the same on every attempt and node: fail the run now
+            raise ApplicationError(str(err), type=USER_CODE_ERROR, non_retryable=True) from err
         except RanksFailed as err:
             raise ApplicationError(str(err), type="RanksFailed") from err
         except NodeUnhealthy as err:  # the run reports this node and moves on without it
@@ -143,6 +147,7 @@ class NodeActivities:
                 loss_history=manifest.get("loss_history", []),
                 samples_seen=manifest.get("samples_seen"),
             )
+        code_dir = self._user_code(inp)
         init_weights = ""
         if inp.init_from is not None and inp.resume is None:
             folder, _ = self.cache.checkpoint(inp.init_from)
@@ -157,7 +162,9 @@ class NodeActivities:
             node_index=node_ids.index(self.node_id),
             layout={"replicate": replicate, "shard": shard, "tensor": tensor},
             val_shards=(
-                [str(p) for p in self.cache.split(dataset, "val")] if spec.train.eval_every else []
+                [str(p) for p in self.cache.split(dataset, "val")]
+                if spec.train.eval_every or inp.code is not None  # a script evaluates itself
+                else []
             ),
             generation=inp.allocation.generation,
             model={**spec.model.architecture(), "vocab_size": inp.dataset.vocab_size},
@@ -184,7 +191,24 @@ class NodeActivities:
             ),
             nodes=len(node_ids),
             stragglers=spec.recovery.straggler_settings(),
+            code_dir=str(code_dir) if code_dir else "",
         )
+
+    def _user_code(self, inp: NodeTrainInput) -> Path | None:
+        """The run's code snapshot in this node's cache, every file verified, its declared
+        requirements met by this node's environment; None for the built-in trainer."""
+        if inp.code is None:
+            return None
+        folder = self.cache.code(inp.code)
+        if problems := unmet(folder):
+            raise ApplicationError(
+                f"train.code's requirements are not met on node {self.node_id}: "
+                + "; ".join(problems)
+                + " (install them in the node agents' environment, or change requirements.txt)",
+                type=USER_CODE_ERROR,
+                non_retryable=True,
+            )
+        return folder
 
 
 class _Reporter:

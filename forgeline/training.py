@@ -39,6 +39,7 @@ from trainer.attempt_clock import AttemptClock
 from trainer.checkpoint import Checkpointer, SaveReport, load_training_state
 from trainer.checkpoint_policy import CheckpointPolicy
 from trainer.data import RankSlice, Sampler, TokenStream
+from trainer.entry import mark_began
 from trainer.grad_watch import PreReduceNorms, chaos_asks_to_corrupt, corrupt_gradients, suspects
 from trainer.job import TrainJob
 from trainer.metrics import mfu
@@ -179,6 +180,7 @@ class Run:
         self._last_committed: int | None = job.resume.step if job.resume else None
         self._last_costs: tuple[float | None, float | None] = (None, None)
         self._current: Step | None = None  # the step the script is in
+        self._last_eval: dict[str, float | int] | None = None  # the newest report_eval
 
     # ---- what the script reads ---------------------------------------------------------
 
@@ -194,6 +196,16 @@ class Run:
         if self.job.init_weights and not self.resuming:
             return Path(self.job.init_weights)
         return None
+
+    @property
+    def args(self) -> dict[str, Any]:
+        """The spec's `[train.args]` table, as it was written."""
+        return dict(self.settings.args)
+
+    @property
+    def vocab_size(self) -> int:
+        """The dataset tokenizer's vocabulary: token ids are below it."""
+        return int(self.job.model["vocab_size"])
 
     @property
     def model_shape(self) -> dict[str, Any]:
@@ -221,8 +233,9 @@ class Run:
         return self.sampler
 
     def validation(self, block_size: int) -> TokenStream | None:
-        """The held-out split, when the spec asks for `eval_every`; None otherwise."""
-        if not (self.job.val_shards and self.settings.eval_every):
+        """The dataset's held-out split (None for the built-in trainer without `eval_every`,
+        whose node does not fetch it)."""
+        if not self.job.val_shards:
             return None
         return TokenStream([Path(p) for p in self.job.val_shards], self.job.dtype, block_size)
 
@@ -312,8 +325,11 @@ class Run:
             self._stall_s = 0.0
             step = self._current = Step(self, self.step + 1)
             yield step
-            if self._end_step(step, watch, first=self.step == start_step):
+            stop = self._end_step(step, watch, first=self.step - 1 == start_step)
+            mark_began()  # a failure from here on is a crash, not a script that cannot start
+            if stop:
                 break
+        mark_began()  # also when a resume found every step done
         self._wait_for_commit()
         self._checkpointer.close()
         if self.step >= self.settings.steps:
@@ -337,8 +353,12 @@ class Run:
                 self._current.started += spent
 
     def report_eval(self, step: Step, val_loss: float, val_tokens: int) -> None:
-        self._progress.write(event="eval", step=step.number, val_loss=val_loss,
-                             val_tokens=val_tokens)  # fmt: skip
+        """A held-out loss measured at this step (every rank passes the same, already
+        reduced). The newest one goes into every later checkpoint's manifest: for a script of
+        the user's, it is the evaluation the run registers and the eval gate judges."""
+        self._last_eval = {"step": step.number, "val_loss": float(val_loss),
+                           "val_tokens": int(val_tokens)}  # fmt: skip
+        self._progress.write(event="eval", **self._last_eval)
 
     def finish(self) -> None:
         """Leave the process group; the last call of a rank script."""
@@ -505,6 +525,7 @@ class Run:
                 "model_config": self._model_config,
                 "train_config": self.job.train,
                 "loss_history": self.loss_history,
+                "evaluation": self._last_eval,
                 **self.job.lineage,
             },
         )

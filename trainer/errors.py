@@ -19,3 +19,7 @@ class RanksFailed(TrainerError):
 
 class RanksHung(RanksFailed):
     """The ranks made no progress for too long: a stuck collective, a frozen process."""
+
+
+class UserCodeFailed(RanksFailed):
+    """The user's rank script failed before its first step: the same on every attempt."""

@@ -46,6 +46,7 @@ class TrainJob:
     nodes: int = 1  # nodes in the gang: a rank's node index is rank // (world // nodes)
     # Straggler detection: {"policy": off | report | swap, "watch": StragglerWatch's settings}
     stragglers: dict = field(default_factory=dict)
+    code_dir: str = ""  # the user's code snapshot on this node, verified; "": built-in trainer
 
     def write(self, path: Path) -> Path:
         path.write_text(json.dumps(asdict(self), indent=2))

@@ -17,11 +17,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from trainer.errors import RanksFailed, RanksHung
+from trainer.errors import RanksFailed, RanksHung, UserCodeFailed
 from trainer.hang import HangWatch
 from trainer.job import TrainJob
 
 _PR_SET_PDEATHSIG = 1
+# What torchrun starts on every rank (it runs the built-in trainer or the user's script); the
+# chaos commands and the stop path find rank processes by it.
+RANK_MODULE = "trainer.entry"
 _STEP_FIELDS = ("step", "loss", "lr", "tokens_per_s", "mfu", "checkpoint_step", "epoch")
 
 
@@ -55,7 +58,7 @@ def torchrun_argv(job_file: Path, rdzv: Rendezvous) -> list[str]:
         "--rdzv-id", rdzv.run_id,
         "--max-restarts", "0",
         "--monitor-interval", "0.5",
-        "-m", "trainer.train", str(job_file),
+        "-m", RANK_MODULE, str(job_file),
     ]  # fmt: skip
 
 
@@ -90,6 +93,8 @@ class ProgressTail:
                 self.latest["val_loss"] = event["val_loss"]
             elif event["event"] == "failed":
                 self.latest["failure"] = event["reason"]
+            elif event["event"] == "user_error":  # the first rank to say it is enough
+                self.latest.setdefault("user_error", event)
             elif event["event"] == "health":  # rare (a straggler found): all of them are kept
                 self.latest["health"] = [*self.latest.get("health", []), event]
             elif event["event"] == "step":
@@ -180,6 +185,9 @@ async def run_ranks(
     # torchrun exits non-zero when it was itself SIGTERMed (or stopped above), even though its
     # ranks finished or checkpointed and stopped as asked: their own word is what counts.
     if proc.returncode != 0 and not tail.finished:
+        if mistake := tail.latest.get("user_error"):
+            detail = mistake.get("detail", "")
+            raise UserCodeFailed(f"{mistake['reason']}" + (f"\n{detail}" if detail else ""))
         if "failure" in tail.latest:  # the ranks said why
             raise RanksFailed(f"ranks on node {job.node_id}: {tail.latest['failure']}")
         raise RanksFailed(
@@ -200,7 +208,7 @@ def rank_pids(launcher_pid: int) -> list[int]:
 
 def _runs_trainer(pid: int) -> bool:
     try:
-        return b"trainer.train" in Path(f"/proc/{pid}/cmdline").read_bytes()
+        return RANK_MODULE.encode() in Path(f"/proc/{pid}/cmdline").read_bytes()
     except OSError:
         return False
 

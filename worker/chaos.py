@@ -28,6 +28,7 @@ import typer
 from infra import node_health
 from infra.processes import ManagedProcess
 from trainer.job import CHAOS_FILE
+from trainer.launch import RANK_MODULE
 from worker.cli_common import CliError, check_name, console, get_settings
 
 chaos_app = typer.Typer(
@@ -49,7 +50,7 @@ def trainer_processes(home: Path, node: str | None = None, run: str | None = Non
             continue
         if (
             state != "Z"
-            and b"trainer.train" in argv
+            and RANK_MODULE.encode() in argv
             and marker.encode() in argv
             and (run is None or f"/runs/{run}/".encode() in argv)
         ):

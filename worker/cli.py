@@ -16,6 +16,7 @@ from rich.markup import escape
 from temporalio.client import WorkflowExecutionStatus, WorkflowUpdateFailedError
 from temporalio.service import RPCError
 
+from infra.code_snapshot import CodeSnapshotError
 from infra.errors import InfraError, StackError
 from infra.settings import Settings, state_home
 from worker import stack
@@ -38,7 +39,7 @@ from worker.plan_cli import plan
 from worker.processes_cli import worker_app
 from worker.render import progress_line, run_link, runs_table, status_text
 from worker.replication_cli import replication
-from worker.runs import RunNotFound, list_run_names, submit, view
+from worker.runs import RunNotFound, list_run_names, publish_code, submit, view
 from worker.serve import (
     ServeError,
     curl_example,
@@ -122,10 +123,14 @@ def run(
     except SpecError as err:
         raise CliError(f"{spec_file}: {err}") from None
     settings = get_settings()
+    try:
+        code = publish_code(settings, spec)
+    except CodeSnapshotError as err:
+        raise CliError(f"{spec_file}: train.code: {err}") from None
 
     async def go() -> int:
         client = await get_client(settings)
-        _handle, started = await submit(client, spec, spec_sha256(spec))
+        _handle, started = await submit(client, spec, spec_sha256(spec), code)
         if started:
             console.print(f"submitted run {spec.name}")
         else:

@@ -4,13 +4,23 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from datetime import timedelta
+from pathlib import Path
 
 from temporalio.client import Client, WorkflowExecutionStatus, WorkflowHandle
 from temporalio.common import WorkflowIDReusePolicy
 from temporalio.exceptions import WorkflowAlreadyStartedError
 from temporalio.service import RPCError, RPCStatusCode
 
-from workflows.models import DatasetProgress, Phase, RunStatus, TrainingRunInput, TrainProgress
+from infra import code_snapshot
+from infra.settings import Settings
+from workflows.models import (
+    CodeRef,
+    DatasetProgress,
+    Phase,
+    RunStatus,
+    TrainingRunInput,
+    TrainProgress,
+)
 from workflows.names import CONTROL_TASK_QUEUE
 from workflows.spec import RunSpec
 
@@ -30,12 +40,25 @@ class RunView:
     dataset: DatasetProgress | None = None  # while PREPARING: the data stages' progress
 
 
-async def submit(client: Client, spec: RunSpec, spec_sha256: str) -> tuple[WorkflowHandle, bool]:
+def publish_code(settings: Settings, spec: RunSpec) -> CodeRef | None:
+    """Upload the spec's train.code folder as a content-addressed snapshot (a no-op when the
+    store holds it), before the run starts: the nodes fetch exactly this, wherever they are."""
+    if spec.train.code is None:
+        return None
+    published = code_snapshot.publish(settings.open_store(), Path(spec.train.code))
+    return CodeRef.model_validate(published, from_attributes=True)
+
+
+async def submit(
+    client: Client, spec: RunSpec, spec_sha256: str, code: CodeRef | None = None
+) -> tuple[WorkflowHandle, bool]:
     """Start the run, or attach to the one with this name; True when this call started it."""
     try:
         handle = await client.start_workflow(
             "TrainingRun",
-            TrainingRunInput(spec=spec, spec_sha256=spec_sha256, submitted_by=spec.owner),
+            TrainingRunInput(
+                spec=spec, spec_sha256=spec_sha256, submitted_by=spec.owner, code=code
+            ),
             id=spec.name,
             task_queue=CONTROL_TASK_QUEUE,
             # A name is a run forever: submitting it again attaches instead of retraining.

@@ -164,6 +164,9 @@ def parse_spec(data: dict, spec_dir: Path, overrides: dict | None = None) -> Run
     sources = data.get("data", {}).get("sources") if isinstance(data.get("data"), dict) else None
     if isinstance(sources, list):
         data["data"] = {**data["data"], "sources": [_resolved(s, spec_dir) for s in sources]}
+    train = data.get("train")
+    if isinstance(train, dict) and "code" in train:
+        data["train"] = {**train, "code": _resolved(train["code"], spec_dir)}
     if unusable := list(_unusable_values(data)):
         raise SpecError("invalid run spec:\n  " + "\n  ".join(unusable))
     try:
@@ -179,6 +182,8 @@ def load_spec(path: Path, overrides: dict | None = None) -> RunSpec:
     missing = [s for s in spec.data.sources if not _GLOB.search(s) and not os.path.exists(s)]
     if missing:
         raise SpecError(f"invalid run spec:\n  data.sources: no such file: {', '.join(missing)}")
+    if spec.train.code is not None:
+        _check_user_code(spec)
     # The data workers expand the sources the same way; a pattern that names nothing is found
     # here, before the run is submitted, rather than minutes later in its dataset workflow.
     try:
@@ -186,6 +191,17 @@ def load_spec(path: Path, overrides: dict | None = None) -> RunSpec:
     except SourceError as err:
         raise SpecError(f"invalid run spec:\n  data.sources: {err}") from None
     return spec
+
+
+def _check_user_code(spec: RunSpec) -> None:
+    """The code folder and its script exist: found now, not on 64 ranks after the queue."""
+    code, entry = Path(spec.train.code or ""), spec.train.entrypoint or ""
+    if not code.is_dir():
+        raise SpecError(f"invalid run spec:\n  train.code: no such folder: {code}")
+    if ":" not in entry and not (code / entry).is_file():
+        raise SpecError(
+            f"invalid run spec:\n  train.entrypoint: no file {entry!r} in train.code ({code})"
+        )
 
 
 def spec_sha256(spec: RunSpec) -> str:

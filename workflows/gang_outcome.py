@@ -113,6 +113,22 @@ async def cancel_all(handles: list[workflow.ActivityHandle]) -> None:
     await asyncio.gather(*handles, return_exceptions=True)
 
 
+# The node agent's error type for a rank script that failed before its first step
+# (trainer.entry): the user's mistake, not a node's.
+USER_CODE_ERROR = "UserCodeError"
+
+
+def user_code_failure(handles: list[workflow.ActivityHandle]) -> ApplicationError | None:
+    """The first node's report that the user's training code failed before it trained, as the
+    run's own non-retryable error; None when every failure is a node's or the platform's."""
+    for handle in handles:
+        err = handle.exception() if handle.done() else None
+        cause = err.cause if isinstance(err, ActivityError) else None
+        if isinstance(cause, ApplicationError) and cause.type == USER_CODE_ERROR:
+            return ApplicationError(cause.message, type=USER_CODE_ERROR, non_retryable=True)
+    return None
+
+
 def _is_cancel(err: BaseException) -> bool:
     return isinstance(err, ActivityError) and isinstance(err.cause, CancelledError)
 

@@ -83,6 +83,17 @@ class DatasetProgress(BaseModel):
     stages: list[StageProgress] = []
 
 
+class CodeRef(BaseModel):
+    """A user's code folder as a content-addressed snapshot in the store (infra.code_snapshot):
+    nodes fetch it, check every file and the manifest's digest, and only then run it."""
+
+    snapshot_id: str
+    manifest_key: str
+    manifest_sha256: str
+    files: int
+    bytes: int
+
+
 class CheckpointRef(BaseModel):
     manifest_key: str
     step: int
@@ -116,6 +127,7 @@ class NodeTrainInput(BaseModel):
     resume: CheckpointRef | None = None
     init_from: CheckpointRef | None = None  # fine-tuning: weights to start from (no resume yet)
     mlflow_run_id: str | None = None  # where the head node streams the ranks' metrics
+    code: CodeRef | None = None  # the user's training code; None: the built-in GPT trainer
 
 
 class TrainProgress(BaseModel):
@@ -328,6 +340,7 @@ class TrainingRunInput(BaseModel):
     spec: RunSpec
     spec_sha256: str
     submitted_by: str = "anonymous"
+    code: CodeRef | None = None  # uploaded by the submitter before the run starts (train.code)
 
 
 class Failure(BaseModel):

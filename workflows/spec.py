@@ -8,6 +8,7 @@ and a run could not read its own input back) and must stay far under Temporal's 
 
 from __future__ import annotations
 
+import json
 import re
 from typing import Annotated, Literal
 
@@ -16,6 +17,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    JsonValue,
     StringConstraints,
     field_validator,
     model_validator,
@@ -37,6 +39,12 @@ INIT_FROM = re.compile(
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
+
+# A rank script: a .py path inside train.code (no part may start with '.': no `..`, no
+# hidden folders); or an importable function.
+ENTRY_SCRIPT = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*(/[A-Za-z0-9_][A-Za-z0-9_.-]*)*\.py")
+ENTRY_FUNCTION = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*")
+MAX_ARGS_BYTES = 64 * 1024  # train.args travels in every history of the run
 
 # Counts of steps (and step intervals): a year of 3-second steps is ~10 M.
 MAX_STEPS = 10_000_000
@@ -224,6 +232,18 @@ class TrainSpec(_Strict):
     collective_timeout_s: int = Field(
         300, ge=10, le=86_400, description="a stuck collective fails the ranks after this long"
     )
+    # Your own training code (the SDK, `import forgeline`); unset: the built-in GPT trainer.
+    code: SourcePath | None = Field(
+        None, description="the folder of your training code; relative to the spec file"
+    )
+    entrypoint: str | None = Field(
+        None,
+        max_length=300,
+        description='your rank script in train.code ("train.py") or "module:function"',
+    )
+    args: dict[Annotated[str, StringConstraints(min_length=1, max_length=100)], JsonValue] = Field(
+        {}, max_length=256, description="handed to your script as it is (forgeline run.args)"
+    )
 
     @model_validator(mode="after")
     def _schedule_fits(self) -> TrainSpec:
@@ -232,6 +252,32 @@ class TrainSpec(_Strict):
                 f"min_lr ({self.min_lr}) must not exceed learning_rate ({self.learning_rate})"
             )
         return self
+
+    @model_validator(mode="after")
+    def _user_code_named(self) -> TrainSpec:
+        if (self.code is None) != (self.entrypoint is None):
+            raise ValueError(
+                "train.code and train.entrypoint go together: code is the folder, entrypoint "
+                'the script in it ("train.py") or "module:function"'
+            )
+        if self.entrypoint is not None and not (
+            ENTRY_SCRIPT.fullmatch(self.entrypoint) or ENTRY_FUNCTION.fullmatch(self.entrypoint)
+        ):
+            raise ValueError(
+                f"train.entrypoint {self.entrypoint!r} is neither a .py file inside train.code "
+                '(such as "train.py" or "src/train.py") nor "module:function"'
+            )
+        encoded = json.dumps(self.args, allow_nan=False)
+        if len(encoded) > MAX_ARGS_BYTES:
+            raise ValueError(
+                f"train.args is {len(encoded)} bytes as JSON, over {MAX_ARGS_BYTES}: pass a "
+                "file in train.code instead"
+            )
+        return self
+
+    @property
+    def user_code(self) -> bool:
+        return self.entrypoint is not None
 
 
 class ResourcesSpec(_Strict):

@@ -36,6 +36,7 @@ with workflow.unsafe.imports_passed_through():
         failures_of,
         stopped_early,
         straggler_swap,
+        user_code_failure,
     )
     from workflows.goodput import account
     from workflows.models import (
@@ -358,6 +359,7 @@ class TrainingRun(RunEnd):
                     resume=resume,
                     init_from=self._status.init_from,
                     mlflow_run_id=self._status.mlflow_run_id,
+                    code=self._input.code,
                 ),
                 result_type=NodeTrainResult,
                 task_queue=node_task_queue(node.node_id),
@@ -397,6 +399,10 @@ class TrainingRun(RunEnd):
                 raise GangFailed(early)
             return results
         await cancel_all(handles)
+        if mistake := user_code_failure(handles):
+            # The script's own error: another attempt would fail the same way, and no node is
+            # to blame. The run fails now, with the user's traceback, spending no restart.
+            raise mistake
         raise GangFailed(failures_of(allocation, handles, workflow.now()))
 
     async def _stop_gracefully(

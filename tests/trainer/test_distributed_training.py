@@ -17,6 +17,7 @@ from trainer.checkpoint import fetch_checkpoint, load_model_weights
 from trainer.errors import CheckpointError
 from trainer.evaluate import evaluate_checkpoint
 from trainer.job import ResumePoint
+from trainer.launch import RANK_MODULE
 from trainer.manifest import (
     committed_steps,
     find_latest,
@@ -191,7 +192,7 @@ def test_fine_tuning_starts_from_a_checkpoint_s_weights(trainer: Trainer, refere
 
 
 def job_processes(job_file: Path, launcher: bool = False) -> list[int]:
-    """The rank processes running `trainer.train <job_file>`, or with `launcher` its torchrun."""
+    """The rank processes running `trainer.entry <job_file>`, or with `launcher` its torchrun."""
     pids = []
     for proc in Path("/proc").iterdir():
         try:
@@ -199,7 +200,7 @@ def job_processes(job_file: Path, launcher: bool = False) -> list[int]:
         except OSError:
             continue
         if (
-            b"trainer.train" in argv
+            RANK_MODULE.encode() in argv
             and str(job_file).encode() in argv
             and (b"torch.distributed.run" in argv) == launcher
         ):

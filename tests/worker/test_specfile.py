@@ -8,7 +8,9 @@ from worker.specfile import SpecError, load_spec, parse_spec, spec_sha256
 VALID = {"name": "r1", "data": {"sources": ["corpus.txt"]}}
 
 
-@pytest.mark.parametrize("example", ["tiny.toml", "tiny-fsdp.toml", "shakespeare-char.toml"])
+@pytest.mark.parametrize(
+    "example", ["tiny.toml", "tiny-fsdp.toml", "shakespeare-char.toml", "byo/gru.toml"]
+)
 def test_examples_are_valid(example: str) -> None:
     spec = load_spec(REPO / "examples" / example)
     assert Path(spec.data.sources[0]).is_file()
@@ -72,6 +74,24 @@ def test_sources_resolve_against_the_spec_folder(tmp_path: Path) -> None:
             "data.filters.max_top_ngram_char_fraction.0.1: Input should be less than or equal to 1",
         ),
         ({"train": {"learning_rate": 1e-4, "min_lr": 1e-3}}, "min_lr (0.001) must not exceed"),
+        ({"train": {"entrypoint": "train.py"}}, "train.code and train.entrypoint go together"),
+        ({"train": {"code": "src"}}, "train.code and train.entrypoint go together"),
+        (
+            {"train": {"code": "src", "entrypoint": "train.sh"}},
+            "train.entrypoint 'train.sh' is neither a .py file inside train.code",
+        ),
+        (
+            {"train": {"code": "src", "entrypoint": "../train.py"}},
+            "train.entrypoint '../train.py' is neither",
+        ),
+        (
+            {"train": {"code": "src", "entrypoint": "a/../../train.py"}},
+            "train.entrypoint 'a/../../train.py' is neither",
+        ),
+        (
+            {"train": {"code": "src", "entrypoint": "t.py", "args": {"blob": "x" * 70_000}}},
+            "train.args is 70012 bytes as JSON, over 65536: pass a file in train.code instead",
+        ),
     ],
 )
 def test_bad_specs_name_the_field(tmp_path: Path, patch: dict, message: str) -> None:
@@ -128,3 +148,19 @@ def test_init_from_accepts_registered_models_and_manifests(tmp_path: Path) -> No
     for source in ("models:/tiny/3", "models:/tiny@production",
                    "runs/r0/checkpoints/step-40/MANIFEST.json"):  # fmt: skip
         assert parse_spec({**VALID, "model": {"init_from": source}}, tmp_path)
+
+
+def test_user_code_resolves_against_the_spec_folder_and_must_exist(tmp_path: Path) -> None:
+    (tmp_path / "corpus.txt").write_text("text\n")
+    (tmp_path / "src").mkdir()
+    spec_file = tmp_path / "spec.toml"
+    body = 'name = "r1"\n[data]\nsources = ["corpus.txt"]\n[train]\ncode = "src"\n'
+    spec_file.write_text(body + 'entrypoint = "train.py"\n[train.args]\nwidth = 8\n')
+    with pytest.raises(SpecError, match=r"train\.entrypoint: no file 'train\.py' in train\.code"):
+        load_spec(spec_file)
+    (tmp_path / "src" / "train.py").write_text("")
+    spec = load_spec(spec_file)
+    assert (spec.train.code, spec.train.args) == (str(tmp_path / "src"), {"width": 8})
+    spec_file.write_text(body.replace('"src"', '"gone"') + 'entrypoint = "pkg.main:run"\n')
+    with pytest.raises(SpecError, match=r"train\.code: no such folder: .*gone"):
+        load_spec(spec_file)

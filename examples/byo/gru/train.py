@@ -1,0 +1,86 @@
+"""A character-level GRU language model under DDP, trained through Forgeline's SDK.
+
+Nothing here comes from Forgeline's own trainer: the model, the optimizer and the loop are this
+script's. The SDK (`import forgeline`) hands it the gang, the data and the checkpoints: the run
+resumes exactly after a dead node, on however many ranks the next gang has.
+
+    torchrun ranks ──► forgeline.init() ──► restore ──► for step in run.steps(): ...
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+from torch.nn.parallel import DistributedDataParallel
+
+import forgeline
+
+
+class CharGRU(nn.Module):
+    """Embedding → stacked GRU → a linear readout of the next character."""
+
+    def __init__(self, vocab: int, width: int, layers: int) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width)
+        self.rnn = nn.GRU(width, width, num_layers=layers, batch_first=True)
+        self.head = nn.Linear(width, vocab)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden, _ = self.rnn(self.embed(x))  # (batch, time, width)
+        return self.head(hidden)  # (batch, time, vocab)
+
+
+def loss_of(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    logits = model(x)
+    return F.cross_entropy(logits.flatten(0, 1), y.flatten())
+
+
+@torch.no_grad()
+def held_out(model: nn.Module, run: forgeline.Run, block: int, batches: int) -> tuple[float, int]:
+    """Mean loss over the first validation windows (the same on every rank), and tokens."""
+    stream = run.validation(block)
+    model.eval()
+    total, tokens = 0.0, 0
+    for start in range(0, min(stream.samples, batches * 8), 8):
+        x, y = stream.batch(torch.arange(start, min(start + 8, stream.samples)).numpy())
+        total += loss_of(model, x.to(run.device), y.to(run.device)).item() * y.numel()
+        tokens += y.numel()
+    model.train()
+    return total / tokens, tokens
+
+
+def main() -> None:
+    run = forgeline.init()
+    args = run.args  # the spec's [train.args], as written
+    block, width = int(args.get("block", 64)), int(args.get("width", 128))
+
+    torch.manual_seed(run.settings.seed)  # the same initial weights on every rank
+    model = CharGRU(run.vocab_size, width, int(args.get("layers", 1)))
+    model = DistributedDataParallel(model.to(run.device))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=run.settings.learning_rate)
+    run.restore(model, optimizer, model_config={"width": width, "block": block})
+    run.dataset(block)
+
+    for step in run.steps():
+        for x, y in step.micro_batches():  # this rank's share of the global batch
+            with step.forward():
+                loss = loss_of(model, x, y)
+            loss.backward()
+        step.gradients(model)
+        nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        step.report(loss, perplexity=math.exp(min(loss.item(), 20)))
+        if run.eval_due(step) or step.number == run.settings.steps:
+            with run.evaluating():
+                val_loss, tokens = held_out(model.module, run, block, run.settings.eval_batches)
+            run.report_eval(step, val_loss, tokens)
+
+    run.finish()
+
+
+if __name__ == "__main__":
+    main()

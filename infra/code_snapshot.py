@@ -1,0 +1,211 @@
+"""A user's code folder as a content-addressed snapshot in the object store, like a dataset.
+
+The submitter's machine uploads the folder once (`publish`); every node fetches it into its
+cache and checks every file against the manifest before anything runs (`fetch`). The snapshot's
+id is the sha256 of its sorted file list (path, size, sha256), so the same code is the same
+snapshot wherever and however often it is submitted, and a node can recompute the id from what
+it holds: a file changed in the store or in the cache is refused, never run.
+
+    code/<id>/files/<sha256>     one object per distinct file content
+    code/<id>/MANIFEST.json      written last, create-if-absent: no manifest, no snapshot
+
+What goes in: every file under the folder except what its `.gitignore` files exclude (the same
+patterns git applies, nested files included), `.git/`, `__pycache__/` and compiled Python.
+A file over `MAX_FILE_BYTES`, a folder over `MAX_FILES` or `MAX_TOTAL_BYTES`, and a link that
+leaves the folder are refused by name: data belongs in the dataset, not the code.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+
+import pathspec
+
+from infra.digest import sha256_file
+from infra.errors import IntegrityError
+from infra.store import ObjectStore, fetch_verified
+
+MANIFEST_FORMAT = 1
+MAX_FILE_BYTES = 10 * 2**20
+MAX_TOTAL_BYTES = 100 * 2**20
+MAX_FILES = 5000
+# Never code: the repository's own database, caches and byte code of any interpreter.
+ALWAYS_LEFT_OUT = pathspec.GitIgnoreSpec.from_lines(
+    [".git/", "__pycache__/", "*.pyc", "*.pyo", ".ipynb_checkpoints/"]
+)
+
+
+class CodeSnapshotError(ValueError):
+    """The code folder cannot become a snapshot; the message names the file and the fix."""
+
+
+@dataclass(frozen=True)
+class CodeFile:
+    path: str  # relative, POSIX separators
+    bytes: int
+    sha256: str
+
+
+@dataclass(frozen=True)
+class PublishedCode:
+    snapshot_id: str
+    manifest_key: str
+    manifest_sha256: str
+    files: int
+    bytes: int
+    reused: bool  # the store already held this snapshot
+
+
+def _ignore_rules(
+    folder: Path, rel_dir: PurePosixPath
+) -> list[tuple[PurePosixPath, pathspec.GitIgnoreSpec]]:
+    ignore_file = folder / rel_dir / ".gitignore"
+    if not ignore_file.is_file():
+        return []
+    lines = ignore_file.read_text(errors="replace").splitlines()
+    return [(rel_dir, pathspec.GitIgnoreSpec.from_lines(lines))]
+
+
+def _ignored(
+    rel: PurePosixPath, is_dir: bool, rules: list[tuple[PurePosixPath, pathspec.GitIgnoreSpec]]
+) -> bool:
+    name = rel.as_posix() + ("/" if is_dir else "")
+    if ALWAYS_LEFT_OUT.match_file(name):
+        return True
+    # A nested .gitignore speaks of paths below its own folder, as git reads it.
+    for base, spec in rules:
+        inner = rel.relative_to(base).as_posix() + ("/" if is_dir else "")
+        if spec.match_file(inner):
+            return True
+    return False
+
+
+def collect(folder: Path) -> list[CodeFile]:
+    """The files of the snapshot, sorted by path, each with its size and sha256."""
+    folder = folder.resolve()
+    if not folder.is_dir():
+        raise CodeSnapshotError(f"train.code {str(folder)!r} is not a folder")
+    files: list[CodeFile] = []
+    total = 0
+
+    def walk(rel_dir: PurePosixPath, rules: list) -> None:
+        nonlocal total
+        rules = rules + _ignore_rules(folder, rel_dir)
+        for entry in sorted(os.scandir(folder / rel_dir), key=lambda e: e.name):
+            rel = rel_dir / entry.name
+            path = Path(entry.path)
+            if _ignored(rel, entry.is_dir(), rules):
+                continue
+            if entry.is_symlink() and folder not in path.resolve().parents:
+                raise CodeSnapshotError(
+                    f"{rel}: a link to {path.resolve()}, outside the code folder; copy what "
+                    "it points to into the folder or list it in .gitignore"
+                )
+            if path.is_dir():
+                walk(rel, rules)
+                continue
+            size = path.stat().st_size
+            if size > MAX_FILE_BYTES:
+                raise CodeSnapshotError(
+                    f"{rel}: {size / 2**20:.1f} MiB is more than a code file may hold "
+                    f"({MAX_FILE_BYTES // 2**20} MiB): put data in [data] or list the file in "
+                    ".gitignore"
+                )
+            total += size
+            files.append(CodeFile(rel.as_posix(), size, sha256_file(path)))
+            if len(files) > MAX_FILES or total > MAX_TOTAL_BYTES:
+                raise CodeSnapshotError(
+                    f"{folder} holds more than {MAX_FILES} files or "
+                    f"{MAX_TOTAL_BYTES // 2**20} MiB of code (at {rel}): point train.code at "
+                    "the folder of the training code only, or list the rest in .gitignore"
+                )
+
+    walk(PurePosixPath(), [])
+    if not files:
+        raise CodeSnapshotError(f"train.code {str(folder)!r} holds no files to run")
+    return files
+
+
+def snapshot_id(files: list[CodeFile]) -> str:
+    """The content address: sha256 of the sorted (path, size, sha256) lines."""
+    lines = "".join(
+        f"{f.path}\0{f.bytes}\0{f.sha256}\n" for f in sorted(files, key=lambda f: f.path)
+    )
+    return hashlib.sha256(lines.encode()).hexdigest()[:32]
+
+
+def manifest_key(snapshot: str) -> str:
+    return f"code/{snapshot}/MANIFEST.json"
+
+
+def _blob_key(snapshot: str, sha256: str) -> str:
+    return f"code/{snapshot}/files/{sha256}"
+
+
+def _manifest_bytes(snapshot: str, files: list[CodeFile]) -> bytes:
+    body = {
+        "format": MANIFEST_FORMAT,
+        "snapshot": snapshot,
+        "files": [{"path": f.path, "bytes": f.bytes, "sha256": f.sha256} for f in files],
+    }
+    return json.dumps(body, indent=1, sort_keys=True).encode()
+
+
+def publish(store: ObjectStore, folder: Path) -> PublishedCode:
+    """Upload the folder's snapshot unless the store holds it; files first, manifest last."""
+    files = collect(folder)
+    snapshot = snapshot_id(files)
+    manifest = _manifest_bytes(snapshot, files)
+    digest = hashlib.sha256(manifest).hexdigest()
+    published = PublishedCode(
+        snapshot_id=snapshot,
+        manifest_key=manifest_key(snapshot),
+        manifest_sha256=digest,
+        files=len(files),
+        bytes=sum(f.bytes for f in files),
+        reused=True,
+    )
+    if store.exists(manifest_key(snapshot)):
+        return published
+    root = folder.resolve()
+    for entry in {f.sha256: f for f in files}.values():
+        store.put_file(_blob_key(snapshot, entry.sha256), root / entry.path)
+    store.put_if_absent(manifest_key(snapshot), manifest)  # an identical one may have won
+    return PublishedCode(**{**published.__dict__, "reused": False})
+
+
+def _safe_relative(path: object) -> PurePosixPath:
+    """A manifest's path as a place inside the destination: never absolute, never `..`."""
+    if not isinstance(path, str) or not path:
+        raise IntegrityError(f"code manifest names a file {path!r}, which is not a path")
+    rel = PurePosixPath(path)
+    if rel.is_absolute() or ".." in rel.parts or "\\" in path or "\x00" in path:
+        raise IntegrityError(f"code manifest names {path!r}, which leaves the code folder")
+    return rel
+
+
+def fetch(store: ObjectStore, snapshot: str, manifest_sha256: str, dest: Path) -> Path:
+    """The snapshot's files in `dest` (a node's cache), every one checked by size and sha256,
+    the manifest by the digest the run carries and the id recomputed from the files."""
+    raw = store.get_bytes(manifest_key(snapshot))
+    if hashlib.sha256(raw).hexdigest() != manifest_sha256:
+        raise IntegrityError(
+            f"{store.url}/{manifest_key(snapshot)} is not the code this run was submitted "
+            f"with (sha256 {hashlib.sha256(raw).hexdigest()[:12]}…, the run has "
+            f"{manifest_sha256[:12]}…): refusing to run it"
+        )
+    body = json.loads(raw)
+    files = [
+        CodeFile(_safe_relative(f["path"]).as_posix(), int(f["bytes"]), str(f["sha256"]))
+        for f in body["files"]
+    ]
+    if snapshot_id(files) != snapshot:
+        raise IntegrityError(f"code manifest {snapshot} lists files whose hashes give another id")
+    for entry in files:
+        fetch_verified(store, _blob_key(snapshot, entry.sha256), dest / entry.path,
+                       entry.sha256, entry.bytes)  # fmt: skip
+    return dest

@@ -1,0 +1,121 @@
+"""The torchrun entry of every rank: runs the rank script, the built-in GPT trainer or a user's.
+
+    python -m torch.distributed.run ... -m trainer.entry JOB.json
+
+A script that fails before its first step (it cannot be imported, raises while it sets up, or
+returns without training) fails the same way on every attempt and on every node: that is the
+user's error, not a node's. This entry tells them apart: such a failure becomes one
+`user_error` line in the progress file, with the end of the traceback and the script's file
+and line, and the exit status EXIT_USER_ERROR; the node agent then fails the run at once instead
+of draining nodes and burning restarts. A failure after training began is a crash like any
+other (restart from the last committed checkpoint, bounded by recovery.max_restarts), and so
+is any failure of the fabric (a peer gone from a collective or the rendezvous), whenever it
+happens.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import runpy
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch.distributed as dist
+
+from trainer.job import TrainJob
+
+BUILT_IN = "trainer.train:main"
+EXIT_USER_ERROR = 4
+# Words of gloo's, NCCL's and the c10d store's errors when a peer vanishes: a node's fault.
+_FABRIC_WORDS = ("gloo", "nccl", "connection", "peer", "rendezvous", "timed out", "socket")
+_TRACEBACK_CHARS = 3000
+
+
+class _Progress:
+    """Whether this rank's script has finished a step yet (forgeline.training marks it)."""
+
+    began = False
+
+
+def mark_began() -> None:
+    _Progress.began = True
+
+
+def is_fabric_fault(err: BaseException) -> bool:
+    """A distributed error, or one that names the fabric: not the user's code."""
+    if isinstance(err, dist.DistError):
+        return True
+    return isinstance(err, RuntimeError) and any(w in str(err).lower() for w in _FABRIC_WORDS)
+
+
+def _where(tb: list[traceback.FrameSummary], code_dir: str) -> str:
+    """The user's own frame nearest the error (file relative to the code folder, line)."""
+    if code_dir:
+        inside = [f for f in tb if f.filename.startswith(code_dir)]
+        if inside:
+            frame = inside[-1]
+            return f"{Path(frame.filename).relative_to(code_dir)}, line {frame.lineno}"
+    if tb:
+        return f"{tb[-1].filename}, line {tb[-1].lineno}"
+    return "(no frame)"
+
+
+def _report(job: TrainJob, summary: str, detail: str) -> None:
+    """One progress line, from whichever rank found it (appends of a line are atomic)."""
+    if not job.progress_file:
+        return
+    event = {"time": time.time(), "event": "user_error", "reason": summary, "detail": detail}
+    with open(job.progress_file, "a") as handle:
+        handle.write(json.dumps(event) + "\n")
+
+
+def _run_entrypoint(entry: str, code_dir: str) -> None:
+    if code_dir:
+        sys.path.insert(0, code_dir)  # the script's own modules import as they do at home
+    if entry.endswith(".py"):
+        path = Path(code_dir) / entry
+        sys.argv = [str(path)]
+        runpy.run_path(str(path), run_name="__main__")
+        return
+    module, _, function = entry.partition(":")
+    getattr(importlib.import_module(module), function)()
+
+
+def main(job_path: str) -> None:
+    job = TrainJob.read(Path(job_path))
+    entry = job.train.get("entrypoint") or BUILT_IN
+    try:
+        _run_entrypoint(entry, job.code_dir)
+    except SystemExit as done:
+        if done.code in (None, 0) or _Progress.began:
+            raise
+        fail_user(job, f"the rank script {entry} exited with status {done.code} before its "
+                  "first step", "")  # fmt: skip
+    except BaseException as err:
+        if _Progress.began or is_fabric_fault(err) or isinstance(err, KeyboardInterrupt):
+            raise
+        frames = traceback.extract_tb(err.__traceback__)
+        detail = "".join(traceback.format_exception(err))[-_TRACEBACK_CHARS:]
+        where = _where(frames, job.code_dir)
+        fail_user(job, f"the rank script {entry} failed before its first step: "
+                  f"{type(err).__name__}: {err} ({where})", detail)  # fmt: skip
+    if not _Progress.began:
+        fail_user(job, f"the rank script {entry} returned without training: it must call "
+                  "run.steps() (see README, Your own training code)", "")  # fmt: skip
+
+
+def fail_user(job: TrainJob, summary: str, detail: str) -> None:
+    _report(job, summary, detail)
+    sys.stderr.write((detail or summary) + "\n")
+    sys.exit(EXIT_USER_ERROR)
+
+
+if __name__ == "__main__":
+    # Through the imported module, not this `__main__` copy of it: the SDK marks progress on
+    # `trainer.entry`, and that is the module whose state main() must read.
+    from trainer import entry
+
+    entry.main(sys.argv[1])
