@@ -20,6 +20,7 @@ from infra.settings import Settings
 from registry.approvals import load_approvals, rules_for
 from registry.tracking import (
     CHECKPOINT_TAG,
+    SERVABLE_TAG,
     DatasetUsed,
     Registration,
     checkpoint_of,
@@ -30,6 +31,7 @@ from registry.tracking import (
 from registry.tracking import record_decision as record_version_decision
 from trainer.attempt_clock import Mark, read_ledger
 from trainer.checkpoint import vet_metadata
+from trainer.errors import CheckpointError
 from trainer.evaluate import checkpoint_val_loss, evaluate_checkpoint, load_model
 from trainer.manifest import (
     CommittedCheckpoint,
@@ -38,8 +40,10 @@ from trainer.manifest import (
     load_for_init,
     manifest_key,
     newest_commit_of,
+    read_manifest,
     record_generation,
 )
+from trainer.reported_eval import reported_evaluation
 from workflows.models import (
     ApprovalPolicy,
     ApprovalPolicyInput,
@@ -149,6 +153,8 @@ class ControlActivities:
     @activity.defn(name="evaluate")
     def evaluate(self, inp: EvaluateInput) -> EvalResult:
         train, prompts = inp.spec.train, inp.spec.registry.prompts
+        if train.user_code:
+            return self._reported_evaluation(inp)
         with domain_errors(), keep_alive():
             dataset = self.cache.dataset_manifest(inp.dataset)
             val_shards = self.cache.split(dataset, "val")
@@ -197,6 +203,36 @@ class ControlActivities:
             curve=sorted(curve, key=lambda point: point.step),
         )
 
+    def _reported_evaluation(self, inp: EvaluateInput) -> EvalResult:
+        """A user's script evaluates its own model (run.report_eval); the manifests carry it."""
+        with domain_errors():
+            curve, final = [], None
+            for step in committed_steps(self.store, inp.run_id):
+                if step > inp.checkpoint.step:
+                    continue
+                manifest = read_manifest(self.store, manifest_key(inp.run_id, step))
+                found = reported_evaluation(manifest)
+                if found is None:
+                    continue
+                if step == inp.checkpoint.step:
+                    final = found
+                if found.measured_on == "held-out":
+                    curve.append(EvalPoint(step=found.step, val_loss=found.val_loss))
+            if final is None:
+                raise CheckpointError(
+                    f"{inp.checkpoint.manifest_key} holds neither a held-out nor a training loss "
+                    "of the script: it never called step.report() or run.report_eval()"
+                )
+        return EvalResult(
+            step=final.step,
+            val_loss=final.val_loss,
+            perplexity=final.perplexity,
+            val_tokens=final.val_tokens,
+            sample="",
+            curve=sorted({p.step: p for p in curve}.values(), key=lambda point: point.step),
+            measured_on=final.measured_on,
+        )
+
     @activity.defn(name="close_tracking_run")
     def close_tracking_run(self, inp: CloseTrackingInput) -> None:
         with domain_errors():
@@ -237,14 +273,20 @@ class ControlActivities:
     def register_model(self, inp: RegisterInput) -> ModelVersionRef:
         # Imported here: it pulls in mlflow.pyfunc, which only registration needs.
         from trainer.serving import export_model, served_code
+        from trainer.weights_export import export_weights
 
         info = activity.info()
         with domain_errors(), tempfile.TemporaryDirectory(prefix="forgeline-export-") as tmp:
             dataset = self.cache.dataset_manifest(inp.dataset)
             folder, manifest = self.cache.checkpoint(inp.checkpoint)
-            model = load_model(folder, manifest["model_config"])
-            artifacts = export_model(model, self.cache.tokenizer(dataset), Path(tmp))
-            served = served_code()
+            if inp.code is not None:  # a user's model: its weights, which no code here serves
+                artifacts = export_weights(folder, manifest, self.cache.tokenizer(dataset),
+                                           Path(tmp))  # fmt: skip
+                served = None
+            else:
+                model = load_model(folder, manifest["model_config"])
+                artifacts = export_model(model, self.cache.tokenizer(dataset), Path(tmp))
+                served = served_code()
             code = code_version()
             packages = installed_packages()
             lineage = {
@@ -263,7 +305,15 @@ class ControlActivities:
                 "forgeline.val_perplexity": f"{inp.evaluation.perplexity:.4f}",
                 "forgeline.eval_step": str(inp.evaluation.step),
                 "forgeline.packages_sha256": packages_digest(packages),
+                "forgeline.eval_measured_on": inp.evaluation.measured_on,
+                SERVABLE_TAG: "true" if served is not None else "false",
             }
+            if inp.code is not None:
+                lineage |= {
+                    "forgeline.code_snapshot": inp.code.snapshot_id,
+                    "forgeline.code_manifest_sha256": inp.code.manifest_sha256,
+                    "forgeline.entrypoint": inp.spec.train.entrypoint or "",
+                }
             final = inp.training[0] if inp.training else None
             metrics = {
                 "val_loss": inp.evaluation.val_loss,
@@ -316,10 +366,10 @@ class ControlActivities:
                     run_tags=lineage,
                     version_tags=lineage,
                     artifacts=artifacts,
-                    python_model=served.entry,
-                    code_modules=served.modules,
-                    signature=served.signature,
-                    pip_requirements=served.pip_requirements,
+                    python_model=served.entry if served else None,
+                    code_modules=served.modules if served else (),
+                    signature=served.signature if served else None,
+                    pip_requirements=served.pip_requirements if served else [],
                     idempotency_key=inp.workflow_run_id,
                     texts=texts,
                     mlflow_run_id=inp.mlflow_run_id,

@@ -66,8 +66,9 @@ class Registration:
     # A models-from-code file (MLflow runs it at load), never a PythonModel object: an object is
     # cloudpickled, so loading it would need the packages its classes live in, and would run
     # whatever the pickle says.
-    python_model: str
-    signature: ModelSignature
+    # None: a weights-only version (the artifacts and lineage, no pyfunc to load).
+    python_model: str | None
+    signature: ModelSignature | None
     pip_requirements: list[str]  # all the version needs, and only that: nothing is inferred
     idempotency_key: str
     code_modules: tuple[str, ...] = ()  # shipped in the version, at their package paths
@@ -138,20 +139,26 @@ def register(tracking_uri: str, reg: Registration) -> RegisteredVersion:
             mlflow.log_text(text, name)
         if reg.dataset is not None:
             mlflow.log_input(_as_input(reg.dataset), context="training", tags=reg.dataset.tags)
-        with tempfile.TemporaryDirectory(prefix="forgeline-code-") as code:
-            info = mlflow.pyfunc.log_model(
-                name="model",
-                python_model=reg.python_model,
-                code_paths=stage_modules(reg.code_modules, Path(code)) or None,
-                signature=reg.signature,
-                artifacts=reg.artifacts,
-                pip_requirements=reg.pip_requirements,
-            )
+        if reg.python_model is None:
+            for path in reg.artifacts.values():
+                mlflow.log_artifact(path, artifact_path="model")
+            source, model_id = f"{run.info.artifact_uri}/model", None
+        else:
+            with tempfile.TemporaryDirectory(prefix="forgeline-code-") as code:
+                info = mlflow.pyfunc.log_model(
+                    name="model",
+                    python_model=reg.python_model,
+                    code_paths=stage_modules(reg.code_modules, Path(code)) or None,
+                    signature=reg.signature,
+                    artifacts=reg.artifacts,
+                    pip_requirements=reg.pip_requirements,
+                )
+            source, model_id = info.model_uri, info.model_id
     version = client.create_model_version(
         name=_ensure_registered_model(client, reg.model_name),
-        source=info.model_uri,
+        source=source,
         run_id=run_id,
-        model_id=info.model_id,
+        model_id=model_id,
         tags={**reg.version_tags, IDEMPOTENCY_TAG: reg.idempotency_key},
     )
     client.set_registered_model_alias(reg.model_name, CANDIDATE, version.version)
@@ -260,6 +267,9 @@ def record_decision(
 
 
 CHECKPOINT_TAG = "forgeline.checkpoint_manifest_key"
+# "false" on a version that holds weights and lineage only (a user's script gave no way to
+# serve it): `forgeline serve` and `generate` say so instead of failing inside MLflow.
+SERVABLE_TAG = "forgeline.servable"
 
 
 def lookup_version(

@@ -307,3 +307,19 @@ def load_model_weights(model: torch.nn.Module, folder: Path) -> None:
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         safe_load.load(state, folder)
     model.load_state_dict(state["model"])
+
+
+def load_model_state(folder: Path) -> dict[str, torch.Tensor]:
+    """The model's weights of a fetched checkpoint as a flat state dict, without the model's
+    class (a user's script owns it): shapes and dtypes come from the vetted DCP metadata."""
+    metadata = safe_load.read_metadata(folder)
+    template = {
+        key.removeprefix("model."): torch.empty(entry.size, dtype=entry.properties.dtype)
+        for key, entry in metadata.state_dict_metadata.items()
+        if key.startswith("model.") and hasattr(entry, "size")
+    }
+    state = {"model": template}
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        safe_load.load(state, folder)
+    return state["model"]

@@ -29,7 +29,7 @@ from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
 from infra.processes import ManagedProcess, free_port, http_ok, port_is_open
-from registry.tracking import PRODUCTION, lookup_version
+from registry.tracking import PRODUCTION, SERVABLE_TAG, lookup_version
 from worker.cli_common import check_name
 
 # MLflow's own rule for aliases (letters, digits, `_`, `-`); checked here so a typo is refused
@@ -89,6 +89,13 @@ def check_registered(tracking_uri: str, ref: ModelRef) -> str:
     client = MlflowClient(tracking_uri=tracking_uri, registry_uri=tracking_uri)
     found = lookup_version(client, ref.name, alias=ref.alias, version=ref.version)
     if found is not None:
+        if found.tags.get(SERVABLE_TAG) == "false":
+            raise ServeError(
+                f"{ref.name} version {found.version} holds weights and lineage only: the "
+                f"script that trained it ({found.tags.get('forgeline.entrypoint', 'yours')}) "
+                "does not say how to serve it, so there is nothing to load as a model here; "
+                f"its weights are model/model.safetensors in MLflow run {found.run_id}"
+            )
         return str(found.version)
     try:
         client.get_registered_model(ref.name)

@@ -246,6 +246,9 @@ class EvalResult(BaseModel):
     sample: str  # the first prompt's continuation
     samples: list[Sample] = []  # every prompt's (registry.sample_prompt, then sample_prompts)
     curve: list[EvalPoint] = []  # held-out loss of every committed checkpoint kept, by step
+    # "held-out": the validation split; "train": a user's script reported no held-out loss, and
+    # this is its last training loss (trainer.reported_eval).
+    measured_on: str = "held-out"
 
 
 class Goodput(BaseModel):
@@ -279,6 +282,7 @@ class RegisterInput(BaseModel):
     goodput: Goodput | None = None
     health: list[HealthEvent] = []
     mlflow_run_id: str | None = None  # the run opened at the start; None: registration opens one
+    code: CodeRef | None = None  # the user's code snapshot that trained it (lineage)
 
 
 class TrackingInput(BaseModel):

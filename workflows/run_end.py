@@ -84,6 +84,7 @@ class RunEnd:
                 goodput=self._status.goodput,
                 health=self._status.health,
                 mlflow_run_id=self._status.mlflow_run_id,
+                code=self._input.code,
             ),
             ModelVersionRef,
             timeout=timedelta(minutes=30),

@@ -157,8 +157,8 @@ def alive(pid: int) -> bool:
         return False
 
 
-def final_weights(stack: Stack, run: str, scratch: Path) -> dict[str, torch.Tensor]:
-    """The model weights of the run's last committed checkpoint, read from the store."""
+def final_checkpoint(stack: Stack, run: str, scratch: Path) -> tuple[Path, dict]:
+    """The run's last committed checkpoint, fetched from the store: its folder and manifest."""
     store = stack.store()
     found = find_latest(store, run, max_generation=10**9)
     assert found is not None, f"{run} has no committed checkpoint"
@@ -167,7 +167,13 @@ def final_weights(stack: Stack, run: str, scratch: Path) -> dict[str, torch.Tens
     for entry in found.manifest["files"]:
         dest = folder / entry["key"].removeprefix(prefix)
         fetch_verified(store, entry["key"], dest, entry["sha256"], entry["bytes"])
-    return load_model(folder, found.manifest["model_config"]).state_dict()
+    return folder, found.manifest
+
+
+def final_weights(stack: Stack, run: str, scratch: Path) -> dict[str, torch.Tensor]:
+    """The built-in GPT's weights of the run's last committed checkpoint."""
+    folder, manifest = final_checkpoint(stack, run, scratch)
+    return load_model(folder, manifest["model_config"]).state_dict()
 
 
 def flip_a_byte(store: ObjectStore, key: str) -> bytes:

@@ -1,0 +1,123 @@
+"""Your own training code, end to end through the CLI: a script Forgeline has never seen trains
+on the real stack, survives a SIGKILLed node agent with the weights of a fault-free run, and is
+registered with its code snapshot as lineage; a script that cannot start fails the run at once,
+with its line, spending no restart and draining no node."""
+
+from __future__ import annotations
+
+import random
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from mlflow.tracking import MlflowClient
+
+from tests.conftest import REPO
+from tests.e2e.conftest import Stack, final_checkpoint
+from tests.e2e.faults import kill_a_node_of
+from trainer.checkpoint import load_model_state
+from trainer.manifest import find_latest
+
+pytestmark = pytest.mark.e2e
+
+BYO = REPO / "examples" / "byo"
+
+
+def byo_spec(tmp_path: Path, name: str, code: Path, **recovery: int) -> Path:
+    """examples/byo/gru.toml under another name, its code and data at absolute paths."""
+    text = (BYO / "gru.toml").read_text()
+    text = text.replace('name = "byo-gru"', f'name = "{name}"')
+    text = text.replace('"../data/tinyshakespeare.txt"',
+                        f'"{REPO / "examples" / "data" / "tinyshakespeare.txt"}"')  # fmt: skip
+    text = text.replace('code = "gru"', f'code = "{code}"')
+    for key, value in recovery.items():
+        text = re.sub(rf"^{key} = .*$", f"{key} = {value}", text, flags=re.M)
+    path = tmp_path / f"{name}.toml"
+    path.write_text(text)
+    return path
+
+
+def weights_of(stack: Stack, run: str, scratch: Path) -> dict[str, torch.Tensor]:
+    """The model weights of the run's last committed checkpoint, without the script's class."""
+    folder, _manifest = final_checkpoint(stack, run, scratch)
+    return load_model_state(folder)
+
+
+def test_your_own_script_recovers_from_a_dead_node_and_is_registered(
+    stack: Stack, tmp_path: Path
+) -> None:
+    reference = byo_spec(tmp_path, "byo-ref", BYO / "gru")
+    stack.cli("run", str(reference), "--detach")
+    faulted = byo_spec(tmp_path, "byo-gru", BYO / "gru", heartbeat_timeout_s=5)
+    submitted = stack.cli("run", str(faulted), "--detach").stdout
+    assert "submitted run byo-gru" in submitted
+    kill_a_node_of(stack, "byo-gru", 0, random.Random(14))
+    stack.cli("up", "--nodes", "3")  # the node comes back
+
+    for spec in (faulted, reference):
+        followed = stack.cli("run", str(spec), timeout=300).stdout
+        assert "AWAITING_APPROVAL" in followed, followed
+    status = stack.cli("status", "byo-gru").stdout
+    assert re.search(r"attempts +1 restart", status), status
+
+    store = stack.store()
+    final = find_latest(store, "byo-gru", max_generation=10**9)
+    expected = find_latest(store, "byo-ref", max_generation=10**9)
+    assert final is not None and expected is not None and final.generation >= 2
+    assert final.manifest["loss_history"] == expected.manifest["loss_history"]
+    ours, theirs = weights_of(stack, "byo-gru", tmp_path), weights_of(stack, "byo-ref", tmp_path)
+    assert ours.keys() == theirs.keys() and "rnn.weight_ih_l0" in ours
+    assert all(torch.equal(ours[k], theirs[k]) for k in theirs)
+
+    # Registered with weights and its code as lineage; the script's own metric reached MLflow.
+    client = MlflowClient(tracking_uri=stack.settings.mlflow_uri)
+    version = client.get_model_version_by_alias("byo-gru", "candidate")
+    tags = version.tags
+    assert tags["forgeline.entrypoint"] == "train.py"
+    assert re.fullmatch(r"[0-9a-f]{32}", tags["forgeline.code_snapshot"])
+    assert tags["forgeline.eval_measured_on"] == "held-out"
+    assert tags["forgeline.servable"] == "false"
+    assert client.get_metric_history(version.run_id, "train/perplexity")
+    files = {f.path for f in client.list_artifacts(version.run_id, "model")}
+    assert "model/model.safetensors" in files
+    # Nothing here can serve a model whose code is the user's: serve says so, in one line.
+    refused = stack.cli("serve", "byo-gru@candidate", check=False)
+    assert refused.returncode != 0 and "holds weights and lineage only" in refused.stdout
+
+
+def test_a_script_that_cannot_start_fails_the_run_at_once(stack: Stack, tmp_path: Path) -> None:
+    code = tmp_path / "typo"
+    shutil.copytree(BYO / "gru", code)
+    text = (code / "train.py").read_text()
+    (code / "train.py").write_text(
+        text.replace("optimizer = torch.optim.AdamW(model", "optimizer = torch.optim.AdamW(modle")
+    )
+    line = next(
+        n
+        for n, text in enumerate((code / "train.py").read_text().splitlines(), 1)
+        if "(modle" in text
+    )
+    spec = byo_spec(tmp_path, "byo-typo", code)
+    failed = stack.cli("run", str(spec), check=False, timeout=300)
+    assert failed.returncode == 1, failed.stdout
+    assert f"NameError: name 'modle' is not defined (train.py, line {line})" in failed.stdout
+    status = stack.cli("status", "byo-typo").stdout
+    assert re.search(r"phase +FAILED", status) and re.search(r"attempts +0 restart", status)
+    # No node took the blame: no failure recorded against one, none reported to the cluster.
+    assert not re.search(r"^failure ", status, re.M), status
+    nodes = stack.cli("nodes").stdout
+    assert "NameError" not in nodes and "byo-typo" not in nodes, nodes
+
+
+def test_a_missing_requirement_is_one_line_before_any_rank_starts(
+    stack: Stack, tmp_path: Path
+) -> None:
+    code = tmp_path / "needs"
+    shutil.copytree(BYO / "gru", code)
+    (code / "requirements.txt").write_text("torch>=2.6\nsurely-not-a-package-forgeline>=1\n")
+    failed = stack.cli("run", str(byo_spec(tmp_path, "byo-needs", code)), check=False, timeout=300)
+    assert failed.returncode == 1, failed.stdout
+    assert "surely-not-a-package-forgeline>=1 is not installed" in failed.stdout
+    assert not list((stack.home / "nodes").glob("*/runs/byo-needs/gen-*/torchrun.log"))
