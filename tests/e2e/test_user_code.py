@@ -25,15 +25,17 @@ pytestmark = pytest.mark.e2e
 BYO = REPO / "examples" / "byo"
 
 
-def byo_spec(tmp_path: Path, name: str, code: Path, **recovery: int) -> Path:
-    """examples/byo/gru.toml under another name, its code and data at absolute paths."""
-    text = (BYO / "gru.toml").read_text()
-    text = text.replace('name = "byo-gru"', f'name = "{name}"')
+def byo_spec(tmp_path: Path, name: str, code: Path, example: str = "gru.toml", **keys: int) -> Path:
+    """examples/byo/<example> under another name, its code and data at absolute paths, and
+    each of `keys` (a key of any table) set to its value."""
+    text = (BYO / example).read_text()
+    text = re.sub(r'^name = ".*"$', f'name = "{name}"', text, count=1, flags=re.M)
     text = text.replace('"../data/tinyshakespeare.txt"',
                         f'"{REPO / "examples" / "data" / "tinyshakespeare.txt"}"')  # fmt: skip
-    text = text.replace('code = "gru"', f'code = "{code}"')
-    for key, value in recovery.items():
-        text = re.sub(rf"^{key} = .*$", f"{key} = {value}", text, flags=re.M)
+    text = re.sub(r'^code = "[^"]*"', f'code = "{code}"', text, count=1, flags=re.M)
+    for key, value in keys.items():
+        text, found = re.subn(rf"^{key} = .*$", f"{key} = {value}", text, flags=re.M)
+        assert found == 1, f"{example} has {found} lines setting {key}"
     path = tmp_path / f"{name}.toml"
     path.write_text(text)
     return path
@@ -43,6 +45,21 @@ def weights_of(stack: Stack, run: str, scratch: Path) -> dict[str, torch.Tensor]
     """The model weights of the run's last committed checkpoint, without the script's class."""
     folder, _manifest = final_checkpoint(stack, run, scratch)
     return load_model_state(folder)
+
+
+def registered_with_its_code(stack: Stack, model: str, metric: str) -> None:
+    """The candidate version holds weights, with the code as lineage and the script's own
+    held-out evaluation; the script's own `metric` reached MLflow."""
+    client = MlflowClient(tracking_uri=stack.settings.mlflow_uri)
+    version = client.get_model_version_by_alias(model, "candidate")
+    tags = version.tags
+    assert tags["forgeline.entrypoint"] == "train.py"
+    assert re.fullmatch(r"[0-9a-f]{32}", tags["forgeline.code_snapshot"])
+    assert tags["forgeline.eval_measured_on"] == "held-out"
+    assert tags["forgeline.servable"] == "false"
+    assert client.get_metric_history(version.run_id, f"train/{metric}")
+    files = {f.path for f in client.list_artifacts(version.run_id, "model")}
+    assert "model/model.safetensors" in files
 
 
 def test_your_own_script_recovers_from_a_dead_node_and_is_registered(
@@ -71,20 +88,32 @@ def test_your_own_script_recovers_from_a_dead_node_and_is_registered(
     assert ours.keys() == theirs.keys() and "rnn.weight_ih_l0" in ours
     assert all(torch.equal(ours[k], theirs[k]) for k in theirs)
 
-    # Registered with weights and its code as lineage; the script's own metric reached MLflow.
-    client = MlflowClient(tracking_uri=stack.settings.mlflow_uri)
-    version = client.get_model_version_by_alias("byo-gru", "candidate")
-    tags = version.tags
-    assert tags["forgeline.entrypoint"] == "train.py"
-    assert re.fullmatch(r"[0-9a-f]{32}", tags["forgeline.code_snapshot"])
-    assert tags["forgeline.eval_measured_on"] == "held-out"
-    assert tags["forgeline.servable"] == "false"
-    assert client.get_metric_history(version.run_id, "train/perplexity")
-    files = {f.path for f in client.list_artifacts(version.run_id, "model")}
-    assert "model/model.safetensors" in files
+    registered_with_its_code(stack, "byo-gru", "perplexity")
     # Nothing here can serve a model whose code is the user's: serve says so, in one line.
     refused = stack.cli("serve", "byo-gru@candidate", check=False)
     assert refused.returncode != 0 and "holds weights and lineage only" in refused.stdout
+
+
+def test_the_fsdp_convnet_example_trains_to_approval_and_is_registered(
+    stack: Stack, tmp_path: Path
+) -> None:
+    """examples/byo/convnet shards its model with FSDP2 over both nodes' ranks: the
+    checkpoints record that layout, and their weights read back whole from the shards."""
+    spec = byo_spec(tmp_path, "byo-convnet", BYO / "convnet", "convnet.toml", steps=12,
+                    checkpoint_every=6, eval_every=6, eval_batches=2, block=32, width=32,
+                    layers=2)  # fmt: skip
+    followed = stack.cli("run", str(spec), timeout=300).stdout
+    assert "AWAITING_APPROVAL" in followed, followed
+
+    folder, manifest = final_checkpoint(stack, "byo-convnet", tmp_path)
+    assert manifest["step"] == 12 and manifest["world_size"] == 2
+    assert manifest["layout"] == {"replicate": 1, "shard": 2, "tensor": 1, "strategy": "fsdp",
+                                  "world_size": 2}  # fmt: skip
+    assert manifest["evaluation"]["step"] == 12
+    weights = load_model_state(folder)
+    assert weights["blocks.1.conv.weight"].shape == (32, 1, 4)  # whole, not a rank's half
+
+    registered_with_its_code(stack, "byo-convnet", "grad_norm")
 
 
 def test_a_script_that_cannot_start_fails_the_run_at_once(stack: Stack, tmp_path: Path) -> None:

@@ -1,5 +1,6 @@
 """A user's own rank script through the SDK, in real torchrun ranks: it trains, resumes exactly
-after a SIGKILL, and a script that cannot start fails as the user's error, with its line."""
+after a SIGKILL (a DDP script bitwise; an FSDP2 one bitwise on as many ranks, resharded onto
+one), and a script that cannot start fails as the user's error, with its line."""
 
 from __future__ import annotations
 
@@ -9,28 +10,35 @@ import os
 import shutil
 import signal
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 import torch
+from torch import nn
 
 from tests.conftest import REPO
 from tests.trainer.conftest import Trainer
 from tests.trainer.test_distributed_training import job_processes, resume_point
 from trainer.checkpoint import fetch_checkpoint, load_model_weights
 from trainer.errors import RanksFailed, UserCodeFailed
-from trainer.job import TrainJob
+from trainer.job import ResumePoint, TrainJob
 from trainer.manifest import find_latest, manifest_key
 from workflows.spec import TrainSpec
 
 GRU = REPO / "examples" / "byo" / "gru"
 ARGS = {"block": 32, "width": 32, "layers": 1}
+CONVNET = REPO / "examples" / "byo" / "convnet"
+CONV_ARGS = {"block": 32, "width": 32, "layers": 2, "kernel": 4}
+FSDP = {"replicate": 1, "shard": 2, "tensor": 1}  # what convnet.toml's `[parallel] shard = 2` gives
 
 
-def user_train(code: Path, entrypoint: str = "train.py", **train: object) -> TrainSpec:
+def user_train(
+    code: Path, entrypoint: str = "train.py", args: dict = ARGS, **train: object
+) -> TrainSpec:
     settings = {"steps": 40, "batch_size": 8, "learning_rate": 3e-3, "log_every": 5,
                 "checkpoint_every": 10, "keep_checkpoints": 10, "eval_every": 20,
                 "eval_batches": 4, "seed": 5, **train}  # fmt: skip
-    return TrainSpec(code=str(code), entrypoint=entrypoint, args=ARGS, **settings)
+    return TrainSpec(code=str(code), entrypoint=entrypoint, args=args, **settings)
 
 
 def user_job(trainer: Trainer, run_id: str, code: Path, train: TrainSpec, **fields) -> TrainJob:
@@ -41,14 +49,53 @@ def user_job(trainer: Trainer, run_id: str, code: Path, train: TrainSpec, **fiel
     return trainer.job(run_id, train, code_dir=str(code), val_shards=val, **fields)
 
 
-def gru_weights(trainer: Trainer, manifest: dict, tag: str) -> dict[str, torch.Tensor]:
-    spec = importlib.util.spec_from_file_location("byo_gru", GRU / "train.py")
+def script(code: Path) -> ModuleType:
+    """The example's train.py as a module, for its model class."""
+    spec = importlib.util.spec_from_file_location(f"byo_{code.name}", code / "train.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    vocab = trainer.snapshot.manifest["tokenizer"]["vocab_size"]
-    model = module.CharGRU(vocab, ARGS["width"], ARGS["layers"])
+    return module
+
+
+def weights_in(
+    trainer: Trainer, model: nn.Module, manifest: dict, tag: str
+) -> dict[str, torch.Tensor]:
+    """The checkpoint's weights loaded into the script's own (plain, unsharded) class."""
     load_model_weights(model, fetch_checkpoint(trainer.store, manifest, trainer.root / tag))
     return model.state_dict()
+
+
+def vocab(trainer: Trainer) -> int:
+    return trainer.snapshot.manifest["tokenizer"]["vocab_size"]
+
+
+def gru_weights(trainer: Trainer, manifest: dict, tag: str) -> dict[str, torch.Tensor]:
+    model = script(GRU).CharGRU(vocab(trainer), ARGS["width"], ARGS["layers"])
+    return weights_in(trainer, model, manifest, tag)
+
+
+def convnet_weights(trainer: Trainer, manifest: dict, tag: str) -> dict[str, torch.Tensor]:
+    args = CONV_ARGS
+    model = script(CONVNET).ConvLM(vocab(trainer), args["width"], args["layers"], args["kernel"])
+    return weights_in(trainer, model, manifest, tag)
+
+
+def kill_after_first_commit(trainer: Trainer, job: TrainJob, ranks: int) -> ResumePoint:
+    """Start the job, SIGKILL its torchrun and every rank once a checkpoint has committed,
+    and return where the run resumes from (a step before the last)."""
+
+    async def kill() -> None:
+        task = await trainer.start_until_committed(job, ranks=ranks)
+        for pid in job_processes(Path(job.progress_file).parent / "job.json", launcher=True):
+            os.kill(pid, signal.SIGKILL)
+        with pytest.raises(RanksFailed):
+            await task
+
+    asyncio.run(kill())
+    found = find_latest(trainer.store, job.run_id, max_generation=job.generation)
+    steps = TrainSpec.model_validate(job.train).steps
+    assert found is not None and found.step < steps
+    return resume_point(trainer, found.manifest, job.run_id, manifest_key(job.run_id, found.step))
 
 
 def test_a_user_script_resumes_exactly_after_a_sigkill(trainer: Trainer) -> None:
@@ -59,21 +106,7 @@ def test_a_user_script_resumes_exactly_after_a_sigkill(trainer: Trainer) -> None
     assert reference.manifest["evaluation"]["step"] == 40  # the script's own held-out loss
     assert reference.manifest["evaluation"]["val_loss"] < reference.manifest["loss_history"][0][1]
 
-    job = user_job(trainer, "gru-killed", GRU, train)
-
-    async def kill_after_first_commit() -> None:
-        task = await trainer.start_until_committed(job, ranks=2)
-        for pid in job_processes(Path(job.progress_file).parent / "job.json", launcher=True):
-            os.kill(pid, signal.SIGKILL)
-        with pytest.raises(RanksFailed):
-            await task
-
-    asyncio.run(kill_after_first_commit())
-    found = find_latest(trainer.store, "gru-killed", max_generation=1)
-    assert found is not None and found.step < 40
-    resume = resume_point(
-        trainer, found.manifest, "gru-killed", manifest_key("gru-killed", found.step)
-    )
+    resume = kill_after_first_commit(trainer, user_job(trainer, "gru-killed", GRU, train), 2)
     trainer.run(user_job(trainer, "gru-killed", GRU, train, resume=resume, generation=2), ranks=2)
     final = find_latest(trainer.store, "gru-killed", max_generation=2)
     assert final is not None and final.step == 40
@@ -83,6 +116,64 @@ def test_a_user_script_resumes_exactly_after_a_sigkill(trainer: Trainer) -> None
         gru_weights(trainer, reference.manifest, "b"),
     )
     assert all(torch.equal(ours[k], theirs[k]) for k in theirs)
+
+
+@pytest.fixture(scope="module")
+def convnet_reference(trainer: Trainer) -> dict:
+    """The FSDP2 example, fault-free on 2 ranks: its final manifest."""
+    train = user_train(CONVNET, args=CONV_ARGS)
+    trainer.run(user_job(trainer, "conv-ref", CONVNET, train, layout=FSDP), ranks=2)
+    found = find_latest(trainer.store, "conv-ref", max_generation=1)
+    assert found is not None and found.step == 40
+    assert found.manifest["layout"]["strategy"] == "fsdp" and found.manifest["world_size"] == 2
+    assert found.manifest["evaluation"]["step"] == 40
+    return found.manifest
+
+
+@pytest.fixture(scope="module")
+def convnet_killed(trainer: Trainer) -> ResumePoint:
+    """The same run on 2 ranks, SIGKILLed after its first commit: where it resumes from."""
+    job = user_job(
+        trainer, "conv-killed", CONVNET, user_train(CONVNET, args=CONV_ARGS), layout=FSDP
+    )
+    return kill_after_first_commit(trainer, job, 2)
+
+
+def test_an_fsdp_script_resumes_bitwise_on_as_many_ranks(
+    trainer: Trainer, convnet_reference: dict, convnet_killed: ResumePoint
+) -> None:
+    train = user_train(CONVNET, args=CONV_ARGS)
+    job = user_job(
+        trainer, "conv-killed", CONVNET, train, resume=convnet_killed, generation=2, layout=FSDP
+    )
+    trainer.run(job, ranks=2)
+    final = find_latest(trainer.store, "conv-killed", max_generation=2)
+    assert final is not None and final.step == 40 and final.generation == 2
+    assert final.manifest["loss_history"] == convnet_reference["loss_history"]
+    assert final.manifest["evaluation"] == convnet_reference["evaluation"]
+    ours = convnet_weights(trainer, final.manifest, "conv-a")
+    theirs = convnet_weights(trainer, convnet_reference, "conv-b")
+    assert all(torch.equal(ours[k], theirs[k]) for k in theirs)
+
+
+def test_an_fsdp_script_resumes_resharded_onto_one_rank(
+    trainer: Trainer, convnet_reference: dict, convnet_killed: ResumePoint
+) -> None:
+    """The 2-rank shards load into one rank (DCP reshards them) and train on to the end."""
+    train = user_train(CONVNET, args=CONV_ARGS)
+    job = user_job(trainer, "conv-one", CONVNET, train, resume=convnet_killed, generation=2)
+    trainer.run(job, ranks=1)
+    final = find_latest(trainer.store, "conv-one", max_generation=2)
+    assert final is not None and final.step == 40
+    assert final.manifest["world_size"] == 1
+    ours, theirs = final.manifest["loss_history"], convnet_reference["loss_history"]
+    assert [s for s, _ in ours] == [s for s, _ in theirs]
+    for (step, loss), (_, reference) in zip(ours, theirs, strict=True):
+        # On one rank a gradient is one mean, not two reduce-scattered halves: only rounding
+        # differs (2.4e-7 measured; test_layouts allows the GPT's layouts 1e-4).
+        assert loss == pytest.approx(reference, abs=1e-5), step
+    val_loss = convnet_reference["evaluation"]["val_loss"]
+    assert final.manifest["evaluation"]["val_loss"] == pytest.approx(val_loss, abs=1e-5)
 
 
 def broken_script(tmp_path: Path, name: str, text: str) -> Path:

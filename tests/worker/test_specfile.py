@@ -9,7 +9,8 @@ VALID = {"name": "r1", "data": {"sources": ["corpus.txt"]}}
 
 
 @pytest.mark.parametrize(
-    "example", ["tiny.toml", "tiny-fsdp.toml", "shakespeare-char.toml", "byo/gru.toml"]
+    "example",
+    ["tiny.toml", "tiny-fsdp.toml", "shakespeare-char.toml", "byo/gru.toml", "byo/convnet.toml"],
 )
 def test_examples_are_valid(example: str) -> None:
     spec = load_spec(REPO / "examples" / example)
