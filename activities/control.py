@@ -273,16 +273,17 @@ class ControlActivities:
     def register_model(self, inp: RegisterInput) -> ModelVersionRef:
         # Imported here: it pulls in mlflow.pyfunc, which only registration needs.
         from trainer.serving import export_model, served_code
-        from trainer.weights_export import export_weights
+        from trainer.weights_export import export_weights, user_served_code
 
         info = activity.info()
         with domain_errors(), tempfile.TemporaryDirectory(prefix="forgeline-export-") as tmp:
             dataset = self.cache.dataset_manifest(inp.dataset)
             folder, manifest = self.cache.checkpoint(inp.checkpoint)
-            if inp.code is not None:  # a user's model: its weights, which no code here serves
+            if inp.code is not None:  # a user's model: its weights, served by its own code
                 artifacts = export_weights(folder, manifest, self.cache.tokenizer(dataset),
                                            Path(tmp))  # fmt: skip
-                served = None
+                serving = manifest.get("serving")
+                served = user_served_code(self.cache.code(inp.code), serving) if serving else None
             else:
                 model = load_model(folder, manifest["model_config"])
                 artifacts = export_model(model, self.cache.tokenizer(dataset), Path(tmp))
@@ -368,6 +369,8 @@ class ControlActivities:
                     artifacts=artifacts,
                     python_model=served.entry if served else None,
                     code_modules=served.modules if served else (),
+                    code_files=served.files if served else (),
+                    model_config=served.config if served else None,
                     signature=served.signature if served else None,
                     pip_requirements=served.pip_requirements if served else [],
                     idempotency_key=inp.workflow_run_id,

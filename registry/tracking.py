@@ -72,6 +72,8 @@ class Registration:
     pip_requirements: list[str]  # all the version needs, and only that: nothing is inferred
     idempotency_key: str
     code_modules: tuple[str, ...] = ()  # shipped in the version, at their package paths
+    code_files: tuple[str, ...] = ()  # shipped as they are, by name (a user's code snapshot)
+    model_config: dict[str, Any] | None = None  # for the models-from-code file (load_context)
     texts: dict[str, str] = field(default_factory=dict)  # file name -> content, on the run
     mlflow_run_id: str | None = None  # the run opened at the start (open_run); None: a new one
     dataset: DatasetUsed | None = None
@@ -145,10 +147,12 @@ def register(tracking_uri: str, reg: Registration) -> RegisteredVersion:
             source, model_id = f"{run.info.artifact_uri}/model", None
         else:
             with tempfile.TemporaryDirectory(prefix="forgeline-code-") as code:
+                shipped = stage_modules(reg.code_modules, Path(code)) + list(reg.code_files)
                 info = mlflow.pyfunc.log_model(
                     name="model",
                     python_model=reg.python_model,
-                    code_paths=stage_modules(reg.code_modules, Path(code)) or None,
+                    code_paths=shipped or None,
+                    model_config=reg.model_config,
                     signature=reg.signature,
                     artifacts=reg.artifacts,
                     pip_requirements=reg.pip_requirements,

@@ -72,6 +72,8 @@ class ServedCode:
     modules: tuple[str, ...]
     pip_requirements: list[str]
     signature: ModelSignature
+    files: tuple[str, ...] = ()  # shipped as they are (a user's code: its top-level entries)
+    config: dict | None = None  # the entry's model_config (a user's serving module)
 
 
 def served_code() -> ServedCode:

@@ -7,10 +7,22 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
 from safetensors.torch import save_file
 
+from infra.requirements import REQUIREMENTS_FILE
 from trainer.checkpoint import load_model_state
-from trainer.serving import CONFIG_FILE, TOKENIZER_FILE, WEIGHTS_FILE
+from trainer.serving import (
+    CONFIG_FILE,
+    TOKENIZER_FILE,
+    WEIGHTS_FILE,
+    ServedCode,
+    pip_requirements,
+    signature,
+)
+
+USER_ENTRY = Path(__file__).with_name("user_serving_entry.py")
 
 
 def export_weights(
@@ -29,3 +41,28 @@ def export_weights(
         "config": str(dest / CONFIG_FILE),
         "tokenizer": str(dest / TOKENIZER_FILE),
     }
+
+
+def user_served_code(code_folder: Path, serving: dict) -> ServedCode:
+    """How a user's version is built: Forgeline's small entry (trainer/user_serving_entry.py),
+    the user's whole code snapshot at the top of its code/ folder (so `import serve` finds the
+    user's module as it did at home), the serving pins plus the user's requirements.txt."""
+    wanted = []
+    requirements = code_folder / REQUIREMENTS_FILE
+    if requirements.is_file():
+        for raw in requirements.read_text(errors="replace").splitlines():
+            line = raw.split("#", 1)[0].strip()
+            if line and not line.startswith("-"):
+                wanted.append(line)
+    ours = pip_requirements()
+    # Ours are pins of what is installed here, the user's are ranges it met: a pin wins.
+    named = {canonicalize_name(Requirement(r).name) for r in ours}
+    extra = [r for r in wanted if canonicalize_name(Requirement(r).name) not in named]
+    return ServedCode(
+        entry=str(USER_ENTRY),
+        modules=(),
+        pip_requirements=ours + extra,
+        signature=signature(),
+        files=tuple(sorted(str(p) for p in code_folder.iterdir() if p.name != "__pycache__")),
+        config={"serving_module": serving["module"]},
+    )

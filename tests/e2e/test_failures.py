@@ -254,8 +254,8 @@ def test_a_straggler_is_swapped_for_another_node(stack: Stack, tmp_path: Path) -
         moved = wait_for(
             lambda: (gang := gang_of(stack, "tiny-slow"))[0] > generation and gang, 120, "a swap"
         )
-        assert victim not in moved[1]
         status = stack.cli("status", "tiny-slow").stdout
+        assert victim not in moved[1], status
         found = re.search(
             rf"health +gen {generation} step (\d+): straggler on {victim} \(swap\): rank 1 "
             r"\(node index 1\) is \d+\.\d× slower",

@@ -47,7 +47,7 @@ def weights_of(stack: Stack, run: str, scratch: Path) -> dict[str, torch.Tensor]
     return load_model_state(folder)
 
 
-def registered_with_its_code(stack: Stack, model: str, metric: str) -> None:
+def registered_with_its_code(stack: Stack, model: str, metric: str, servable: bool) -> None:
     """The candidate version holds weights, with the code as lineage and the script's own
     held-out evaluation; the script's own `metric` reached MLflow."""
     client = MlflowClient(tracking_uri=stack.settings.mlflow_uri)
@@ -56,10 +56,18 @@ def registered_with_its_code(stack: Stack, model: str, metric: str) -> None:
     assert tags["forgeline.entrypoint"] == "train.py"
     assert re.fullmatch(r"[0-9a-f]{32}", tags["forgeline.code_snapshot"])
     assert tags["forgeline.eval_measured_on"] == "held-out"
-    assert tags["forgeline.servable"] == "false"
+    assert tags["forgeline.servable"] == str(servable).lower()
     assert client.get_metric_history(version.run_id, f"train/{metric}")
-    files = {f.path for f in client.list_artifacts(version.run_id, "model")}
-    assert "model/model.safetensors" in files
+    if servable:  # a pyfunc model: the user's code and the weights among its artifacts
+        # Over REST the version's model_id is not filled in; its source is models:/<model id>.
+        model_id = version.model_id or version.source.removeprefix("models:/")
+        files = {f.path for f in client.list_logged_model_artifacts(model_id, "code")}
+        assert {"code/serve.py", "code/model.py"} <= files, files
+        files = {f.path for f in client.list_logged_model_artifacts(model_id, "artifacts")}
+        assert "artifacts/model.safetensors" in files, files
+    else:  # weights and lineage: files of the run
+        files = {f.path for f in client.list_artifacts(version.run_id, "model")}
+        assert "model/model.safetensors" in files, files
 
 
 def test_your_own_script_recovers_from_a_dead_node_and_is_registered(
@@ -88,10 +96,11 @@ def test_your_own_script_recovers_from_a_dead_node_and_is_registered(
     assert ours.keys() == theirs.keys() and "rnn.weight_ih_l0" in ours
     assert all(torch.equal(ours[k], theirs[k]) for k in theirs)
 
-    registered_with_its_code(stack, "byo-gru", "perplexity")
-    # Nothing here can serve a model whose code is the user's: serve says so, in one line.
-    refused = stack.cli("serve", "byo-gru@candidate", check=False)
-    assert refused.returncode != 0 and "holds weights and lineage only" in refused.stdout
+    registered_with_its_code(stack, "byo-gru", "perplexity", servable=True)
+    # The script said how its model is served (serve.py): the version answers prompts, through
+    # the user's own load() and predict(), shipped in the version with the code snapshot.
+    text = stack.cli("generate", "byo-gru@candidate", "ROMEO:", "--max-new-tokens", "40").stdout
+    assert text.strip().startswith("ROMEO:") and len(text.strip()) > len("ROMEO:") + 20, text
 
 
 def test_the_fsdp_convnet_example_trains_to_approval_and_is_registered(
@@ -113,7 +122,10 @@ def test_the_fsdp_convnet_example_trains_to_approval_and_is_registered(
     weights = load_model_state(folder)
     assert weights["blocks.1.conv.weight"].shape == (32, 1, 4)  # whole, not a rank's half
 
-    registered_with_its_code(stack, "byo-convnet", "grad_norm")
+    registered_with_its_code(stack, "byo-convnet", "grad_norm", servable=False)
+    # It never said how to serve it: serve and generate say so, in one line.
+    refused = stack.cli("serve", "byo-convnet@candidate", check=False)
+    assert refused.returncode != 0 and "holds weights and lineage only" in refused.stdout
 
 
 def test_a_script_that_cannot_start_fails_the_run_at_once(stack: Stack, tmp_path: Path) -> None:

@@ -50,8 +50,9 @@ def user_job(trainer: Trainer, run_id: str, code: Path, train: TrainSpec, **fiel
 
 
 def script(code: Path) -> ModuleType:
-    """The example's train.py as a module, for its model class."""
-    spec = importlib.util.spec_from_file_location(f"byo_{code.name}", code / "train.py")
+    """The example's module that holds its model class (model.py, else train.py)."""
+    source = code / "model.py" if (code / "model.py").exists() else code / "train.py"
+    spec = importlib.util.spec_from_file_location(f"byo_{code.name}", source)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -177,10 +178,10 @@ def test_an_fsdp_script_resumes_resharded_onto_one_rank(
 
 
 def broken_script(tmp_path: Path, name: str, text: str) -> Path:
+    """The GRU example's folder with another train.py."""
     code = tmp_path / name
-    code.mkdir()
-    shutil.copy(GRU / "train.py", code / "train.py")
-    (code / "train.py").write_text(text.replace("<GRU>", (GRU / "train.py").read_text()))
+    shutil.copytree(GRU, code, ignore=shutil.ignore_patterns("__pycache__"))
+    (code / "train.py").write_text(text)
     return code
 
 

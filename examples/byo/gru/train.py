@@ -1,8 +1,9 @@
 """A character-level GRU language model under DDP, trained through Forgeline's SDK.
 
-Nothing here comes from Forgeline's own trainer: the model, the optimizer and the loop are this
-script's. The SDK (`import forgeline`) hands it the gang, the data and the checkpoints: the run
-resumes exactly after a dead node, on however many ranks the next gang has.
+Nothing here comes from Forgeline's own trainer: the model (model.py), the optimizer and the
+loop are this folder's, and so is how the registered model answers prompts (serve.py). The SDK
+(`import forgeline`) hands it the gang, the data and the checkpoints: the run resumes exactly
+after a dead node, on however many ranks the next gang has.
 
     torchrun ranks ──► forgeline.init() ──► restore ──► for step in run.steps(): ...
 """
@@ -13,29 +14,11 @@ import math
 
 import torch
 from torch import nn
-from torch.nn import functional as F
 from torch.nn.parallel import DistributedDataParallel
 
 import forgeline
 
-
-class CharGRU(nn.Module):
-    """Embedding → stacked GRU → a linear readout of the next character."""
-
-    def __init__(self, vocab: int, width: int, layers: int) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(vocab, width)
-        self.rnn = nn.GRU(width, width, num_layers=layers, batch_first=True)
-        self.head = nn.Linear(width, vocab)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        hidden, _ = self.rnn(self.embed(x))  # (batch, time, width)
-        return self.head(hidden)  # (batch, time, vocab)
-
-
-def loss_of(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    logits = model(x)
-    return F.cross_entropy(logits.flatten(0, 1), y.flatten())
+from model import CharGRU, loss_of  # this folder's own module (the code snapshot's root)
 
 
 @torch.no_grad()
@@ -55,13 +38,22 @@ def held_out(model: nn.Module, run: forgeline.Run, block: int, batches: int) -> 
 def main() -> None:
     run = forgeline.init()
     args = run.args  # the spec's [train.args], as written
-    block, width = int(args.get("block", 64)), int(args.get("width", 128))
+    block, width, layers = (
+        int(args.get("block", 64)),
+        int(args.get("width", 128)),
+        int(args.get("layers", 1)),
+    )
 
     torch.manual_seed(run.settings.seed)  # the same initial weights on every rank
-    model = CharGRU(run.vocab_size, width, int(args.get("layers", 1)))
+    model = CharGRU(run.vocab_size, width, layers)
     model = DistributedDataParallel(model.to(run.device))
     optimizer = torch.optim.AdamW(model.parameters(), lr=run.settings.learning_rate)
-    run.restore(model, optimizer, model_config={"width": width, "block": block})
+    run.restore(
+        model,
+        optimizer,
+        model_config={"vocab": run.vocab_size, "width": width, "layers": layers, "block": block},
+    )
+    run.serve_with("serve")  # serve.py: how the registered version answers prompts
     run.dataset(block)
 
     for step in run.steps():
