@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import json
 import re
+import tempfile
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Annotated
 
 import typer
 from mlflow.tracking import MlflowClient
 
+from infra import code_snapshot
 from infra.digest import sha256_bytes
 from infra.errors import IntegrityError, ObjectNotFound
 from infra.processes import http_ok
@@ -106,6 +109,7 @@ def trace(settings: Settings, store: ObjectStore, name: str, version: str) -> li
             tags["forgeline.dataset_manifest_sha256"],
         ),
         Link("code", code),
+        *([_user_code(store, tags)] if "forgeline.code_snapshot" in tags else []),
         Link("spec", f"sha256 {tags.get('forgeline.spec_sha256', '?')}"),
         Link("temporal", f"{history}/{workflow_id}/{tags.get(IDEMPOTENCY_TAG, '')}".rstrip("/")),
     ]
@@ -129,6 +133,22 @@ def _checkpoint(store: ObjectStore, key: str) -> Link:
         f"{len(manifest['files'])} files, {manifest.get('tokens_seen', 0):,} tokens seen"
     )
     return Link("checkpoint", detail, "ok")
+
+
+def _user_code(store: ObjectStore, tags: dict[str, str]) -> Link:
+    """The user's code snapshot that trained the version, every file checked against the
+    manifest whose digest the version recorded (fetched to a scratch folder: code is small)."""
+    snapshot = tags["forgeline.code_snapshot"]
+    entry = tags.get("forgeline.entrypoint", "?")
+    try:
+        with tempfile.TemporaryDirectory(prefix="forgeline-lineage-") as scratch:
+            folder = code_snapshot.fetch(
+                store, snapshot, tags.get("forgeline.code_manifest_sha256", ""), Path(scratch)
+            )
+            files = sum(1 for p in folder.rglob("*") if p.is_file())
+    except (IntegrityError, ObjectNotFound) as err:
+        return Link("user code", f"{code_snapshot.manifest_key(snapshot)}", str(err))
+    return Link("user code", f"snapshot {snapshot}: {files} files, entrypoint {entry}", "ok")
 
 
 def _dataset(store: ObjectStore, key: str, recorded_sha256: str) -> Link:

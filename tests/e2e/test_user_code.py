@@ -97,6 +97,9 @@ def test_your_own_script_recovers_from_a_dead_node_and_is_registered(
     assert all(torch.equal(ours[k], theirs[k]) for k in theirs)
 
     registered_with_its_code(stack, "byo-gru", "perplexity", servable=True)
+    traced = stack.cli("lineage", "byo-gru", "@candidate").stdout
+    code_line = r"^user code +snapshot [0-9a-f]{32}: \d+ files, entrypoint train\.py  \[verified\]"
+    assert re.search(code_line, traced, re.M), traced
     # The script said how its model is served (serve.py): the version answers prompts, through
     # the user's own load() and predict(), shipped in the version with the code snapshot.
     text = stack.cli("generate", "byo-gru@candidate", "ROMEO:", "--max-new-tokens", "40").stdout
