@@ -1,37 +1,43 @@
 """The baseline of bench/trainer.py: the plainest single-process PyTorch loop of the same model,
 batch and data. No process group, no checkpoints, no progress file, no health signals.
 
-    python -m bench.bare_loop SHARD DTYPE MODEL_JSON BATCH STEPS THREADS
+    python -m bench.bare_loop SHARD DTYPE MODEL_JSON BATCH STEPS THREADS [--warmup N] [--arch A]
 
-Prints one JSON line: {"tokens_per_s": ..., "measured_steps": ...}, timed after a warm-up.
+`--arch gpt` (the default) trains the built-in GPT; `--arch fused` the same shape with one
+fused qkv and no biases (bench/fused_gpt.py), so both architectures run in the same loop.
+Prints one JSON line: {"tokens_per_s": ..., "measured_steps": ...}, timed after the warm-up.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
-import sys
 import time
 
 import numpy as np
 import torch
 
+from bench.fused_gpt import fused_gpt
 from trainer.model import GPT, GPTConfig
 
-WARMUP_STEPS = 5
+ARCHS = {"gpt": GPT, "fused": fused_gpt}
 
 
-def main(shard: str, dtype: str, model_json: str, batch: int, steps: int, threads: int) -> None:
+def main(
+    shard: str, dtype: str, model_json: str, batch: int, steps: int, threads: int,
+    warmup: int = 5, arch: str = "gpt",
+) -> None:  # fmt: skip
     torch.set_num_threads(threads)
     torch.manual_seed(0)
     config = GPTConfig(**json.loads(model_json))
-    model = GPT(config)
+    model = ARCHS[arch](config)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95))
     tokens = np.memmap(shard, dtype=np.dtype(dtype), mode="r")
     rng = np.random.default_rng(0)
     T = config.block_size
     started = 0.0
     for step in range(steps):
-        if step == WARMUP_STEPS:
+        if step == warmup:
             started = time.perf_counter()
         starts = rng.integers(0, len(tokens) - T - 1, size=batch)
         rows = np.stack([tokens[s : s + T + 1] for s in starts]).astype(np.int64)
@@ -41,11 +47,18 @@ def main(shard: str, dtype: str, model_json: str, batch: int, steps: int, thread
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
-    measured = steps - WARMUP_STEPS
+    measured = steps - warmup
     elapsed = time.perf_counter() - started
     print(json.dumps({"tokens_per_s": measured * batch * T / elapsed, "measured_steps": measured}))
 
 
 if __name__ == "__main__":
-    shard_, dtype_, model_, batch_, steps_, threads_ = sys.argv[1:7]
-    main(shard_, dtype_, model_, int(batch_), int(steps_), int(threads_))
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    for name in ("shard", "dtype", "model_json"):
+        parser.add_argument(name)
+    for name in ("batch", "steps", "threads"):
+        parser.add_argument(name, type=int)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--arch", choices=sorted(ARCHS), default="gpt")
+    a = parser.parse_args()
+    main(a.shard, a.dtype, a.model_json, a.batch, a.steps, a.threads, a.warmup, a.arch)

@@ -1,11 +1,16 @@
 """What the platform costs a training run, side by side with bare PyTorch in one run.
 
-    python -m bench.trainer [--repeats 2] [--skip-throughput] [--skip-checkpoint]
+    python -m bench.trainer [--repeats 3] [--skip-throughput] [--skip-checkpoint]
 
-1. Throughput: the real trainer (torchrun, one rank, every always-on feature: the deterministic
-   sampler, the per-step health all-gather, stop checks, progress file) against
+1. Throughput at two sizes, a small GPT (4 layers × 128, batch 12 × 64 tokens: what the
+   platform adds per step shows) and today's (4 × 256, batch 16 × 128): the built-in trainer
+   through the SDK (real torchrun, one rank, every always-on feature: the deterministic sampler,
+   the per-step decisions, stop checks, goodput ledger, progress file) against
    `bench/bare_loop.py`, the plainest loop of the same model, batch and data, with the same
-   threads. Tokens/s after a warm-up; best of `--repeats`, alternating.
+   threads; and, in that same bare loop, the built-in GPT against a network of the same shape
+   with one fused qkv and no biases (`bench/fused_gpt.py`). Tokens/s after a warm-up, best and
+   median of `--repeats`, alternating, the order reversed every other repeat; ratios are best
+   over best and the median of each repeat's adjacent pair.
 2. Checkpoint stall for a ~60 M-parameter GPT with AdamW state: the time the loop is blocked by
    an asynchronous save (with the copy overlapped with the next forward and backward, as the
    loop does it, and without overlap), against a synchronous `dcp.save` and a `torch.save` of the
@@ -25,6 +30,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -42,18 +48,16 @@ from trainer.job import TrainJob
 from trainer.launch import Rendezvous, run_ranks
 from trainer.manifest import find_latest
 from trainer.model import GPT, GPTConfig
-from workflows.spec import ModelSpec, TrainSpec
+from workflows.spec import ModelSpec, RecoverySpec, TrainSpec
 
 REPO = Path(__file__).resolve().parents[1]
 CORPUS = REPO / "examples" / "data" / "tinyshakespeare.txt"
 THREADS = max(1, min(2, os.cpu_count() or 1))
-THROUGHPUT_MODEL = ModelSpec(n_layer=4, n_head=4, n_embd=256, block_size=128)
-BATCH, STEPS, WARMUP = 16, 35, 5
 BIG = GPTConfig(vocab_size=8192, n_layer=8, n_head=12, n_embd=768, block_size=256)
 
 
 def table(rows: list[tuple[str, str, str, str]]) -> str:
-    header = ("measure", "forgeline", "baseline", "ratio")
+    header = ("measure", "subject", "baseline", "ratio")
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(4)]
     line = lambda r: "| " + " | ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) + " |"  # noqa: E731
     return "\n".join(
@@ -64,6 +68,23 @@ def table(rows: list[tuple[str, str, str, str]]) -> str:
 # --- 1. throughput -----------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class Size:
+    label: str
+    model: ModelSpec
+    batch: int
+    measured_steps: int  # after WARMUP steps
+
+
+SIZES = (
+    Size("small, 4 × 128, batch 12 × 64", ModelSpec(n_layer=4, n_head=4, n_embd=128, block_size=64),
+         batch=12, measured_steps=200),
+    Size("today's, 4 × 256, batch 16 × 128",
+         ModelSpec(n_layer=4, n_head=4, n_embd=256, block_size=128), batch=16, measured_steps=40),
+)  # fmt: skip
+WARMUP = 10  # steps before the clock starts; also the trainer's log_every (the spec's default)
+
+
 def _vocab(snapshot) -> int:
     return snapshot.manifest["tokenizer"]["vocab_size"]
 
@@ -72,58 +93,89 @@ def _train_shards(store: LocalStore, snapshot) -> list[str]:
     return [str(store.root / s["key"]) for s in snapshot.manifest["splits"]["train"]["shards"]]
 
 
-def trainer_tokens_per_s(root: Path, store: LocalStore, snapshot, attempt: int) -> float:
+def trainer_tokens_per_s(root: Path, store: LocalStore, snapshot, size: Size, run: str) -> float:
+    steps = WARMUP + size.measured_steps
     train = TrainSpec(
-        steps=STEPS, batch_size=BATCH, log_every=WARMUP, checkpoint_every=STEPS,
+        steps=steps, batch_size=size.batch, log_every=WARMUP, checkpoint_every=steps,
         threads_per_rank=THREADS, warmup_steps=2,
     )  # fmt: skip
-    work = root / f"trainer-{attempt}"
+    work = root / run
     job = TrainJob(
-        run_id=f"bench-{attempt}",
+        run_id=run,
         node_id="n0",
         generation=1,
-        model={**THROUGHPUT_MODEL.architecture(), "vocab_size": _vocab(snapshot)},
+        model={**size.model.architecture(), "vocab_size": _vocab(snapshot)},
         train=train.model_dump(),
         train_shards=_train_shards(store, snapshot),
         dtype=snapshot.manifest["dtype"],
         store_url=store.url,
         staging_dir=str(work / "staging"),
         progress_file=str(work / "progress.jsonl"),
+        # As a node agent writes it for `forgeline run`: the files the ranks watch every step.
+        stop_file=str(work / "STOP"),
+        chaos_file=str(work / "CHAOS"),
+        layout={"replicate": 1, "shard": 1, "tensor": 1},
+        stragglers=RecoverySpec().straggler_settings(),
     )
-    rdzv = Rendezvous(f"127.0.0.1:{free_port()}", f"bench-{attempt}", 1, 1)
+    rdzv = Rendezvous(f"127.0.0.1:{free_port()}", run, 1, 1)
     asyncio.run(run_ranks(job, work, rdzv, lambda _: None, threads_per_rank=THREADS))
-    steps = {
+    at = {
         e["step"]: e["time"]
         for e in map(json.loads, Path(job.progress_file).read_text().splitlines())
         if e["event"] == "step"
     }
-    tokens = (STEPS - WARMUP) * BATCH * THROUGHPUT_MODEL.block_size
-    return tokens / (steps[STEPS] - steps[WARMUP])
+    return size.measured_steps * size.batch * size.model.block_size / (at[steps] - at[WARMUP])
 
 
-def bare_tokens_per_s(store: LocalStore, snapshot) -> float:
+def bare_tokens_per_s(store: LocalStore, snapshot, size: Size, arch: str) -> float:
     shard = _train_shards(store, snapshot)[0]
-    model = json.dumps({**THROUGHPUT_MODEL.architecture(), "vocab_size": _vocab(snapshot)})
+    model = json.dumps({**size.model.architecture(), "vocab_size": _vocab(snapshot)})
     out = subprocess.run(
         [sys.executable, "-m", "bench.bare_loop", str(shard), snapshot.manifest["dtype"], model,
-         str(BATCH), str(STEPS), str(THREADS)],
+         str(size.batch), str(WARMUP + size.measured_steps), str(THREADS),
+         "--warmup", str(WARMUP), "--arch", arch],
         cwd=REPO, capture_output=True, text=True, check=True,
         env={**os.environ, "OMP_NUM_THREADS": str(THREADS)},
     )  # fmt: skip
     return json.loads(out.stdout.strip().splitlines()[-1])["tokens_per_s"]
 
 
+def _row(measure: str, ours: list[float], base: list[float]) -> tuple[str, str, str, str]:
+    """Best and median tokens/s of each side; the ratio of the bests and the median of the
+    ratios of each repeat's adjacent runs (which drift in the machine's speed cancels)."""
+    cell = lambda v: f"{max(v):,.0f} / {statistics.median(v):,.0f}"  # noqa: E731
+    paired = statistics.median(o / b for o, b in zip(ours, base, strict=True))
+    return (measure, cell(ours), cell(base), f"{max(ours) / max(base):.3f} / {paired:.3f}")
+
+
 def throughput(root: Path, repeats: int) -> list[tuple[str, str, str, str]]:
     store = LocalStore(root / "store")
     settings = SnapshotSettings(filters=FilterSettings(min_words=1))
     snapshot = prepare_snapshot([str(CORPUS)], settings, store, root / "dataprep")
-    ours, bare = [], []
+    kinds = ("trainer", "gpt", "fused")
+    runs = {(size.label, kind): [] for size in SIZES for kind in kinds}
     for attempt in range(repeats):
-        ours.append(trainer_tokens_per_s(root, store, snapshot, attempt))
-        bare.append(bare_tokens_per_s(store, snapshot))
-    best, base = max(ours), max(bare)
-    print(f"trainer tokens/s {[round(v) for v in ours]}, bare loop {[round(v) for v in bare]}")
-    return [("tokens/s (1 rank, best)", f"{best:,.0f}", f"{base:,.0f}", f"{best / base:.3f}")]
+        for s, size in enumerate(SIZES):
+            # Alternate, and reverse the order every other repeat: drift favours no one.
+            for kind in kinds if attempt % 2 == 0 else kinds[::-1]:
+                runs[size.label, kind].append(
+                    trainer_tokens_per_s(root, store, snapshot, size, f"bench-{s}-{attempt}")
+                    if kind == "trainer"
+                    else bare_tokens_per_s(store, snapshot, size, kind)
+                )
+    rows = []
+    for size in SIZES:
+        ms = {k: [1e3 * size.batch * size.model.block_size / v for v in runs[size.label, k]]
+              for k in kinds}  # fmt: skip
+        print(f"{size.label}: ms/step, " + "; ".join(
+            f"{k} {[round(v, 1) for v in ms[k]]}" for k in kinds))  # fmt: skip
+        rows += [
+            _row(f"tokens/s, {size.label}: SDK trainer vs bare loop", runs[size.label, "trainer"],
+                 runs[size.label, "gpt"]),
+            _row(f"tokens/s, {size.label}: GPT vs fused qkv, no biases (bare loop)",
+                 runs[size.label, "gpt"], runs[size.label, "fused"]),
+        ]  # fmt: skip
+    return rows
 
 
 # --- 2. and 3. checkpoints ----------------------------------------------------------------
@@ -217,7 +269,7 @@ def checkpoints(root: Path, repeats: int) -> list[tuple[str, str, str, str]]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--skip-throughput", action="store_true")
     parser.add_argument("--skip-checkpoint", action="store_true")
     args = parser.parse_args()
