@@ -18,9 +18,11 @@
         step.report(loss)
     run.finish()
 
-Everything here is documented call by call in `forgeline.training`.
+Everything here is documented call by call in `forgeline.training` and `forgeline.step`.
 """
 
-from forgeline.training import Run, SDKUsageError, Step, init
+from forgeline.errors import SDKUsageError
+from forgeline.step import Step
+from forgeline.training import Run, init
 
 __all__ = ["Run", "SDKUsageError", "Step", "init"]

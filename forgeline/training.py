@@ -33,6 +33,8 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from forgeline.errors import SDKUsageError
+from forgeline.step import Step
 from infra.store import open_store
 from trainer import runtime
 from trainer.attempt_clock import AttemptClock
@@ -40,10 +42,10 @@ from trainer.checkpoint import Checkpointer, SaveReport, load_training_state
 from trainer.checkpoint_policy import CheckpointPolicy
 from trainer.data import RankSlice, Sampler, TokenStream
 from trainer.entry import mark_began
-from trainer.grad_watch import PreReduceNorms, chaos_asks_to_corrupt, corrupt_gradients, suspects
+from trainer.grad_watch import PreReduceNorms, chaos_asks_to_corrupt, suspects
 from trainer.job import TrainJob
 from trainer.metrics import mfu
-from trainer.parallel import Layout, Placement, build_mesh, local_grad_norm
+from trainer.parallel import Layout, Placement, build_mesh
 from trainer.progress import ProgressFile
 from trainer.step_share import (
     ASKED_TO_STOP,
@@ -60,79 +62,7 @@ from trainer.step_share import (
 from trainer.stragglers import StragglerWatch
 from workflows.spec import TrainSpec
 
-# What MLflow accepts as a metric key (and what stays one path segment under train/).
-METRIC_NAME = re.compile(r"[A-Za-z0-9_.\-/]{1,200}")
-
-
-class SDKUsageError(RuntimeError):
-    """The rank script called the SDK out of order (a bug in the script, not in a node)."""
-
-
-class Step:
-    """One optimizer step of the loop, as `Run.steps()` hands it out.
-
-    `number` counts steps done once this one is (1 for the first step of a run): the number
-    that the logs, the checkpoints and the learning-rate schedule use.
-    """
-
-    def __init__(self, run: Run, number: int) -> None:
-        self.run = run
-        self.number = number
-        self.loss: torch.Tensor | None = None  # set by report()
-        self.metrics: dict[str, float] = {}
-        self.forward_s = 0.0
-        self.grad_norm: float | None = None  # set by gradients()
-        self.finite = True
-        self.started = time.perf_counter()
-
-    def micro_batches(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        """This rank's (inputs, targets) of the step, one pair per gradient-accumulation
-        micro-batch, on the run's device: its slice of the global batch at the data cursor."""
-        run = self.run
-        sampler = run.sampler
-        if sampler is None:
-            raise SDKUsageError("call run.dataset(block_size) before step.micro_batches()")
-        for indices, x, y in sampler.micro_batches(run.samples_seen):
-            if run._sample_log is not None:
-                run._sample_log.write(f"{self.number - 1} {run.rank} "
-                                      f"{' '.join(map(str, indices.tolist()))}\n")  # fmt: skip
-            yield x.to(run.device), y.to(run.device)
-
-    @contextlib.contextmanager
-    def forward(self) -> Iterator[None]:
-        """Wrap the forward pass: its time is each rank's own speed, which the straggler watch
-        compares across the gang (the forward runs no collective under DDP). Under it, bf16
-        autocast on GPUs."""
-        started = time.perf_counter()
-        with self.run.autocast():
-            yield
-        self.forward_s += time.perf_counter() - started
-
-    def gradients(self, model: torch.nn.Module) -> float:
-        """Call after backward, before clipping: this rank's local gradient norm, checked for
-        non-finite values (for DDP, the norm of this replica's own gradients before the
-        all-reduce mixed them: what names the rank that went bad)."""
-        run = self.run
-        if run._own_norms is None and chaos_asks_to_corrupt(run._corrupt_next):
-            corrupt_gradients(model)  # no all-reduce hook to do it in: after backward
-        norm = local_grad_norm(model)
-        self.finite = self.finite and math.isfinite(norm)
-        if run._own_norms is not None:
-            norm = run._own_norms.take()
-        self.grad_norm = norm
-        return norm
-
-    def report(self, loss: torch.Tensor | float, **metrics: float) -> None:
-        """This rank's loss of the step (a tensor is fine: it is read only on logging steps)
-        and any metrics of the script's own. Every `log_every` steps the loss is averaged over
-        the ranks and goes, with the metrics, to the heartbeats and to MLflow."""
-        for name in metrics:
-            if not METRIC_NAME.fullmatch(name):
-                raise SDKUsageError(
-                    f"metric name {name!r}: use 1-200 letters, digits, '_', '-', '.' or '/'"
-                )
-        self.loss = loss if isinstance(loss, torch.Tensor) else torch.tensor(float(loss))
-        self.metrics.update({k: float(v) for k, v in metrics.items()})
+SERVING_MODULE = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*")
 
 
 class Run:
@@ -181,6 +111,7 @@ class Run:
         self._last_costs: tuple[float | None, float | None] = (None, None)
         self._current: Step | None = None  # the step the script is in
         self._last_eval: dict[str, float | int] | None = None  # the newest report_eval
+        self._serving: dict[str, str] | None = None  # serve_with(): how the model is served
 
     # ---- what the script reads ---------------------------------------------------------
 
@@ -321,7 +252,7 @@ class Run:
         start_step = self.step
         while self.step < self.settings.steps:
             # Randomness (dropout) derives from (seed, step, rank): nothing to save for resume.
-            torch.manual_seed(self.settings.seed + 1_000_003 * (self.step + 1) + self.rank)
+            self._seed_rng(self.settings.seed + 1_000_003 * (self.step + 1) + self.rank)
             self._stall_s = 0.0
             step = self._current = Step(self, self.step + 1)
             yield step
@@ -360,6 +291,28 @@ class Run:
                            "val_tokens": int(val_tokens)}  # fmt: skip
         self._progress.write(event="eval", **self._last_eval)
 
+    def serve_with(self, module: str) -> None:
+        """Name the module of your code folder that serves the trained model: it defines
+        `load(weights, config, tokenizer) -> model` (weights: the state dict, as safetensors
+        holds it; config: the `model_config` given to restore(); tokenizer: the dataset's
+        `tokenizers.Tokenizer`) and `predict(model, prompts, params) -> list[str]`. The
+        registered version then carries your code and serves with `forgeline serve`; without
+        this call it holds the weights and lineage only. The module must import neither
+        forgeline nor anything your requirements.txt does not declare: it runs where only
+        those are installed."""
+        if not SERVING_MODULE.fullmatch(module):
+            raise SDKUsageError(f"run.serve_with({module!r}): give a module name such as 'serve'")
+        folder = Path(self.job.code_dir) if self.job.code_dir else None
+        path = Path(*module.split("."))
+        if folder is not None and not (
+            (folder / path).with_suffix(".py").is_file()
+            or (folder / path / "__init__.py").is_file()
+        ):
+            raise SDKUsageError(
+                f"run.serve_with({module!r}): there is no {path}.py in your code folder"
+            )
+        self._serving = {"module": module}
+
     def finish(self) -> None:
         """Leave the process group; the last call of a rank script."""
         if dist.is_initialized():
@@ -372,6 +325,15 @@ class Run:
             started = time.perf_counter()
             self._checkpointer.before_weights_change()
             self._stall_s += time.perf_counter() - started
+
+    def _seed_rng(self, seed: int) -> None:
+        """torch.manual_seed(seed) for this rank's device. On CPU that is the CPU generator's
+        seed alone: torch.manual_seed would also queue a seed for CUDA, which formats the
+        Python stack each time (a few hundred microseconds a step) for a device never used."""
+        if self.device.type == "cpu":
+            torch.default_generator.manual_seed(seed)
+        else:
+            torch.manual_seed(seed)
 
     def _stop_request(self, step: Step) -> int:
         assert self._checkpointer is not None
@@ -471,7 +433,8 @@ class Run:
         loss = step.loss if step.loss is not None else torch.zeros(())
         # Each tensor-parallel rank holds the same loss; averaging over all ranks is exact.
         mean_loss = loss.detach().to(self.device, torch.float32).clone()
-        dist.all_reduce(mean_loss, op=dist.ReduceOp.AVG)
+        if self.world > 1:  # the mean over one rank is its own loss
+            dist.all_reduce(mean_loss, op=dist.ReduceOp.AVG)
         started, steps = self._window
         tokens_per_s = steps * tokens_per_step / (time.perf_counter() - started)
         if on_grid:  # the same points whether or not the run was ever restarted
@@ -526,6 +489,7 @@ class Run:
                 "train_config": self.job.train,
                 "loss_history": self.loss_history,
                 "evaluation": self._last_eval,
+                "serving": self._serving,
                 **self.job.lineage,
             },
         )

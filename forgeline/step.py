@@ -1,0 +1,110 @@
+"""One step of the training loop as the SDK hands it to a rank script (`Run.steps()`)."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import re
+import time
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+import torch
+
+from forgeline.errors import SDKUsageError
+from trainer.grad_watch import chaos_asks_to_corrupt, corrupt_gradients
+
+if TYPE_CHECKING:
+    from forgeline.training import Run
+
+# What MLflow accepts as a metric key (and what stays one path segment under train/).
+METRIC_NAME = re.compile(r"[A-Za-z0-9_.\-/]{1,200}")
+
+
+class Step:
+    """One optimizer step of the loop, as `Run.steps()` hands it out.
+
+    `number` counts steps done once this one is (1 for the first step of a run): the number
+    that the logs, the checkpoints and the learning-rate schedule use.
+    """
+
+    def __init__(self, run: Run, number: int) -> None:
+        self.run = run
+        self.number = number
+        self.loss: torch.Tensor | None = None  # set by report()
+        self.metrics: dict[str, float] = {}
+        self.forward_s = 0.0
+        self.grad_norm: float | None = None  # set by gradients()
+        self.finite = True
+        self.started = time.perf_counter()
+
+    def micro_batches(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """This rank's (inputs, targets) of the step, one pair per gradient-accumulation
+        micro-batch, on the run's device: its slice of the global batch at the data cursor."""
+        run = self.run
+        sampler = run.sampler
+        if sampler is None:
+            raise SDKUsageError("call run.dataset(block_size) before step.micro_batches()")
+        for indices, x, y in sampler.micro_batches(run.samples_seen):
+            if run._sample_log is not None:
+                run._sample_log.write(f"{self.number - 1} {run.rank} "
+                                      f"{' '.join(map(str, indices.tolist()))}\n")  # fmt: skip
+            yield x.to(run.device), y.to(run.device)
+
+    @contextlib.contextmanager
+    def forward(self) -> Iterator[None]:
+        """Wrap the forward pass: its time is each rank's own speed, which the straggler watch
+        compares across the gang (the forward runs no collective under DDP). Under it, bf16
+        autocast on GPUs."""
+        started = time.perf_counter()
+        with self.run.autocast():
+            yield
+        self.forward_s += time.perf_counter() - started
+
+    def gradients(self, model: torch.nn.Module) -> float:
+        """Call after backward, before clipping: this rank's local gradient norm, checked for
+        non-finite values (for DDP, the norm of this replica's own gradients before the
+        all-reduce mixed them: what names the rank that went bad)."""
+        run = self.run
+        if run._own_norms is None and chaos_asks_to_corrupt(run._corrupt_next):
+            corrupt_gradients(model)  # no all-reduce hook to do it in: after backward
+        norm = own_grad_norm(model)
+        self.finite = self.finite and math.isfinite(norm)
+        if run._own_norms is not None:
+            norm = run._own_norms.take()
+        self.grad_norm = norm
+        return norm
+
+    def report(self, loss: torch.Tensor | float, **metrics: float) -> None:
+        """This rank's loss of the step (a tensor is fine: it is read only on logging steps)
+        and any metrics of the script's own. Every `log_every` steps the loss is averaged over
+        the ranks and goes, with the metrics, to the heartbeats and to MLflow."""
+        for name in metrics:
+            if not METRIC_NAME.fullmatch(name):
+                raise SDKUsageError(
+                    f"metric name {name!r}: use 1-200 letters, digits, '_', '-', '.' or '/'"
+                )
+        self.loss = loss if isinstance(loss, torch.Tensor) else torch.tensor(float(loss))
+        self.metrics.update({k: float(v) for k, v in metrics.items()})
+
+
+def own_grad_norm(model: torch.nn.Module) -> float:
+    """The L2 norm of the gradients this rank holds (its shards under FSDP or TP): a health
+    signal, compared across ranks to spot silent corruption. One foreach norm and one copy to
+    the host, where a loop over the parameters costs several operations each (and, on a GPU, a
+    sync each). The squares are summed in float32, as a sum over every element would be: the
+    norm is inf when that sum overflows, NaN when any gradient holds a NaN."""
+    grads = []
+    for param in model.parameters():
+        grad = param.grad
+        if grad is not None:
+            grads.append(grad.to_local() if hasattr(grad, "to_local") else grad)
+    if not grads:
+        return 0.0
+    with torch.no_grad():
+        norms = torch._foreach_norm(grads, 2, dtype=torch.float32)
+        try:
+            stacked = torch.stack(norms)
+        except RuntimeError:  # gradients on more than one device (CPU offload)
+            stacked = torch.stack([n.cpu() for n in norms])
+        return float(stacked.square().sum().sqrt())
