@@ -6,7 +6,8 @@ resharding sampler; `restore()` from the last committed checkpoint; and `steps()
 itself. Everything the platform needs from a rank happens inside these calls:
 
 - every step the ranks share one small all-gather (stop requests, step and forward times, each
-  rank's own gradient norm), from which the straggler watch and the corruption check judge;
+  rank's own gradient norm), from which the straggler watch and the corruption check judge (a
+  gang of one rank takes the same decisions from its own numbers, without the collective);
 - checkpoints follow the spec's interval policy (steps, minutes, epochs, `auto`), are saved
   asynchronously (torch.distributed.checkpoint) and committed by a manifest, fenced by the
   allocation's generation;
@@ -256,7 +257,7 @@ class Run:
             self._stall_s = 0.0
             step = self._current = Step(self, self.step + 1)
             yield step
-            stop = self._end_step(step, watch, first=self.step - 1 == start_step)
+            stop = self._end_step(step, watch, first=self.step == start_step)
             mark_began()  # a failure from here on is a crash, not a script that cannot start
             if stop:
                 break
