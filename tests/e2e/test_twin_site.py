@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
-import random
+import os
 import re
+import signal
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.e2e.conftest import Stack, final_weights, variant, wait_for
-from tests.e2e.faults import kill_a_node_of
+from tests.e2e.conftest import Stack, alive, final_weights, ranks_of, variant, wait_for
+from tests.e2e.faults import gang_of
 from trainer.manifest import committed_steps, find_latest
 
 pytestmark = pytest.mark.e2e
@@ -29,14 +30,17 @@ def test_the_twin_serves_resume_and_evaluation_while_the_primary_is_down(
     )  # fmt: skip
     stack.cli("run", str(spec), "--detach")
     twin = stack.twin()
-    wait_for(lambda: committed_steps(twin, "tiny-twin"), 120, "a checkpoint on the twin")
-    shown = stack.cli("replication").stdout
-    assert re.search(r"^lag +[\d.]+ s for the latest copy", shown, re.M), shown
-    assert re.search(r"runs/tiny-twin/checkpoints/step-\d+/MANIFEST.json .* s ", shown), shown
-
+    # Strike as soon as the twin holds a checkpoint, with no CLI call in between: 300 tiny steps
+    # take a few seconds, and a status or replication call first let the run finish untouched.
+    _generation, nodes = wait_for(
+        lambda: (gang := gang_of(stack, "tiny-twin"))[0] and gang, 120, "a gang"
+    )
+    agent = int((stack.home / "run" / f"{nodes[1]}.pid").read_text().split()[0])
+    wait_for(lambda: committed_steps(twin, "tiny-twin"), 120, "a checkpoint on the twin", 0.02)
     stack.sites.partition.cut()
     try:
-        kill_a_node_of(stack, "tiny-twin", 0, random.Random(4))
+        os.kill(agent, signal.SIGKILL)
+        wait_for(lambda: not any(map(alive, ranks_of(stack.home, "tiny-twin"))), 60, "the gang")
         stack.cli("up", "--nodes", "3")
         followed = stack.cli("run", str(spec), timeout=300)
         assert "AWAITING_APPROVAL" in followed.stdout, followed.stdout
@@ -49,6 +53,9 @@ def test_the_twin_serves_resume_and_evaluation_while_the_primary_is_down(
     finally:
         stack.sites.partition.heal()
 
+    shown = stack.cli("replication").stdout
+    assert re.search(r"^lag +[\d.]+ s for the latest copy", shown, re.M), shown
+    assert re.search(r"runs/tiny-twin/checkpoints/step-\d+/MANIFEST.json .* s ", shown), shown
     status = stack.cli("status", "tiny-twin").stdout
     assert re.search(r"attempts +1 restart", status), status
     assert re.search(r"evaluation +val_loss [\d.]+", status), status
