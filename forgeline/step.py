@@ -13,6 +13,7 @@ import torch
 
 from forgeline.errors import SDKUsageError
 from trainer.grad_watch import chaos_asks_to_corrupt, corrupt_gradients
+from trainer.parallel import local_grad_norm
 
 if TYPE_CHECKING:
     from forgeline.training import Run
@@ -68,7 +69,7 @@ class Step:
         run = self.run
         if run._own_norms is None and chaos_asks_to_corrupt(run._corrupt_next):
             corrupt_gradients(model)  # no all-reduce hook to do it in: after backward
-        norm = own_grad_norm(model)
+        norm = local_grad_norm(model)
         self.finite = self.finite and math.isfinite(norm)
         if run._own_norms is not None:
             norm = run._own_norms.take()
@@ -86,25 +87,3 @@ class Step:
                 )
         self.loss = loss if isinstance(loss, torch.Tensor) else torch.tensor(float(loss))
         self.metrics.update({k: float(v) for k, v in metrics.items()})
-
-
-def own_grad_norm(model: torch.nn.Module) -> float:
-    """The L2 norm of the gradients this rank holds (its shards under FSDP or TP): a health
-    signal, compared across ranks to spot silent corruption. One foreach norm and one copy to
-    the host, where a loop over the parameters costs several operations each (and, on a GPU, a
-    sync each). The squares are summed in float32, as a sum over every element would be: the
-    norm is inf when that sum overflows, NaN when any gradient holds a NaN."""
-    grads = []
-    for param in model.parameters():
-        grad = param.grad
-        if grad is not None:
-            grads.append(grad.to_local() if hasattr(grad, "to_local") else grad)
-    if not grads:
-        return 0.0
-    with torch.no_grad():
-        norms = torch._foreach_norm(grads, 2, dtype=torch.float32)
-        try:
-            stacked = torch.stack(norms)
-        except RuntimeError:  # gradients on more than one device (CPU offload)
-            stacked = torch.stack([n.cpu() for n in norms])
-        return float(stacked.square().sum().sqrt())

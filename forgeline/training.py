@@ -35,15 +35,17 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from forgeline.errors import SDKUsageError
+from forgeline.findings import Findings
+from forgeline.saves import Saves
 from forgeline.step import Step
 from infra.store import open_store
 from trainer import runtime
 from trainer.attempt_clock import AttemptClock
-from trainer.checkpoint import Checkpointer, SaveReport, load_training_state
+from trainer.checkpoint import Checkpointer, load_training_state
 from trainer.checkpoint_policy import CheckpointPolicy
 from trainer.data import RankSlice, Sampler, TokenStream
 from trainer.entry import mark_began
-from trainer.grad_watch import PreReduceNorms, chaos_asks_to_corrupt, suspects
+from trainer.grad_watch import PreReduceNorms, chaos_asks_to_corrupt
 from trainer.job import TrainJob
 from trainer.metrics import mfu
 from trainer.parallel import Layout, Placement, build_mesh
@@ -83,6 +85,7 @@ class Run:
         self._term = runtime.TermSignal()
         self._process_started_at = process_started_at
         self._progress = ProgressFile(job.progress_file, enabled=rt.local_rank == 0)
+        self._findings = Findings(self._progress, self.ranks_per_node)
         self.store = open_store(job.store_url, twin=job.twin_store_url)
         self._stop_file = Path(job.stop_file) if job.stop_file else None
         chaos = Path(job.chaos_file) if job.chaos_file else None
@@ -103,13 +106,11 @@ class Run:
         self._model: torch.nn.Module | None = None
         self._optimizer: torch.optim.Optimizer | None = None
         self._own_norms: PreReduceNorms | None = None
-        self._checkpointer: Checkpointer | None = None
+        self._saves: Saves | None = None  # made by restore()
         self._clock: AttemptClock | None = None
         self._model_config: dict[str, Any] = {}
         self._flops_per_token: float | None = None
         self._stall_s = 0.0  # this step's wait for a checkpoint's staging
-        self._last_committed: int | None = job.resume.step if job.resume else None
-        self._last_costs: tuple[float | None, float | None] = (None, None)
         self._current: Step | None = None  # the step the script is in
         self._last_eval: dict[str, float | int] | None = None  # the newest report_eval
         self._serving: dict[str, str] | None = None  # serve_with(): how the model is served
@@ -216,7 +217,7 @@ class Run:
         # The weights change in optimizer.step(): a checkpoint being staged must have its copy
         # by then. A hook, so no script has to remember it.
         optimizer.register_step_pre_hook(self._before_weights_change)
-        self._checkpointer = Checkpointer(
+        checkpointer = Checkpointer(
             store=self.store,
             staging_dir=Path(self.job.staging_dir),
             run_id=self.job.run_id,
@@ -234,6 +235,9 @@ class Run:
             self._process_started_at, enabled=self.rank == 0,
         )  # fmt: skip
         self._clock.ready(load_s)
+        self._saves = Saves(
+            checkpointer, self._clock, self._progress, resume.step if resume else None
+        )
         return self.step
 
     def steps(self) -> Iterator[Step]:
@@ -241,14 +245,13 @@ class Run:
         is asked to stop. Before each step the RNG is seeded from (seed, step, rank), so a
         resumed run draws what an uninterrupted one would; after each, the ranks agree on
         stopping and checkpointing, and the platform does both."""
-        if self._checkpointer is None or self._clock is None:
+        if self._saves is None or self._clock is None:
             raise SDKUsageError("call run.restore(model, optimizer) before run.steps()")
         watch = StragglerWatch(**self.job.stragglers.get("watch", {"window": 20, "factor": 1.5,
                                                                    "windows": 3}))  # fmt: skip
         self._straggler_action = self.job.stragglers.get("policy", "report")
         self._straggler_reason = ""
         self._policy = CheckpointPolicy.from_train_config(self.job.train, self.job.mtbf_s)
-        self._last_save_at = time.monotonic()
         self._window = (time.perf_counter(), 0)
         start_step = self.step
         while self.step < self.settings.steps:
@@ -262,8 +265,8 @@ class Run:
             if stop:
                 break
         mark_began()  # also when a resume found every step done
-        self._wait_for_commit()
-        self._checkpointer.close()
+        self._saves.wait()
+        self._saves.close()
         if self.step >= self.settings.steps:
             self._clock.end("done")
             self._progress.write(event="done", step=self.step, tokens_seen=self.tokens_seen)
@@ -322,9 +325,9 @@ class Run:
     # ---- the platform's side of a step -------------------------------------------------
 
     def _before_weights_change(self, *_: object) -> None:
-        if self._checkpointer is not None:
+        if self._saves is not None:
             started = time.perf_counter()
-            self._checkpointer.before_weights_change()
+            self._saves.checkpointer.before_weights_change()
             self._stall_s += time.perf_counter() - started
 
     def _seed_rng(self, seed: int) -> None:
@@ -337,10 +340,10 @@ class Run:
             torch.manual_seed(seed)
 
     def _stop_request(self, step: Step) -> int:
-        assert self._checkpointer is not None
+        assert self._saves is not None
         if not step.finite:  # silent corruption or divergence: nothing from here on is saved
             return NON_FINITE
-        if self._checkpointer.fenced:  # a later generation owns the run: commit nothing more
+        if self._saves.fenced:  # a later generation owns the run: commit nothing more
             return FENCED
         if self._term.received:
             return PREEMPTED
@@ -350,7 +353,8 @@ class Run:
 
     def _end_step(self, step: Step, watch: StragglerWatch, first: bool) -> bool:
         """Everything after the script's optimizer step; True when the loop must end."""
-        assert self._checkpointer is not None and self._clock is not None
+        assert self._saves is not None and self._clock is not None
+        saves = self._saves
         cfg = self.settings
         if step.loss is not None and not math.isfinite(step.loss.item()):
             step.finite = False
@@ -359,16 +363,16 @@ class Run:
         tokens_per_step = cfg.batch_size * (self.sampler.stream.block_size if self.sampler else 0)
         self.tokens_seen += tokens_per_step
         self._window = (self._window[0], self._window[1] + 1)
-        self._report_commit(self._checkpointer.poll())
+        saves.poll()
 
         asked = self._stop_request(step)
         # Time and epoch boundaries are rank 0's call, so every rank saves at the same step.
         save_due = self.rank == 0 and self._policy.due(
             self.step,
-            time.monotonic() - self._last_save_at,
+            time.monotonic() - saves.last_save_at,
             epoch_ended=self._epoch_ended(),
-            stall_s=self._last_costs[0],
-            commit_s=self._last_costs[1],
+            stall_s=saves.costs[0],
+            commit_s=saves.costs[1],
         )
         step_s = time.perf_counter() - step.started
         grad_norm = step.grad_norm if step.grad_norm is not None else 0.0
@@ -384,8 +388,9 @@ class Run:
         )
         if straggler is not None and self._straggler_action != "off":
             self._straggler_reason = straggler.describe(self.ranks_per_node)
-            self._health("straggler", straggler.rank, self._straggler_action,
-                         self._straggler_reason, ratio=straggler.ratio)  # fmt: skip
+            self._findings.health("straggler", self.step, straggler.rank,
+                                  self._straggler_action, self._straggler_reason,
+                                  ratio=straggler.ratio)  # fmt: skip
             if self._straggler_action == "swap":  # checkpoint now; the run goes on without it
                 stop = max(stop, STRAGGLER)
         if stop == NON_FINITE:
@@ -399,21 +404,21 @@ class Run:
         if stop == FENCED:
             # A save that straddled the fence may still report; it goes before the stop, so
             # "stopped" is the last word of this generation.
-            self._wait_for_commit()
-            self._clock.end("stopped: fenced")
-            self._progress.write(event="stopped", step=self.step, tokens_seen=self.tokens_seen,
-                                 reason="fenced")  # fmt: skip
+            self._stop_here("fenced")
             return True
         if stop or shared.save or self.step == cfg.steps:
             self.checkpoint()
         if stop:
-            self._wait_for_commit()  # a stop is only safe once the commit landed
-            reason = self._stop_reason(stop)
-            self._clock.end(f"stopped: {reason}")
-            self._progress.write(event="stopped", step=self.step, tokens_seen=self.tokens_seen,
-                                 reason=reason)  # fmt: skip
+            self._stop_here(self._stop_reason(stop))  # after the commit landed: only then safe
             return True
         return False
+
+    def _stop_here(self, reason: str) -> None:
+        assert self._saves is not None and self._clock is not None
+        self._saves.wait()
+        self._clock.end(f"stopped: {reason}")
+        self._progress.write(event="stopped", step=self.step, tokens_seen=self.tokens_seen,
+                             reason=reason)  # fmt: skip
 
     def _epoch_ended(self) -> bool:
         if self.sampler is None:
@@ -423,8 +428,8 @@ class Run:
         )
 
     def _stop_reason(self, stop: int) -> str:
-        assert self._checkpointer is not None
-        if self._checkpointer.fenced:
+        assert self._saves is not None
+        if self._saves.fenced:
             return STOP_REASONS[FENCED]
         if self._straggler_reason and stop == STRAGGLER and self._straggler_action == "swap":
             return f"straggler: {self._straggler_reason}"
@@ -453,7 +458,7 @@ class Run:
                 if self._flops_per_token
                 else None
             ),
-            checkpoint_step=self._last_committed,
+            checkpoint_step=self._saves.last_committed if self._saves else None,
             epoch=self.sampler.epoch(self.samples_seen) if self.sampler else 0,
             rank_step_s=shared.step_s,
             rank_grad_norm=shared.grad_norm,
@@ -466,24 +471,22 @@ class Run:
         calls it; the loop does so by the spec's policy, and on every stop). It returns once
         the state is being copied; the files upload and the manifest commits in the
         background."""
-        assert self._checkpointer is not None and self._clock is not None
+        assert self._saves is not None
         assert self._model is not None and self._optimizer is not None
-        self._last_save_at = time.monotonic()
-        self._clock.save_issued(self.step)
-        epoch = self.sampler.epoch(self.samples_seen) if self.sampler else 0
-        previous = self._checkpointer.save(
+        sampler = self.sampler
+        self._saves.save(
             self._model,
             self._optimizer,
             self.step,
             meta={
                 "tokens_seen": self.tokens_seen,
                 "samples_seen": self.samples_seen,
-                "epoch": epoch,
+                "epoch": sampler.epoch(self.samples_seen) if sampler else 0,
                 "data_cursor": {
                     "kind": "epoch-permutation",
                     "seed": self.settings.seed,
                     "samples_seen": self.samples_seen,
-                    "samples_per_epoch": self.sampler.stream.samples if self.sampler else 0,
+                    "samples_per_epoch": sampler.stream.samples if sampler else 0,
                 },
                 "rng": "derived from (seed, step, rank) at every step",
                 "model_config": self._model_config,
@@ -494,60 +497,15 @@ class Run:
                 **self.job.lineage,
             },
         )
-        self._report_commit(previous)  # the save before, which this one had to wait for
-        self._clock.add(stall_s=time.monotonic() - self._last_save_at)
-
-    def _report_commit(self, report: SaveReport | None) -> None:
-        if report is None:
-            return
-        assert self._clock is not None
-        self._last_costs = (report.stall_s, report.total_s)
-        if report.manifest_key is not None:
-            self._last_committed = report.step
-            self._clock.committed(report.step)
-        self._progress.write(
-            event="checkpoint",
-            step=report.step,
-            manifest_key=report.manifest_key,
-            seconds=report.total_s,
-            stall_s=report.stall_s,
-        )
-
-    def _wait_for_commit(self) -> None:
-        assert self._checkpointer is not None and self._clock is not None
-        waited = time.perf_counter()
-        self._report_commit(self._checkpointer.wait())
-        self._clock.add(stall_s=time.perf_counter() - waited)
-
-    def _health(self, kind: str, rank: int, action: str, evidence: str, **more: object) -> None:
-        """A finding about one rank's node, for the node agent to pass to the run."""
-        self._progress.write(
-            event="health", kind=kind, step=self.step, rank=rank,
-            node_index=rank // self.ranks_per_node, action=action, evidence=evidence, **more,
-        )  # fmt: skip
 
     def _fail_non_finite(self, shared: StepShare) -> None:
-        """The gang saw NaN or inf: name the ranks that made it, and end this attempt so the
-        run resumes from the last committed checkpoint, which holds none of it."""
-        assert self._checkpointer is not None and self._clock is not None
-        bad = suspects(shared.grad_norm)
-        for rank in bad:
-            norm = shared.grad_norm[rank]
-            what = "non-finite" if not math.isfinite(norm) else f"far larger ({norm:.3g})"
-            self._health(
-                "corruption", rank, "quarantine",
-                f"rank {rank}'s own gradients were {what} before the all-reduce at step "
-                f"{self.step} (norms by rank: {shared.grad_norm})",
-            )  # fmt: skip
+        """End this attempt so the run resumes from the last committed checkpoint, which holds
+        none of the NaN or inf the gang saw."""
+        assert self._saves is not None and self._clock is not None
+        reason = self._findings.non_finite(self.step, shared.grad_norm)
         self._clock.end("failed: non-finite loss or gradients")
-        self._progress.write(
-            event="failed",
-            step=self.step,
-            reason=f"non-finite loss or gradients at step {self.step} "
-            f"({f'suspect ranks {bad}' if bad else 'on every rank: divergence?'}): "
-            "rolling back to the last committed checkpoint",
-        )
-        self._checkpointer.close()  # a save in flight was staged before this step: let it commit
+        self._progress.write(event="failed", step=self.step, reason=reason)
+        self._saves.close()  # a save in flight was staged before this step: let it commit
         dist.destroy_process_group()
         sys.exit(EXIT_NON_FINITE)
 

@@ -14,19 +14,25 @@ from packaging.requirements import InvalidRequirement, Requirement
 REQUIREMENTS_FILE = "requirements.txt"
 
 
-def unmet(code_dir: Path) -> list[str]:
-    """What the code folder's requirements.txt asks for that this environment lacks, said as a
-    person would fix it; empty when all is there (or there is no such file)."""
+def declared(code_dir: Path) -> list[tuple[int, str]]:
+    """The requirement lines of the code folder's requirements.txt, with their line numbers:
+    comments, blank lines and pip options (-r, --index-url) left out; none without the file."""
     path = code_dir / REQUIREMENTS_FILE
     if not path.is_file():
         return []
-    problems = []
+    found = []
     for number, raw in enumerate(path.read_text(errors="replace").splitlines(), 1):
         line = raw.split("#", 1)[0].strip()
-        if not line:
-            continue
-        if line.startswith("-"):  # pip options (-r, --index-url): nothing to check here
-            continue
+        if line and not line.startswith("-"):
+            found.append((number, line))
+    return found
+
+
+def unmet(code_dir: Path) -> list[str]:
+    """What the code folder's requirements.txt asks for that this environment lacks, said as a
+    person would fix it; empty when all is there (or there is no such file)."""
+    problems = []
+    for number, line in declared(code_dir):
         try:
             wanted = Requirement(line)
         except InvalidRequirement as err:

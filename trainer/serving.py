@@ -48,7 +48,14 @@ def export_model(model: GPT, tokenizer_file: Path, dest: Path) -> dict[str, str]
     dest.mkdir(parents=True, exist_ok=True)
     # save_model (not save_file) handles the tied embedding: shared tensors are stored once.
     save_model(model, str(dest / WEIGHTS_FILE))
-    (dest / CONFIG_FILE).write_text(json.dumps(model.config.to_dict(), indent=2))
+    return write_artifacts(dest, model.config.to_dict(), tokenizer_file)
+
+
+def write_artifacts(dest: Path, config: dict, tokenizer_file: Path) -> dict[str, str]:
+    """Beside the weights already in `dest`: the model config and the tokenizer. Returns the
+    three by name, as `mlflow.pyfunc.log_model` takes them (and as a version of any kind holds
+    them)."""
+    (dest / CONFIG_FILE).write_text(json.dumps(config, indent=2))
     (dest / TOKENIZER_FILE).write_bytes(tokenizer_file.read_bytes())
     return {
         "weights": str(dest / WEIGHTS_FILE),

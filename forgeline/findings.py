@@ -1,0 +1,42 @@
+"""What the ranks find about their nodes, written for the node agent to pass to the run: a
+straggler, or the ranks whose own gradients went non-finite (trainer.grad_watch)."""
+
+from __future__ import annotations
+
+import math
+
+from trainer.grad_watch import suspects
+from trainer.progress import ProgressFile
+
+
+class Findings:
+    def __init__(self, progress: ProgressFile, ranks_per_node: int) -> None:
+        self.progress = progress
+        self.ranks_per_node = ranks_per_node
+
+    def health(
+        self, kind: str, step: int, rank: int, action: str, evidence: str, **more: object
+    ) -> None:
+        """A finding about one rank's node (the agent maps its index to the node's id)."""
+        self.progress.write(
+            event="health", kind=kind, step=step, rank=rank,
+            node_index=rank // self.ranks_per_node, action=action, evidence=evidence, **more,
+        )  # fmt: skip
+
+    def non_finite(self, step: int, grad_norms: list[float]) -> str:
+        """The gang saw NaN or inf at `step`: name the ranks whose own gradients made it (to
+        be quarantined), and return why this attempt fails."""
+        bad = suspects(grad_norms)
+        for rank in bad:
+            norm = grad_norms[rank]
+            what = "non-finite" if not math.isfinite(norm) else f"far larger ({norm:.3g})"
+            self.health(
+                "corruption", step, rank, "quarantine",
+                f"rank {rank}'s own gradients were {what} before the all-reduce at step "
+                f"{step} (norms by rank: {grad_norms})",
+            )  # fmt: skip
+        culprits = f"suspect ranks {bad}" if bad else "on every rank: divergence?"
+        return (
+            f"non-finite loss or gradients at step {step} ({culprits}): "
+            "rolling back to the last committed checkpoint"
+        )
