@@ -95,6 +95,7 @@ class NodeActivities:
                 on_progress=reporter.progress,
                 threads_per_rank=inp.spec.train.threads_per_rank,
                 hang=HangWatch(inp.spec.recovery.hang_factor, inp.spec.recovery.hang_min_s),
+                start_limit_s=inp.spec.recovery.start_limit_s,
             )
         except UserCodeFailed as err:  # the same on every attempt and node: fail the run now
             raise ApplicationError(str(err), type=USER_CODE_ERROR, non_retryable=True) from err

@@ -76,6 +76,12 @@ class Run:
         self.settings = TrainSpec.model_validate(job.train)
         cfg = self.settings
         torch.set_num_threads(cfg.threads_per_rank)
+        # Opened before the rendezvous: the node agent must see that this rank waits in the
+        # platform's call (a node's business), not in the script's own code (trainer.start_watch).
+        self._progress = ProgressFile(
+            job.progress_file, enabled=os.environ.get("LOCAL_RANK", "0") == "0"
+        )
+        self._progress.write(event="sdk", call="init", state="entered")
         rt = runtime.start(job.node_index, cfg.collective_timeout_s)
         self._rt = rt
         self.rank, self.world, self.local_rank = rt.rank, rt.world, rt.local_rank
@@ -84,7 +90,6 @@ class Run:
         self.ranks_per_node = rt.world // job.nodes
         self._term = runtime.TermSignal()
         self._process_started_at = process_started_at
-        self._progress = ProgressFile(job.progress_file, enabled=rt.local_rank == 0)
         self._findings = Findings(self._progress, self.ranks_per_node)
         self.store = open_store(job.store_url, twin=job.twin_store_url)
         self._stop_file = Path(job.stop_file) if job.stop_file else None
@@ -114,6 +119,7 @@ class Run:
         self._current: Step | None = None  # the step the script is in
         self._last_eval: dict[str, float | int] | None = None  # the newest report_eval
         self._serving: dict[str, str] | None = None  # serve_with(): how the model is served
+        self._progress.write(event="sdk", call="init", state="returned")
 
     # ---- what the script reads ---------------------------------------------------------
 
@@ -194,6 +200,7 @@ class Run:
         """
         if self._model is not None:
             raise SDKUsageError("run.restore() was called twice")
+        self._progress.write(event="sdk", call="restore", state="entered")
         self._model, self._optimizer = model, optimizer
         self._model_config = dict(model_config or {})
         self._flops_per_token = flops_per_token
@@ -238,6 +245,7 @@ class Run:
         self._saves = Saves(
             checkpointer, self._clock, self._progress, resume.step if resume else None
         )
+        self._progress.write(event="sdk", call="restore", state="returned")
         return self.step
 
     def steps(self) -> Iterator[Step]:
@@ -254,6 +262,7 @@ class Run:
         self._policy = CheckpointPolicy.from_train_config(self.job.train, self.job.mtbf_s)
         self._window = (time.perf_counter(), 0)
         start_step = self.step
+        self._progress.write(event="sdk", call="steps", state="entered")
         while self.step < self.settings.steps:
             # Randomness (dropout) derives from (seed, step, rank): nothing to save for resume.
             self._seed_rng(self.settings.seed + 1_000_003 * (self.step + 1) + self.rank)

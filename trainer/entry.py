@@ -15,13 +15,17 @@ happens.
 
 from __future__ import annotations
 
+import faulthandler
 import importlib
 import json
+import os
 import runpy
+import signal
 import sys
 import time
 import traceback
 from pathlib import Path
+from typing import TextIO
 
 import torch.distributed as dist
 
@@ -38,6 +42,7 @@ class _Progress:
     """Whether this rank's script has finished a step yet (forgeline.training marks it)."""
 
     began = False
+    stacks: TextIO = sys.stderr  # faulthandler writes to it; it stays open while the rank lives
 
 
 def mark_began() -> None:
@@ -84,8 +89,18 @@ def _run_entrypoint(entry: str, code_dir: str) -> None:
     getattr(importlib.import_module(module), function)()
 
 
+def _print_stacks_when_asked(job: TrainJob) -> None:
+    """`kill -USR1 <rank pid>` prints every thread's stack to the rank's stacks file: the
+    first thing to look at when a gang hangs in a collective, and where a script's own set-up
+    that never ends is found (trainer.start_watch). Set before the script's first line."""
+    path = job.stacks_file(int(os.environ.get("LOCAL_RANK", "0")))
+    _Progress.stacks = open(path, "a") if path else sys.stderr  # noqa: SIM115 (open for life)
+    faulthandler.register(signal.SIGUSR1, file=_Progress.stacks, all_threads=True)
+
+
 def main(job_path: str) -> None:
     job = TrainJob.read(Path(job_path))
+    _print_stacks_when_asked(job)
     entry = job.train.get("entrypoint") or BUILT_IN
     try:
         _run_entrypoint(entry, job.code_dir)

@@ -48,6 +48,13 @@ class TrainJob:
     stragglers: dict = field(default_factory=dict)
     code_dir: str = ""  # the user's code snapshot on this node, verified; "": built-in trainer
 
+    def stacks_file(self, local_rank: int) -> Path | None:
+        """Where a rank of this node prints its threads' stacks when asked (SIGUSR1): one file
+        a rank, beside the progress file, so stacks printed at once do not interleave."""
+        if not self.progress_file:
+            return None
+        return Path(self.progress_file).parent / f"stacks-local-rank-{local_rank}.txt"
+
     def write(self, path: Path) -> Path:
         path.write_text(json.dumps(asdict(self), indent=2))
         return path

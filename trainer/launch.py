@@ -10,6 +10,7 @@ import contextlib
 import ctypes
 import json
 import os
+import re
 import signal
 import sys
 import time
@@ -20,11 +21,14 @@ from pathlib import Path
 from trainer.errors import RanksFailed, RanksHung, UserCodeFailed
 from trainer.hang import HangWatch
 from trainer.job import TrainJob
+from trainer.start_watch import StartWatch, Verdict
 
 _PR_SET_PDEATHSIG = 1
 # What torchrun starts on every rank (it runs the built-in trainer or the user's script); the
 # chaos commands and the stop path find rank processes by it.
 RANK_MODULE = "trainer.entry"
+# One frame of a stack as faulthandler prints it: `  File "/x/train.py", line 7 in main`.
+_FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+)')
 _STEP_FIELDS = ("step", "loss", "lr", "tokens_per_s", "mfu", "checkpoint_step", "epoch")
 
 
@@ -70,6 +74,7 @@ class ProgressTail:
         self.path = path
         self._offset = 0
         self.latest: dict = {"step": start_step}
+        self.sdk = ""  # the SDK call the ranks were last in or back from ("init:entered", ...)
 
     def poll(self) -> None:
         if not self.path.exists():
@@ -97,6 +102,8 @@ class ProgressTail:
                 self.latest.setdefault("user_error", event)
             elif event["event"] == "health":  # rare (a straggler found): all of them are kept
                 self.latest["health"] = [*self.latest.get("health", []), event]
+            elif event["event"] == "sdk":
+                self.sdk = f"{event['call']}:{event['state']}"
             elif event["event"] == "step":
                 self.latest.update({k: event[k] for k in _STEP_FIELDS if k in event})
             # Only a step means training; a late checkpoint or eval line never undoes an end.
@@ -107,6 +114,11 @@ class ProgressTail:
     def stopped(self) -> bool:
         """The ranks agreed to stop, committed a checkpoint and said so."""
         return self.latest.get("state") == "stopped"
+
+    @property
+    def stepped(self) -> bool:
+        """The ranks reported a step since they started (or are already done)."""
+        return "state" in self.latest
 
     @property
     def finished(self) -> bool:
@@ -123,10 +135,12 @@ async def run_ranks(
     report_every_s: float = 1.0,
     exit_grace_s: float = 5.0,
     hang: HangWatch | None = None,
+    start_limit_s: float | None = None,
 ) -> ProgressTail:
     """Run torchrun to completion; report progress every `report_every_s` (also when idle, so
     the caller can heartbeat); raise RanksFailed with the log tail if the ranks fail, or if
-    `hang` sees them make no progress (their stacks then go to the torchrun log)."""
+    `hang` sees them make no progress (their stacks then go to their stacks files); raise
+    UserCodeFailed if the script's own set-up runs past `start_limit_s` (trainer.start_watch)."""
     workdir.mkdir(parents=True, exist_ok=True)
     job_file = job.write(workdir / "job.json")
     log_file = workdir / "torchrun.log"
@@ -151,6 +165,7 @@ async def run_ranks(
             preexec_fn=_die_with_parent,
         )
     finished_at: float | None = None
+    start = StartWatch(start_limit_s, time.monotonic()) if start_limit_s else None
     try:
         while True:
             with contextlib.suppress(TimeoutError):
@@ -159,6 +174,10 @@ async def run_ranks(
             on_progress(dict(tail.latest))
             if proc.returncode is not None:
                 break
+            if start is not None and not tail.stepped:
+                start.observe(tail.sdk, time.monotonic())
+                if (verdict := start.verdict(time.monotonic())) is not None:
+                    await _not_started(proc, job, verdict, start.limit_s)
             if hang is not None and not tail.finished:
                 hang.observe(int(tail.latest.get("step", 0)), time.monotonic())
                 if (idle := hang.stuck_s(time.monotonic())) is not None:
@@ -166,7 +185,7 @@ async def run_ranks(
                         f"ranks on node {job.node_id} hung at step {tail.latest.get('step')}: "
                         f"no progress for {idle:.0f} s (limit {hang.limit_s():.0f} s, "
                         f"{hang.factor:g} × the median time between progress reports); "
-                        f"every rank's stack is in {log_file}"
+                        + _stacks_are_in(job)
                     )
             if tail.finished:
                 # The ranks are done or stopped, their checkpoint committed. torchrun may still
@@ -197,6 +216,50 @@ async def run_ranks(
     return tail
 
 
+async def _not_started(
+    proc: asyncio.subprocess.Process,
+    job: TrainJob,
+    verdict: Verdict,
+    limit_s: float,
+) -> None:
+    """Stop ranks that never got to train, and say where the script was (from the stacks
+    the ranks print on the way out)."""
+    stacks = job.stacks_file(0)  # local rank 0 runs the same script as every other
+    dumped_from = stacks.stat().st_size if stacks and stacks.exists() else 0
+    await _stop(proc, grace_s=2.0)
+    limit = f"recovery.start_limit_s = {limit_s:g}"
+    if not verdict.users:
+        raise RanksHung(
+            f"ranks on node {job.node_id}: {verdict.what} ({limit}); {_stacks_are_in(job)}"
+        )
+    entry = job.train.get("entrypoint") or "the built-in trainer"
+    where = _script_frame(stacks, dumped_from, job.code_dir) if stacks else "(no stacks)"
+    raise UserCodeFailed(
+        f"the rank script {entry} {verdict.what} ({limit}), at {where}: "
+        "a script trains inside `for step in run.steps():`, which reports every step (raise "
+        "the limit if its set-up takes longer; see README, Your own training code)"
+    )
+
+
+def _stacks_are_in(job: TrainJob) -> str:
+    first = job.stacks_file(0)
+    return f"every rank's stack is in {first.parent}/stacks-*.txt" if first else ""
+
+
+def _script_frame(stacks: Path, offset: int, code_dir: str) -> str:
+    """The innermost frame of the script's own code folder in the stacks the rank printed
+    (faulthandler lists the most recent call first)."""
+    with contextlib.suppress(OSError), open(stacks, errors="replace") as printed:
+        printed.seek(offset)
+        for line in printed:
+            found = _FRAME.search(line)
+            if found and (not code_dir or found["file"].startswith(code_dir)):
+                path = Path(found["file"])
+                shown = path.relative_to(code_dir) if code_dir else path
+                return f"{shown}, line {found['line']}"
+    return "a place its stacks do not show"
+
+
 def rank_pids(launcher_pid: int) -> list[int]:
     """The rank processes torchrun started (its children)."""
     pids = []
@@ -214,8 +277,8 @@ def _runs_trainer(pid: int) -> bool:
 
 
 def dump_rank_stacks(launcher_pid: int) -> None:
-    """Ask every rank to print its threads' stacks into the torchrun log (SIGUSR1, see
-    trainer.runtime): what was each rank doing when it was given up on."""
+    """Ask every rank to print its threads' stacks into its stacks file (SIGUSR1, see
+    trainer.entry): what was each rank doing when it was given up on."""
     for pid in rank_pids(launcher_pid):
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGUSR1)

@@ -6,7 +6,6 @@ Kept apart from the loop so `train.py` reads as training, not as plumbing.
 from __future__ import annotations
 
 import contextlib
-import faulthandler
 import os
 import signal
 import threading
@@ -69,9 +68,6 @@ def start(node_index: int, collective_timeout_s: int) -> Runtime:
     would become rank 0. The rank here is node index × ranks per node + local rank instead, so
     rank order (and with it tensor-parallel groups and data slices) never depends on timing.
     """
-    # `kill -USR1 <rank pid>` prints every thread's stack to the torchrun log: the first thing
-    # to look at when a gang hangs in a collective.
-    faulthandler.register(signal.SIGUSR1, all_threads=True)
     exit_with_parent()
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))

@@ -330,6 +330,13 @@ class RecoverySpec(_Strict):
         20.0, gt=1, le=10_000, description="no progress for this × the median report gap: hung"
     )
     hang_min_s: float = Field(60.0, ge=1, description="never call a hang sooner than this")
+    start_limit_s: float = Field(
+        1800.0,
+        ge=1,
+        description="how long a rank script's own set-up may run (before forgeline.init(), "
+        "run.restore() and run.steps()) and its first step may take; past it, set-up is the "
+        "script's error (the run fails at once), a first step a hang",
+    )
     straggler_policy: Literal["off", "report", "swap"] = Field(
         "report",
         description="a rank persistently slower than the rest: report it (a health event), or "

@@ -1,15 +1,18 @@
 """Your own training code, end to end through the CLI: a script Forgeline has never seen trains
 on the real stack, survives a SIGKILLed node agent with the weights of a fault-free run, and is
-registered with its code snapshot as lineage; a script that cannot start fails the run at once,
-with its line, spending no restart and draining no node."""
+registered with its code snapshot as lineage (and its version predicts in a fresh virtual
+environment); a script that cannot start, or never reports, fails the run at once, with its
+line, spending no restart and draining no node."""
 
 from __future__ import annotations
 
 import random
 import re
 import shutil
+import sys
 from pathlib import Path
 
+import mlflow
 import pytest
 import torch
 from mlflow.tracking import MlflowClient
@@ -17,6 +20,7 @@ from mlflow.tracking import MlflowClient
 from tests.conftest import REPO
 from tests.e2e.conftest import Stack, final_checkpoint
 from tests.e2e.faults import kill_a_node_of
+from tests.fresh_env import PIP_TIMEOUT_S, forgeline_found, fresh_python, load_and_predict
 from trainer.checkpoint import load_model_state
 from trainer.manifest import find_latest
 
@@ -131,28 +135,46 @@ def test_the_fsdp_convnet_example_trains_to_approval_and_is_registered(
     assert refused.returncode != 0 and "holds weights and lineage only" in refused.stdout
 
 
-def test_a_script_that_cannot_start_fails_the_run_at_once(stack: Stack, tmp_path: Path) -> None:
-    code = tmp_path / "typo"
+# A script's mistakes as edits of the GRU example: (name, what is replaced, by what, the line
+# the user is shown, what the run's failure says before that line).
+_LOOP = "    import time\n\n    while True:  # a loop of its own: no step reaches the platform\n"
+MISTAKES = [
+    ("typo", "optimizer = torch.optim.AdamW(model", "optimizer = torch.optim.AdamW(modle",
+     "(modle", r"NameError: name 'modle' is not defined \(train\.py, line {line}\)"),
+    ("quiet", "    for step in run.steps():\n",
+     _LOOP + "        time.sleep(0.1)\n\n    for step in run.steps():\n", "time.sleep(0.1)",
+     r"ran \d+ s after run\.restore\(\) without entering run\.steps\(\) "
+     r"\(recovery\.start_limit_s = 8\), at train\.py, line {line}"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("name", "old", "new", "marks", "said"), MISTAKES, ids=[m[0] for m in MISTAKES]
+)
+def test_a_script_that_cannot_start_fails_the_run_at_once(
+    stack: Stack, tmp_path: Path, name: str, old: str, new: str, marks: str, said: str
+) -> None:
+    """It raises before its first step, or loops in its own code and never reports one."""
+    code = tmp_path / name
     shutil.copytree(BYO / "gru", code)
     text = (code / "train.py").read_text()
-    (code / "train.py").write_text(
-        text.replace("optimizer = torch.optim.AdamW(model", "optimizer = torch.optim.AdamW(modle")
-    )
+    assert old in text
+    (code / "train.py").write_text(text.replace(old, new))
     line = next(
-        n
-        for n, text in enumerate((code / "train.py").read_text().splitlines(), 1)
-        if "(modle" in text
+        n for n, text in enumerate((code / "train.py").read_text().splitlines(), 1) if marks in text
     )
-    spec = byo_spec(tmp_path, "byo-typo", code)
+    run = f"byo-{name}"
+    spec = byo_spec(tmp_path, run, code)
+    spec.write_text(spec.read_text() + "start_limit_s = 8\n")  # the [recovery] table is last
     failed = stack.cli("run", str(spec), check=False, timeout=300)
     assert failed.returncode == 1, failed.stdout
-    assert f"NameError: name 'modle' is not defined (train.py, line {line})" in failed.stdout
-    status = stack.cli("status", "byo-typo").stdout
+    assert re.search(said.format(line=line), failed.stdout), failed.stdout
+    status = stack.cli("status", run).stdout
     assert re.search(r"phase +FAILED", status) and re.search(r"attempts +0 restart", status)
     # No node took the blame: no failure recorded against one, none reported to the cluster.
     assert not re.search(r"^failure ", status, re.M), status
     nodes = stack.cli("nodes").stdout
-    assert "NameError" not in nodes and "byo-typo" not in nodes, nodes
+    assert run not in nodes and "NameError" not in nodes, nodes
 
 
 def test_a_missing_requirement_is_one_line_before_any_rank_starts(
@@ -165,3 +187,32 @@ def test_a_missing_requirement_is_one_line_before_any_rank_starts(
     assert failed.returncode == 1, failed.stdout
     assert "surely-not-a-package-forgeline>=1 is not installed" in failed.stdout
     assert not list((stack.home / "nodes").glob("*/runs/byo-needs/gen-*/torchrun.log"))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(PIP_TIMEOUT_S * 2 + 600)
+def test_a_script_s_registered_version_predicts_in_a_fresh_environment(
+    stack: Stack, tmp_path: Path
+) -> None:
+    """The version a run of the GRU example registered, loaded where only its declared
+    requirements are installed: the user's serve.py and model.py travel with it."""
+    spec = byo_spec(tmp_path, "byo-alone", BYO / "gru", steps=20, checkpoint_every=10,
+                    eval_every=10)  # fmt: skip
+    followed = stack.cli("run", str(spec), timeout=300).stdout
+    assert "AWAITING_APPROVAL" in followed, followed
+    uri = stack.settings.mlflow_uri
+    version = MlflowClient(tracking_uri=uri).get_model_version_by_alias("byo-alone", "candidate")
+    model_uri = f"models:/byo-alone/{version.version}"
+    mlflow.set_tracking_uri(uri)
+    mlflow.set_registry_uri(uri)
+    folder = Path(mlflow.artifacts.download_artifacts(model_uri, dst_path=str(tmp_path / "dl")))
+    params = {"max_new_tokens": 30, "seed": 4}
+    # Here, in another process: the user's `model` and `serve` modules stay out of this one.
+    here = load_and_predict([sys.executable, "-I"], folder, tmp_path, "ROMEO:", params)["text"]
+
+    python = fresh_python(mlflow.pyfunc.get_model_dependencies(model_uri), tmp_path)
+    assert forgeline_found(python, tmp_path) == []
+    answer = load_and_predict([str(python)], folder, tmp_path, "ROMEO:", params)
+    assert answer["text"] == here and len(here) > len("ROMEO:") + 20, answer["text"]
+    shipped = {Path(f).name for f in answer["files"] if Path(f).is_relative_to(folder)}
+    assert {"serve.py", "model.py"} <= shipped, shipped

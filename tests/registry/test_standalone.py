@@ -9,9 +9,6 @@ served_code, then registry.tracking.register).
 from __future__ import annotations
 
 import ast
-import json
-import os
-import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -27,6 +24,7 @@ from safetensors import safe_open
 
 from dataprep.tokenizer import char_tokenizer
 from registry.tracking import EXPERIMENT, register
+from tests.fresh_env import PIP_TIMEOUT_S, forgeline_found, fresh_python, load_and_predict
 from tests.registry.test_tracking import registration
 from trainer.model import GPT, GPTConfig
 from trainer.serving import (
@@ -42,18 +40,6 @@ from trainer.serving import (
 REPO = Path(__file__).resolve().parents[2]
 PROMPT = "ROMEO:"
 PARAMS = {"max_new_tokens": 24, "seed": 11}
-PIP_TIMEOUT_S = 900  # torch from the wheel on disk, the rest from the package index
-
-# Run by a Python that is not this one: load the model folder (argv[1]), continue PROMPT, and say
-# which files every loaded module came from, so the caller can tell where the code was found.
-LOAD_AND_PREDICT = """
-import json, sys
-import mlflow.pyfunc
-model = mlflow.pyfunc.load_model(sys.argv[1])
-(text,) = model.predict([sys.argv[2]], params=json.loads(sys.argv[3]))
-files = [getattr(m, "__file__", None) for m in list(sys.modules.values())]
-print(json.dumps({"text": text, "files": sorted(f for f in files if f)}))
-"""
 
 
 @dataclass(frozen=True)
@@ -95,24 +81,6 @@ def version(tmp_path_factory: pytest.TempPathFactory, artifacts: dict[str, str])
     folder = Path(mlflow.artifacts.download_artifacts(uri, dst_path=str(root / "download")))
     (text,) = mlflow.pyfunc.load_model(uri).predict([PROMPT], params=PARAMS)
     return Version(uri, folder, text)
-
-
-def _without_pythonpath() -> dict[str, str]:
-    hidden = ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")
-    return {k: v for k, v in os.environ.items() if k not in hidden}
-
-
-def _load_and_predict(python: list[str], folder: Path, cwd: Path) -> dict:
-    done = subprocess.run(
-        [*python, "-c", LOAD_AND_PREDICT, str(folder), PROMPT, json.dumps(PARAMS)],
-        cwd=cwd,
-        env=_without_pythonpath(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert done.returncode == 0, done.stderr[-4000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def _in(file: str, version: Version) -> bool:
@@ -185,7 +153,7 @@ def test_shipped_code_loads_with_nothing_from_the_repository(
     # Isolated mode (-I: no PYTHONPATH, no user site, no working folder on sys.path), in this
     # environment, where Forgeline itself is installed too: what the loaded version runs must
     # come from its own folder, never from the repository's files.
-    answer = _load_and_predict([sys.executable, "-I"], version.folder, tmp_path)
+    answer = load_and_predict([sys.executable, "-I"], version.folder, tmp_path, PROMPT, PARAMS)
     installed = Path(sys.prefix)  # the venv may sit inside the repository (.venv)
     repository = [f for f in answer["files"] if Path(f).is_relative_to(REPO)]
     assert [f for f in repository if not Path(f).is_relative_to(installed)] == []
@@ -212,37 +180,19 @@ def test_a_version_pickled_before_models_from_code_still_loads_here(
 
 
 @pytest.fixture(scope="module")
-def fresh_python(tmp_path_factory: pytest.TempPathFactory, version: Version) -> Path:
-    """A new virtual environment with the version's declared requirements and nothing else."""
+def fresh(tmp_path_factory: pytest.TempPathFactory, version: Version) -> Path:
     requirements = mlflow.pyfunc.get_model_dependencies(version.uri)
-    venv = tmp_path_factory.mktemp("fresh") / "venv"
-    env = _without_pythonpath()
-    started = time.monotonic()
-    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, env=env, timeout=120)
-    pip = [str(venv / "bin" / "python"), "-m", "pip", "install", "--quiet"]
-    # torch first, alone: pinned to the CPU wheel on disk, so no resolver ever picks a CUDA build.
-    torch_pin = f"torch=={metadata.version('torch').split('+')[0]}"
-    for args in ([torch_pin], ["-r", requirements]):
-        subprocess.run([*pip, *args], check=True, env=env, timeout=PIP_TIMEOUT_S)
-    print(f"fresh venv built in {time.monotonic() - started:.0f} s")
-    return venv / "bin" / "python"
+    return fresh_python(requirements, tmp_path_factory.mktemp("fresh"))
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(PIP_TIMEOUT_S * 2 + 300)
 def test_a_version_loads_and_generates_in_a_fresh_environment(
-    version: Version, fresh_python: Path, tmp_path: Path
+    version: Version, fresh: Path, tmp_path: Path
 ) -> None:
-    check = [
-        str(fresh_python),
-        "-c",
-        "import importlib.util as u; print([n for n in ('dataprep', 'registry', 'worker', "
-        "'activities', 'workflows', 'forgeline', 'trainer', 'infra') if u.find_spec(n)])",
-    ]
-    found = subprocess.run(check, cwd=tmp_path, env=_without_pythonpath(), capture_output=True)
-    assert found.stdout.strip() == b"[]", found  # nothing of Forgeline's is installed there
+    assert forgeline_found(fresh, tmp_path) == []  # nothing of Forgeline's is installed there
     started = time.monotonic()
-    answer = _load_and_predict([str(fresh_python)], version.folder, tmp_path)
+    answer = load_and_predict([str(fresh)], version.folder, tmp_path, PROMPT, PARAMS)
     print(f"loaded and generated in {time.monotonic() - started:.1f} s")
     assert answer["text"] == version.text
     assert answer["text"].startswith(PROMPT) and len(answer["text"]) > len(PROMPT)

@@ -82,18 +82,24 @@ class Trainer:
             await asyncio.sleep(0.02)
         return task
 
-    def run(self, job: TrainJob, ranks: int, timeout_s: float = 240) -> ProgressTail:
+    def run(
+        self, job: TrainJob, ranks: int, timeout_s: float = 240, start_limit_s: float = 0
+    ) -> ProgressTail:
         """Run the job to the end; past `timeout_s`, fail with the ranks' stacks and log."""
         rdzv = Rendezvous(f"127.0.0.1:{free_port()}", f"{job.run_id}-{self.jobs}", 1, ranks)
         workdir = Path(job.progress_file).parent
-        launch = run_ranks(job, workdir, rdzv, on_progress=lambda _: None)
+        launch = run_ranks(
+            job, workdir, rdzv, on_progress=lambda _: None, start_limit_s=start_limit_s or None
+        )
         try:
             return asyncio.run(asyncio.wait_for(launch, timeout_s))
         except TimeoutError:
             # run_ranks has asked the ranks for their stacks (SIGUSR1) before stopping them.
             log = (workdir / "torchrun.log").read_text(errors="replace")
+            stacks = "".join(p.read_text() for p in workdir.glob("stacks-local-rank-*.txt"))
             pytest.fail(
                 f"{job.run_id} did not finish in {timeout_s} s; torchrun.log:\n{log[-8000:]}"
+                f"\nstacks:\n{stacks[-8000:]}"
             )
 
 

@@ -57,4 +57,5 @@ def test_a_stopped_rank_is_called_a_hang_and_every_rank_is_stopped(trainer: Trai
     # Noticed one limit after the freeze, then stopped within the 10 s grace (+ polling slack).
     assert waited < limit + 15, f"{waited:.0f} s from the freeze to stopped ranks: {message}"
     assert not job_processes(workdir / "job.json"), "a stopped rank survived"
-    assert "Thread" in (workdir / "torchrun.log").read_text(), "no stacks were recorded"
+    stacks = "".join(p.read_text() for p in workdir.glob("stacks-local-rank-*.txt"))
+    assert "Thread" in stacks, "no stacks were recorded"

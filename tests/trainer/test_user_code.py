@@ -205,6 +205,30 @@ def test_a_script_that_cannot_start_is_the_users_error(
         trainer.run(user_job(trainer, f"broken-{name}", code, user_train(code)), ranks=2)
 
 
+@pytest.mark.parametrize(
+    ("name", "text", "said"),
+    [
+        ("never-init", "import time\n\nwhile True:\n    time.sleep(0.05)\n",
+         r"train\.py ran \d+ s without calling forgeline\.init\(\) \(recovery\.start_limit_s "
+         r"= 6\), at train\.py, line 4: a script trains inside `for step in run\.steps\(\):`"),
+        ("never-steps", "import time\nimport forgeline\n\nrun = forgeline.init()\n"
+         "def my_own_loop():\n    while True:\n        time.sleep(0.05)\n\nmy_own_loop()\n",
+         r"ran \d+ s after forgeline\.init\(\) without calling run\.restore\(model, "
+         r"optimizer\) \(recovery\.start_limit_s = 6\), at train\.py, line 7"),
+    ],
+    ids=["never-init", "never-steps"],
+)  # fmt: skip
+def test_a_script_that_never_reports_is_the_users_error(
+    trainer: Trainer, tmp_path: Path, name: str, text: str, said: str
+) -> None:
+    """It loops in its own code and never reaches run.steps(): failed, with the line it
+    loops on, once a stretch of its own code runs past the limit."""
+    code = broken_script(tmp_path, name, text)
+    job = user_job(trainer, f"quiet-{name}", code, user_train(code))
+    with pytest.raises(UserCodeFailed, match=said):
+        trainer.run(job, ranks=2, timeout_s=90, start_limit_s=6)
+
+
 def test_a_crash_after_training_began_is_a_crash(trainer: Trainer, tmp_path: Path) -> None:
     """Restarted from the last checkpoint like a dead node, not failed as a mistake."""
     text = (
