@@ -28,6 +28,7 @@ from trainer.errors import RanksFailed, UserCodeFailed
 from trainer.hang import HangWatch
 from trainer.job import CHAOS_FILE, ResumePoint, TrainJob
 from trainer.launch import Rendezvous, run_ranks
+from trainer.model import laid_out_as
 from workflows.cluster_models import CheckpointCommitted
 from workflows.gang_outcome import USER_CODE_ERROR
 from workflows.models import (
@@ -138,8 +139,12 @@ class NodeActivities:
         dataset = self.cache.dataset_manifest(inp.dataset)
         shards = self.cache.split(dataset, "train")
         resume = None
+        # The built-in GPT is built as the weights it starts from are laid out: a run begun
+        # (or a base model trained) before the fused layout resumes in the layout it has.
+        stored: dict = {}
         if inp.resume is not None:
             folder, manifest = self.cache.checkpoint(inp.resume)
+            stored = manifest.get("model_config") or {}
             resume = ResumePoint(
                 folder=str(folder),
                 step=inp.resume.step,
@@ -151,8 +156,9 @@ class NodeActivities:
         code_dir = self._user_code(inp)
         init_weights = ""
         if inp.init_from is not None and inp.resume is None:
-            folder, _ = self.cache.checkpoint(inp.init_from)
+            folder, base = self.cache.checkpoint(inp.init_from)
             init_weights = str(folder)
+            stored = base.get("model_config") or {}
         gen_dir = self._generation_dir(inp.run_id, inp.allocation.generation)
         spec = inp.spec
         replicate, shard, tensor = spec.parallel.degrees(spec.resources.world_size)
@@ -168,7 +174,10 @@ class NodeActivities:
                 else []
             ),
             generation=inp.allocation.generation,
-            model={**spec.model.architecture(), "vocab_size": inp.dataset.vocab_size},
+            model=laid_out_as(
+                {**spec.model.architecture(), "vocab_size": inp.dataset.vocab_size},
+                stored if inp.code is None else None,  # a script's model_config is its own
+            ),
             train=spec.train.model_dump(),
             train_shards=[str(p) for p in shards],
             dtype=dataset["dtype"],

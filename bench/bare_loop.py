@@ -3,14 +3,17 @@ batch and data. No process group, no checkpoints, no progress file, no health si
 
     python -m bench.bare_loop SHARD DTYPE MODEL_JSON BATCH STEPS THREADS [--warmup N] [--arch A]
 
-`--arch gpt` (the default) trains the built-in GPT; `--arch fused` the same shape with one
-fused qkv and no biases (bench/fused_gpt.py), so both architectures run in the same loop.
+`--arch gpt` (the default) trains the built-in GPT as the model json lays it out (new runs:
+one qkv with its rows grouped by head, no biases); `--arch fused` the same shape with a plain
+fused qkv and no biases (bench/fused_gpt.py); `--arch separate` the built-in GPT in its former
+layout (separate q, k and v, biases everywhere), so all three run in the same loop.
 Prints one JSON line: {"tokens_per_s": ..., "measured_steps": ...}, timed after the warm-up.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import time
 
@@ -20,7 +23,11 @@ import torch
 from bench.fused_gpt import fused_gpt
 from trainer.model import GPT, GPTConfig
 
-ARCHS = {"gpt": GPT, "fused": fused_gpt}
+ARCHS = {
+    "gpt": GPT,
+    "fused": fused_gpt,
+    "separate": lambda config: GPT(dataclasses.replace(config, fused_qkv=False, bias=True)),
+}
 
 
 def main(

@@ -1,9 +1,10 @@
-"""A baseline network for bench/trainer.py only: the built-in GPT's shape with one fused qkv
-projection and no biases (nanoGPT's `bias=False`), to measure what the built-in GPT's layout
-(separate q, k and v, each with a bias, and biases in every Linear and LayerNorm) costs.
+"""A baseline network for bench/trainer.py only: the built-in GPT's shape with one plain fused
+qkv projection (q, then k, then v, nanoGPT's `c_attn`) and no biases (`bias=False`), to
+measure what the built-in GPT's own layout costs: its qkv rows are grouped by head so that
+tensor parallelism can shard whole heads (and it had separate q, k, v with biases before).
 
 It is the built-in GPT (same embeddings, MLP, tied head, initialisation and forward) with each
-block's attention replaced by a fused one and every bias removed, so the two differ in exactly
+block's attention replaced by this one and every bias removed, so the two differ in exactly
 that. Only the benchmark's shape is supported: learned positions, GELU MLP.
 """
 

@@ -8,7 +8,8 @@
    the per-step decisions, stop checks, goodput ledger, progress file) against
    `bench/bare_loop.py`, the plainest loop of the same model, batch and data, with the same
    threads; and, in that same bare loop, the built-in GPT against a network of the same shape
-   with one fused qkv and no biases (`bench/fused_gpt.py`). Tokens/s after a warm-up, best and
+   with one plain fused qkv and no biases (`bench/fused_gpt.py`), and the GPT's former layout
+   (separate q, k, v with biases) against that same network. Tokens/s after a warm-up, best and
    median of `--repeats`, alternating, the order reversed every other repeat; ratios are best
    over best and the median of each repeat's adjacent pair.
 2. Checkpoint stall for a ~60 M-parameter GPT with AdamW state: the time the loop is blocked by
@@ -152,7 +153,7 @@ def throughput(root: Path, repeats: int) -> list[tuple[str, str, str, str]]:
     store = LocalStore(root / "store")
     settings = SnapshotSettings(filters=FilterSettings(min_words=1))
     snapshot = prepare_snapshot([str(CORPUS)], settings, store, root / "dataprep")
-    kinds = ("trainer", "gpt", "fused")
+    kinds = ("trainer", "gpt", "fused", "separate")
     runs = {(size.label, kind): [] for size in SIZES for kind in kinds}
     for attempt in range(repeats):
         for s, size in enumerate(SIZES):
@@ -174,6 +175,8 @@ def throughput(root: Path, repeats: int) -> list[tuple[str, str, str, str]]:
                  runs[size.label, "gpt"]),
             _row(f"tokens/s, {size.label}: GPT vs fused qkv, no biases (bare loop)",
                  runs[size.label, "gpt"], runs[size.label, "fused"]),
+            _row(f"tokens/s, {size.label}: GPT's former layout vs fused qkv, no biases",
+                 runs[size.label, "separate"], runs[size.label, "fused"]),
         ]  # fmt: skip
     return rows
 

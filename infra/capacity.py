@@ -24,6 +24,7 @@ class Shape:
     block_size: int
     rope: bool = False
     swiglu: bool = False
+    bias: bool = True  # in every Linear but the tied head, and every LayerNorm
 
 
 def mlp_hidden(n_embd: int, swiglu: bool) -> int:
@@ -38,12 +39,14 @@ def mlp_hidden(n_embd: int, swiglu: bool) -> int:
 
 
 def block_params(shape: Shape) -> int:
-    """One transformer block: two LayerNorms, q/k/v/proj with biases, the MLP with biases."""
+    """One transformer block: two LayerNorms, q/k/v (fused or not, the same count) and proj,
+    the MLP; with or without biases."""
     c, hidden = shape.n_embd, mlp_hidden(shape.n_embd, shape.swiglu)
-    norms = 2 * 2 * c  # ln_1, ln_2: gain and bias
-    attention = 4 * (c * c + c)  # q, k, v, proj
+    b = 1 if shape.bias else 0
+    norms = 2 * (1 + b) * c  # ln_1, ln_2: gain (and bias)
+    attention = 4 * (c * c + b * c)  # q, k, v, proj
     inputs = 2 if shape.swiglu else 1  # fc, and gate for SwiGLU
-    mlp = inputs * (c * hidden + hidden) + hidden * c + c
+    mlp = inputs * (c * hidden + b * hidden) + hidden * c + b * c
     return norms + attention + mlp
 
 
@@ -51,7 +54,8 @@ def param_count(shape: Shape) -> int:
     """Every parameter once: lm_head shares wte's matrix, so the vocabulary counts once."""
     c = shape.n_embd
     positions = 0 if shape.rope else shape.block_size * c  # RoPE has no learned table
-    return shape.vocab_size * c + positions + shape.n_layer * block_params(shape) + 2 * c
+    final_norm = (2 if shape.bias else 1) * c
+    return shape.vocab_size * c + positions + shape.n_layer * block_params(shape) + final_norm
 
 
 def non_embedding_params(shape: Shape) -> int:

@@ -2,9 +2,15 @@
 
 Optional modern pieces: rotary position embedding (RoPE) instead of learned positions, and a
 SwiGLU MLP instead of GELU. Layers are laid out for Megatron-style tensor parallelism: attention
-q/k/v and MLP fc/gate are column-parallel (a rank holds a slice of their output rows), and both
+qkv and MLP fc/gate are column-parallel (a rank holds a slice of their output rows), and both
 `proj` layers are row-parallel (a rank holds the matching slice of input columns, and the ranks'
 outputs are summed). Forward passes therefore never assume they see all heads or all hidden units.
+
+q, k and v come from one fused matrix whose output rows are grouped by head (head 0's q, k, v,
+then head 1's, ...), so a column shard of whole heads holds their q, k and v together; and no
+Linear or LayerNorm has a bias (nanoGPT's `bias=False`). Both are faster at small widths (one
+matmul instead of three, fewer kernels). Checkpoints made before hold separate q, k, v with
+biases: `fused_qkv=False, bias=True`, what a config without those keys means, still loads them.
 
 Shapes: B batch, T time (≤ block_size), C channels (n_embd), H heads, D head dim (C/H),
 V vocabulary. Under tensor parallelism of degree tp a rank sees H/tp heads, C/tp attention width.
@@ -33,6 +39,10 @@ class GPTConfig:
     rope: bool = False  # rotary positions in attention instead of the learned `wpe` table
     swiglu: bool = False  # SwiGLU MLP instead of GELU
     rope_theta: float = 10000.0  # RoPE base: pair i turns by position · theta^(-2i/D)
+    # The defaults are the layout of configs stored before these keys existed (checkpoint
+    # manifests, registered versions); the spec gives new runs fused_qkv=True, bias=False.
+    fused_qkv: bool = False  # one qkv matrix, rows grouped by head, instead of q, k and v
+    bias: bool = True  # biases in every Linear (but the tied head) and LayerNorm
 
     def __post_init__(self) -> None:
         if self.n_embd % self.n_head:
@@ -48,6 +58,23 @@ class GPTConfig:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+WEIGHT_LAYOUT = ("fused_qkv", "bias")
+
+
+def stored_layout(model_config: dict) -> dict[str, bool]:
+    """How a stored config's weights are laid out: a config written before these keys existed
+    means separate q, k, v with biases (GPTConfig's defaults)."""
+    fields = GPTConfig.__dataclass_fields__
+    return {key: bool(model_config.get(key, fields[key].default)) for key in WEIGHT_LAYOUT}
+
+
+def laid_out_as(shape: dict, stored: dict | None) -> dict:
+    """The built-in GPT's shape for a run (`shape`: the spec's), laid out as the weights it
+    starts from (`stored`: their checkpoint's model_config) when it starts from any: a run
+    begun, or a base model trained, before the fused layout keeps the layout it has."""
+    return {**shape, **stored_layout(stored)} if stored else dict(shape)
 
 
 def rotary_tables(head_dim: int, n_pos: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -97,11 +124,13 @@ class CausalSelfAttention(nn.Module):
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
         self.head_dim = config.n_embd // config.n_head
-        # Separate q/k/v (not one fused qkv) so each can be column-sharded by heads on its own.
-        self.q = nn.Linear(config.n_embd, config.n_embd)
-        self.k = nn.Linear(config.n_embd, config.n_embd)
-        self.v = nn.Linear(config.n_embd, config.n_embd)
-        self.proj = nn.Linear(config.n_embd, config.n_embd)
+        c, bias = config.n_embd, config.bias
+        if config.fused_qkv:  # output rows (H, 3, D): a shard of whole heads has all three
+            self.qkv: nn.Linear | None = nn.Linear(c, 3 * c, bias=bias)
+        else:  # the layout of older checkpoints: each column-sharded by heads on its own
+            self.qkv = None
+            self.q, self.k, self.v = (nn.Linear(c, c, bias=bias) for _ in range(3))
+        self.proj = nn.Linear(c, c, bias=bias)
         self.rotary = (
             Rotary(self.head_dim, config.block_size, config.rope_theta) if config.rope else None
         )
@@ -112,9 +141,14 @@ class CausalSelfAttention(nn.Module):
         # (B, T, C') -> (B, T, H', D) -> (B, H', T, D), where C' = H'·D is this rank's width.
         # Reshape by head_dim with -1 heads (never by n_head or C): under tensor parallelism the
         # sharded q/k/v produce only C/tp channels, i.e. H/tp heads.
-        q, k, v = (
-            lin(x).view(B, T, -1, self.head_dim).transpose(1, 2) for lin in (self.q, self.k, self.v)
-        )
+        if self.qkv is not None:
+            # (B, T, 3C') -> (B, T, H', 3, D): q, k, v of each head side by side.
+            q, k, v = self.qkv(x).view(B, T, -1, 3, self.head_dim).transpose(1, 2).unbind(3)
+        else:
+            q, k, v = (
+                lin(x).view(B, T, -1, self.head_dim).transpose(1, 2)
+                for lin in (self.q, self.k, self.v)
+            )
         if self.rotary is not None:
             q, k = self.rotary(q), self.rotary(k)
         y = F.scaled_dot_product_attention(
@@ -128,9 +162,10 @@ class MLP(nn.Module):
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
         hidden = mlp_hidden(config.n_embd, config.swiglu)
-        self.fc = nn.Linear(config.n_embd, hidden)
-        self.gate = nn.Linear(config.n_embd, hidden) if config.swiglu else None
-        self.proj = nn.Linear(hidden, config.n_embd)
+        bias = config.bias
+        self.fc = nn.Linear(config.n_embd, hidden, bias=bias)
+        self.gate = nn.Linear(config.n_embd, hidden, bias=bias) if config.swiglu else None
+        self.proj = nn.Linear(hidden, config.n_embd, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # fc and gate are elementwise-combined per hidden unit, so both shard by the same rows.
@@ -142,9 +177,9 @@ class MLP(nn.Module):
 class Block(nn.Module):
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
-        self.ln_1 = nn.LayerNorm(config.n_embd)
+        self.ln_1 = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.attn = CausalSelfAttention(config)
-        self.ln_2 = nn.LayerNorm(config.n_embd)
+        self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.mlp = MLP(config)
         self.drop = nn.Dropout(config.dropout)
 
@@ -162,7 +197,7 @@ class GPT(nn.Module):
         self.wpe = None if config.rope else nn.Embedding(config.block_size, config.n_embd)
         self.drop = nn.Dropout(config.dropout)
         self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
-        self.ln_f = nn.LayerNorm(config.n_embd)
+        self.ln_f = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         self.lm_head.weight = self.wte.weight  # tied embeddings
         self.apply(self._init_weights)

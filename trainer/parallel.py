@@ -82,13 +82,13 @@ def build_mesh(layout: Layout, device_type: str) -> Placement:
 
 
 def _tensor_parallel(model: GPT, mesh: DeviceMesh) -> None:
-    """Split each block: q, k, v and the MLP's input projections by columns (heads), the output
-    projections by rows, so each block costs one all-reduce in forward and one in backward."""
+    """Split each block: qkv and the MLP's input projections by columns (whole heads: qkv's
+    rows are grouped by head), the output projections by rows, so each block costs one
+    all-reduce in forward and one in backward."""
+    attention = ("attn.qkv",) if model.config.fused_qkv else ("attn.q", "attn.k", "attn.v")
     for block in model.blocks:
         plan = {
-            "attn.q": ColwiseParallel(),
-            "attn.k": ColwiseParallel(),
-            "attn.v": ColwiseParallel(),
+            **{name: ColwiseParallel() for name in attention},
             "attn.proj": RowwiseParallel(),
             "mlp.fc": ColwiseParallel(),
             "mlp.proj": RowwiseParallel(),

@@ -94,7 +94,9 @@ def inputs_for(spec: RunSpec, hardware: Hardware, vocab: int | None, precision: 
     if hardware.write_gb_per_s is not None:
         bandwidth += f", at most {hardware.write_gb_per_s:g} GB/s"
     return Inputs(
-        shape=Shape(vocab_size, m.n_layer, m.n_head, m.n_embd, m.block_size, m.rope, m.swiglu),
+        shape=Shape(
+            vocab_size, m.n_layer, m.n_head, m.n_embd, m.block_size, m.rope, m.swiglu, m.bias
+        ),
         layout=Layout(r.nodes, r.gpus_per_node, replicate, shard, tensor),
         budget=Budget(
             spec.train.steps,

@@ -167,6 +167,8 @@ class ModelSpec(_Strict):
     rope: bool = Field(False, description="rotary position embedding instead of learned positions")
     swiglu: bool = Field(False, description="SwiGLU MLP instead of GELU")
     rope_theta: float = Field(10000.0, gt=0)
+    fused_qkv: bool = Field(True, description="one qkv matrix (rows by head) instead of three")
+    bias: bool = Field(False, description="biases in every Linear and LayerNorm (GPT-2's)")
     init_from: str | None = Field(
         None,
         max_length=300,

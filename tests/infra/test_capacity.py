@@ -37,7 +37,8 @@ from workflows.cluster_models import ClusterConfig
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 MIXED = PRECISIONS["bf16-mixed"]
 # Llama-2-70B's width and depth with this repo's GPT (SwiGLU 8C/3, no GQA): about 65 B.
-BIG = Shape(32000, n_layer=80, n_head=64, n_embd=8192, block_size=4096, rope=True, swiglu=True)
+BIG = Shape(32000, n_layer=80, n_head=64, n_embd=8192, block_size=4096, rope=True, swiglu=True,
+            bias=False)  # fmt: skip
 
 
 def test_500_nodes_at_a_six_month_mtbf_fail_every_9_hours() -> None:
@@ -77,6 +78,7 @@ def test_daly_interval_is_the_best_goodput() -> None:
         Shape(65, n_layer=4, n_head=4, n_embd=128, block_size=128),
         Shape(257, n_layer=2, n_head=2, n_embd=64, block_size=64, rope=True, swiglu=True),
         Shape(1000, n_layer=3, n_head=5, n_embd=200, block_size=32, swiglu=True),  # 8C/3 → 544
+        Shape(65, n_layer=2, n_head=4, n_embd=64, block_size=32, swiglu=True, bias=False),
     ],
 )
 def test_closed_form_matches_the_torch_model(shape: Shape) -> None:
@@ -91,6 +93,8 @@ def test_closed_form_matches_the_torch_model(shape: Shape) -> None:
         block_size=shape.block_size,
         rope=shape.rope,
         swiglu=shape.swiglu,
+        fused_qkv=not shape.bias,  # either way: the fused layout counts as the separate one
+        bias=shape.bias,
     )
     model = GPT(config)
     assert param_count(shape) == sum(p.numel() for p in model.parameters())

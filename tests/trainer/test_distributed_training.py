@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from infra.errors import IntegrityError
-from tests.trainer.conftest import Trainer
+from tests.trainer.conftest import MODEL, Trainer
 from trainer.checkpoint import fetch_checkpoint, load_model_weights
-from trainer.errors import CheckpointError
+from trainer.errors import CheckpointError, RanksFailed
 from trainer.evaluate import evaluate_checkpoint
 from trainer.job import ResumePoint
 from trainer.launch import RANK_MODULE
@@ -25,7 +25,7 @@ from trainer.manifest import (
     manifest_key,
     verify_files,
 )
-from trainer.model import GPT, GPTConfig
+from trainer.model import GPT, WEIGHT_LAYOUT, GPTConfig, laid_out_as
 from workflows.spec import TrainSpec
 
 TRAIN = TrainSpec(
@@ -206,3 +206,28 @@ def job_processes(job_file: Path, launcher: bool = False) -> list[int]:
         ):
             pids.append(int(proc.name))
     return pids
+
+
+def test_a_checkpoint_from_before_the_fused_layout_resumes_in_its_own(trainer: Trainer) -> None:
+    """A run begun before qkv was fused (separate q, k, v with biases, a model_config without
+    the layout keys) resumes after the upgrade: the node agent builds the GPT as the
+    checkpoint is laid out (trainer.model.laid_out_as), not as the spec's defaults say."""
+    before = MODEL.model_copy(update={"fused_qkv": False, "bias": True})
+    first = TRAIN.model_copy(update={"steps": 20, "checkpoint_every": 10})
+    trainer.run(trainer.job("old-layout", first, model=before), ranks=1)
+    key = manifest_key("old-layout", 20)
+    manifest = json.loads(trainer.store.get_bytes(key))
+    stored = {k: v for k, v in manifest["model_config"].items() if k not in WEIGHT_LAYOUT}
+    resume = resume_point(trainer, manifest, "old-layout", key)
+    more = TRAIN.model_copy(update={"steps": 30, "checkpoint_every": 10})
+
+    as_the_spec_says = trainer.job("old-layout", more, resume=resume, generation=2)
+    with pytest.raises(RanksFailed, match=r"attn\.q"):  # the fused GPT cannot take these weights
+        trainer.run(as_the_spec_says, ranks=1)
+
+    job = trainer.job("old-layout", more, resume=resume, generation=3)
+    job.model = laid_out_as(job.model, stored)  # what the node agent does
+    trainer.run(job, ranks=1)
+    final = find_latest(trainer.store, "old-layout", max_generation=3)
+    assert final is not None and final.step == 30
+    assert final.manifest["model_config"]["fused_qkv"] is False

@@ -8,8 +8,16 @@ import torch
 from torch import nn
 
 from trainer.metrics import flops_per_token, mfu
-from trainer.model import GPT, GPTConfig, apply_rotary, mlp_hidden, rotary_tables
+from trainer.model import (
+    GPT,
+    GPTConfig,
+    apply_rotary,
+    mlp_hidden,
+    rotary_tables,
+    stored_layout,
+)
 from trainer.schedule import learning_rate
+from workflows.spec import ModelSpec
 
 CONFIG = GPTConfig(vocab_size=50, n_layer=2, n_head=2, n_embd=32, block_size=16)
 
@@ -30,10 +38,20 @@ LAYOUTS = [
 ]
 
 
+# How the weights are laid out: what new runs get (the spec's default), and what every
+# checkpoint made before holds (GPTConfig's default, for configs stored without the keys).
+WEIGHTS = [
+    pytest.param(True, False, id="fused-qkv-no-bias"),
+    pytest.param(False, True, id="separate-qkv-biases"),
+]
+
+
 @pytest.mark.parametrize(("rope", "swiglu"), LAYOUTS)
-def test_learns_a_fixed_batch(rope: bool, swiglu: bool) -> None:
+@pytest.mark.parametrize(("fused_qkv", "bias"), WEIGHTS)
+def test_learns_a_fixed_batch(rope: bool, swiglu: bool, fused_qkv: bool, bias: bool) -> None:
     torch.manual_seed(0)
-    model = GPT(dataclasses.replace(CONFIG, rope=rope, swiglu=swiglu))
+    config = dataclasses.replace(CONFIG, rope=rope, swiglu=swiglu, fused_qkv=fused_qkv, bias=bias)
+    model = GPT(config)
     optimizer = model.optimizer(learning_rate=3e-3, weight_decay=0.0)
     x = torch.randint(0, 50, (8, 16))
     losses = []
@@ -134,20 +152,23 @@ def test_rope_scores_depend_only_on_relative_position() -> None:
 def column_shard(linear: nn.Linear, rank: int, tp: int) -> nn.Linear:
     """This rank's output rows (and bias) of a column-parallel Linear."""
     weight = linear.weight.detach().chunk(tp, dim=0)[rank]  # (out/tp, in)
-    part = nn.Linear(weight.shape[1], weight.shape[0])
+    part = nn.Linear(weight.shape[1], weight.shape[0], bias=linear.bias is not None)
     with torch.no_grad():
         part.weight.copy_(weight)
-        part.bias.copy_(linear.bias.detach().chunk(tp)[rank])
+        if linear.bias is not None:
+            part.bias.copy_(linear.bias.detach().chunk(tp)[rank])
     return part
 
 
 def row_shard(linear: nn.Linear, rank: int, tp: int) -> nn.Linear:
     """This rank's input columns of a row-parallel Linear; the bias is added by rank 0 only."""
     weight = linear.weight.detach().chunk(tp, dim=1)[rank]  # (out, in/tp)
-    part = nn.Linear(weight.shape[1], weight.shape[0])
+    part = nn.Linear(weight.shape[1], weight.shape[0], bias=linear.bias is not None)
     with torch.no_grad():
         part.weight.copy_(weight)
-        part.bias.copy_(linear.bias.detach() if rank == 0 else torch.zeros_like(linear.bias))
+        if linear.bias is not None:
+            bias = linear.bias.detach()
+            part.bias.copy_(bias if rank == 0 else torch.zeros_like(bias))
     return part
 
 
@@ -164,20 +185,28 @@ def tensor_parallel(module: nn.Module, columns: list[str], tp: int) -> list[nn.M
 
 
 @pytest.mark.parametrize(("rope", "swiglu"), LAYOUTS)
-def test_tensor_parallel_shards_sum_to_the_full_block(rope: bool, swiglu: bool) -> None:
+@pytest.mark.parametrize(("fused_qkv", "bias"), WEIGHTS)
+def test_tensor_parallel_shards_sum_to_the_full_block(
+    rope: bool, swiglu: bool, fused_qkv: bool, bias: bool
+) -> None:
     torch.manual_seed(0)
-    config = dataclasses.replace(CONFIG, n_head=4, rope=rope, swiglu=swiglu)
+    config = dataclasses.replace(
+        CONFIG, n_head=4, rope=rope, swiglu=swiglu, fused_qkv=fused_qkv, bias=bias
+    )
     block = GPT(config).blocks[0].eval()
     for module in (block.attn, block.mlp):  # random biases so bias handling is checked too
         for linear in module.children():
-            if isinstance(linear, nn.Linear):
+            if isinstance(linear, nn.Linear) and linear.bias is not None:
                 nn.init.normal_(linear.bias)
     x = torch.randn(3, 16, 32)  # (B, T, C)
-    attn_shards = tensor_parallel(block.attn, ["q", "k", "v"], tp=2)
+    # qkv's rows are grouped by head, so plain chunks of its rows are whole heads' q, k and v.
+    attn_shards = tensor_parallel(block.attn, ["qkv"] if fused_qkv else ["q", "k", "v"], tp=2)
     mlp_shards = tensor_parallel(block.mlp, ["fc", "gate"] if swiglu else ["fc"], tp=2)
     with torch.no_grad():
         # Each attention shard runs its own forward on 2 of the 4 heads (C/2 channels) ...
-        assert attn_shards[0].q(x).shape == (3, 16, 16)
+        first = attn_shards[0]
+        width = first.qkv(x).shape[-1] // 3 if fused_qkv else first.q(x).shape[-1]
+        assert width == 16
         # ... and the all-reduce that follows the row-parallel proj is a sum.
         torch.testing.assert_close(
             sum(shard(x) for shard in attn_shards), block.attn(x), atol=1e-5, rtol=1e-5
@@ -185,3 +214,17 @@ def test_tensor_parallel_shards_sum_to_the_full_block(rope: bool, swiglu: bool) 
         torch.testing.assert_close(
             sum(shard(x) for shard in mlp_shards), block.mlp(x), atol=1e-5, rtol=1e-5
         )
+
+
+def test_a_config_stored_before_the_fused_layout_means_the_old_weights() -> None:
+    old = {"vocab_size": 50, "n_layer": 1, "n_head": 2, "n_embd": 32}  # no layout keys
+    assert stored_layout(old) == {"fused_qkv": False, "bias": True}
+    keys = set(GPT(GPTConfig(**old)).state_dict())
+    assert {"blocks.0.attn.q.weight", "blocks.0.attn.q.bias", "ln_f.bias"} <= keys
+    new = GPTConfig(**{**old, "fused_qkv": True, "bias": False})
+    assert stored_layout(new.to_dict()) == {"fused_qkv": True, "bias": False}
+    keys = set(GPT(new).state_dict())
+    assert "blocks.0.attn.qkv.weight" in keys and not any(k.endswith(".bias") for k in keys)
+    assert GPT(new).blocks[0].attn.qkv.weight.shape == (96, 32)  # (H·3·D, C)
+    # New runs get the fused layout from the spec.
+    assert stored_layout(ModelSpec().architecture()) == {"fused_qkv": True, "bias": False}
