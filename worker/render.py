@@ -126,14 +126,20 @@ def status_text(view: RunView, settings: Settings) -> str:
         lines.append(f"dataset        {stage_bars(view.dataset)}")
     if s.evaluation:
         e = s.evaluation
-        lines.append(
-            f"evaluation     val_loss {e.val_loss:.4f}  perplexity {e.perplexity:.2f}  "
+        measured = (
             f"on {e.val_tokens:,} tokens at step {e.step}"
+            if e.measured_on == "held-out"
+            else f"the last training loss, step {e.step}: the script reports no held-out loss"
+        )
+        lines.append(
+            f"evaluation     val_loss {e.val_loss:.4f}  perplexity {e.perplexity:.2f}  {measured}"
         )
         if len(e.curve) > 1:
             points = ", ".join(f"{p.step}: {p.val_loss:.3f}" for p in e.curve)
             lines.append(f"val curve      {points}")
         for sample in e.samples or [Sample(prompt="", text=e.sample)]:
+            if not sample.text.strip():  # a user's run: samples are its own serving's business
+                continue
             text = textwrap.indent(sample.text.strip(), " " * 15).lstrip()
             lines.append(f"sample         {text}")
     if s.model_version:

@@ -4,7 +4,7 @@ from pathlib import Path
 from infra.settings import Settings
 from worker.render import progress_line, status_text
 from worker.runs import RunView
-from workflows.models import CheckpointRef, Failure, Phase, RunStatus, TrainProgress
+from workflows.models import CheckpointRef, EvalResult, Failure, Phase, RunStatus, TrainProgress
 
 SETTINGS = Settings(home=Path("/tmp/x"))
 
@@ -66,3 +66,15 @@ def test_status_names_the_weights_a_fine_tuning_run_started_from() -> None:
     )
     text = status_text(view, SETTINGS)
     assert "init from      step 600 of runs/base/checkpoints/step-600/MANIFEST.json" in text
+
+
+def test_an_evaluation_says_what_it_was_measured_on() -> None:
+    view = training_view()
+    held_out = EvalResult(step=600, val_loss=1.5, perplexity=4.48, val_tokens=8192, sample="")
+    view.status.evaluation = held_out
+    assert "on 8,192 tokens at step 600" in status_text(view, SETTINGS)
+    # A user's script that reports no held-out loss is judged on its last training loss.
+    view.status.evaluation = held_out.model_copy(update={"val_tokens": 0, "measured_on": "train"})
+    text = status_text(view, SETTINGS)
+    assert "the last training loss, step 600: the script reports no held-out loss" in text
+    assert "on 0 tokens" not in text and "sample " not in text  # no empty sample line
