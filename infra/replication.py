@@ -21,6 +21,7 @@ down; `forgeline replication` prints it.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import re
@@ -125,17 +126,21 @@ class Replicator:
         if self.twin.exists(manifest_key):
             self._done.add(manifest_key)  # copied by an earlier replicator
             return
+        members = [
+            k
+            for k in keys
+            if k.startswith(folder) and k != manifest_key and _SKIPPED_IN_UNIT not in k
+        ]
         try:
             manifest = self.primary.get_bytes(manifest_key)
-            members = [
-                k
-                for k in keys
-                if k.startswith(folder) and k != manifest_key and _SKIPPED_IN_UNIT not in k
-            ]
             copied = sum(self._copy(key) for key in members)
-        except ObjectNotFound:
-            return  # pruned on the primary while we copied: nothing to keep
+        except ObjectNotFound:  # pruned on the primary while we copied: nothing to keep
+            self._withdraw(manifest_key, members)
+            return
         self.twin.put_if_absent(manifest_key, manifest)
+        if not self.primary.exists(manifest_key):  # pruned just now, the twin's copies too
+            self._withdraw(manifest_key, members)
+            return
         landed = self.clock()
         committed = _commit_time(manifest) or landed
         entry = Replicated(
@@ -149,6 +154,14 @@ class Replicator:
         self._recent.insert(0, entry)
         self._max_lag_s = max(self._max_lag_s, entry.lag_s)
         self._done.add(manifest_key)
+
+    def _withdraw(self, manifest_key: str, members: list[str]) -> None:
+        """Take back a unit that was pruned while it was being copied: the prune deleted the
+        twin's copies it found, but an object read from the primary just before may have
+        landed on the twin after (manifest first: no manifest, no checkpoint)."""
+        for key in [manifest_key, *members]:
+            with contextlib.suppress(ObjectNotFound):
+                self.twin.delete(key)
 
     def _record(self, key: str) -> None:
         try:

@@ -167,3 +167,33 @@ def test_open_store_with_a_twin_and_url_options(endpoint: str, bucket: str, tmp_
     assert store.twin_url == f"s3://{bucket}/twin?endpoint={endpoint}"
     store.twin.put_bytes("k", b"v")
     assert open_store(store.twin_url).get_bytes("k") == b"v"  # the URL reaches the same site
+
+
+class PrunedWhileRead(LocalStore):
+    """A primary whose checkpoint is pruned (on both sites, as TwinStore.delete does) just as
+    the replicator has read its first object: the race of a prune with a copy in flight."""
+
+    def __init__(self, root: Path, twin: LocalStore, folder: str) -> None:
+        super().__init__(root)
+        self.twin, self.folder, self.pruned = twin, folder, False
+
+    def get_file(self, key: str, dest: Path) -> None:
+        super().get_file(key, dest)
+        if not self.pruned:
+            self.pruned = True
+            for pruned in self.list(self.folder):
+                self.delete(pruned)
+                if self.twin.exists(pruned):
+                    self.twin.delete(pruned)
+
+
+def test_a_copy_that_lands_after_its_checkpoint_was_pruned_is_taken_back(
+    tmp_path: Path,
+) -> None:
+    twin = LocalStore(tmp_path / "twin")
+    folder = "runs/r/checkpoints/step-100/"
+    primary = PrunedWhileRead(tmp_path / "primary", twin, folder)
+    checkpoint(primary, "r", 100)
+    Replicator(primary, twin, tmp_path / "scratch").run_once()
+    assert primary.pruned and primary.list(folder) == []
+    assert twin.list(folder) == []  # neither the object copied after the prune nor a manifest
