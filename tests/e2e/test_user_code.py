@@ -148,6 +148,9 @@ MISTAKES = [
 ]  # fmt: skip
 
 
+# The messages are asserted on real ranks in tests/trainer/test_user_code.py; this repeats them
+# through the CLI (no restart spent, no node blamed), out of `make test`'s 15 minutes.
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("name", "old", "new", "marks", "said"), MISTAKES, ids=[m[0] for m in MISTAKES]
 )

@@ -210,11 +210,11 @@ def test_a_script_that_cannot_start_is_the_users_error(
     [
         ("never-init", "import time\n\nwhile True:\n    time.sleep(0.05)\n",
          r"train\.py ran \d+ s without calling forgeline\.init\(\) \(recovery\.start_limit_s "
-         r"= 6\), at train\.py, line 4: a script trains inside `for step in run\.steps\(\):`"),
+         r"= 4\), at train\.py, line 4: a script trains inside `for step in run\.steps\(\):`"),
         ("never-steps", "import time\nimport forgeline\n\nrun = forgeline.init()\n"
          "def my_own_loop():\n    while True:\n        time.sleep(0.05)\n\nmy_own_loop()\n",
          r"ran \d+ s after forgeline\.init\(\) without calling run\.restore\(model, "
-         r"optimizer\) \(recovery\.start_limit_s = 6\), at train\.py, line 7"),
+         r"optimizer\) \(recovery\.start_limit_s = 4\), at train\.py, line 7"),
     ],
     ids=["never-init", "never-steps"],
 )  # fmt: skip
@@ -226,7 +226,7 @@ def test_a_script_that_never_reports_is_the_users_error(
     code = broken_script(tmp_path, name, text)
     job = user_job(trainer, f"quiet-{name}", code, user_train(code))
     with pytest.raises(UserCodeFailed, match=said):
-        trainer.run(job, ranks=2, timeout_s=90, start_limit_s=6)
+        trainer.run(job, ranks=2, timeout_s=90, start_limit_s=4)
 
 
 def test_a_crash_after_training_began_is_a_crash(trainer: Trainer, tmp_path: Path) -> None:
