@@ -29,6 +29,7 @@ _PR_SET_PDEATHSIG = 1
 RANK_MODULE = "trainer.entry"
 # One frame of a stack as faulthandler prints it: `  File "/x/train.py", line 7 in main`.
 _FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+)')
+STACKS_GLOB = "stacks-local-rank-*.txt"  # TrainJob.stacks_file, one a rank
 _STEP_FIELDS = ("step", "loss", "lr", "tokens_per_s", "mfu", "checkpoint_step", "epoch")
 
 
@@ -243,7 +244,12 @@ async def _not_started(
 
 def _stacks_are_in(job: TrainJob) -> str:
     first = job.stacks_file(0)
-    return f"every rank's stack is in {first.parent}/stacks-*.txt" if first else ""
+    return f"every rank's stack is in {first.parent}/{STACKS_GLOB}" if first else ""
+
+
+def printed_stacks(folder: Path) -> str:
+    """Every stack the ranks of one generation folder printed (trainer.entry), rank by rank."""
+    return "".join(path.read_text(errors="replace") for path in sorted(folder.glob(STACKS_GLOB)))
 
 
 def _script_frame(stacks: Path, offset: int, code_dir: str) -> str:

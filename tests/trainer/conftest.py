@@ -16,7 +16,7 @@ from infra.processes import free_port
 from infra.store import LocalStore
 from tests.conftest import SHAKESPEARE
 from trainer.job import ResumePoint, TrainJob
-from trainer.launch import ProgressTail, Rendezvous, run_ranks
+from trainer.launch import ProgressTail, Rendezvous, printed_stacks, run_ranks
 from trainer.manifest import committed_steps
 from workflows.spec import ModelSpec, TrainSpec
 
@@ -96,7 +96,7 @@ class Trainer:
         except TimeoutError:
             # run_ranks has asked the ranks for their stacks (SIGUSR1) before stopping them.
             log = (workdir / "torchrun.log").read_text(errors="replace")
-            stacks = "".join(p.read_text() for p in workdir.glob("stacks-local-rank-*.txt"))
+            stacks = printed_stacks(workdir)
             pytest.fail(
                 f"{job.run_id} did not finish in {timeout_s} s; torchrun.log:\n{log[-8000:]}"
                 f"\nstacks:\n{stacks[-8000:]}"

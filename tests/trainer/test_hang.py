@@ -17,7 +17,7 @@ from tests.trainer.test_distributed_training import job_processes
 from tests.trainer.test_layouts import TRAIN
 from trainer.errors import RanksFailed
 from trainer.hang import HangWatch
-from trainer.launch import Rendezvous, run_ranks
+from trainer.launch import Rendezvous, printed_stacks, run_ranks
 
 
 def test_the_limit_follows_the_gang_s_own_pace() -> None:
@@ -57,5 +57,4 @@ def test_a_stopped_rank_is_called_a_hang_and_every_rank_is_stopped(trainer: Trai
     # Noticed one limit after the freeze, then stopped within the 10 s grace (+ polling slack).
     assert waited < limit + 15, f"{waited:.0f} s from the freeze to stopped ranks: {message}"
     assert not job_processes(workdir / "job.json"), "a stopped rank survived"
-    stacks = "".join(p.read_text() for p in workdir.glob("stacks-local-rank-*.txt"))
-    assert "Thread" in stacks, "no stacks were recorded"
+    assert "Thread" in printed_stacks(workdir), "no stacks were recorded"
