@@ -16,6 +16,7 @@ from activities.errors import domain_errors
 from activities.fetch import NodeCache
 from activities.heartbeat import keep_alive
 from infra.code_version import code_version, installed_packages, packages_digest
+from infra.extras import require_extra
 from infra.settings import Settings
 from registry.approvals import load_approvals, rules_for
 from registry.tracking import (
@@ -97,6 +98,10 @@ def _ledger_mark(mark: Mark | None) -> LedgerMark | None:
 
 class ControlActivities:
     def __init__(self, settings: Settings) -> None:
+        # Registration logs a pyfunc model (mlflow.pyfunc needs pandas, which the full mlflow
+        # brings): a control worker on a base install must say so when it starts, not at the
+        # first registration hours into a run.
+        require_extra("control", "the control worker")
         self.settings = settings
         self.store = settings.open_store()
         self.cache = NodeCache(settings.home / "cache" / "control", self.store)

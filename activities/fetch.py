@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from dataprep.snapshot import load_manifest
+from dataprep.dataset_manifest import load_manifest
 from infra import code_snapshot
 from infra.errors import IntegrityError
 from infra.store import ObjectStore, fetch_verified

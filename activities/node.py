@@ -10,7 +10,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from collections.abc import Awaitable, Callable
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import TypeVar
@@ -27,8 +28,9 @@ from registry.metric_stream import MetricSpool
 from trainer.errors import RanksFailed, UserCodeFailed
 from trainer.hang import HangWatch
 from trainer.job import CHAOS_FILE, ResumePoint, TrainJob
-from trainer.launch import Rendezvous, run_ranks
+from trainer.launch import LOOPBACK, Fabric, Rendezvous, run_ranks
 from trainer.model import laid_out_as
+from trainer.rank_logs import LogShipper, shipped_while_running
 from workflows.cluster_models import CheckpointCommitted
 from workflows.gang_outcome import USER_CODE_ERROR
 from workflows.models import (
@@ -54,9 +56,11 @@ class NodeActivities:
         settings: Settings,
         node_id: str,
         on_cached: Callable[[str], Awaitable[None]] | None = None,
+        fabric: Fabric = LOOPBACK,
     ) -> None:
         self.settings = settings
         self.node_id = node_id
+        self.fabric = fabric  # the address this node advertises and its interface
         self.on_cached = on_cached  # called when a dataset snapshot is in this node's cache
         self.store = settings.open_store()
         self.workdir = settings.home / "nodes" / node_id
@@ -84,20 +88,25 @@ class NodeActivities:
             run_id=f"{inp.run_id}-g{generation}",
             nnodes=len(allocation.nodes),
             nproc_per_node=inp.spec.resources.gpus_per_node,
+            is_host=allocation.nodes[0].node_id == self.node_id,
         )
         reporter.stream_metrics(
             self.metrics_dir, self._generation_dir(inp.run_id, generation) / "progress.jsonl"
         )
+        gen_dir = self._generation_dir(inp.run_id, generation)
+        logs = LogShipper(self.store, inp.run_id, generation, self.node_id, gen_dir)
         try:
-            tail = await run_ranks(
-                job,
-                self._generation_dir(inp.run_id, generation),
-                rdzv,
-                on_progress=reporter.progress,
-                threads_per_rank=inp.spec.train.threads_per_rank,
-                hang=HangWatch(inp.spec.recovery.hang_factor, inp.spec.recovery.hang_min_s),
-                start_limit_s=inp.spec.recovery.start_limit_s,
-            )
+            async with reporter.alive(), shipped_while_running(logs):
+                tail = await run_ranks(
+                    job,
+                    gen_dir,
+                    rdzv,
+                    on_progress=reporter.progress,
+                    threads_per_rank=inp.spec.train.threads_per_rank,
+                    hang=HangWatch(inp.spec.recovery.hang_factor, inp.spec.recovery.hang_min_s),
+                    start_limit_s=inp.spec.recovery.start_limit_s,
+                    fabric=self.fabric,
+                )
         except UserCodeFailed as err:  # the same on every attempt and node: fail the run now
             raise ApplicationError(str(err), type=USER_CODE_ERROR, non_retryable=True) from err
         except RanksFailed as err:
@@ -178,7 +187,12 @@ class NodeActivities:
                 {**spec.model.architecture(), "vocab_size": inp.dataset.vocab_size},
                 stored if inp.code is None else None,  # a script's model_config is its own
             ),
-            train=spec.train.model_dump(),
+            train={
+                **spec.train.model_dump(),
+                # MFU against what this gang's devices can do, unless the spec says otherwise.
+                "peak_flops_per_gpu": spec.train.peak_flops_per_gpu
+                or inp.allocation.device_peak_flops(spec.train.threads_per_rank),
+            },
             train_shards=[str(p) for p in shards],
             dtype=dataset["dtype"],
             store_url=self.store.url,
@@ -235,6 +249,8 @@ class _Reporter:
         self.health_told = 0  # health events of the ranks already signalled to the run
         self.pending: set[asyncio.Task] = set()
         self.metrics: _MetricTap | None = None
+        self.last_beat: TrainProgress | None = None
+        self.last_beat_at = 0.0
 
     def stream_metrics(self, spool_dir: Path, progress_file: Path) -> None:
         """Copy the ranks' step and eval lines to this node's metric spool, on the head node of
@@ -257,15 +273,34 @@ class _Reporter:
             self.metrics = None
 
     def beat(self, state: str, **progress: object) -> None:
-        activity.heartbeat(
-            TrainProgress(
-                node_id=self.node_id,
-                generation=self.inp.allocation.generation,
-                total_steps=self.inp.spec.train.steps,
-                state=state,
-                **progress,
-            )
+        self.last_beat = TrainProgress(
+            node_id=self.node_id,
+            generation=self.inp.allocation.generation,
+            total_steps=self.inp.spec.train.steps,
+            state=state,
+            **progress,
         )
+        self.last_beat_at = time.monotonic()
+        activity.heartbeat(self.last_beat)
+
+    @contextlib.asynccontextmanager
+    async def alive(self, every_s: float = 1.0) -> AsyncIterator[None]:
+        """Heartbeat at least every `every_s` for as long as the body runs, also while the
+        ranks are being stopped after a cancellation (up to torchrun's grace): a survivor
+        whose gang the run cancelled must end cancelled, not time out and be taken for dead."""
+
+        async def repeat_the_last() -> None:
+            while True:
+                await asyncio.sleep(every_s)
+                if self.last_beat is not None and time.monotonic() - self.last_beat_at >= every_s:
+                    activity.heartbeat(self.last_beat)
+                    self.last_beat_at = time.monotonic()
+
+        task = asyncio.create_task(repeat_the_last())
+        try:
+            yield
+        finally:
+            task.cancel()
 
     def progress(self, latest: dict) -> None:
         if reason := node_health.failing(self.node_dir):  # raising here stops the ranks

@@ -16,3 +16,7 @@ class EmptyCorpusError(DataprepError):
 class BadRecordsError(DataprepError):
     """Too many records of one source file are unreadable: the file is probably not what its
     extension says, or it is damaged."""
+
+
+class SourceChangedError(SourceError):
+    """An object changed or vanished after the snapshot that names its content was planned."""

@@ -14,7 +14,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from dataprep.errors import SourceError
+from dataprep.remote_sources import ObjectSource, expand_objects, split_sources
 from dataprep.settings import SnapshotSettings
+from dataprep.source_urls import S3_SCHEME
 from dataprep.sources import SourceFile, expand_sources
 from infra.digest import sha256_file
 
@@ -28,14 +30,36 @@ MAX_CHUNKS = 1024
 
 @dataclass(frozen=True)
 class PlannedFile:
-    path: str
+    path: str  # an absolute local path, or an object's URL (s3://bucket/key)
     format: str
     language: str | None
     bytes: int
-    sha256: str
+    sha256: str  # local files; "" for objects, which are not read to be planned
+    # Objects only (defaults, so plans written before objects existed still load): the ETag
+    # that was listed, which names the version in the snapshot id and pins its read, and the
+    # options of the URL it was found through (endpoint=…&profile=…), to reach the same site.
+    etag: str = ""
+    options: str = ""
+
+    @property
+    def is_object(self) -> bool:
+        return self.path.startswith(S3_SCHEME)
 
     def source(self) -> SourceFile:
         return SourceFile(self.path, self.format, self.language)  # type: ignore[arg-type]
+
+    def identity(self) -> str:
+        """This file's part of the snapshot id: its content, never its name or place."""
+        if self.is_object:
+            # Size and ETag: the ETag changes with the content (a single-part upload's is its
+            # MD5, a multipart one's the MD5 of its parts' MD5s), and hashing a remote corpus
+            # would mean downloading all of it on the one worker that plans.
+            return f"{self.format}:{self.language}:s3:{self.bytes}:{self.etag}\n"
+        return f"{self.format}:{self.language}:{self.sha256}\n"  # unchanged: old ids hold
+
+    def manifest_entry(self) -> dict:
+        version = {"etag": self.etag} if self.is_object else {"sha256": self.sha256}
+        return {"path": self.path, "format": self.format, "bytes": self.bytes, **version}
 
 
 @dataclass(frozen=True)
@@ -67,13 +91,19 @@ class SnapshotPlan:
         return cls(raw["snapshot_id"], raw["identity"], chunks)
 
 
-def plan_snapshot(patterns: list[str], settings: SnapshotSettings) -> SnapshotPlan:
-    files = [_planned(s) for s in expand_sources(patterns)]
+def plan_snapshot(
+    patterns: list[str], settings: SnapshotSettings, store_url: str = ""
+) -> SnapshotPlan:
+    """`store_url`: the store that `store:` sources name (the run's, as this process has it)."""
+    local, remote = split_sources(patterns, store_url)
+    files = [_planned(s) for s in expand_sources(local)] if local else []
+    files += [_planned_object(o) for o in expand_objects(remote)]
+    files.sort(key=lambda f: (f.path, f.options))  # local paths ("/…") sort before URLs
     identity = {"dataprep_version": DATAPREP_VERSION, **settings.identity()}
     digest = hashlib.sha256(json.dumps(identity, sort_keys=True).encode())
     # Contents and order name the snapshot, not paths: moving a corpus does not rebuild it.
     for f in files:
-        digest.update(f"{f.format}:{f.language}:{f.sha256}\n".encode())
+        digest.update(f.identity().encode())
     total = sum(f.bytes for f in files)
     chunk_bytes = max(settings.chunk_bytes, -(-total // MAX_CHUNKS))
     return SnapshotPlan(digest.hexdigest()[:20], identity, _chunk(files, chunk_bytes))
@@ -89,6 +119,13 @@ def _planned(source: SourceFile) -> PlannedFile:
             "from data.sources"
         ) from None
     return PlannedFile(source.path, source.format, source.language, size, digest)
+
+
+def _planned_object(found: ObjectSource) -> PlannedFile:
+    source = found.source
+    return PlannedFile(
+        source.path, source.format, source.language, found.size, "", found.etag, found.options
+    )
 
 
 def _chunk(files: list[PlannedFile], chunk_bytes: int) -> list[Chunk]:

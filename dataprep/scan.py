@@ -20,8 +20,8 @@ from dataprep.documents import ReadStats
 from dataprep.filters import build_filters, first_rejection
 from dataprep.minhash import BandHasher
 from dataprep.normalize import normalize
+from dataprep.object_cache import SourceReader
 from dataprep.plan import SnapshotPlan
-from dataprep.readers import read_source
 from dataprep.settings import SnapshotSettings
 from dataprep.stage_store import SnapshotKeys, chunk_name, commit_record, done_record, file_entry
 from infra.store import ObjectStore
@@ -104,7 +104,10 @@ def scan_chunk(
     settings: SnapshotSettings,
     workdir: Path,
     progress: Progress = lambda _: None,
+    cache: Path | None = None,
 ) -> dict:
+    """`cache`: where objects (s3 sources) are fetched to. By default beside `workdir`: a data
+    worker gives each snapshot a workdir in its own folder, so its snapshots share the copies."""
     keys = SnapshotKeys(plan.snapshot_id)
     record_key = keys.chunk_record("scan", index)
     if (record := done_record(store, record_key)) is not None:
@@ -123,8 +126,9 @@ def scan_chunk(
     stats = ReadStats()
     removed_by: Counter[str] = Counter()
     ordinal = 0
+    sources = SourceReader(cache or workdir.parent / "source-cache")
     for planned in chunk.files:
-        for doc in read_source(planned.source(), settings.reader, stats):
+        for doc in sources.documents(planned, settings.reader, stats):
             doc_id = chunk.doc_id(ordinal)
             ordinal += 1
             rejection = first_rejection(filters, doc)

@@ -33,7 +33,7 @@ from dataprep.stage_store import (
 )
 from dataprep.tokenize_stage import SPLITS, merge_tails, tokenize_chunk, train_tokenizer
 from infra.digest import sha256_bytes
-from infra.errors import IntegrityError, ObjectNotFound
+from infra.errors import ObjectNotFound
 from infra.store import ObjectStore
 
 MANIFEST_FORMAT = "forgeline.dataset/2"
@@ -80,7 +80,7 @@ def prepare_snapshot(
     progress: Progress = lambda _: None,
 ) -> Snapshot:
     """Every stage in this process, in order (the Temporal workflow fans the same out)."""
-    plan = plan_snapshot(patterns, settings)
+    plan = plan_snapshot(patterns, settings, store.url)
     if (found := existing_snapshot(store, plan.snapshot_id)) is not None:
         progress(f"snapshot {plan.snapshot_id} exists; reusing it")
         return found
@@ -162,10 +162,7 @@ def commit_snapshot(
         "created_at": datetime.now(UTC).isoformat(),
         "dataprep_version": DATAPREP_VERSION,
         "settings": plan.identity,
-        "sources": [
-            {"path": f.path, "format": f.format, "bytes": f.bytes, "sha256": f.sha256}
-            for f in plan.files
-        ],
+        "sources": [f.manifest_entry() for f in plan.files],
         "documents": {**documents, "train": kept["train"], "val": kept["val"]},
         "tokenizer": {
             "kind": vocab["kind"],
@@ -219,15 +216,3 @@ def _drop_work(store: ObjectStore, keys: SnapshotKeys) -> None:
     """The intermediate files (texts, band index, partial shards) served their purpose."""
     for key in store.list(f"{keys.root}/work/"):
         store.delete(key)
-
-
-def load_manifest(store: ObjectStore, key: str, sha256: str) -> dict:
-    """Read a dataset manifest and check it is the one the run was given."""
-    data = store.get_bytes(key)
-    actual = sha256_bytes(data)
-    if actual != sha256:
-        raise IntegrityError(
-            f"dataset manifest {key} has sha256 {actual[:12]}…, expected {sha256[:12]}…: "
-            "the snapshot was modified after the run started"
-        )
-    return json.loads(data)

@@ -66,7 +66,7 @@ CODE_LANGUAGES: dict[str, str] = {
 
 # Vendored, generated and tool folders hold no corpus and can be huge; hidden names too.
 _SKIPPED_NAMES = frozenset({"__pycache__", "node_modules"})
-_MAGIC = re.compile(r"[*?[]")
+GLOB_MAGIC = re.compile(r"[*?[]")
 
 
 @dataclass(frozen=True, order=True)
@@ -102,6 +102,13 @@ def classify(path: str) -> SourceFile | None:
     return None
 
 
+def unknown_extension(source: str) -> SourceError:
+    return SourceError(
+        f"source {source} has an unknown extension: rename it to one of "
+        f"{', '.join(known_extensions())} or remove it from data.sources"
+    )
+
+
 def expand_sources(patterns: list[str]) -> list[SourceFile]:
     """Every readable file the patterns name, deduplicated and sorted by path."""
     found: dict[str, SourceFile] = {}
@@ -112,7 +119,7 @@ def expand_sources(patterns: list[str]) -> list[SourceFile]:
 
 
 @dataclass
-class _Matches:
+class Matches:
     files: list[SourceFile] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)  # files with unknown extensions
 
@@ -123,6 +130,15 @@ class _Matches:
         else:
             self.files.append(source)
 
+    def nothing_error(self, pattern: str, what: str = "files") -> SourceError:
+        hint = ""
+        if self.skipped:
+            hint = (
+                f" ({len(self.skipped)} {what} with unknown extensions were skipped, e.g. "
+                f"{min(self.skipped)}; known extensions: {', '.join(known_extensions())})"
+            )
+        return SourceError(f"source pattern {pattern} matches no {what}{hint}: check data.sources")
+
 
 def _expand_one(pattern: str) -> list[SourceFile]:
     if not os.path.isabs(pattern):
@@ -131,19 +147,16 @@ def _expand_one(pattern: str) -> list[SourceFile]:
             "spec file's folder before expanding data.sources"
         )
     pattern = os.path.normpath(pattern)
-    matches = _Matches()
+    matches = Matches()
     # An existing path wins over glob syntax, so a file literally named "a[1].txt" still works.
     if os.path.isfile(pattern):
         source = classify(pattern)
         if source is None:
-            raise SourceError(
-                f"source {pattern} has an unknown extension: rename it to one of "
-                f"{', '.join(known_extensions())} or remove it from data.sources"
-            )
+            raise unknown_extension(pattern)
         return [source]
     if os.path.isdir(pattern):
         _walk(pattern, matches)
-    elif _MAGIC.search(pattern):
+    elif GLOB_MAGIC.search(pattern):
         parts = PurePath(pattern).parts
         _glob(parts[0], parts[1:], matches)
     elif os.path.islink(pattern):
@@ -154,13 +167,7 @@ def _expand_one(pattern: str) -> list[SourceFile]:
     else:
         raise SourceError(f"source {pattern} does not exist: check data.sources")
     if not matches.files:
-        hint = ""
-        if matches.skipped:
-            hint = (
-                f" ({len(matches.skipped)} files with unknown extensions were skipped, e.g. "
-                f"{min(matches.skipped)}; known extensions: {', '.join(known_extensions())})"
-            )
-        raise SourceError(f"source pattern {pattern} matches no files{hint}: check data.sources")
+        raise matches.nothing_error(pattern)
     return matches.files
 
 
@@ -189,7 +196,7 @@ def _is_file(entry: os.DirEntry[str]) -> bool:
         return False
 
 
-def _walk(root: str, matches: _Matches) -> None:
+def _walk(root: str, matches: Matches) -> None:
     stack = [root]
     while stack:
         for entry in _entries(stack.pop()):
@@ -201,7 +208,7 @@ def _walk(root: str, matches: _Matches) -> None:
                 matches.take(entry.path)
 
 
-def _glob(base: str, parts: tuple[str, ...], matches: _Matches) -> None:
+def _glob(base: str, parts: tuple[str, ...], matches: Matches) -> None:
     """Match path components one at a time, pruning directories that cannot match."""
     if not parts:
         if os.path.isdir(base):
@@ -218,10 +225,10 @@ def _glob(base: str, parts: tuple[str, ...], matches: _Matches) -> None:
         _glob(base, rest, matches)  # "**" as zero folders
         if os.path.isdir(base):
             for entry in _entries(base):
-                if _visible(entry.name, "*") and _is_real_dir(entry):
+                if visible(entry.name, "*") and _is_real_dir(entry):
                     _glob(entry.path, parts, matches)
         return
-    if not _MAGIC.search(head):
+    if not GLOB_MAGIC.search(head):
         child = os.path.join(base, head)
         if not rest or os.path.isdir(child):
             _glob(child, rest, matches)
@@ -229,7 +236,7 @@ def _glob(base: str, parts: tuple[str, ...], matches: _Matches) -> None:
     if not os.path.isdir(base):
         return
     for entry in _entries(base):
-        if not (_visible(entry.name, head) and fnmatch.fnmatchcase(entry.name, head)):
+        if not (visible(entry.name, head) and fnmatch.fnmatchcase(entry.name, head)):
             continue
         if _is_real_dir(entry):
             _glob(entry.path, rest, matches)
@@ -237,7 +244,7 @@ def _glob(base: str, parts: tuple[str, ...], matches: _Matches) -> None:
             matches.take(entry.path)
 
 
-def _visible(name: str, component: str) -> bool:
+def visible(name: str, component: str) -> bool:
     """Wildcards skip hidden and tool folders unless the pattern itself names a hidden entry."""
     if name.startswith("."):
         return component.startswith(".")

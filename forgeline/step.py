@@ -67,7 +67,7 @@ class Step:
         non-finite values (for DDP, the norm of this replica's own gradients before the
         all-reduce mixed them: what names the rank that went bad)."""
         run = self.run
-        if run._own_norms is None and chaos_asks_to_corrupt(run._corrupt_next):
+        if run._own_norms is None and chaos_asks_to_corrupt(run._corrupt_next, self.number):
             corrupt_gradients(model)  # no all-reduce hook to do it in: after backward
         norm = local_grad_norm(model)
         self.finite = self.finite and math.isfinite(norm)

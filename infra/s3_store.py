@@ -87,7 +87,7 @@ _CHUNK = MiB
 _BUCKET = re.compile(r"^[A-Za-z0-9._-]+$")
 
 # The options an s3:// URL may carry after '?': where and as whom, never a secret.
-_URL_OPTIONS = frozenset({"endpoint", "region", "profile"})
+URL_OPTIONS = frozenset({"endpoint", "region", "profile"})
 _CONFLICT_ATTEMPTS = 3  # tries of a conditional put that meets a concurrent one
 
 
@@ -174,20 +174,9 @@ class S3Store:
         parts = urlsplit(url)
         if parts.scheme != "s3" or parts.fragment:
             raise StoreError("the store URL is not of the form s3://bucket/prefix")
-        query = parse_qs(parts.query, keep_blank_values=True)
-        unknown = sorted(set(query) - _URL_OPTIONS)
-        if unknown or any(len(v) != 1 or not v[0] for v in query.values()):
-            raise StoreError(
-                f"the store URL's options {sorted(query)} are not valid: use at most one each of "
-                "endpoint=URL, region=NAME and profile=NAME after '?'"
-            )
+        query = url_options(parts.query, "the store URL")
         if "client" not in options and query:
-            options["client"] = _default_client(
-                DEFAULT_TRANSFER.max_concurrency,
-                endpoint=query.get("endpoint", [None])[0],
-                region=query.get("region", [None])[0],
-                profile=query.get("profile", [None])[0],
-            )
+            options["client"] = client_for(query)
         store = cls(parts.netloc, parts.path, **options)
         if parts.query:  # kept, so that open_store(store.url) reaches the same site
             store.url = f"{store.url}?{parts.query}"
@@ -406,6 +395,30 @@ class S3Store:
             yield
         except (BotoCoreError, ClientError, RetriesExceededError) as exc:
             raise store_error(exc, self._url(key), self._endpoint, self.bucket) from exc
+
+
+def url_options(query: str, what: str) -> dict[str, str]:
+    """The options after '?' in an s3:// URL (`what` names the URL in the message), checked:
+    at most one each of URL_OPTIONS, none empty."""
+    parsed = parse_qs(query, keep_blank_values=True)
+    unknown = sorted(set(parsed) - URL_OPTIONS)
+    if unknown or any(len(v) != 1 or not v[0] for v in parsed.values()):
+        raise StoreError(
+            f"{what}'s options {sorted(parsed)} are not valid: use at most one each of "
+            "endpoint=URL, region=NAME and profile=NAME after '?'"
+        )
+    return {name: values[0] for name, values in parsed.items()}
+
+
+def client_for(options: dict[str, str]) -> Any:
+    """An S3 client for the site that a URL's options (see `url_options`) name; what they leave
+    out, and every credential, comes from boto3's standard chain."""
+    return _default_client(
+        DEFAULT_TRANSFER.max_concurrency,
+        endpoint=options.get("endpoint"),
+        region=options.get("region"),
+        profile=options.get("profile"),
+    )
 
 
 def _default_client(

@@ -182,6 +182,19 @@ def read_temporal_api_key(environ: Mapping[str, str] | None = None) -> SecretStr
     return SecretStr(direct.strip()) if direct.strip() else None
 
 
+def set_in_environment(name: str) -> str | None:
+    """The value the environment gives a setting (not stack.json, not the default)."""
+    return os.environ.get(_ENV[name]) or None
+
+
+def unset_settings(names: list[str], home: Path | None = None) -> list[str]:
+    """Of `names`, those neither the environment nor the stack's `stack.json` sets: a process
+    on a host of its own would run on the defaults, which name this machine's loopback."""
+    stack_file = (home or state_home()).resolve() / STACK_FILE
+    recorded = json.loads(stack_file.read_text()) if stack_file.is_file() else {}
+    return [name for name in names if not (set_in_environment(name) or recorded.get(name))]
+
+
 def load_settings(home: Path | None = None) -> Settings:
     home = (home or state_home()).resolve()
     recorded: dict[str, object] = {}

@@ -15,17 +15,21 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import mlflow
 from mlflow.data.dataset_source_registry import resolve_dataset_source
 from mlflow.data.meta_dataset import MetaDataset
 from mlflow.entities import Metric, Param, RunTag
 from mlflow.entities.model_registry import ModelVersion
-from mlflow.models import ModelSignature
 from mlflow.tracking import MlflowClient
 
 from registry.errors import VersionNotFound
+
+if TYPE_CHECKING:
+    # A name for the annotation only: mlflow.models' signatures need pandas, which the base
+    # install (mlflow-skinny, on every GPU host) lacks, and every CLI command imports this module.
+    from mlflow.models import ModelSignature
 
 EXPERIMENT = "forgeline"
 CANDIDATE = "candidate"

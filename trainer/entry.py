@@ -21,6 +21,7 @@ import json
 import os
 import runpy
 import signal
+import subprocess
 import sys
 import time
 import traceback
@@ -30,6 +31,7 @@ from typing import TextIO
 import torch.distributed as dist
 
 from trainer.job import TrainJob
+from trainer.rank_logs import rank_log_name
 
 BUILT_IN = "trainer.train:main"
 EXIT_USER_ERROR = 4
@@ -98,8 +100,39 @@ def _print_stacks_when_asked(job: TrainJob) -> None:
     faulthandler.register(signal.SIGUSR1, file=_Progress.stacks, all_threads=True)
 
 
+def _copy_output_to_rank_log(job: TrainJob) -> None:
+    """Everything this rank prints, from Python or from C, also goes to its own log file (the
+    node agent ships it to the store: trainer.rank_logs), and still to torchrun's log. A `tee`
+    process does the copying: it outlives a rank that crashes or is killed, so the traceback
+    or the last lines before the end are never lost with the rank's own buffers."""
+    if not job.progress_file:
+        return
+    rank = job.node_index * int(os.environ.get("LOCAL_WORLD_SIZE", "1")) + int(
+        os.environ.get("LOCAL_RANK", "0")
+    )
+    path = Path(job.progress_file).parent / rank_log_name(rank)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    console, errors = os.dup(1), os.dup(2)  # torchrun's log, where the copy also goes
+    tee = subprocess.Popen(
+        ["tee", "-a", str(path)],
+        stdin=subprocess.PIPE,
+        stdout=console,
+        stderr=errors,
+        # A signal for the ranks' group (Ctrl-C at a terminal) must not end the copy first.
+        start_new_session=True,
+    )
+    os.close(console)
+    os.close(errors)
+    assert tee.stdin is not None
+    os.dup2(tee.stdin.fileno(), 1)
+    os.dup2(tee.stdin.fileno(), 2)
+    tee.stdin.close()  # fds 1 and 2 hold the pipe now; it closes when the rank exits
+
+
 def main(job_path: str) -> None:
     job = TrainJob.read(Path(job_path))
+    _copy_output_to_rank_log(job)
     _print_stacks_when_asked(job)
     entry = job.train.get("entrypoint") or BUILT_IN
     try:

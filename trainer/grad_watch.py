@@ -69,10 +69,18 @@ def suspects(norms: list[float]) -> list[int]:
     ]
 
 
-def chaos_asks_to_corrupt(chaos_file: Path | None) -> bool:
+def chaos_asks_to_corrupt(chaos_file: Path | None, step: int) -> bool:
     """`forgeline chaos corrupt-grad` wrote its file: poison this rank's gradients once, as a
-    flipped bit in a GPU's memory would, so detection and rollback can be seen working."""
-    if chaos_file is None or not chaos_file.exists():
+    flipped bit in a GPU's memory would, so detection and rollback can be seen working. The
+    file may name a step (`--at-step`): the poison waits for it, so a test can aim between two
+    checkpoints however fast the model trains."""
+    if chaos_file is None:
+        return False
+    try:
+        words = chaos_file.read_text().split()
+    except FileNotFoundError:
+        return False
+    if len(words) > 1 and step < int(words[1]):
         return False
     chaos_file.unlink(missing_ok=True)
     return True

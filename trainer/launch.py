@@ -14,10 +14,11 @@ import re
 import signal
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from infra.host_network import is_loopback
 from trainer.errors import RanksFailed, RanksHung, UserCodeFailed
 from trainer.hang import HangWatch
 from trainer.job import TrainJob
@@ -51,9 +52,47 @@ class Rendezvous:
     run_id: str  # unique per generation, so a new gang never joins an old one's rendezvous
     nnodes: int
     nproc_per_node: int
+    # This node serves the store (the gang's head). torchrun guesses it by matching the
+    # endpoint against the machine's hostname, which fails in a network namespace or behind a
+    # second NIC; on loopback every node is "the host" and whoever binds first serves.
+    is_host: bool = False
 
 
-def torchrun_argv(job_file: Path, rdzv: Rendezvous) -> list[str]:
+@dataclass(frozen=True)
+class Fabric:
+    """How this node's ranks reach their peers: the address the agent advertises and the
+    interface that holds it."""
+
+    address: str = "127.0.0.1"
+    interface: str = "lo"
+
+    def environment(self, agent_env: Mapping[str, str]) -> dict[str, str]:
+        """gloo and NCCL bind the advertised interface; what the operator set on the agent
+        (GLOO_SOCKET_IFNAME, NCCL_SOCKET_IFNAME, NCCL_IB_HCA and every other NCCL_* or
+        TORCH_NCCL_*) reaches the ranks unchanged, since they inherit the agent's environment."""
+        return {
+            name: agent_env.get(name, self.interface)
+            for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
+        }
+
+    @property
+    def loopback(self) -> bool:
+        return is_loopback(self.address)
+
+
+LOOPBACK = Fabric()  # the local stack: every node on this machine
+
+
+def torchrun_argv(job_file: Path, rdzv: Rendezvous, fabric: Fabric = LOOPBACK) -> list[str]:
+    placement = []
+    if not fabric.loopback:
+        # The head serves the store, the others wait for it (up to the rendezvous' read
+        # timeout: the head's agent may still be fetching the dataset). --local-addr is what
+        # the peers are told to reach this node at; torchrun's own guess is the hostname's.
+        placement = [
+            "--rdzv-conf", f"is_host={str(rdzv.is_host).lower()},read_timeout=600",
+            "--local-addr", fabric.address,
+        ]  # fmt: skip
     return [
         sys.executable, "-m", "torch.distributed.run",
         "--nnodes", str(rdzv.nnodes),
@@ -61,6 +100,7 @@ def torchrun_argv(job_file: Path, rdzv: Rendezvous) -> list[str]:
         "--rdzv-backend", "c10d",
         "--rdzv-endpoint", rdzv.endpoint,
         "--rdzv-id", rdzv.run_id,
+        *placement,
         "--max-restarts", "0",
         "--monitor-interval", "0.5",
         "-m", RANK_MODULE, str(job_file),
@@ -137,6 +177,7 @@ async def run_ranks(
     exit_grace_s: float = 5.0,
     hang: HangWatch | None = None,
     start_limit_s: float | None = None,
+    fabric: Fabric = LOOPBACK,
 ) -> ProgressTail:
     """Run torchrun to completion; report progress every `report_every_s` (also when idle, so
     the caller can heartbeat); raise RanksFailed with the log tail if the ranks fail, or if
@@ -152,12 +193,11 @@ async def run_ranks(
         "OMP_NUM_THREADS": str(threads_per_rank),
         "PYTHONUNBUFFERED": "1",
         "FORGELINE_JOB": str(job_file),  # what forgeline.init() reads in a rank script
-        # Ranks talk over loopback on the local stack; real nodes name their fabric instead.
-        "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo"),
+        **fabric.environment(os.environ),
     }
     with open(log_file, "ab") as log:
         proc = await asyncio.create_subprocess_exec(
-            *torchrun_argv(job_file, rdzv),
+            *torchrun_argv(job_file, rdzv, fabric),
             stdin=asyncio.subprocess.DEVNULL,
             stdout=log,
             stderr=asyncio.subprocess.STDOUT,

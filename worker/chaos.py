@@ -10,8 +10,9 @@ prove they do).
   check names the node (recovery.straggler_policy: report, or swap it for a spare).
 - fail-health: the node's own health check fails with a reason (as a hardware checker would
   report ECC errors); `--clear` makes it pass again.
-- corrupt-grad: the node's ranks poison their gradients once at their next step (NaN), as a
-  flipped bit would; the gang stops before saving and resumes from the last checkpoint.
+- corrupt-grad: the node's ranks poison their gradients once (NaN) at their next step, or at
+  `--at-step N`, as a flipped bit would; the gang stops before saving and resumes from the last
+  checkpoint.
 """
 
 from __future__ import annotations
@@ -145,10 +146,19 @@ def fail_health(
 
 
 @chaos_app.command("corrupt-grad")
-def corrupt_grad(node: NodeArg) -> None:
-    """Make the node's ranks poison their gradients once, at their next step."""
+def corrupt_grad(
+    node: NodeArg,
+    at_step: Annotated[
+        int, typer.Option(min=1, help="poison at this step (or the next, if it has passed)")
+    ] = 0,
+) -> None:
+    """Make the node's ranks poison their gradients once, at their next step (or `--at-step`)."""
     check_name(node, "node id")
     folders = _job_folders(_ranks_of(node))
     for folder in folders:
-        (folder / CHAOS_FILE).write_text("corrupt-grad\n")
-    console.print(f"{node}: gradients will be corrupted at the next step ({len(folders)} job(s))")
+        # Written whole, then renamed: a rank reading a half-written file would poison at once.
+        partial = folder / f".{CHAOS_FILE}.partial"
+        partial.write_text(f"corrupt-grad {at_step}\n")
+        partial.replace(folder / CHAOS_FILE)
+    when = f"at step {at_step}" if at_step else "at the next step"
+    console.print(f"{node}: gradients will be corrupted {when} ({len(folders)} job(s))")

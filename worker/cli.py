@@ -34,12 +34,21 @@ from worker.data_cli import (
     render_report,
     write_report,
 )
+from worker.hosts_cli import agent, control, data_worker
 from worker.lineage import lineage_command
+from worker.logs_cli import logs
 from worker.plan_cli import plan
 from worker.processes_cli import worker_app
 from worker.render import progress_line, run_link, runs_table, status_text
 from worker.replication_cli import replication
-from worker.runs import RunNotFound, list_run_names, publish_code, submit, view
+from worker.runs import (
+    RunNotFound,
+    list_run_names,
+    publish_code,
+    refuse_unknown_gpu_type,
+    submit,
+    view,
+)
 from worker.serve import (
     ServeError,
     curl_example,
@@ -61,6 +70,10 @@ app.add_typer(cluster_app, name="cluster")
 app.add_typer(node_app, name="node")
 app.add_typer(chaos_app, name="chaos")
 app.add_typer(approvals_app, name="approvals")
+app.command("agent")(agent)
+app.command("control")(control)
+data_app.command("worker")(data_worker)
+app.command("logs")(logs)
 app.command("lineage")(lineage_command)
 app.command("plan")(plan)
 app.command("simulate")(simulate)
@@ -130,6 +143,7 @@ def run(
 
     async def go() -> int:
         client = await get_client(settings)
+        await refuse_unknown_gpu_type(client, spec)
         _handle, started = await submit(client, spec, spec_sha256(spec), code)
         if started:
             console.print(f"submitted run {spec.name}")

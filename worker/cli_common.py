@@ -31,14 +31,15 @@ def get_settings() -> Settings:
     return load_settings()
 
 
-async def get_client(settings: Settings) -> Client:
+async def get_client(
+    settings: Settings, fix: str = "start the local stack with `forgeline up`"
+) -> Client:
     try:
         return await connect(settings)
     except RuntimeError as err:
         reason = "connection refused" if "Connection refused" in str(err) else str(err)[:200]
         raise CliError(
-            f"cannot reach Temporal at {settings.temporal_address} ({reason}): "
-            "start the local stack with `forgeline up`"
+            f"cannot reach Temporal at {settings.temporal_address} ({reason}): {fix}"
         ) from None
 
 

@@ -10,12 +10,23 @@ from workflows.quotas import borrowed, in_use
 
 def nodes_table(state: ClusterState) -> Table:
     table = Table(title="nodes")
-    for column in ("node", "pod", "type", "GPUs used", "state", "jobs", "cached", "note"):
+    for column in (
+        "node",
+        "pod",
+        "address",
+        "type",
+        "GPUs used",
+        "state",
+        "jobs",
+        "cached",
+        "note",
+    ):
         table.add_column(column)
     for node in sorted(state.nodes, key=lambda n: n.info.node_id):
         table.add_row(
             node.info.node_id,
             node.info.pod,
+            node.info.host,
             node.info.gpu_type,
             f"{node.used}/{node.info.gpus}",
             node.state,

@@ -15,9 +15,7 @@ from rich.table import Table
 from temporalio.client import Client, WorkflowExecutionStatus, WorkflowFailureError
 from temporalio.common import WorkflowIDConflictPolicy, WorkflowIDReusePolicy
 
-from dataprep.near_dedup import connect
-from dataprep.report import summarize
-from dataprep.snapshot import existing_snapshot
+from infra.extras import require_extra
 from infra.settings import Settings
 from worker.render import stage_bars
 from worker.runs import dataset_progress
@@ -39,6 +37,9 @@ def standalone_workflow_id(data: DataSpec) -> str:
 
 
 async def prepare(client: Client, data: DataSpec, console: Console) -> DatasetRef:
+    # The data workers do the work, but the report shown after it needs DuckDB here: say so
+    # before the work starts, not after it ends.
+    require_extra("data", "forgeline data prepare (its report)")
     workflow_id = standalone_workflow_id(data)
     handle = await client.start_workflow(
         "DatasetSnapshot",
@@ -70,6 +71,13 @@ async def prepare(client: Client, data: DataSpec, console: Console) -> DatasetRe
 
 def load_report(settings: Settings, snapshot_id: str) -> dict:
     """The snapshot's report, recomputed with DuckDB over its per-document table."""
+    require_extra("data", "a dataset report")
+    # Imported here: dataprep loads DuckDB, pyarrow and datasketch (forgeline[data]), which a
+    # GPU host's install lacks, and every `forgeline` command imports this module.
+    from dataprep.near_dedup import connect
+    from dataprep.report import summarize
+    from dataprep.snapshot import existing_snapshot
+
     store = settings.open_store()
     snapshot = existing_snapshot(store, snapshot_id)
     if snapshot is None:

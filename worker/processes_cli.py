@@ -43,13 +43,17 @@ def data_worker(name: Annotated[str, typer.Option()] = "data-0") -> None:
 def node_agent(
     node_id: Annotated[str, typer.Option()],
     gpus: Annotated[int, typer.Option(min=1)] = 1,
-    host: Annotated[str, typer.Option(help="address other nodes reach this one at")] = "127.0.0.1",
     pod: Annotated[str, typer.Option(help="fabric island this node belongs to")] = "local",
     incarnation: Annotated[str | None, typer.Option()] = None,
 ) -> None:
+    """One pretend node of the local stack: `gpus` CPU rank slots on loopback."""
+    from infra.node_hardware import discover
     from worker.processes_main import run_node_agent
 
     node_id = check_name(node_id, "node id")
+    hardware = discover(slots=gpus, cpu_only=True)
     run_async(
-        run_node_agent(get_settings(), node_id, gpus, host, check_name(pod, "pod"), incarnation)
+        run_node_agent(
+            get_settings(), node_id, hardware, pod=check_name(pod, "pod"), incarnation=incarnation
+        )
     )

@@ -8,6 +8,7 @@ import logging
 import signal
 import uuid
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 
@@ -18,10 +19,13 @@ from activities.control import ControlActivities
 from activities.data import DataActivities
 from activities.node import NodeActivities
 from infra import node_health
+from infra.node_hardware import NodeHardware
 from infra.processes import free_port
 from infra.settings import Settings
 from registry.metric_stream import MetricShipper, seal_abandoned
-from worker.temporal_client import connect, ensure_cluster, ensure_search_attributes, register_node
+from trainer.launch import LOOPBACK, Fabric
+from worker.preflight import reach_temporal
+from worker.temporal_client import ensure_cluster, ensure_search_attributes, register_node
 from workflows.cluster import ClusterWorkflow
 from workflows.cluster_models import NodeHealthReport, NodeInfo
 from workflows.dataset import DatasetSnapshotWorkflow
@@ -42,7 +46,7 @@ async def _run_until_signalled(worker: Worker) -> None:
 
 
 async def run_control_worker(settings: Settings) -> None:
-    client = await connect(settings)
+    client = await reach_temporal(settings)
     await ensure_search_attributes(client)
     await ensure_cluster(client)
     activities = ControlActivities(settings)
@@ -59,7 +63,7 @@ async def run_control_worker(settings: Settings) -> None:
 
 
 async def run_data_worker(settings: Settings, name: str) -> None:
-    client = await connect(settings)
+    client = await reach_temporal(settings)
     activities = DataActivities(settings, name)
     # One stage at a time: the work is CPU-bound, so parallelism comes from more data workers
     # (processes), not from threads fighting over one interpreter.
@@ -96,23 +100,50 @@ class CachedSnapshots:
         return True
 
 
+@dataclass(frozen=True)
+class RendezvousPorts:
+    """The ports this node serves its gangs' c10d rendezvous on when it is their head: one a
+    grant, in turn (NodeInfo.rdzv_ports)."""
+
+    first: int
+    count: int = 1
+
+    @classmethod
+    def parse(cls, text: str) -> RendezvousPorts:
+        """`29400-29463` (a range the operator keeps free for Forgeline) or one port."""
+        low, _, high = text.partition("-")
+        try:
+            first, last = int(low), int(high or low)
+        except ValueError:
+            first, last = 0, -1
+        if not 1024 <= first <= last <= 65535:
+            raise ValueError(f"{text!r} is not a port range: use LOW-HIGH within 1024-65535")
+        return cls(first, last - first + 1)
+
+
 async def run_node_agent(
     settings: Settings,
     node_id: str,
-    gpus: int,
-    host: str = "127.0.0.1",
+    hardware: NodeHardware,
+    fabric: Fabric = LOOPBACK,
     pod: str = "local",
     incarnation: str | None = None,
+    ports: RendezvousPorts | None = None,
 ) -> None:
-    client = await connect(settings)
+    client = await reach_temporal(settings)
     cached = CachedSnapshots(settings.home / "nodes" / node_id / "cache" / "snapshots.json")
+    # On the local stack any free port will do: the agents share one machine's ports.
+    ports = ports or RendezvousPorts(free_port())
     info = NodeInfo(
         node_id=node_id,
-        host=host,
-        gpus=gpus,
+        host=fabric.address,
+        gpus=hardware.gpus,
+        gpu_type=hardware.gpu_type,
+        memory_bytes=hardware.memory_bytes,
+        peak_flops=hardware.peak_flops,
         pod=pod,
-        # The port this node serves the gang's c10d rendezvous on when it is the gang's head.
-        rdzv_port=free_port(),
+        rdzv_port=ports.first,
+        rdzv_ports=ports.count,
         incarnation=incarnation or uuid.uuid4().hex,
         cached=cached.load(),
     )
@@ -126,7 +157,7 @@ async def run_node_agent(
 
     node_dir = settings.home / "nodes" / node_id
     node_health.repaired(node_dir)  # a new incarnation runs on a repaired node
-    activities = NodeActivities(settings, node_id, on_cached)
+    activities = NodeActivities(settings, node_id, on_cached, fabric)
     # No writer of this node's spool is alive yet: what a crashed predecessor left open is
     # sealed, so it is deleted once shipped. The shipper lives as long as the agent.
     seal_abandoned(activities.metrics_dir)
@@ -143,8 +174,9 @@ async def run_node_agent(
     # ranks before the worker exits.
     await register_node(client, info)
     logging.info(
-        "node %s (%d GPUs) registered, polling %s", node_id, gpus, node_task_queue(node_id)
-    )
+        "node %s at %s (%s, %s) registered, polling %s", node_id, fabric.address,
+        fabric.interface, hardware.describe(), node_task_queue(node_id),
+    )  # fmt: skip
     watch = asyncio.ensure_future(_watch_health(client, info, node_dir))
     try:
         await _run_until_signalled(worker)

@@ -20,6 +20,7 @@ from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
 from infra.errors import StoreError
+from infra.extras import require_extra
 from infra.settings import Settings
 from infra.store import ObjectStore
 from trainer.manifest import committed_steps, manifest_key, read_manifest
@@ -31,7 +32,6 @@ from worker.report_data import (
     first_line,
     mlflow_run_of,
 )
-from worker.report_plots import goodput_figure, loss_figure, save_png, throughput_figure
 from worker.report_summary import summary
 from workflows.models import RunStatus
 
@@ -77,6 +77,7 @@ def log_report(tracking_uri: str, run_id: str, report: Report) -> str:
 
 def report_run(settings: Settings, status: RunStatus, out_dir: Path) -> Report:
     """What `forgeline report` does once it has the status: fetch, draw, write, log."""
+    require_extra("plots", "forgeline report")  # before fetching anything it could not draw
     # A report must not hang for minutes on MLflow's default retries when the server is down:
     # it says what it could not read instead.
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")
@@ -119,6 +120,10 @@ def build_report(
     notes: list[str] | None = None,
 ) -> Report:
     """Write loss.png, throughput.png, goodput.png and report.md into `out_dir`."""
+    # Imported here: the figures need matplotlib (forgeline[plots]); without it `forgeline
+    # report` says which extra to install instead of failing at its import.
+    from worker.report_plots import goodput_figure, loss_figure, save_png, throughput_figure
+
     out_dir.mkdir(parents=True, exist_ok=True)
     report = Report(out_dir, missing=list(notes or []))
     missing = report.missing  # each figure adds what it had nothing to draw for

@@ -13,6 +13,8 @@ from temporalio.service import RPCError, RPCStatusCode
 
 from infra import code_snapshot
 from infra.settings import Settings
+from worker.cli_common import CliError
+from workflows.cluster_models import ClusterState
 from workflows.models import (
     CodeRef,
     DatasetProgress,
@@ -21,7 +23,7 @@ from workflows.models import (
     TrainingRunInput,
     TrainProgress,
 )
-from workflows.names import CONTROL_TASK_QUEUE
+from workflows.names import CLUSTER_WORKFLOW_ID, CONTROL_TASK_QUEUE
 from workflows.spec import RunSpec
 
 QUERY_TIMEOUT = timedelta(seconds=10)
@@ -47,6 +49,24 @@ def publish_code(settings: Settings, spec: RunSpec) -> CodeRef | None:
         return None
     published = code_snapshot.publish(settings.open_store(), Path(spec.train.code))
     return CodeRef.model_validate(published, from_attributes=True)
+
+
+async def refuse_unknown_gpu_type(client: Client, spec: RunSpec) -> None:
+    """A spec that asks for a `gpu_type` no registered node reports would wait forever: refuse
+    it before it starts, with the types the agents do report (NVML's names, e.g.
+    `h100-80gb-hbm3`). A cluster with no node registered yet is not judged."""
+    wanted = spec.resources.gpu_type
+    if wanted is None:
+        return
+    state = await client.get_workflow_handle(CLUSTER_WORKFLOW_ID).query(
+        "state", result_type=ClusterState, rpc_timeout=QUERY_TIMEOUT
+    )
+    reported = sorted({node.info.gpu_type for node in state.nodes})
+    if reported and wanted not in reported:
+        raise CliError(
+            f"resources.gpu_type = {wanted!r} is a type no node reports: the nodes report "
+            f"{', '.join(reported)}; use one of them (`forgeline nodes`) or leave it unset"
+        )
 
 
 async def submit(

@@ -24,10 +24,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-import mlflow.pyfunc
 from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
+from infra.extras import require_extra
 from infra.processes import ManagedProcess, free_port, http_ok, port_is_open
 from registry.tracking import PRODUCTION, SERVABLE_TAG, lookup_version
 from worker.cli_common import check_name
@@ -182,6 +182,8 @@ def start_server(
     say: Callable[[str], None] = lambda _: None,
 ) -> ModelServer:
     """Start serving `ref` and return once it answers /ping; stopped again if it never does."""
+    # The scoring server loads a pyfunc model, which needs pandas: the full mlflow brings it.
+    require_extra("control", "forgeline serve")
     version = check_registered(tracking_uri, ref)
     say(f"starting the model server for {ref} (version {version}) from {tracking_uri}")
     # A server on every interface is reached through loopback from here.
@@ -262,6 +264,11 @@ def generate_local(
     having `trainer` taken over by a model's folder; the shipped copies are these same files as
     they were when the version was registered.
     """
+    require_extra("control", "forgeline generate without --url")
+    # Imported here: mlflow.pyfunc needs pandas, which the base install (every GPU host's, and
+    # every `forgeline` command imports this module) lacks; the full mlflow brings it.
+    import mlflow.pyfunc
+
     importlib.import_module("trainer")
     check_registered(tracking_uri, ref)
     # models:/ URIs resolve through the process-wide registry URI; there is no per-call argument.

@@ -19,6 +19,7 @@ from pydantic import ValidationError
 from rich.table import Table
 
 from infra.capacity_plan import daly_interval_s
+from infra.extras import require_extra
 from infra.toml_files import read_toml
 from worker.cli_common import CliError, console
 from workflows.fleet.config import SimConfig
@@ -154,6 +155,7 @@ def simulate(
     out: Annotated[Path, typer.Option(help="where the PNG goes")] = DEFAULT_OUT,
 ) -> None:
     """Simulate the datacenter through the real scheduling policy: utilisation, goodput, waits."""
+    require_extra("plots", "forgeline simulate (its utilisation plot)")  # before minutes of work
     if days is not None and not math.isfinite(days):  # click's FLOAT takes "inf" and "nan"
         raise CliError(f"--days {days}: give a finite number of days, e.g. 21")
     settings = load_config(config)

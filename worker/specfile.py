@@ -15,7 +15,11 @@ from typing import Any
 from pydantic import BaseModel, ValidationError
 
 from dataprep.errors import SourceError
+from dataprep.remote_sources import expand_objects, split_sources
+from dataprep.source_urls import STORE_SCHEME, is_remote
 from dataprep.sources import expand_sources
+from infra.errors import StoreError
+from infra.settings import SettingsError, load_settings
 from infra.toml_files import read_toml
 from workflows.spec import MAX_PATH_CHARS, NAME_PATTERN, NAME_RULE, RunSpec
 
@@ -152,6 +156,8 @@ def _resolved(source: object, spec_dir: Path) -> object:
     symlink loop and follows links the reader would report by the name the user wrote."""
     if not isinstance(source, str) or "\x00" in source or len(source) > MAX_PATH_CHARS:
         return source  # validation reports it, by the value the user wrote
+    if is_remote(source):
+        return source  # an object's URL or a store key: no folder of this machine's
     return os.path.abspath(spec_dir / source)
 
 
@@ -179,7 +185,8 @@ def parse_spec(data: dict, spec_dir: Path, overrides: dict | None = None) -> Run
 def load_spec(path: Path, overrides: dict | None = None) -> RunSpec:
     data = read_toml(path, SpecError, "spec file")
     spec = parse_spec(data, path.resolve().parent, overrides)
-    missing = [s for s in spec.data.sources if not _GLOB.search(s) and not os.path.exists(s)]
+    local = [s for s in spec.data.sources if not is_remote(s)]
+    missing = [s for s in local if not _GLOB.search(s) and not os.path.exists(s)]
     if missing:
         raise SpecError(f"invalid run spec:\n  data.sources: no such file: {', '.join(missing)}")
     if spec.train.code is not None:
@@ -187,10 +194,28 @@ def load_spec(path: Path, overrides: dict | None = None) -> RunSpec:
     # The data workers expand the sources the same way; a pattern that names nothing is found
     # here, before the run is submitted, rather than minutes later in its dataset workflow.
     try:
-        expand_sources(spec.data.sources)
-    except SourceError as err:
+        expand_sources(local)
+        _check_objects([s for s in spec.data.sources if is_remote(s)])
+    except (SourceError, StoreError, SettingsError) as err:
         raise SpecError(f"invalid run spec:\n  data.sources: {err}") from None
     return spec
+
+
+def _check_objects(sources: list[str]) -> None:
+    """Each s3:// and store: source names at least one object, listed from here with this
+    machine's AWS settings: a data worker elsewhere reads them with its own."""
+    needs_store = any(s.startswith(STORE_SCHEME) for s in sources)
+    store_url = load_settings().store if needs_store else ""
+    for source in sources:
+        try:
+            in_store, s3 = split_sources([source], store_url)
+            expand_sources(in_store)  # store: sources of a local store are its files
+            expand_objects(s3)
+        except (SourceError, StoreError) as err:
+            if not source.startswith(STORE_SCHEME):
+                raise
+            # The message names the place the key resolved to; say which entry that was.
+            raise type(err)(f"{source} (in the store {store_url}): {err}") from None
 
 
 def _check_user_code(spec: RunSpec) -> None:

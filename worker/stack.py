@@ -8,6 +8,7 @@ log; `up` starts only what is missing and `down` stops only what it started.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import sys
 import uuid
 from collections.abc import Callable
@@ -18,14 +19,16 @@ from pathlib import Path
 from temporalio.client import Client
 
 from infra.errors import StackError
+from infra.extras import require_extra
 from infra.local_servers import (
     MLFLOW_SERVER_ENV,
     mlflow_server_argv,
     temporal_dev_server_argv,
 )
 from infra.processes import ManagedProcess, free_port, http_ok, port_is_open, wait_until
-from infra.settings import Settings, load_settings
-from worker.temporal_client import connect, ensure_cluster, ensure_search_attributes
+from infra.settings import Settings, load_settings, set_in_environment, setting_label
+from worker.cli_common import get_client
+from worker.temporal_client import ensure_cluster, ensure_search_attributes
 from workflows.cluster_models import ClusterState, Health, Node
 from workflows.names import CLUSTER_WORKFLOW_ID
 from workflows.search_attributes import SEARCH_ATTRIBUTE_TYPES
@@ -92,12 +95,19 @@ async def _up(
     data_workers: int,
     say: Callable[[str], None],
 ) -> Settings:
+    # The whole stack on one machine: Temporal's and MLflow's servers (control), data workers
+    # (data). Checked before anything starts, so a host's lean install fails in one line.
+    require_extra("all", "forgeline up")
     home.mkdir(parents=True, exist_ok=True)
     recorded = load_settings(home)
     env = {"FORGELINE_HOME": str(home)}
 
     temporal = ManagedProcess(home, TEMPORAL)
-    if temporal.running():
+    # Settings that point elsewhere are used as they are: no local server behind them.
+    if external := set_in_environment("temporal_address"):
+        temporal_address, ui_url = external, recorded.temporal_ui_url
+        say(f"temporal      external at {temporal_address} ({setting_label('temporal_address')})")
+    elif temporal.running():
         temporal_address, ui_url = recorded.temporal_address, recorded.temporal_ui_url
         say(f"temporal      running (pid {temporal.pid()}) at {temporal_address}")
     else:
@@ -112,7 +122,15 @@ async def _up(
         say(f"temporal      started (pid {temporal.pid()}) at {temporal_address}")
 
     mlflow = ManagedProcess(home, MLFLOW)
-    if mlflow.running():
+    if external := set_in_environment("mlflow_uri"):
+        mlflow_uri = external
+        if not http_ok(f"{mlflow_uri.rstrip('/')}/health"):
+            raise StackError(
+                f"MLflow at {mlflow_uri} ({setting_label('mlflow_uri')}) does not answer: "
+                "start it, or unset the variable to run a local one"
+            )
+        say(f"mlflow        external at {mlflow_uri}")
+    elif mlflow.running():
         mlflow_uri = recorded.mlflow_uri
         say(f"mlflow        running (pid {mlflow.pid()}) at {mlflow_uri}")
     else:
@@ -122,17 +140,14 @@ async def _up(
         wait_until(lambda: http_ok(f"{mlflow_uri}/health"), 120, "MLflow server", mlflow)
         say(f"mlflow        started (pid {mlflow.pid()}) at {mlflow_uri}")
 
-    settings = Settings(
-        home=home,
-        temporal_address=temporal_address,
-        temporal_namespace=recorded.temporal_namespace,
-        temporal_ui_url=ui_url,
-        mlflow_uri=mlflow_uri,
-        store_url=recorded.store_url,
-        twin_store_url=recorded.twin_store_url,
+    # Everything else as it was set (namespace, TLS, the API key, the stores).
+    settings = dataclasses.replace(
+        recorded, temporal_address=temporal_address, temporal_ui_url=ui_url, mlflow_uri=mlflow_uri
     )
     settings.save()
-    client = await connect(settings)
+    client = await get_client(
+        settings, f"check {setting_label('temporal_address')}, or unset it to run a local one"
+    )
     await ensure_search_attributes(client)
     await ensure_cluster(client)
 

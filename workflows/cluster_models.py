@@ -38,8 +38,14 @@ class NodeInfo(BaseModel):
     gpu_type: str = "cpu"
     pod: str = "local"
     rdzv_port: int = Field(description="port this node serves the c10d rendezvous on as head")
+    # A grant's rendezvous port is rdzv_port + generation % rdzv_ports: each grant a port of its
+    # own, so a fenced gang's torchrun still sitting on the last one never blocks the next.
+    rdzv_ports: int = Field(default=1, ge=1, le=4096, description="ports from rdzv_port up")
     incarnation: str = Field(description="changes every time the agent process starts")
     cached: list[str] = Field(default=[], description="dataset snapshots in the node's cache")
+    memory_bytes: int = Field(default=0, ge=0, description="per GPU (0: not reported)")
+    # What MFU divides by when the spec names no peak: the data sheet's, or measured at start.
+    peak_flops: float = Field(default=0.0, ge=0, description="per GPU / rank slot (0: unknown)")
 
 
 class Health(StrEnum):
@@ -227,10 +233,21 @@ class Allocation(BaseModel):
             return self.gpus_per_node
         return sum([node.gpus for node in self.nodes])
 
+    def device_peak_flops(self, threads_per_rank: int = 1) -> float | None:
+        """The peak FLOP/s of one of the gang's devices, as their agents reported it (the mean:
+        MFU is then the share of all the gang's FLOP/s the run used). A CPU slot's peak is one
+        thread's, so it scales with the threads each rank runs. None: no agent reported one."""
+        peaks = [
+            node.peak_flops * (threads_per_rank if node.gpu_type == "cpu" else 1)
+            for node in self.nodes
+            if node.peak_flops
+        ]
+        return sum(peaks) / len(peaks) if peaks else None
+
     @property
     def rdzv_endpoint(self) -> str:
         head = self.nodes[0]
-        return f"{head.host}:{head.rdzv_port}"
+        return f"{head.host}:{head.rdzv_port + self.generation % head.rdzv_ports}"
 
 
 class NodeAdmin(BaseModel):

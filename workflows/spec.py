@@ -141,7 +141,8 @@ class DataSpec(_Strict):
     sources: list[SourcePath] = Field(
         min_length=1,
         max_length=MAX_SOURCES,
-        description="files, directories or globs; relative to the spec file",
+        description="files, directories or globs (relative to the spec file), s3://bucket/… "
+        "URLs or store:KEY objects of the run's store",
     )
     split: Literal["blank-line", "line", "whole-file"] = "blank-line"
     text_field: str = Field(
@@ -223,8 +224,11 @@ class TrainSpec(_Strict):
     keep_checkpoints: int = Field(2, ge=1, le=100)
     eval_batches: int = Field(20, ge=1, le=10_000)
     threads_per_rank: int = Field(1, ge=1, le=256, description="CPU threads per rank")
-    peak_flops_per_gpu: float = Field(
-        1e11, gt=0, description="the device's peak FLOP/s used for MFU (CPU core here)"
+    peak_flops_per_gpu: float | None = Field(
+        None,
+        gt=0,
+        description="the device's peak FLOP/s for MFU; unset: what the node agents report "
+        "(the data sheet's for a known GPU, else measured when the agent starts)",
     )
     grad_accum_steps: int = Field(1, ge=1, le=4096, description="micro-batches per step and rank")
     eval_every: int = Field(

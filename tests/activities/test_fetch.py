@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from activities.data import dataset_ref
+from activities.data_stages import dataset_ref
 from activities.fetch import NodeCache
 from dataprep.filters import FilterSettings
 from dataprep.settings import SnapshotSettings

@@ -15,10 +15,11 @@ import numpy as np
 import pytest
 from tokenizers import Tokenizer
 
+from dataprep.dataset_manifest import load_manifest
 from dataprep.errors import BadRecordsError, EmptyCorpusError, SourceError
 from dataprep.filters import FilterSettings
 from dataprep.settings import DedupSettings, SnapshotSettings, TokenizerSettings
-from dataprep.snapshot import load_manifest, prepare_snapshot
+from dataprep.snapshot import prepare_snapshot
 from infra.errors import IntegrityError
 from infra.store import LocalStore
 from tests.conftest import REPO, SHAKESPEARE

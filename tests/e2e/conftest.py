@@ -159,7 +159,11 @@ def alive(pid: int) -> bool:
 
 def final_checkpoint(stack: Stack, run: str, scratch: Path) -> tuple[Path, dict]:
     """The run's last committed checkpoint, fetched from the store: its folder and manifest."""
-    store = stack.store()
+    return fetched_checkpoint(stack.store(), run, scratch)
+
+
+def fetched_checkpoint(store: ObjectStore, run: str, scratch: Path) -> tuple[Path, dict]:
+    """The run's last committed checkpoint in `store`, fetched: its folder and manifest."""
     found = find_latest(store, run, max_generation=10**9)
     assert found is not None, f"{run} has no committed checkpoint"
     folder = scratch / f"{run}-step-{found.step}"

@@ -183,21 +183,26 @@ def test_corrupt_gradients_are_traced_to_their_node_and_rolled_back(
     spec = variant(tmp_path, "tiny-nan", steps=300, checkpoint_every=100)
     stack.cli("run", str(spec), "--detach")
     store = stack.store()
-    wait_for(lambda: committed_steps(store, "tiny-nan"), 120, "the first checkpoint", 0.25)
-    generation, nodes = gang_of(stack, "tiny-nan")
+    generation, nodes = wait_for(lambda: (gang := gang_of(stack, "tiny-nan"))[0] and gang, 120,
+                                 "a gang")  # fmt: skip
     culprit = nodes[0]  # its rank is rank 0
-    stack.cli("chaos", "corrupt-grad", culprit)
+    wait_for(lambda: any(node_of(p) == culprit for p in ranks_of(stack.home, "tiny-nan")), 60,
+             "the culprit's ranks", 0.05)  # fmt: skip
+    # Aimed between the checkpoints at 100 and 200 from the start: 300 tiny steps take seconds,
+    # and a command sent after the first checkpoint could find the run already done. (Should
+    # step 150 pass before the command lands, the poison comes at the next step.)
+    stack.cli("chaos", "corrupt-grad", culprit, "--at-step", "150")
     try:
         followed = stack.cli("run", str(spec), timeout=300)
         assert "AWAITING_APPROVAL" in followed.stdout, followed.stdout
         after = stack.cli("status", "tiny-nan").stdout
         assert re.search(
-            rf"failure +gen {generation} .*non-finite loss or gradients at step \d+ "
+            rf"failure +gen {generation} .*non-finite loss or gradients at step 1[5-9]\d "
             r"\(suspect ranks \[0\]\)",
             after,
         ), after
         assert re.search(
-            rf"health +gen {generation} step \d+: corruption on {culprit} \(quarantine\): "
+            rf"health +gen {generation} step 1[5-9]\d: corruption on {culprit} \(quarantine\): "
             r"rank 0's own gradients were non-finite before the all-reduce",
             after,
         ), after

@@ -74,6 +74,12 @@ def registered_with_its_code(stack: Stack, model: str, metric: str, servable: bo
         assert "model/model.safetensors" in files, files
 
 
+# With the slow tests (make test's 15 minutes): its parts run in the default suite, on real
+# ranks and the real stack: tests/trainer/test_user_code.py (a user script resumes exactly after
+# a SIGKILL), test_the_fsdp_convnet_example_trains_to_approval_and_is_registered below (a script
+# through the CLI to a registered version) and tests/e2e/test_failures.py's SIGKILLs (a dead
+# node's gang recovers from the last committed manifest).
+@pytest.mark.slow
 def test_your_own_script_recovers_from_a_dead_node_and_is_registered(
     stack: Stack, tmp_path: Path
 ) -> None:

@@ -208,6 +208,9 @@ def job_processes(job_file: Path, launcher: bool = False) -> list[int]:
     return pids
 
 
+# With the slow tests (make test's 15 minutes): the layout rule itself (trainer.model's
+# stored_layout and laid_out_as) is what every resume in the default suite goes through.
+@pytest.mark.slow
 def test_a_checkpoint_from_before_the_fused_layout_resumes_in_its_own(trainer: Trainer) -> None:
     """A run begun before qkv was fused (separate q, k, v with biases, a model_config without
     the layout keys) resumes after the upgrade: the node agent builds the GPT as the

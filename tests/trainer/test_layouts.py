@@ -181,21 +181,20 @@ def test_corrupt_gradients_roll_back_to_the_last_checkpoint(trainer: Trainer, dd
     workdir = Path(job.progress_file).parent
     job.chaos_file = str(workdir / "CORRUPT_GRAD")
 
-    async def run_and_corrupt() -> None:
-        task = await trainer.start_until_committed(job, ranks=2)
-        Path(job.chaos_file).write_text("corrupt-grad\n")
-        with pytest.raises(
-            RanksFailed, match=r"non-finite loss or gradients at step \d+ \(suspect ranks \[0\]\)"
-        ):
-            await asyncio.wait_for(task, 120)
-
-    asyncio.run(run_and_corrupt())
+    # Aimed between two checkpoints (`--at-step 25`): the rollback must go to step 20.
+    Path(job.chaos_file).parent.mkdir(parents=True, exist_ok=True)
+    Path(job.chaos_file).write_text("corrupt-grad 25\n")
+    with pytest.raises(
+        RanksFailed, match=r"non-finite loss or gradients at step 25 \(suspect ranks \[0\]\)"
+    ):
+        trainer.run(job, ranks=2)
     # The all-reduce spread the NaN to every rank; the norm before it names the one it came from.
     events = [json.loads(line) for line in Path(job.progress_file).read_text().splitlines()]
     (health,) = [e for e in events if e["event"] == "health"]
-    assert (health["kind"], health["rank"], health["action"]) == ("corruption", 0, "quarantine")
+    verdict = (health["kind"], health["rank"], health["action"], health["step"])
+    assert verdict == ("corruption", 0, "quarantine", 25)
     found = find_latest(trainer.store, "corrupt", max_generation=1)
-    assert found is not None and found.step < TRAIN.steps
+    assert found is not None and found.step == 20
     assert all(math.isfinite(loss) for _, loss in found.manifest["loss_history"])
     resume = resume_point(trainer, found.manifest, "corrupt", found.key)
     trainer.run(trainer.job("corrupt", TRAIN, resume=resume, generation=2), ranks=2)

@@ -2,6 +2,7 @@ from pathlib import Path
 
 import pytest
 
+from infra.processes import free_port
 from tests.conftest import REPO
 from worker.specfile import SpecError, load_spec, parse_spec, spec_sha256
 
@@ -165,3 +166,76 @@ def test_user_code_resolves_against_the_spec_folder_and_must_exist(tmp_path: Pat
     spec_file.write_text(body.replace('"src"', '"gone"') + 'entrypoint = "pkg.main:run"\n')
     with pytest.raises(SpecError, match=r"train\.code: no such folder: .*gone"):
         load_spec(spec_file)
+
+
+# --- s3:// and store: sources (listed against moto over HTTP) ------------------------------
+
+
+def _spec_file(tmp_path: Path, *sources: str) -> Path:
+    spec_file = tmp_path / "spec.toml"
+    listed = ", ".join(f'"{s}"' for s in sources)
+    spec_file.write_text(f'name = "r1"\n[data]\nsources = [{listed}]\n')
+    return spec_file
+
+
+def _refusal(spec_file: Path) -> str:
+    with pytest.raises(SpecError) as raised:
+        load_spec(spec_file)
+    message = str(raised.value)
+    assert message.count("\n") == 1 and "Traceback" not in message  # one line under the header
+    return message.splitlines()[1]
+
+
+def test_object_sources_are_neither_resolved_nor_looked_for_on_disk(
+    tmp_path: Path, raw, bucket: str
+) -> None:
+    raw.put_object(Bucket=bucket, Key="corpus/a.txt", Body=b"alpha")
+    (tmp_path / "b.txt").write_text("beta")
+    url = f"s3://{bucket}/corpus/"
+    spec = load_spec(_spec_file(tmp_path, url, "b.txt"))
+    assert spec.data.sources == [url, str(tmp_path / "b.txt")]
+    assert parse_spec({**VALID, "data": {"sources": ["store:corpus/"]}}, tmp_path).data.sources == [
+        "store:corpus/"
+    ]
+
+
+def test_an_empty_prefix_is_refused_with_its_url(tmp_path: Path, raw, bucket: str) -> None:
+    raw.put_object(Bucket=bucket, Key="elsewhere/a.txt", Body=b"alpha")
+    line = _refusal(_spec_file(tmp_path, f"s3://{bucket}/corpus/"))
+    assert line == (
+        f"  data.sources: source pattern s3://{bucket}/corpus/ matches no objects: "
+        "check data.sources"
+    )
+
+
+def test_a_bucket_missing_or_out_of_reach_is_one_line(tmp_path: Path, endpoint: str) -> None:
+    line = _refusal(_spec_file(tmp_path, "s3://forgeline-nowhere/corpus/"))
+    assert "s3://forgeline-nowhere/corpus/ cannot be listed" in line and "does not exist" in line
+    closed = f"http://127.0.0.1:{free_port()}"
+    line = _refusal(_spec_file(tmp_path, f"s3://forgeline-x/corpus/?endpoint={closed}"))
+    assert f"cannot reach the S3 endpoint {closed} for s3://forgeline-x/corpus/" in line
+
+
+def test_credentials_in_a_source_url_are_refused_and_not_repeated(tmp_path: Path) -> None:
+    line = _refusal(_spec_file(tmp_path, "s3://AKIAEXAMPLE:hunter2-secret-key@bucket/corpus/"))
+    assert "hunter2-secret-key" not in line
+    assert line.startswith(
+        "  data.sources: source s3://AKIAEXAMPLE:***@bucket/corpus/ carries credentials: "
+        "remove them from the URL in data.sources"
+    )
+    assert "put them in AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY" in line
+
+
+def test_store_sources_are_listed_in_the_configured_store(
+    tmp_path: Path, raw, bucket: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("FORGELINE_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("FORGELINE_STORE", f"s3://{bucket}/store")
+    monkeypatch.delenv("FORGELINE_TWIN_STORE", raising=False)
+    raw.put_object(Bucket=bucket, Key="store/corpus/a.jsonl", Body=b'{"text": "alpha"}\n')
+    assert load_spec(_spec_file(tmp_path, "store:corpus/")).data.sources == ["store:corpus/"]
+    line = _refusal(_spec_file(tmp_path, "store:web/*.jsonl"))
+    assert line == (
+        f"  data.sources: store:web/*.jsonl (in the store s3://{bucket}/store): source pattern "
+        f"s3://{bucket}/store/web/*.jsonl matches no objects: check data.sources"
+    )

@@ -9,7 +9,10 @@ import pytest
 
 from infra.local_servers import temporal_dev_server_argv
 from infra.processes import ManagedProcess, free_port, port_is_open, wait_until
+from tests.s3_server import bucket, endpoint, raw
 from workflows.search_attributes import SEARCH_ATTRIBUTE_TYPES
+
+__all__ = ["bucket", "endpoint", "raw", "task_queue", "temporal_address"]  # S3: moto over HTTP
 
 CONTINUE_AS_NEW_AFTER = 300  # events
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -14,7 +15,7 @@ from temporalio.worker import Worker
 
 from activities.data import DataActivities
 from infra.settings import Settings
-from infra.store import LocalStore
+from infra.store import LocalStore, open_store
 from tests.conftest import SHAKESPEARE
 from workflows.dataset import STAGES, DatasetSnapshotWorkflow
 from workflows.models import DatasetInput, DatasetProgress, DatasetRef
@@ -22,10 +23,10 @@ from workflows.names import DATA_TASK_QUEUE
 from workflows.spec import DataSpec, FilterSpec
 
 
-def run_dataset(address: str, task_queue: str, home: Path, data: DataSpec):
+def run_dataset(address: str, task_queue: str, home: Path, data: DataSpec, store_url: str = ""):
     async def main() -> tuple[DatasetRef, DatasetProgress]:
         client = await Client.connect(address, data_converter=pydantic_data_converter)
-        activities = DataActivities(Settings(home=home))
+        activities = DataActivities(Settings(home=home, store_url=store_url))
         with ThreadPoolExecutor(2) as pool:
             async with (
                 Worker(client, task_queue=task_queue, workflows=[DatasetSnapshotWorkflow]),
@@ -95,3 +96,24 @@ def test_bad_input_fails_the_workflow_at_once_with_the_reason(
         cause = cause.cause
     assert "bad.jsonl: 20 of 20 records are bad" in str(cause)
     assert "data.max_bad_fraction" in str(cause)
+
+
+def test_a_corpus_uploaded_to_the_runs_s3_store_is_read_by_its_key(
+    temporal_address: str, task_queue: str, tmp_path: Path, raw, bucket: str
+) -> None:
+    # Uploaded with the bucket's own tools (no sha256 metadata), next to where snapshots go.
+    text = SHAKESPEARE.read_text()[:100_000]
+    for i in range(2):
+        key = f"store/corpora/shakespeare/part-{i}.txt"
+        raw.put_object(Bucket=bucket, Key=key, Body=text[i * 50_000 :][:50_000].encode())
+    data = DataSpec(sources=["store:corpora/shakespeare/"], filters=FilterSpec(min_words=1))
+    home, store_url = tmp_path / "home", f"s3://{bucket}/store"
+    dataset, _ = run_dataset(temporal_address, task_queue, home, data, store_url)
+    assert not dataset.reused and dataset.train_tokens > 0 and dataset.val_tokens > 0
+    manifest = json.loads(open_store(store_url).get_bytes(dataset.manifest_key))
+    assert [s["path"] for s in manifest["sources"]] == [
+        f"s3://{bucket}/store/corpora/shakespeare/part-{i}.txt" for i in range(2)
+    ]
+    assert len(list((home / "data-work" / "data" / "source-cache").rglob("object.txt"))) == 2
+    again, _ = run_dataset(temporal_address, task_queue, home, data, store_url)
+    assert again.reused and again.snapshot_id == dataset.snapshot_id

@@ -1,0 +1,140 @@
+"""What a node has to train with: its devices, their type and memory, and their peak FLOP/s.
+
+MFU is only as true as the peak it divides by. On a GPU host the devices come from NVML
+(`nvidia-ml-py`) and the peak from the vendor's dense bf16 figure for the model (measured with
+a matmul when the model is not in the table). On a CPU-only host a "GPU" is a rank slot (one
+rank process) and the peak is measured once at start: the best of a few float32 matmuls on one
+thread, which is what a rank with `threads_per_rank = 1` can reach.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+
+CPU = "cpu"
+# Dense bf16 tensor-core peaks (no sparsity) from the vendors' data sheets, by a substring of the
+# name NVML reports. Longest match first, so "H100 PCIe" is not taken for an SXM part.
+_GPU_PEAK_FLOPS = {
+    "GB200": 2.5e15,
+    "B200": 2.25e15,
+    "H200": 989e12,
+    "H100 PCIe": 756e12,
+    "H100 NVL": 835e12,
+    "H100": 989e12,
+    "H800": 989e12,
+    "A100": 312e12,
+    "A800": 312e12,
+    "L40S": 362e12,
+    "L4": 121e12,
+    "A10G": 70e12,
+    "A10": 125e12,
+}
+_MATMUL_SIDE = 1024
+_MATMUL_REPEATS = 8
+
+
+@dataclass(frozen=True)
+class NodeHardware:
+    gpus: int  # devices, or rank slots on a CPU-only host
+    gpu_type: str  # a slug of the device model ("h100-80gb-hbm3"), "cpu" without GPUs
+    memory_bytes: int  # per device (a CPU host's memory shared by its slots)
+    peak_flops: float  # per device; per thread for a CPU slot
+    peak_source: str  # "datasheet" or "measured": how far to trust the MFU it gives
+
+    def describe(self) -> str:
+        kind = "GPUs" if self.gpu_type != CPU else "CPU rank slots"
+        return (
+            f"{self.gpus} {kind} ({self.gpu_type}, {self.memory_bytes / 2**30:.0f} GiB each, "
+            f"peak {self.peak_flops:.3g} FLOP/s {self.peak_source})"
+        )
+
+
+def gpu_type_slug(name: str) -> str:
+    """NVML's name as a spec's `resources.gpu_type` can name it: "NVIDIA H100 80GB HBM3" →
+    "h100-80gb-hbm3"."""
+    words = name.replace("NVIDIA", "").replace("Tesla", "").split()
+    return "-".join(w.lower() for w in words) or "gpu"
+
+
+def datasheet_peak(name: str) -> float | None:
+    for model in sorted(_GPU_PEAK_FLOPS, key=len, reverse=True):
+        if model in name:
+            return _GPU_PEAK_FLOPS[model]
+    return None
+
+
+def measured_matmul_peak(device: str = "cpu") -> float:
+    """The best FLOP/s of a few square matmuls (float32 on CPU, one thread; bf16 on a GPU)."""
+    import torch  # late: `forgeline agent --help` should not pay for it
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        dtype = torch.float32 if device == "cpu" else torch.bfloat16
+        a = torch.randn(_MATMUL_SIDE, _MATMUL_SIDE, device=device, dtype=dtype)
+        b = torch.randn(_MATMUL_SIDE, _MATMUL_SIDE, device=device, dtype=dtype)
+        best = float("inf")
+        for _ in range(_MATMUL_REPEATS + 1):  # the first one warms caches and kernels up
+            if device != "cpu":
+                torch.cuda.synchronize()
+            started = time.perf_counter()
+            torch.mm(a, b)
+            if device != "cpu":
+                torch.cuda.synchronize()
+            best = min(best, time.perf_counter() - started)
+        return 2 * _MATMUL_SIDE**3 / best
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _nvml_devices() -> list[tuple[str, int]]:
+    """(name, memory in bytes) of each GPU NVML sees; empty without NVML or GPUs."""
+    try:
+        import pynvml  # nvidia-ml-py
+    except ImportError:
+        return []
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError:  # no driver: a CPU-only host
+        return []
+    try:
+        devices = []
+        for index in range(pynvml.nvmlDeviceGetCount()):
+            handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+            name = pynvml.nvmlDeviceGetName(handle)
+            name = name.decode() if isinstance(name, bytes) else name
+            devices.append((name, int(pynvml.nvmlDeviceGetMemoryInfo(handle).total)))
+        return devices
+    finally:
+        pynvml.nvmlShutdown()
+
+
+def _host_memory_bytes() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def discover(slots: int | None = None, cpu_only: bool = False) -> NodeHardware:
+    """This host's devices. `slots` overrides the count (fewer GPUs than the host has, or the
+    number of CPU rank processes; without GPUs the default is one slot per core). `cpu_only`:
+    rank slots even where there are GPUs (the local stack's pretend nodes share one machine)."""
+    devices = [] if cpu_only else _nvml_devices()
+    if devices:
+        name, memory = devices[0]
+        peak = datasheet_peak(name)
+        count = len(devices) if slots is None else min(slots, len(devices))
+        return NodeHardware(
+            gpus=count,
+            gpu_type=gpu_type_slug(name),
+            memory_bytes=memory,
+            peak_flops=peak or measured_matmul_peak("cuda"),
+            peak_source="datasheet" if peak else "measured",
+        )
+    return NodeHardware(
+        gpus=slots or os.cpu_count() or 1,
+        gpu_type=CPU,
+        memory_bytes=_host_memory_bytes(),
+        peak_flops=measured_matmul_peak(),
+        peak_source="measured",
+    )

@@ -1,0 +1,152 @@
+"""Across real network interfaces: a gang of two hosts trains over the bridge, survives one
+host's cable being pulled, and its logs are read from elsewhere."""
+
+from __future__ import annotations
+
+import json
+import re
+import statistics
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from infra.store import ObjectStore
+from tests.e2e.conftest import alive, fetched_checkpoint, variant, wait_for
+from tests.hosts.conftest import Cluster
+from tests.hosts.netns import Host
+from trainer.evaluate import load_model
+from trainer.manifest import Fences, committed_steps, find_latest, manifest_key
+from worker.chaos import trainer_processes
+
+STEPS, CHECKPOINT_EVERY = 300, 50
+
+
+def spec(tmp_path: Path, name: str) -> Path:
+    """examples/tiny.toml under another name, long enough to be cut mid-run; a silent host is
+    given up on at its activity's heartbeat timeout, 5 s."""
+    return variant(tmp_path, name, steps=STEPS, checkpoint_every=CHECKPOINT_EVERY,
+                   heartbeat_timeout_s=5)  # fmt: skip
+
+
+def gang(cluster: Cluster, run: str) -> tuple[int, list[str]]:
+    found = re.search(r"allocation +generation (\d+) on (.+)", cluster.cli("status", run).stdout)
+    return (int(found.group(1)), found.group(2).split(", ")) if found else (0, [])
+
+
+def weights(store: ObjectStore, run: str, scratch: Path) -> dict[str, torch.Tensor]:
+    folder, manifest = fetched_checkpoint(store, run, scratch)
+    return load_model(folder, manifest["model_config"]).state_dict()
+
+
+def progress(cluster: Cluster, run: str) -> list[dict]:
+    """Every progress line of the run's ranks, on every host."""
+    lines = []
+    for host in cluster.network.hosts:
+        for path in cluster.home_of(host).glob(f"nodes/*/runs/{run}/gen-*/progress.jsonl"):
+            lines += [json.loads(line) for line in path.read_text().splitlines()]
+    return lines
+
+
+def ranks_on(cluster: Cluster, host: Host, run: str) -> list[int]:
+    return [p for p in trainer_processes(cluster.home_of(host), run=run) if alive(p)]
+
+
+@pytest.fixture(scope="module")
+def clean(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A fault-free two-host run, which the partitioned one is compared with."""
+    followed = cluster.cli("run", str(spec(tmp_path_factory.mktemp("clean"), "clean")), timeout=400)
+    assert "AWAITING_APPROVAL" in followed.stdout, followed.stdout + cluster.log_tails()
+    return "clean"
+
+
+def test_a_gang_of_two_hosts_trains_across_the_bridge(cluster: Cluster, clean: str) -> None:
+    """Two hosts' ranks rendezvous at the head's bridge address, train with gloo on their own
+    interfaces (no loopback reaches from one namespace to another), checkpoint to S3 and end
+    awaiting approval; `forgeline logs` reads both ranks' lines from the root namespace."""
+    assert committed_steps(cluster.store(), clean)[0] == STEPS
+    addresses = {h.name: h.address for h in cluster.network.hosts}
+    for rank in (0, 1):
+        logs = cluster.cli("logs", clean, "--rank", str(rank)).stdout
+        (head,) = re.findall(
+            rf"\[rank {rank}/2 gen \d+\] on (h\d), .* gloo over (\S+), store at ([\d.]+):\d+",
+            logs,
+        )
+        host, interface, store_at = head
+        assert interface.startswith("flp") and interface.endswith(host), head
+        assert store_at in addresses.values(), head  # the head's bridge address, not loopback
+        assert re.search(rf"\[rank {rank}/2 gen \d+\] step {STEPS}/{STEPS} loss", logs), logs
+
+
+def test_a_gpu_type_no_agent_reports_is_refused_before_the_run_starts(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    path = spec(tmp_path, "wants-h100")
+    path.write_text(path.read_text().replace("[resources]\n", '[resources]\ngpu_type = "h100"\n'))
+    refused = cluster.cli("run", str(path), check=False)
+    assert refused.returncode == 2, refused.stdout
+    assert "resources.gpu_type = 'h100' is a type no node reports: the nodes report cpu" in (
+        refused.stdout
+    )
+    assert "no run named" in cluster.cli("status", "wants-h100", check=False).stdout
+
+
+def test_a_partitioned_host_is_replaced_and_its_ranks_commit_nothing(
+    cluster: Cluster, clean: str, tmp_path: Path
+) -> None:
+    """One training host's link goes down mid-run (not a SIGKILL: its processes live on). The
+    run notices, resumes on the third host from the last committed manifest; when the link is
+    back the cut-off ranks are fenced and commit nothing, and the final weights are those of a
+    fault-free run. The cut-off host's log lines are read from the root namespace."""
+    path = spec(tmp_path, "cut")
+    cluster.cli("run", str(path), "--detach")
+    store = cluster.store()
+    generation, nodes = wait_for(lambda: (g := gang(cluster, "cut"))[0] and g, 120, "a gang")
+    wait_for(lambda: committed_steps(store, "cut"), 120, "the first checkpoint", 0.05)
+    victim = next(h for h in cluster.network.hosts if h.name == nodes[1])
+    cut_at = time.monotonic()
+    victim.cut()
+    try:
+        try:
+            regrouped = wait_for(
+                lambda: (g := gang(cluster, "cut"))[0] > generation and g, 120, "a new gang", 0.5
+            )
+        except AssertionError as err:
+            raise AssertionError(
+                f"{err}\n{cluster.cli('status', 'cut').stdout}\n{cluster.cli('nodes').stdout}"
+                f"\n{cluster.log_tails()}"
+            ) from None
+        recovered_s = time.monotonic() - cut_at
+        assert victim.name not in regrouped[1], regrouped
+    finally:
+        victim.mend()
+    followed = cluster.cli("run", str(path), timeout=400)
+    assert "AWAITING_APPROVAL" in followed.stdout, followed.stdout + cluster.log_tails()
+
+    # Back on the network, the old ranks find their gang gone and exit without committing.
+    wait_for(lambda: not ranks_on(cluster, victim, "cut"), 120, "the cut-off ranks to exit")
+    fences = Fences.read(store, "cut")
+    for step in committed_steps(store, "cut"):
+        manifest = json.loads(store.get_bytes(manifest_key("cut", step)))
+        assert fences.why_stale(manifest["generation"], step) is None, (step, manifest)
+    final, expected = (find_latest(store, run, max_generation=10**9) for run in ("cut", clean))
+    assert final is not None and expected is not None and final.generation > generation
+    assert final.manifest["loss_history"] == expected.manifest["loss_history"]
+    mine, theirs = weights(store, "cut", tmp_path), weights(store, clean, tmp_path)
+    assert all(torch.equal(mine[k], theirs[k]) for k in theirs)
+
+    cut_off = cluster.cli("logs", "cut", "--node", victim.name, "--attempt", str(generation))
+    assert re.search(rf"\[rank \d/2 gen {generation}\] step \d+/{STEPS} loss", cut_off.stdout), (
+        cut_off.stdout[-3000:]
+    )
+    # What it cost across the bridge, for the record (pytest -s shows it).
+    events = progress(cluster, clean)
+    # A gang's step takes as long as its slowest rank's.
+    steps = [max(e["rank_step_s"]) for e in events if e["event"] == "step" and e["rank_step_s"]]
+    commits = [e["seconds"] for e in events if e["event"] == "checkpoint" and e["manifest_key"]]
+    print(
+        f"\nacross the bridge: step {statistics.median(steps) * 1e3:.1f} ms (median), checkpoint "
+        f"commit to S3 {statistics.median(commits):.2f} s (median of {len(commits)}); a new gang "
+        f"{recovered_s:.1f} s after the cut"
+    )
