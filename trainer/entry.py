@@ -31,6 +31,7 @@ from typing import TextIO
 import torch.distributed as dist
 
 from trainer.job import TrainJob
+from trainer.progress import ProgressFile
 from trainer.rank_logs import rank_log_name
 
 BUILT_IN = "trainer.train:main"
@@ -130,11 +131,19 @@ def _copy_output_to_rank_log(job: TrainJob) -> None:
     tee.stdin.close()  # fds 1 and 2 hold the pipe now; it closes when the rank exits
 
 
+def _mark_the_script_s_start(job: TrainJob) -> None:
+    """The start watch (trainer.start_watch) counts the script's own time from here, not from
+    torchrun's launch: Python and torch importing is the platform's time."""
+    progress = ProgressFile(job.progress_file, enabled=os.environ.get("LOCAL_RANK", "0") == "0")
+    progress.write(event="sdk", call="script", state="entered")
+
+
 def main(job_path: str) -> None:
     job = TrainJob.read(Path(job_path))
     _copy_output_to_rank_log(job)
     _print_stacks_when_asked(job)
     entry = job.train.get("entrypoint") or BUILT_IN
+    _mark_the_script_s_start(job)
     try:
         _run_entrypoint(entry, job.code_dir)
     except SystemExit as done:

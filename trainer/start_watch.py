@@ -6,9 +6,10 @@ the run would hold its gang for as long as the activity may run. The SDK marks w
 is (progress events `sdk`: a call of the platform's entered or returned), and the node agent
 gives each stretch of the script's own code `limit_s`:
 
-- before `forgeline.init()`, between `init()` and `run.restore()`, between `restore()` and
-  `run.steps()`: only the script's code runs there, so running past the limit is the user's
-  error, the same on every node and every attempt; the run fails at once;
+- from the script's first line to `forgeline.init()`, between `init()` and `run.restore()`,
+  between `restore()` and `run.steps()`: only the script's code runs there, so running past
+  the limit is the user's error, the same on every node and every attempt; the run fails at
+  once;
 - inside `init()` (the rendezvous, the process group) and `restore()` (reading a checkpoint):
   the platform's own calls, with their own timeouts; a peer that never arrives is a node's
   fault, never the user's;
@@ -22,12 +23,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 # Where a rank can be, by the newest `sdk` event ("" before any), and what the stretch after it is.
+# Before "script:entered" (trainer.entry, right before the script's first line) the launch is
+# the platform's: Python and torch importing, which takes seconds on a loaded host.
 _USERS_STRETCH = {
-    "": "without calling forgeline.init()",
+    "script:entered": "without calling forgeline.init()",
     "init:returned": "after forgeline.init() without calling run.restore(model, optimizer)",
     "restore:returned": "after run.restore() without entering run.steps()",
 }
-_PLATFORMS_CALL = ("init:entered", "restore:entered")
+_PLATFORMS_CALL = ("", "init:entered", "restore:entered")
 FIRST_STEP = "steps:entered"
 
 
