@@ -19,7 +19,7 @@ import asyncio
 import contextlib
 import logging
 import re
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -103,11 +103,6 @@ class LogShipper:
             self._shipped[path.name] = start + len(new)
             total += len(new)
         return total
-
-
-def read_pieces(store: ObjectStore, chosen: list[LogPiece]) -> Iterator[tuple[LogPiece, bytes]]:
-    for piece in chosen:
-        yield piece, store.get_bytes(piece.key)
 
 
 async def _ship(shipper: LogShipper, final: bool, timeout_s: float) -> None:

@@ -13,6 +13,7 @@ from temporalio.client import WorkflowUpdateFailedError
 from infra.toml_files import read_toml
 from worker.cli_common import CliError, check_name, console, get_client, get_settings, run
 from worker.cluster_render import jobs_table, nodes_table, queues_table
+from worker.runs import cluster_state
 from worker.specfile import explain_errors
 from workflows.cluster_models import Admin, ClusterConfig, ClusterState, Node, NodeAdmin
 from workflows.names import CLUSTER_WORKFLOW_ID
@@ -22,9 +23,7 @@ node_app = typer.Typer(help="Take a node out of service or put it back.")
 
 
 async def _cluster_state() -> ClusterState:
-    client = await get_client(get_settings())
-    handle = client.get_workflow_handle(CLUSTER_WORKFLOW_ID)
-    return await handle.query("state", result_type=ClusterState)
+    return await cluster_state(await get_client(get_settings()))
 
 
 def nodes() -> None:

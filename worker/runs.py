@@ -51,6 +51,13 @@ def publish_code(settings: Settings, spec: RunSpec) -> CodeRef | None:
     return CodeRef.model_validate(published, from_attributes=True)
 
 
+async def cluster_state(client: Client) -> ClusterState:
+    """The Cluster workflow's view: nodes, queue, allocations."""
+    return await client.get_workflow_handle(CLUSTER_WORKFLOW_ID).query(
+        "state", result_type=ClusterState, rpc_timeout=QUERY_TIMEOUT
+    )
+
+
 async def refuse_unknown_gpu_type(client: Client, spec: RunSpec) -> None:
     """A spec that asks for a `gpu_type` no registered node reports would wait forever: refuse
     it before it starts, with the types the agents do report (NVML's names, e.g.
@@ -58,9 +65,7 @@ async def refuse_unknown_gpu_type(client: Client, spec: RunSpec) -> None:
     wanted = spec.resources.gpu_type
     if wanted is None:
         return
-    state = await client.get_workflow_handle(CLUSTER_WORKFLOW_ID).query(
-        "state", result_type=ClusterState, rpc_timeout=QUERY_TIMEOUT
-    )
+    state = await cluster_state(client)
     reported = sorted({node.info.gpu_type for node in state.nodes})
     if reported and wanted not in reported:
         raise CliError(

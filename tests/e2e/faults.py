@@ -6,11 +6,19 @@ import os
 import random
 import re
 import signal
+from subprocess import CompletedProcess
+from typing import Protocol
 
 from tests.e2e.conftest import Stack, alive, progress_events, ranks_of, wait_for
 
 
-def gang_of(stack: Stack, run: str) -> tuple[int, list[str]]:
+class DrivesTheCli(Protocol):
+    """A stack the tests drive through `forgeline` (the local one, or tests/hosts' cluster)."""
+
+    def cli(self, *args: str, timeout: float = 300, check: bool = True) -> CompletedProcess: ...
+
+
+def gang_of(stack: DrivesTheCli, run: str) -> tuple[int, list[str]]:
     """The run's current generation and nodes, as `forgeline status` shows them ((0, []) while
     it holds no gang)."""
     found = re.search(r"allocation +generation (\d+) on (.+)", stack.cli("status", run).stdout)

@@ -15,8 +15,6 @@ import shutil
 import subprocess
 from dataclasses import dataclass, field
 
-NETWORK_RANGE = "198.18.0.0/15"
-
 
 class NamespacesUnavailable(Exception):
     """This machine cannot make network namespaces (not root, or no `ip`)."""

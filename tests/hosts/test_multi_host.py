@@ -14,6 +14,7 @@ import torch
 
 from infra.store import ObjectStore
 from tests.e2e.conftest import alive, fetched_checkpoint, variant, wait_for
+from tests.e2e.faults import gang_of
 from tests.hosts.conftest import Cluster
 from tests.hosts.netns import Host
 from trainer.evaluate import load_model
@@ -28,11 +29,6 @@ def spec(tmp_path: Path, name: str) -> Path:
     given up on at its activity's heartbeat timeout, 5 s."""
     return variant(tmp_path, name, steps=STEPS, checkpoint_every=CHECKPOINT_EVERY,
                    heartbeat_timeout_s=5)  # fmt: skip
-
-
-def gang(cluster: Cluster, run: str) -> tuple[int, list[str]]:
-    found = re.search(r"allocation +generation (\d+) on (.+)", cluster.cli("status", run).stdout)
-    return (int(found.group(1)), found.group(2).split(", ")) if found else (0, [])
 
 
 def weights(store: ObjectStore, run: str, scratch: Path) -> dict[str, torch.Tensor]:
@@ -102,7 +98,7 @@ def test_a_partitioned_host_is_replaced_and_its_ranks_commit_nothing(
     path = spec(tmp_path, "cut")
     cluster.cli("run", str(path), "--detach")
     store = cluster.store()
-    generation, nodes = wait_for(lambda: (g := gang(cluster, "cut"))[0] and g, 120, "a gang")
+    generation, nodes = wait_for(lambda: (g := gang_of(cluster, "cut"))[0] and g, 120, "a gang")
     wait_for(lambda: committed_steps(store, "cut"), 120, "the first checkpoint", 0.05)
     victim = next(h for h in cluster.network.hosts if h.name == nodes[1])
     cut_at = time.monotonic()
@@ -110,7 +106,7 @@ def test_a_partitioned_host_is_replaced_and_its_ranks_commit_nothing(
     try:
         try:
             regrouped = wait_for(
-                lambda: (g := gang(cluster, "cut"))[0] > generation and g, 120, "a new gang", 0.5
+                lambda: (g := gang_of(cluster, "cut"))[0] > generation and g, 120, "a new gang", 0.5
             )
         except AssertionError as err:
             raise AssertionError(
