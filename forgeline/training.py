@@ -38,6 +38,7 @@ from forgeline.errors import SDKUsageError
 from forgeline.findings import Findings
 from forgeline.saves import Saves
 from forgeline.step import Step
+from forgeline.stops import StopRules
 from infra.store import open_store
 from trainer import runtime
 from trainer.attempt_clock import AttemptClock
@@ -50,19 +51,7 @@ from trainer.job import TrainJob
 from trainer.metrics import mfu
 from trainer.parallel import Layout, Placement, build_mesh
 from trainer.progress import ProgressFile
-from trainer.step_share import (
-    ASKED_TO_STOP,
-    EXIT_NON_FINITE,
-    FENCED,
-    KEEP_GOING,
-    NON_FINITE,
-    PREEMPTED,
-    STOP_REASONS,
-    STRAGGLER,
-    StepShare,
-    share_step,
-)
-from trainer.stragglers import StragglerWatch
+from trainer.step_share import EXIT_NON_FINITE, FENCED, NON_FINITE, StepShare, share_step
 from workflows.spec import TrainSpec
 
 SERVING_MODULE = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*")
@@ -262,21 +251,19 @@ class Run:
         stopping and checkpointing, and the platform does both."""
         if self._saves is None or self._clock is None:
             raise SDKUsageError("call run.restore(model, optimizer) before run.steps()")
-        watch = StragglerWatch(**self.job.stragglers.get("watch", {"window": 20, "factor": 1.5,
-                                                                   "windows": 3}))  # fmt: skip
-        self._straggler_action = self.job.stragglers.get("policy", "report")
-        self._straggler_reason = ""
+        rules = StopRules(self.job.stragglers, self._findings, self.ranks_per_node, self._term,
+                          self._stop_file)  # fmt: skip
         self._policy = CheckpointPolicy.from_train_config(self.job.train, self.job.mtbf_s)
         self._window = (time.perf_counter(), 0)
         start_step = self.step
         self._progress.write(event="sdk", call="steps", state="entered")
         while self.step < self.settings.steps:
             # Randomness (dropout) derives from (seed, step, rank): nothing to save for resume.
-            self._seed_rng(self.settings.seed + 1_000_003 * (self.step + 1) + self.rank)
+            runtime.seed(self.device, self.settings.seed + 1_000_003 * (self.step + 1) + self.rank)
             self._stall_s = 0.0
             step = self._current = Step(self, self.step + 1)
             yield step
-            stop = self._end_step(step, watch, first=self.step == start_step)
+            stop = self._end_step(step, rules, first=self.step == start_step)
             mark_began()  # a failure from here on is a crash, not a script that cannot start
             if stop:
                 break
@@ -346,28 +333,7 @@ class Run:
             self._saves.checkpointer.before_weights_change()
             self._stall_s += time.perf_counter() - started
 
-    def _seed_rng(self, seed: int) -> None:
-        """torch.manual_seed(seed) for this rank's device. On CPU that is the CPU generator's
-        seed alone: torch.manual_seed would also queue a seed for CUDA, which formats the
-        Python stack each time (a few hundred microseconds a step) for a device never used."""
-        if self.device.type == "cpu":
-            torch.default_generator.manual_seed(seed)
-        else:
-            torch.manual_seed(seed)
-
-    def _stop_request(self, step: Step) -> int:
-        assert self._saves is not None
-        if not step.finite:  # silent corruption or divergence: nothing from here on is saved
-            return NON_FINITE
-        if self._saves.fenced:  # a later generation owns the run: commit nothing more
-            return FENCED
-        if self._term.received:
-            return PREEMPTED
-        if self._stop_file is not None and self._stop_file.exists():
-            return ASKED_TO_STOP
-        return KEEP_GOING
-
-    def _end_step(self, step: Step, watch: StragglerWatch, first: bool) -> bool:
+    def _end_step(self, step: Step, rules: StopRules, first: bool) -> bool:
         """Everything after the script's optimizer step; True when the loop must end."""
         assert self._saves is not None and self._clock is not None
         saves = self._saves
@@ -381,7 +347,7 @@ class Run:
         self._window = (self._window[0], self._window[1] + 1)
         saves.poll()
 
-        asked = self._stop_request(step)
+        asked = rules.request(step, fenced=saves.fenced)
         # Time and epoch boundaries are rank 0's call, so every rank saves at the same step.
         save_due = self.rank == 0 and self._policy.due(
             self.step,
@@ -393,22 +359,13 @@ class Run:
         step_s = time.perf_counter() - step.started
         grad_norm = step.grad_norm if step.grad_norm is not None else 0.0
         shared = share_step(asked, save_due, step_s, grad_norm, step.forward_s)
-        stop = shared.stop
-        lost_before = watch.lost_s
-        straggler = watch.add(self.step, shared.forward_s, step_s - self._stall_s)
+        stop, straggler_s = rules.judge(self.step, shared, step_s - self._stall_s, shared.stop)
         self._clock.step_done(
             self.step,
             train_s=step_s - self._stall_s,
             stall_s=self._stall_s,
-            straggler_s=watch.lost_s - lost_before,
+            straggler_s=straggler_s,
         )
-        if straggler is not None and self._straggler_action != "off":
-            self._straggler_reason = straggler.describe(self.ranks_per_node)
-            self._findings.health("straggler", self.step, straggler.rank,
-                                  self._straggler_action, self._straggler_reason,
-                                  ratio=straggler.ratio)  # fmt: skip
-            if self._straggler_action == "swap":  # checkpoint now; the run goes on without it
-                stop = max(stop, STRAGGLER)
         if stop == NON_FINITE:
             self._fail_non_finite(shared)
 
@@ -425,7 +382,8 @@ class Run:
         if stop or shared.save or self.step == cfg.steps:
             self.checkpoint()
         if stop:
-            self._stop_here(self._stop_reason(stop))  # after the commit landed: only then safe
+            # After the commit landed: only then is it safe.
+            self._stop_here(rules.reason(stop, fenced=saves.fenced))
             return True
         return False
 
@@ -446,14 +404,6 @@ class Run:
         return self.sampler.epoch(self.samples_seen) > self.sampler.epoch(
             self.samples_seen - self.settings.batch_size
         )
-
-    def _stop_reason(self, stop: int) -> str:
-        assert self._saves is not None
-        if self._saves.fenced:
-            return STOP_REASONS[FENCED]
-        if self._straggler_reason and stop == STRAGGLER and self._straggler_action == "swap":
-            return f"straggler: {self._straggler_reason}"
-        return STOP_REASONS[stop]
 
     def _log_step(self, step: Step, shared: StepShare, tokens_per_step: int, on_grid: bool) -> None:
         loss = step.loss if step.loss is not None else torch.zeros(())

@@ -6,10 +6,14 @@ data-parallel rank does alone (no collective runs in it), so its duration measur
 own speed. (With sharded or tensor-parallel layouts the forward pass gathers weights, the waits
 even out, and a slow rank shows much less; there the hang watch and the step time remain.)
 
-Every `window` steps each rank's median forward time is compared with the median of the *other*
-ranks' medians: leave-one-out, because with two ranks the other one is the only fair yardstick,
-and medians, because one slow step (a page fault, a log flush) is not a slow machine. A rank
-slower by `factor` in `windows` consecutive windows is a straggler. Every rank holds the same
+A window is at least `window` steps and at least `min_window_s` seconds of steps; when it
+closes, each rank's median forward time is compared with the median of the *other* ranks'
+medians: leave-one-out, because with two ranks the other one is the only fair yardstick, and
+medians, because one slow step (a page fault, a log flush) is not a slow machine. The seconds
+matter where steps are short: twenty 25 ms steps are half a second, and a busy host starves a
+healthy rank for that long now and then (a process starting, a checkpoint upload); a window
+of seconds needs a slow-down that lasts most of it. A rank slower by `factor` in `windows`
+consecutive windows is a straggler. Every rank holds the same
 gathered times, so every rank reaches the same verdict at the same step without talking.
 """
 
@@ -36,23 +40,34 @@ class Straggler:
 
 
 class StragglerWatch:
-    def __init__(self, window: int, factor: float, windows: int) -> None:
+    def __init__(self, window: int, factor: float, windows: int, min_window_s: float = 0.0) -> None:
         self.window = window
+        self.min_window_s = min_window_s
         self.factor = factor
         self.windows = windows
         self.lost_s = 0.0  # step time spent waiting for the slowest rank, closed windows only
         self._samples: list[list[float]] = []  # this window's forward times, a row per step
-        self._window_s = 0.0  # this window's step time
+        self._window_s = 0.0  # this window's step time, this rank's own
+        self._span_s = 0.0  # this window's step time as the gang agreed it (the same everywhere)
         self._history: list[list[float]] = []  # per-window medians, newest last
         self._streak: dict[int, int] = {}  # rank -> consecutive slow windows
 
-    def add(self, step: int, forward_s: list[float], step_s: float) -> Straggler | None:
-        """One step's forward times, rank by rank; a verdict when a window closes on one."""
+    def add(
+        self, step: int, forward_s: list[float], step_s: float, gang_step_s: float
+    ) -> Straggler | None:
+        """One step's forward times, rank by rank; a verdict when a window closes on one.
+
+        `step_s` is this rank's own step time (for the time lost to the slowest rank);
+        `gang_step_s` one that every rank holds alike (from the step's all-gather): windows
+        close by it, so every rank closes them, and reaches its verdict, at the same step. A
+        rank's own clock would let two ranks disagree by a step, one of them checkpointing
+        while the other trains on, and the gang would wait on each other for ever."""
         if len(forward_s) < 2:
             return None  # one rank has no one to be slower than
         self._samples.append(forward_s)
         self._window_s += step_s
-        if len(self._samples) < self.window:
+        self._span_s += gang_step_s
+        if len(self._samples) < self.window or self._span_s < self.min_window_s:
             return None
         medians = [median(column) for column in zip(*self._samples, strict=True)]
         ratios = [mine / _others(medians, rank) for rank, mine in enumerate(medians)]
@@ -60,7 +75,7 @@ class StragglerWatch:
         # shorter: the gang's time lost to it.
         self.lost_s += self._window_s * (1 - 1 / max(max(ratios), 1.0))
         self._samples.clear()
-        self._window_s = 0.0
+        self._window_s = self._span_s = 0.0
         self._history = [*self._history, medians][-self.windows :]
         worst: Straggler | None = None
         for rank, ratio in enumerate(ratios):

@@ -352,6 +352,13 @@ class RecoverySpec(_Strict):
         1.5, gt=1, le=100, description="slower than the others' median by this: a slow window"
     )
     straggler_window_steps: int = Field(20, ge=2, le=100_000)
+    straggler_window_s: float = Field(
+        5.0,
+        ge=0,
+        le=86_400,
+        description="a window also spans at least this many seconds of steps: where steps are "
+        "short, a second of a starved but healthy rank must not fill a window",
+    )
     straggler_windows: int = Field(3, ge=1, le=1000, description="slow windows in a row to act")
 
     def straggler_settings(self) -> dict:
@@ -362,6 +369,7 @@ class RecoverySpec(_Strict):
                 "window": self.straggler_window_steps,
                 "factor": self.straggler_factor,
                 "windows": self.straggler_windows,
+                "min_window_s": self.straggler_window_s,
             },
         }
 

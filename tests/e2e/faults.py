@@ -31,14 +31,19 @@ def latest_step(stack: Stack, run: str, generation: int) -> int:
     return max((e["step"] for e in events if e["event"] == "step"), default=-1)
 
 
-def own_commit(stack: Stack, run: str, generation: int) -> int | None:
-    """The first step `generation` itself committed (None: none yet)."""
-    commits = [
+def commits_of(stack: Stack, run: str, generation: int) -> list[int]:
+    """The steps `generation` itself committed, as its ranks wrote them (pruning cannot hide
+    them, as it can in the store)."""
+    return [
         e["step"]
         for e in progress_events(stack, run, generation)
         if e["event"] == "checkpoint" and e["manifest_key"]
     ]
-    return min(commits, default=None)
+
+
+def own_commit(stack: Stack, run: str, generation: int) -> int | None:
+    """The first step `generation` itself committed (None: none yet)."""
+    return min(commits_of(stack, run, generation), default=None)
 
 
 def kill_a_node_of(stack: Stack, run: str, after_generation: int, chance: random.Random) -> int:

@@ -20,7 +20,9 @@ from trainer.stragglers import StragglerWatch
 
 
 def feed(watch: StragglerWatch, rows: list[list[float]], start: int = 1):
-    verdicts = [watch.add(start + i, row, step_s=0.1) for i, row in enumerate(rows)]
+    verdicts = [
+        watch.add(start + i, row, step_s=0.1, gang_step_s=0.1) for i, row in enumerate(rows)
+    ]
     return [v for v in verdicts if v is not None]
 
 
@@ -44,6 +46,47 @@ def test_a_persistently_slow_rank_is_named_once_with_its_evidence() -> None:
     # Had it kept the others' pace (0.010 s), each window (0.4 s of steps) would have been 3.1×
     # shorter: the rest was waiting for it.
     assert watch.lost_s == pytest.approx(3 * 0.4 * (1 - 1 / 3.1))
+
+
+def test_a_window_of_short_steps_spans_its_seconds() -> None:
+    """Twenty 25 ms steps are half a second: a healthy rank starved for a second (a process
+    starting beside it) would fill two such windows. A window of 2 s needs most of it slow."""
+    watch = StragglerWatch(window=4, factor=1.5, windows=2, min_window_s=2.0)
+    starved = [[0.050, 0.025]] * 40  # rank 0 twice as slow for 40 steps of 25 ms = 1 s
+    healthy = [[0.025, 0.025]] * 120
+    verdicts = [
+        watch.add(i, row, step_s=0.025, gang_step_s=0.025)
+        for i, row in enumerate(healthy + starved + healthy)
+    ]
+    assert [v for v in verdicts if v is not None] == []
+    # Without the seconds, the same second names rank 0.
+    steps_only = StragglerWatch(window=4, factor=1.5, windows=2)
+    verdicts = [
+        steps_only.add(i, row, step_s=0.025, gang_step_s=0.025)
+        for i, row in enumerate(healthy + starved)
+    ]
+    assert {v.rank for v in verdicts if v is not None} == {0}
+    # A slow-down that lasts is still found, once two windows of 2 s have closed on it.
+    watch = StragglerWatch(window=4, factor=1.5, windows=2, min_window_s=2.0)
+    verdicts = [
+        watch.add(i, row, step_s=0.125, gang_step_s=0.125)
+        for i, row in enumerate([[0.025, 0.125]] * 40)
+    ]
+    found = [(i, v.rank) for i, v in enumerate(verdicts) if v is not None]
+    assert found[0] == (31, 1)  # 16 steps of 0.125 s a window: 2 windows end at the 32nd step
+
+
+def test_every_rank_closes_its_windows_at_the_same_step() -> None:
+    """Two ranks whose own clocks differ (one waited in the collective, one did not) still
+    reach their verdict at the same step: the span is the gang's, not the rank's. (Found in the
+    straggler e2e: a rank that checkpointed one step before the other hung the gang.)"""
+    rows = [[0.025, 0.125]] * 60
+    verdicts = []
+    for own_s in (0.13, 0.03):  # rank 0 waits for the slow rank, rank 1 does not
+        watch = StragglerWatch(window=4, factor=1.5, windows=2, min_window_s=2.0)
+        found = [watch.add(i, r, step_s=own_s, gang_step_s=0.13) for i, r in enumerate(rows)]
+        verdicts.append([(v.step, v.rank) for v in found if v is not None])
+    assert verdicts[0] == verdicts[1] and verdicts[0]
 
 
 def test_one_rank_has_no_one_to_be_slower_than() -> None:
