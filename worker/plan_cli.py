@@ -270,6 +270,16 @@ def plan(
         raise CliError(f"{spec_file}: {err}") from None
     except PlanError as err:  # names the file already
         raise CliError(str(err)) from None
+    if spec.train.user_code:
+        # The arithmetic needs the network's shape, and a user's script declares none: sizing
+        # the spec's [model] (the built-in GPT's, ignored by the script) would be a plan of
+        # something else.
+        raise CliError(
+            f"{spec_file}: this spec runs your own code (train.entrypoint = "
+            f"{spec.train.entrypoint!r}), and forgeline plan sizes only the built-in GPT from "
+            "[model]; to plan a GPT of about your model's size, plan a copy of the spec without "
+            "train.code and train.entrypoint, with a [model] of that size"
+        )
     given = inputs_for(spec, hardware, vocab, precision.value)
     result = make_plan(
         given.shape, given.layout, given.budget, given.precision, hardware, given.node_mtbf_hours

@@ -177,6 +177,7 @@ shard = 1
 
 def test_the_plan_command(tmp_path: Path) -> None:
     # The command alone: importing all of worker.cli (MLflow, Temporal) would double this test.
+    from worker.cli_common import CliError
     from worker.plan_cli import plan as plan_command
 
     app = typer.Typer()
@@ -207,3 +208,8 @@ def test_the_plan_command(tmp_path: Path) -> None:
 
     table = runner.invoke(app, ["plan", str(tmp_path / "big.toml")])
     assert "does NOT fit" in table.output and "would fit" in table.output
+
+    # A user's script declares no shape: its spec's [model] would be a plan of something else.
+    own = runner.invoke(app, ["plan", str(EXAMPLES / "byo" / "gru.toml")])
+    assert isinstance(own.exception, CliError), own.output  # the CLI prints it as one line
+    assert "runs your own code (train.entrypoint = 'train.py')" in str(own.exception)
