@@ -19,9 +19,8 @@ from infra.code_version import code_version, installed_packages, packages_digest
 from infra.extras import require_extra
 from infra.settings import Settings
 from registry.approvals import load_approvals, rules_for
+from registry.names import CHECKPOINT_TAG, SERVABLE_TAG
 from registry.tracking import (
-    CHECKPOINT_TAG,
-    SERVABLE_TAG,
     DatasetUsed,
     Registration,
     checkpoint_of,

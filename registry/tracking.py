@@ -25,16 +25,19 @@ from mlflow.entities.model_registry import ModelVersion
 from mlflow.tracking import MlflowClient
 
 from registry.errors import VersionNotFound
+from registry.names import (
+    CANDIDATE,
+    CHECKPOINT_TAG,
+    EXPERIMENT,
+    IDEMPOTENCY_TAG,
+    PRODUCTION,
+)
 
 if TYPE_CHECKING:
     # A name for the annotation only: mlflow.models' signatures need pandas, which the base
     # install (mlflow-skinny, on every GPU host) lacks, and every CLI command imports this module.
     from mlflow.models import ModelSignature
 
-EXPERIMENT = "forgeline"
-CANDIDATE = "candidate"
-PRODUCTION = "production"
-IDEMPOTENCY_TAG = "forgeline.temporal_run_id"
 _MAX_PARAM_LENGTH = 6000
 
 
@@ -272,12 +275,6 @@ def record_decision(
         client.set_model_version_tag(model_name, version, key, value)
     if approve and not expired:
         client.set_registered_model_alias(model_name, PRODUCTION, version)
-
-
-CHECKPOINT_TAG = "forgeline.checkpoint_manifest_key"
-# "false" on a version that holds weights and lineage only (a user's script gave no way to
-# serve it): `forgeline serve` and `generate` say so instead of failing inside MLflow.
-SERVABLE_TAG = "forgeline.servable"
 
 
 def lookup_version(

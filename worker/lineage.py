@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from mlflow.tracking import MlflowClient
 
 from infra import code_snapshot
 from infra.digest import sha256_bytes
@@ -23,7 +22,7 @@ from infra.errors import IntegrityError, ObjectNotFound
 from infra.processes import http_ok
 from infra.settings import Settings
 from infra.store import ObjectStore
-from registry.tracking import CHECKPOINT_TAG, IDEMPOTENCY_TAG, lookup_version
+from registry.names import CHECKPOINT_TAG, IDEMPOTENCY_TAG
 from trainer.manifest import read_manifest, verify_files
 from worker.cli_common import CliError, check_name, console, get_settings
 from worker.serve import ALIAS_PATTERN
@@ -80,6 +79,11 @@ def check_version(version: str) -> str:
 
 
 def trace(settings: Settings, store: ObjectStore, name: str, version: str) -> list[Link]:
+    # Late: importing MLflow costs every `forgeline` command 1.4 s, and only this one needs it.
+    from mlflow.tracking import MlflowClient
+
+    from registry.tracking import lookup_version
+
     client = MlflowClient(tracking_uri=settings.mlflow_uri, registry_uri=settings.mlflow_uri)
     if version.startswith("@"):
         found = lookup_version(client, name, alias=version[1:])

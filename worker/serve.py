@@ -24,12 +24,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from mlflow.exceptions import MlflowException
-from mlflow.tracking import MlflowClient
-
 from infra.extras import require_extra
 from infra.processes import ManagedProcess, free_port, http_ok, port_is_open
-from registry.tracking import PRODUCTION, SERVABLE_TAG, lookup_version
+from registry.names import PRODUCTION, SERVABLE_TAG
 from worker.cli_common import check_name
 
 # MLflow's own rule for aliases (letters, digits, `_`, `-`); checked here so a typo is refused
@@ -85,6 +82,12 @@ def parse_ref(text: str, default_alias: str = PRODUCTION) -> ModelRef:
 
 def check_registered(tracking_uri: str, ref: ModelRef) -> str:
     """The version `ref` points at now; fails with the fix when there is none."""
+    # Late: importing MLflow costs every `forgeline` command 1.4 s, and only this one needs it.
+    from mlflow.exceptions import MlflowException
+    from mlflow.tracking import MlflowClient
+
+    from registry.tracking import lookup_version
+
     _check_reachable(tracking_uri)
     client = MlflowClient(tracking_uri=tracking_uri, registry_uri=tracking_uri)
     found = lookup_version(client, ref.name, alias=ref.alias, version=ref.version)

@@ -13,7 +13,7 @@ import torch
 from mlflow.tracking import MlflowClient
 
 from infra.local_servers import temporal_binary
-from registry.tracking import EXPERIMENT
+from registry.names import EXPERIMENT
 from tests.conftest import REPO
 from tests.e2e.conftest import (
     TINY,

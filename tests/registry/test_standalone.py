@@ -23,7 +23,8 @@ from mlflow.tracking import MlflowClient
 from safetensors import safe_open
 
 from dataprep.tokenizer import char_tokenizer
-from registry.tracking import EXPERIMENT, register
+from registry.names import EXPERIMENT
+from registry.tracking import register
 from tests.fresh_env import PIP_TIMEOUT_S, forgeline_found, fresh_python, load_and_predict
 from tests.registry.test_tracking import registration
 from trainer.model import GPT, GPTConfig

@@ -21,7 +21,8 @@ from tokenizers import Tokenizer
 from typer.testing import CliRunner
 
 from infra.processes import free_port, port_is_open
-from registry.tracking import EXPERIMENT, PRODUCTION, register
+from registry.names import EXPERIMENT, PRODUCTION
+from registry.tracking import register
 from tests.registry import test_tracking
 from worker.cli import app
 from worker.cli_common import CliError
