@@ -34,10 +34,10 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 
-from infra.processes import free_port
 from infra.settings import load_settings
 from worker.runs import submit
 from worker.specfile import load_spec, spec_sha256
+from worker.stack import free_port_flags
 from worker.temporal_client import connect
 from workflows.cluster_models import ClusterState
 from workflows.fleet.report import percentile
@@ -184,10 +184,8 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="forgeline-load-") as tmp:
         home = Path(tmp) / "home"
         env = {**os.environ, "FORGELINE_HOME": str(home)}
-        ports = ["--temporal-port", str(free_port()), "--ui-port", str(free_port()),
-                 "--mlflow-port", str(free_port())]  # fmt: skip
         up = [FORGELINE, "up", "--nodes", str(args.nodes), "--gpus-per-node",
-              str(args.gpus_per_node), *ports]  # fmt: skip
+              str(args.gpus_per_node), *free_port_flags()]  # fmt: skip
         subprocess.run(up, env=env, check=True, capture_output=True, timeout=300)
         try:
             (Path(tmp) / "specs").mkdir()

@@ -36,10 +36,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from infra.processes import free_port
 from infra.settings import load_settings
 from worker.chaos import trainer_processes
 from worker.render import goodput_lines
+from worker.stack import free_port_flags
 from workflows.models import AttemptRecord, RunStatus
 
 REPO = Path(__file__).resolve().parent.parent
@@ -162,9 +162,7 @@ def main() -> None:
     args = parser.parse_args()
     home = Path(tempfile.mkdtemp(prefix="forgeline-bench-recovery-"))
     stack = LocalStack(home)
-    ports = ["--temporal-port", str(free_port()), "--ui-port", str(free_port())]
-    ports += ["--mlflow-port", str(free_port())]
-    stack.cli("up", "--nodes", "3", "--gpus-per-node", "1", *ports)
+    stack.cli("up", "--nodes", "3", "--gpus-per-node", "1", *free_port_flags())
     try:
         folder = home / "specs"
         folder.mkdir()

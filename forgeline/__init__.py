@@ -19,10 +19,12 @@
     run.finish()
 
 Everything here is documented call by call in `forgeline.training` and `forgeline.step`.
+`forgeline.Client` is the other half: the client of the HTTP API (`forgeline.client`).
 """
 
+from forgeline.client import ApiError, Client
 from forgeline.errors import SDKUsageError
 from forgeline.step import Step
 from forgeline.training import Run, init
 
-__all__ = ["Run", "SDKUsageError", "Step", "init"]
+__all__ = ["ApiError", "Client", "Run", "SDKUsageError", "Step", "init"]

@@ -41,6 +41,7 @@ _ENV = {
     "temporal_namespace": "FORGELINE_TEMPORAL_NAMESPACE",
     "temporal_ui_url": "FORGELINE_TEMPORAL_UI",
     "mlflow_uri": "FORGELINE_MLFLOW_URI",
+    "api_url": "FORGELINE_API_URL",
     "store_url": "FORGELINE_STORE",
     "twin_store_url": "FORGELINE_TWIN_STORE",
     "temporal_tls": "FORGELINE_TEMPORAL_TLS",
@@ -57,6 +58,7 @@ _CREDENTIALS_GO_TO = {
     "temporal_address": f"{API_KEY_ENV} (or {API_KEY_FILE_ENV})",
     "temporal_ui_url": "your browser's login, not the URL",
     "mlflow_uri": "MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD or MLFLOW_TRACKING_TOKEN",
+    "api_url": "FORGELINE_TOKEN, not the URL",
     "store_url": "AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY (or an AWS profile or role)",
     "twin_store_url": "an AWS profile (?profile=NAME in the URL) or the AWS_* variables",
 }
@@ -75,6 +77,7 @@ class Settings:
     temporal_namespace: str = "default"
     temporal_ui_url: str = "http://127.0.0.1:8233"
     mlflow_uri: str = "http://127.0.0.1:5000"
+    api_url: str = "http://127.0.0.1:8700"  # Forgeline's HTTP API (`forgeline api`)
     store_url: str = ""
     # A second site (e.g. s3://bucket/prefix?endpoint=URL): committed checkpoints and dataset
     # snapshots are replicated there, and it serves while the primary is down. Empty: none.

@@ -17,6 +17,7 @@ by run specs: a researcher can tighten their own gate in the spec but cannot loo
 
 from __future__ import annotations
 
+import json
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
@@ -67,6 +68,36 @@ def parse_approvals(text: str, where: str) -> ApprovalsFile:
             f"{where}: {problems} (sections: [defaults], [teams.NAME], [models.NAME]; keys: "
             "approvers, allow_self_approval, max_val_loss)"
         ) from None
+
+
+def approvals_toml(rules: ApprovalsFile) -> str:
+    """The rules as the TOML file operators write (for rules that arrive as data, from the
+    API): `parse_approvals` reads back what this writes."""
+    sections = [("defaults", rules.defaults)]
+    sections += [(f"teams.{json.dumps(name)}", r) for name, r in sorted(rules.teams.items())]
+    sections += [(f"models.{json.dumps(name)}", r) for name, r in sorted(rules.models.items())]
+    lines: list[str] = []
+    for header, r in sections:
+        lines.append(f"[{header}]")
+        lines.append(f"approvers = {json.dumps(list(r.approvers))}")
+        if r.allow_self_approval is not None:
+            lines.append(f"allow_self_approval = {str(r.allow_self_approval).lower()}")
+        if r.max_val_loss is not None:
+            lines.append(f"max_val_loss = {r.max_val_loss!r}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def install_approvals(home: Path, text: str) -> Path:
+    """Replace the installed rules whole with `text`, checked: runs read them when their model
+    is registered, and a typo must never lock every run out of approval."""
+    parse_approvals(text, "the new rules")
+    target = home / APPROVALS_FILE
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_suffix(".tmp")
+    tmp.write_text(text, encoding="utf-8")
+    tmp.replace(target)
+    return target
 
 
 def load_approvals(home: Path) -> ApprovalsFile | None:

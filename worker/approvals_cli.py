@@ -10,7 +10,13 @@ from typing import Annotated
 
 import typer
 
-from registry.approvals import APPROVALS_FILE, ApprovalsFile, load_approvals, parse_approvals
+from registry.approvals import (
+    APPROVALS_FILE,
+    ApprovalsFile,
+    install_approvals,
+    load_approvals,
+    parse_approvals,
+)
 from registry.errors import ApprovalsInvalid
 from worker.cli_common import CliError, console, get_settings
 
@@ -59,11 +65,7 @@ def apply(
         rules = parse_approvals(text, str(file))
     except ApprovalsInvalid as err:
         raise CliError(str(err)) from None
-    target = get_settings().home / APPROVALS_FILE
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_suffix(".tmp")
-    tmp.write_bytes(raw)
-    tmp.replace(target)
+    target = install_approvals(get_settings().home, text)
     console.print(f"installed {target}", markup=False)
     console.print(describe(rules), markup=False)
 

@@ -13,13 +13,14 @@ from typing import Annotated
 
 import typer
 from rich.markup import escape
-from temporalio.client import WorkflowExecutionStatus, WorkflowUpdateFailedError
+from temporalio.client import WorkflowExecutionStatus
 from temporalio.service import RPCError
 
 from infra.code_snapshot import CodeSnapshotError
 from infra.errors import InfraError, StackError
 from infra.settings import Settings, state_home
-from worker import stack
+from worker import run_actions, stack
+from worker.api_cli import api, tokens_app
 from worker.approvals_cli import approvals_app
 from worker.chaos import chaos_app
 from worker.cli_common import CliError, check_name, console, get_client, get_settings
@@ -70,6 +71,8 @@ app.add_typer(cluster_app, name="cluster")
 app.add_typer(node_app, name="node")
 app.add_typer(chaos_app, name="chaos")
 app.add_typer(approvals_app, name="approvals")
+app.add_typer(tokens_app, name="tokens")
+app.command("api")(api)
 app.command("agent")(agent)
 app.command("control")(control)
 data_app.command("worker")(data_worker)
@@ -87,6 +90,7 @@ def _print_links(settings: Settings) -> None:
     namespace = settings.temporal_namespace
     console.print(f"Temporal UI  {settings.temporal_ui_url}/namespaces/{namespace}/workflows")
     console.print(f"MLflow UI    {settings.mlflow_uri}")
+    console.print(f"API          {settings.api_url}/docs")
 
 
 # --- the local stack ----------------------------------------------------------------------------
@@ -99,12 +103,13 @@ def up(
     temporal_port: Annotated[int | None, typer.Option(help="default 7233, or a free port")] = None,
     ui_port: Annotated[int | None, typer.Option(help="default 8233, or a free port")] = None,
     mlflow_port: Annotated[int | None, typer.Option(help="default 5000, or a free port")] = None,
+    api_port: Annotated[int | None, typer.Option(help="default 8700, or a free port")] = None,
     data_workers: Annotated[
         int, typer.Option(min=1, max=64, help="data-preparation workers (more = faster)")
     ] = 1,
 ) -> None:
     """Start the local stack (idempotent): Temporal, MLflow, workers, node agents."""
-    ports = stack.Ports(temporal=temporal_port, ui=ui_port, mlflow=mlflow_port)
+    ports = stack.Ports(temporal=temporal_port, ui=ui_port, mlflow=mlflow_port, api=api_port)
     try:
         settings = stack.up(
             state_home(), nodes, gpus_per_node, ports, data_workers, say=console.print
@@ -247,35 +252,20 @@ def report(
         console.print(f"logged to {written.logged_to}")
 
 
-# A decision's reason travels in a Temporal update and becomes an MLflow tag: a sentence or a
-# paragraph, far below either's limits.
-MAX_REASON_CHARS = 5000
-
-
 def _decide(name: str, decision: Decision) -> None:
     settings = get_settings()
     check_name(name)
     check_name(decision.approver, "approver")
-    if len(decision.reason) > MAX_REASON_CHARS:
-        raise CliError(
-            f"the note or reason is {len(decision.reason):,} characters: keep it under "
-            f"{MAX_REASON_CHARS:,}"
-        )
+    try:
+        run_actions.check_reason(decision)  # before Temporal is reached
+    except run_actions.RunActionError as err:
+        raise CliError(str(err)) from None
 
     async def go() -> RunStatus:
-        client = await get_client(settings)
-        current = await view(client, name)
-        if current.status.phase != Phase.AWAITING_APPROVAL:
-            raise CliError(
-                f"run {name} is {current.status.phase.value}: only a run AWAITING_APPROVAL "
-                "can be approved or rejected"
-            )
-        handle = client.get_workflow_handle(name)
         try:
-            return await handle.execute_update("decide", decision, result_type=RunStatus)
-        except WorkflowUpdateFailedError as err:
-            cause = err.cause
-            raise CliError(str(getattr(cause, "message", cause) or err)) from None
+            return await run_actions.decide(await get_client(settings), name, decision)
+        except run_actions.RunActionError as err:
+            raise CliError(str(err)) from None
 
     status = run_async(go())
     mv = status.model_version
@@ -322,21 +312,10 @@ def cancel(
     check_name(name)
 
     async def go() -> RunStatus:
-        client = await get_client(settings)
-        current = await view(client, name)
-        if current.execution != WorkflowExecutionStatus.RUNNING:
-            raise CliError(f"run {name} is not running ({current.status.phase.value})")
-        handle = client.get_workflow_handle(name)
-        await handle.cancel()
-        deadline = time.monotonic() + wait_s
-        while time.monotonic() < deadline:
-            description = await handle.describe()
-            if description.status != WorkflowExecutionStatus.RUNNING:
-                return (await view(client, name)).status
-            await asyncio.sleep(0.5)
-        raise CliError(
-            f"run {name} is still stopping after {wait_s:.0f} s; check `forgeline status {name}`"
-        )
+        try:
+            return await run_actions.cancel(await get_client(settings), name, wait_s)
+        except run_actions.RunActionError as err:
+            raise CliError(str(err)) from None
 
     final = run_async(go())
     console.print(f"run {name}: {final.phase.value}; its nodes are released")

@@ -8,15 +8,14 @@ from typing import Annotated
 
 import typer
 from pydantic import ValidationError
-from temporalio.client import WorkflowUpdateFailedError
 
 from infra.toml_files import read_toml
+from worker import cluster_actions
 from worker.cli_common import CliError, check_name, console, get_client, get_settings, run
 from worker.cluster_render import jobs_table, nodes_table, queues_table
 from worker.runs import cluster_state
 from worker.specfile import explain_errors
 from workflows.cluster_models import Admin, ClusterConfig, ClusterState, Node, NodeAdmin
-from workflows.names import CLUSTER_WORKFLOW_ID
 
 cluster_app = typer.Typer(help="The cluster's configuration: pods, queues, spares.")
 node_app = typer.Typer(help="Take a node out of service or put it back.")
@@ -68,9 +67,7 @@ def apply(file: Annotated[Path, typer.Argument(help="cluster file (TOML)")]) -> 
     config = load_cluster_config(file)
 
     async def go() -> ClusterConfig:
-        client = await get_client(get_settings())
-        handle = client.get_workflow_handle(CLUSTER_WORKFLOW_ID)
-        return await handle.execute_update("apply_config", config, result_type=ClusterConfig)
+        return await cluster_actions.apply_config(await get_client(get_settings()), config)
 
     applied = run(go())
     console.print(
@@ -83,12 +80,10 @@ def _set_admin(node_id: str, admin: Admin) -> Node:
     change = NodeAdmin(node_id=check_name(node_id, "node id"), admin=admin)
 
     async def go() -> Node:
-        client = await get_client(get_settings())
-        handle = client.get_workflow_handle(CLUSTER_WORKFLOW_ID)
         try:
-            return await handle.execute_update("set_node_admin", change, result_type=Node)
-        except WorkflowUpdateFailedError as err:
-            raise CliError(str(getattr(err.cause, "message", err.cause) or err)) from None
+            return await cluster_actions.set_node_admin(await get_client(get_settings()), change)
+        except cluster_actions.ClusterRefused as err:
+            raise CliError(str(err)) from None
 
     node = run(go())
     console.print(

@@ -17,6 +17,7 @@ from temporalio.worker import Worker
 
 from activities.control import ControlActivities
 from activities.data import DataActivities
+from activities.grants import GrantActivities
 from activities.node import NodeActivities
 from infra import node_health
 from infra.node_hardware import NodeHardware
@@ -55,7 +56,7 @@ async def run_control_worker(settings: Settings) -> None:
             client,
             task_queue=CONTROL_TASK_QUEUE,
             workflows=[TrainingRun, ClusterWorkflow, DatasetSnapshotWorkflow],
-            activities=activities.all(),
+            activities=[*activities.all(), GrantActivities(client).confirm_grant],
             activity_executor=pool,
         )
         logging.info("control worker polling %s", CONTROL_TASK_QUEUE)

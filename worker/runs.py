@@ -137,3 +137,15 @@ async def list_run_names(client: Client, limit: int = 200) -> list[str]:
     async for execution in client.list_workflows("WorkflowType = 'TrainingRun'", limit=limit):
         names.append(execution.id)
     return names
+
+
+async def submitted_spec(client: Client, name: str) -> RunSpec | None:
+    """The spec the run was started with, from the first event of its history (None: the
+    history is gone, past the namespace's retention)."""
+    async for event in client.get_workflow_handle(name).fetch_history_events():
+        payloads = event.workflow_execution_started_event_attributes.input.payloads
+        if not payloads:
+            return None
+        (started,) = await client.data_converter.decode(payloads, [TrainingRunInput])
+        return started.spec
+    return None

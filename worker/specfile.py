@@ -151,28 +151,39 @@ def _unusable_values(data: Any, path: tuple = ()) -> Iterator[str]:
         yield f"{_where(path)}: a TOML date or time ({data}) is not a value any spec key takes"
 
 
-def _resolved(source: object, spec_dir: Path) -> object:
+def _resolved(source: object, spec_dir: Path | None, key: str) -> object:
     """Absolute and normalised, against the spec's folder. Not Path.resolve: it raises on a
-    symlink loop and follows links the reader would report by the name the user wrote."""
+    symlink loop and follows links the reader would report by the name the user wrote. A spec
+    with no folder (sent to the API) must say where a file is."""
     if not isinstance(source, str) or "\x00" in source or len(source) > MAX_PATH_CHARS:
         return source  # validation reports it, by the value the user wrote
     if is_remote(source):
         return source  # an object's URL or a store key: no folder of this machine's
+    if spec_dir is None:
+        if not os.path.isabs(source):
+            raise SpecError(
+                f"invalid run spec:\n  {key}: {_quote(source)} is relative, and a spec sent "
+                "to the API has no folder to be relative to: give an absolute path the "
+                "cluster's workers can read, an s3:// URL or a store:KEY object"
+            )
+        return os.path.normpath(source)
     return os.path.abspath(spec_dir / source)
 
 
-def parse_spec(data: dict, spec_dir: Path, overrides: dict | None = None) -> RunSpec:
-    """Validate a spec; data sources become absolute paths, resolved against the spec's folder.
+def parse_spec(data: dict, spec_dir: Path | None, overrides: dict | None = None) -> RunSpec:
+    """Validate a spec; data sources become absolute paths, resolved against the spec's folder
+    (None: a spec with no file, whose paths must be absolute).
 
     Types are strict: TOML says what each value is, so `steps = true` or `preemptible = "no"`
     are mistakes to report, not values to coerce (lax validation makes them 1 and False)."""
     data = {**data, **(overrides or {})}
     sources = data.get("data", {}).get("sources") if isinstance(data.get("data"), dict) else None
     if isinstance(sources, list):
-        data["data"] = {**data["data"], "sources": [_resolved(s, spec_dir) for s in sources]}
+        resolved = [_resolved(s, spec_dir, "data.sources") for s in sources]
+        data["data"] = {**data["data"], "sources": resolved}
     train = data.get("train")
     if isinstance(train, dict) and "code" in train:
-        data["train"] = {**train, "code": _resolved(train["code"], spec_dir)}
+        data["train"] = {**train, "code": _resolved(train["code"], spec_dir, "train.code")}
     if unusable := list(_unusable_values(data)):
         raise SpecError("invalid run spec:\n  " + "\n  ".join(unusable))
     try:
@@ -185,6 +196,12 @@ def parse_spec(data: dict, spec_dir: Path, overrides: dict | None = None) -> Run
 def load_spec(path: Path, overrides: dict | None = None) -> RunSpec:
     data = read_toml(path, SpecError, "spec file")
     spec = parse_spec(data, path.resolve().parent, overrides)
+    check_sources(spec)
+    return spec
+
+
+def check_sources(spec: RunSpec) -> None:
+    """What the spec names exists, as the data workers and nodes will look for it."""
     local = [s for s in spec.data.sources if not is_remote(s)]
     missing = [s for s in local if not _GLOB.search(s) and not os.path.exists(s)]
     if missing:
@@ -198,7 +215,6 @@ def load_spec(path: Path, overrides: dict | None = None) -> RunSpec:
         _check_objects([s for s in spec.data.sources if is_remote(s)])
     except (SourceError, StoreError, SettingsError) as err:
         raise SpecError(f"invalid run spec:\n  data.sources: {err}") from None
-    return spec
 
 
 def _check_objects(sources: list[str]) -> None:
@@ -231,3 +247,23 @@ def _check_user_code(spec: RunSpec) -> None:
 
 def spec_sha256(spec: RunSpec) -> str:
     return hashlib.sha256(json.dumps(spec.model_dump(), sort_keys=True).encode()).hexdigest()
+
+
+def spec_differences(before: RunSpec, after: RunSpec) -> list[str]:
+    """Every key whose value differs, as `key: before -> after` (dotted as in the TOML)."""
+    old, new = _flat(before.model_dump(mode="json")), _flat(after.model_dump(mode="json"))
+    return [
+        f"{key}: {_quote(old.get(key))} -> {_quote(new.get(key))}"
+        for key in sorted(old.keys() | new.keys())
+        if old.get(key) != new.get(key)
+    ]
+
+
+def _flat(data: dict, prefix: str = "") -> dict[str, object]:
+    flat: dict[str, object] = {}
+    for key, value in data.items():
+        if isinstance(value, dict) and value:
+            flat.update(_flat(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat

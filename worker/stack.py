@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import getpass
 import sys
 import uuid
 from collections.abc import Callable
@@ -20,6 +21,7 @@ from temporalio.client import Client
 
 from infra.errors import StackError
 from infra.extras import require_extra
+from infra.identity import InvalidIdentity, canonical_person
 from infra.local_servers import (
     MLFLOW_SERVER_ENV,
     mlflow_server_argv,
@@ -27,17 +29,18 @@ from infra.local_servers import (
 )
 from infra.processes import ManagedProcess, free_port, http_ok, port_is_open, wait_until
 from infra.settings import Settings, load_settings, set_in_environment, setting_label
+from infra.tokens import LOCAL_TOKEN_FILE, ensure_local_admin
 from worker.cli_common import get_client
 from worker.temporal_client import ensure_cluster, ensure_search_attributes
 from workflows.cluster_models import ClusterState, Health, Node
 from workflows.names import CLUSTER_WORKFLOW_ID
 from workflows.search_attributes import SEARCH_ATTRIBUTE_TYPES
 
-TEMPORAL, MLFLOW, CONTROL = "temporal", "mlflow", "control-worker"
+TEMPORAL, MLFLOW, CONTROL, API = "temporal", "mlflow", "control-worker", "api"
 REPLICATOR = "replicator"  # only with a twin site (twin_store_url)
 NODE_PREFIX = "node-"
 DATA_PREFIX = "data-"
-DEFAULT_PORTS = {"temporal": 7233, "ui": 8233, "mlflow": 5000}
+DEFAULT_PORTS = {"temporal": 7233, "ui": 8233, "mlflow": 5000, "api": 8700}
 
 
 @dataclass
@@ -45,6 +48,14 @@ class Ports:
     temporal: int | None = None
     ui: int | None = None
     mlflow: int | None = None
+    api: int | None = None
+
+
+def free_port_flags() -> list[str]:
+    """`forgeline up` options that put every server of the stack on a free port: for tests
+    and benchmarks, which must not take the conventional ones from a person's own stack."""
+    return [flag for name in ("temporal", "ui", "mlflow", "api")
+            for flag in (f"--{name}-port", str(free_port()))]  # fmt: skip
 
 
 def _port(requested: int | None, recorded: int | None, default: int) -> int:
@@ -64,6 +75,15 @@ def _port(requested: int | None, recorded: int | None, default: int) -> int:
 def _port_of(url: str) -> int | None:
     tail = url.rsplit(":", 1)[-1].split("/", 1)[0]
     return int(tail) if tail.isdigit() else None
+
+
+def _local_person() -> str:
+    """The local user's name as a Forgeline person ('root' and 'Jane.Doe' are fine; a name
+    outside the rule falls back to 'local')."""
+    try:
+        return canonical_person(getpass.getuser())
+    except (InvalidIdentity, KeyError, OSError):
+        return "local"
 
 
 def node_name(index: int) -> str:
@@ -140,11 +160,33 @@ async def _up(
         wait_until(lambda: http_ok(f"{mlflow_uri}/health"), 120, "MLflow server", mlflow)
         say(f"mlflow        started (pid {mlflow.pid()}) at {mlflow_uri}")
 
+    api = ManagedProcess(home, API)
+    if api.running():
+        api_url = recorded.api_url
+    else:
+        port = _port(ports.api, _port_of(recorded.api_url), DEFAULT_PORTS["api"])
+        api_url = f"http://127.0.0.1:{port}"
+
     # Everything else as it was set (namespace, TLS, the API key, the stores).
     settings = dataclasses.replace(
-        recorded, temporal_address=temporal_address, temporal_ui_url=ui_url, mlflow_uri=mlflow_uri
+        recorded,
+        temporal_address=temporal_address,
+        temporal_ui_url=ui_url,
+        mlflow_uri=mlflow_uri,
+        api_url=api_url,
     )
     settings.save()
+    # One command for one person: the local user is the stack's admin (infra.tokens).
+    me = ensure_local_admin(home, _local_person())
+    if api.running():
+        say(f"api           running (pid {api.pid()}) at {api_url}")
+    else:
+        api.start(
+            [sys.executable, "-m", "worker.cli", "api", "--port", str(_port_of(api_url))], env
+        )
+        wait_until(lambda: http_ok(f"{api_url}/openapi.json"), 60, "Forgeline API", api)
+        say(f"api           started (pid {api.pid()}) at {api_url}")
+    say(f"you           {me.person}, admin (token in {home / LOCAL_TOKEN_FILE})")
     client = await get_client(
         settings, f"check {setting_label('temporal_address')}, or unset it to run a local one"
     )
@@ -260,6 +302,7 @@ def down(home: Path, say: Callable[[str], None] = print) -> None:
     for process in [
         *_processes(home, NODE_PREFIX),
         *_processes(home, DATA_PREFIX),
+        ManagedProcess(home, API),
         ManagedProcess(home, CONTROL),
         ManagedProcess(home, REPLICATOR),
         ManagedProcess(home, MLFLOW),

@@ -262,6 +262,15 @@ class Release(BaseModel):
     generation: int
 
 
+class GrantCheck(BaseModel):
+    """A grant a run received, to be checked against the Cluster workflow's own allocations:
+    a signal says nothing of who sent it, and only the Cluster's grants hold nodes."""
+
+    run_id: str
+    generation: int
+    nodes: list[tuple[str, str]]  # (node id, incarnation), in the grant's order
+
+
 class NodeFailure(BaseModel):
     run_id: str
     generation: int

@@ -307,6 +307,11 @@ class ModelVersionRef(BaseModel):
     alias: str = "candidate"
 
 
+# A decision's reason travels in a Temporal update and becomes an MLflow tag: a sentence or a
+# paragraph, far below either's limits.
+MAX_REASON_CHARS = 5000
+
+
 class Decision(BaseModel):
     approver: str
     approve: bool
@@ -368,6 +373,8 @@ class RunStatus(BaseModel):
     owner: str
     total_steps: int
     spec_sha256: str = ""
+    team: str = ""  # the queue whose quota it uses ("": a run started before this was shown)
+    model_name: str = ""  # the registered model its versions go to
     dataset_workflow_id: str | None = None
     attempts: int = 0
     generation: int | None = None
@@ -385,6 +392,7 @@ class RunStatus(BaseModel):
     preemptions: list[PreemptionRecord] = []
     health: list[HealthEvent] = []  # the newest 20 of the current and past generations
     skipped_checkpoints: list[str] = []  # checkpoints resume passed over, and why
+    refused_grants: list[str] = []  # grants signalled to the run that were not the cluster's
     gang_attempts: list[AttemptRecord] = []
     goodput: Goodput | None = None
     final_loss: float | None = None

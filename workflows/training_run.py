@@ -24,6 +24,7 @@ with workflow.unsafe.imports_passed_through():
     from workflows.cluster_calls import gang_request, nodes_at_fault, report_nodes
     from workflows.cluster_models import (
         Allocation,
+        GrantCheck,
         PreemptNotice,
         Release,
     )
@@ -95,10 +96,15 @@ class TrainingRun(RunEnd):
             owner=inp.spec.owner,
             total_steps=inp.spec.train.steps,
             spec_sha256=inp.spec_sha256,
+            team=inp.spec.resources.team,
+            model_name=inp.spec.model_name,
         )
         self._grant: Allocation | None = None
         self._allocation: Allocation | None = None
         self._newest_generation = 0  # grants of this or an older generation are stale
+        # Every grant received, checked against the Cluster's allocations before it is used.
+        self._offered: list[Allocation] = []
+        self._newest_confirmed = 0
         self._preempt: PreemptNotice | None = None
         self._decision: Decision | None = None
         self._attempt: AttemptRecord | None = None  # the gang attempt under way
@@ -138,6 +144,8 @@ class TrainingRun(RunEnd):
 
     @workflow.signal(name=GANG_GRANTED_SIGNAL)
     def gang_granted(self, allocation: Allocation) -> None:
+        if allocation.run_id == self._spec.name:
+            self._offered.append(allocation)
         if allocation.run_id == self._spec.name and allocation.generation > self._newest_generation:
             self._newest_generation = allocation.generation
             self._grant = allocation
@@ -273,7 +281,10 @@ class TrainingRun(RunEnd):
         requested_at = workflow.now()
         cluster = workflow.get_external_workflow_handle(CLUSTER_WORKFLOW_ID)
         await cluster.signal("request_gang", request)
-        await workflow.wait_condition(lambda: self._grant is not None)
+        if workflow.patched("grants-confirmed"):  # runs started before take grants unchecked
+            self._grant = await self._confirmed_grant()
+        else:
+            await workflow.wait_condition(lambda: self._grant is not None)
         assert self._grant is not None
         self._allocation = self._grant
         self._attempt = AttemptRecord(
@@ -286,6 +297,30 @@ class TrainingRun(RunEnd):
         self._status.generation = self._grant.generation
         self._status.nodes = [n.node_id for n in self._grant.nodes]
         return self._grant
+
+    async def _confirmed_grant(self) -> Allocation:
+        """The next grant the Cluster workflow itself holds for this run: anyone who reaches
+        Temporal can signal a run, so a grant it did not make (other nodes, a made-up
+        generation) is refused, noted in the status, and changes nothing."""
+        while True:
+            await workflow.wait_condition(lambda: bool(self._offered))
+            offer = self._offered.pop(0)
+            if offer.generation <= self._newest_confirmed:
+                continue  # stale, or a duplicate of one already used
+            check = GrantCheck(
+                run_id=offer.run_id,
+                generation=offer.generation,
+                nodes=[(n.node_id, n.incarnation) for n in offer.nodes],
+            )
+            if await self._control("confirm_grant", check, bool, timedelta(seconds=30)):
+                self._newest_confirmed = offer.generation
+                return offer
+            nodes = ", ".join(n.node_id for n in offer.nodes)
+            refused = (
+                f"a grant of generation {offer.generation} on {nodes}: not an allocation the "
+                "cluster holds (forged, or revoked before it was used)"
+            )
+            self._status.refused_grants = [*self._status.refused_grants, refused][-5:]
 
     async def _close_attempt(self, outcome: str, kept_step: int | None) -> None:
         """The attempt is over: add what its ranks recorded of their time, and recount goodput."""

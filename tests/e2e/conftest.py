@@ -27,6 +27,7 @@ from tests.partition import Partition
 from trainer.evaluate import load_model
 from trainer.manifest import find_latest
 from worker.chaos import trainer_processes
+from worker.stack import free_port_flags
 
 FORGELINE = str(Path(sys.executable).parent / "forgeline")
 TINY = REPO / "examples" / "tiny.toml"
@@ -276,16 +277,8 @@ def stack(tmp_path_factory: pytest.TempPathFactory, s3_sites: Sites) -> Iterator
         "FORGELINE_TWIN_STORE": f"s3://{TWIN_BUCKET}/{home.name}?endpoint={s3_sites.twin_endpoint}",
     }
     s = Stack(home, env, s3_sites)
-    ports = [
-        "--temporal-port",
-        str(free_port()),
-        "--ui-port",
-        str(free_port()),
-        "--mlflow-port",
-        str(free_port()),
-    ]
     try:
-        s.cli("up", "--nodes", "3", "--gpus-per-node", "1", *ports, timeout=240)
+        s.cli("up", "--nodes", "3", "--gpus-per-node", "1", *free_port_flags(), timeout=240)
         yield s
     finally:
         s.cli("down", timeout=120, check=False)

@@ -56,12 +56,12 @@ from pathlib import Path
 
 from temporalio.client import WorkflowFailureError, WorkflowHistory
 
-from infra.processes import free_port
 from infra.settings import Settings
 from tests.e2e.conftest import Stack, variant
 from tests.e2e.faults import kill_a_node_of
 from tests.e2e.test_user_code import BYO, byo_spec
 from tests.workflows.replaying import read_history, replayer, workflow_type, write_history
+from worker.stack import free_port_flags
 from worker.temporal_client import connect
 
 TINY_RUN = "tiny-restart"
@@ -187,10 +187,8 @@ def record(out: Path, label: str, scenario: Scenario, keep: bool) -> list[Path]:
     home = Path(tempfile.mkdtemp(prefix="forgeline-record-"))
     # Only the helpers that drive the CLI and read the home are used: no S3 sites here.
     stack = Stack(home, stack_env(home), sites=None)  # type: ignore[arg-type]
-    ports = ["--temporal-port", str(free_port()), "--ui-port", str(free_port())]
-    ports += ["--mlflow-port", str(free_port())]
     try:
-        stack.cli("up", "--nodes", "3", "--gpus-per-node", "1", *ports, timeout=240)
+        stack.cli("up", "--nodes", "3", "--gpus-per-node", "1", *free_port_flags(), timeout=240)
         scenario.drive(stack)
         histories = asyncio.run(fetch_histories(stack.settings, scenario.runs))
     finally:

@@ -1,0 +1,32 @@
+"""The control worker's check of a gang grant a run received (workflows.training_run): a
+Temporal signal carries no sender, so a run asks the Cluster workflow whether it holds that
+allocation before any rank starts on the nodes it names."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+from temporalio import activity
+from temporalio.client import Client
+
+from workflows.cluster_models import ClusterState, GrantCheck
+from workflows.names import CLUSTER_WORKFLOW_ID
+
+
+class GrantActivities:
+    def __init__(self, client: Client) -> None:
+        self.client = client
+
+    @activity.defn(name="confirm_grant")
+    async def confirm_grant(self, check: GrantCheck) -> bool:
+        """True when the Cluster workflow holds exactly this allocation for the run: its
+        generation and its nodes (and their agents' incarnations)."""
+        state = await self.client.get_workflow_handle(CLUSTER_WORKFLOW_ID).query(
+            "state", result_type=ClusterState, rpc_timeout=timedelta(seconds=20)
+        )
+        held = next((a for a in state.allocations if a.run_id == check.run_id), None)
+        return (
+            held is not None
+            and held.generation == check.generation
+            and [(n.node_id, n.incarnation) for n in held.nodes] == check.nodes
+        )

@@ -1,0 +1,164 @@
+"""The client of Forgeline's HTTP API, for notebooks, CI pipelines and other programs:
+
+    from forgeline import Client
+
+    client = Client()                      # FORGELINE_API_URL / FORGELINE_TOKEN, or this stack's
+    run = client.submit("examples/tiny.toml", idempotency_key="cell-7")
+    run = client.wait(run.status.name, progress=lambda r: print(r.status.phase))
+    client.approve(run.status.name, note="looks right")   # as the token's person
+
+Answers are the API's own models (workflows.api_models): a run is a `RunView` with the
+workflow's `RunStatus`. A refusal raises `ApiError` with the API's code, field and fix.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import tomllib
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+from pydantic import BaseModel
+
+from infra.settings import load_settings
+from infra.tokens import caller_token
+from workflows import api_models as wire
+from workflows.cluster_models import ClusterState
+from workflows.models import Phase
+
+M = TypeVar("M", bound=BaseModel)
+# Phases a run waits in for a person or ends in: `wait` returns at the first of them.
+_SETTLED = {Phase.AWAITING_APPROVAL} | {p for p in Phase if p.final}
+_REMOTE = ("s3://", "store:")
+
+
+class ApiError(Exception):
+    """The API refused a request: `status` (HTTP), `code` (stable, for programs), `field` (what
+    was at fault, when one was) and `fix` (what to do)."""
+
+    def __init__(self, status: int, code: str, message: str, field: str | None, fix: str | None):
+        super().__init__(f"{message}" + (f" ({fix})" if fix else ""))
+        self.status, self.code, self.message, self.field, self.fix = (
+            status, code, message, field, fix,
+        )  # fmt: skip
+
+
+class Client:
+    def __init__(self, url: str | None = None, token: str | None = None, timeout_s: float = 180):
+        """`url` and `token` default to FORGELINE_API_URL and FORGELINE_TOKEN, then to the local
+        stack's (the state folder's stack.json and token, as `forgeline up` wrote them)."""
+        settings = load_settings()  # FORGELINE_API_URL, else the stack's
+        self.url = (url or settings.api_url).rstrip("/")
+        self.token = token or caller_token(settings.home)  # FORGELINE_TOKEN, else the stack's
+        self.timeout_s = timeout_s
+
+    def whoami(self) -> wire.WhoAmI:
+        return self._call("GET", "/v1/whoami", answer=wire.WhoAmI)
+
+    def submit(
+        self, spec: dict[str, Any] | str | Path, idempotency_key: str | None = None
+    ) -> wire.RunView:
+        """Start a run from a spec (a dict, or a spec file whose relative data sources are
+        resolved against its folder), or get the run this spec already started."""
+        body = wire.SubmitRequest(spec=spec if isinstance(spec, dict) else _spec_file(Path(spec)))
+        headers = {"Idempotency-Key": idempotency_key} if idempotency_key else {}
+        return self._call("POST", "/v1/runs", body, wire.SubmitAnswer, headers).run
+
+    def status(self, name: str) -> wire.RunView:
+        return self._call("GET", f"/v1/runs/{name}", answer=wire.RunView)
+
+    def runs(self) -> list[wire.RunView]:
+        return self._call("GET", "/v1/runs", answer=wire.RunList).runs
+
+    def wait(
+        self,
+        name: str,
+        progress: Callable[[wire.RunView], None] | None = None,
+        poll_s: float = 1.0,
+        timeout_s: float | None = None,
+    ) -> wire.RunView:
+        """Until the run waits for a decision or ends; `progress` sees every answer whose
+        phase or step changed."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        last: tuple = ()
+        while True:
+            run = self.status(name)
+            seen = (run.status.phase, run.progress.step if run.progress else None)
+            if progress is not None and seen != last:
+                progress(run)
+                last = seen
+            if run.status.phase in _SETTLED:
+                return run
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(f"run {name} is still {run.status.phase.value}")
+            time.sleep(poll_s)
+
+    def cancel(self, name: str) -> wire.RunView:
+        return self._call("POST", f"/v1/runs/{name}/cancel", answer=wire.RunView)
+
+    def approve(self, name: str, note: str = "", override_gate: bool = False) -> wire.RunView:
+        body = wire.ApproveRequest(note=note, override_gate=override_gate)
+        return self._call("POST", f"/v1/runs/{name}/approve", body, wire.RunView)
+
+    def reject(self, name: str, reason: str) -> wire.RunView:
+        body = wire.RejectRequest(reason=reason)
+        return self._call("POST", f"/v1/runs/{name}/reject", body, wire.RunView)
+
+    def cluster(self) -> ClusterState:
+        return self._call("GET", "/v1/cluster", answer=ClusterState)
+
+    def _call(
+        self,
+        method: str,
+        path: str,
+        body: BaseModel | None = None,
+        answer: type[M] = BaseModel,  # type: ignore[assignment]
+        headers: dict[str, str] | None = None,
+    ) -> M:
+        request = urllib.request.Request(
+            self.url + path,
+            method=method,
+            data=body.model_dump_json().encode() if body is not None else None,
+            headers={
+                "Content-Type": "application/json",
+                **({"Authorization": f"Bearer {self.token}"} if self.token else {}),
+                **(headers or {}),
+            },
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=self.timeout_s) as reply:
+                return answer.model_validate_json(reply.read())
+        except urllib.error.HTTPError as err:
+            raw = err.read()
+            try:
+                detail = wire.ErrorBody.model_validate_json(raw).error
+            except ValueError:  # not the API's shape: a proxy's page, say
+                raise ApiError(err.code, "http_error", raw[:300].decode(errors="replace"),
+                               None, None) from None  # fmt: skip
+            raise ApiError(
+                err.code, detail.code, detail.message, detail.field, detail.fix
+            ) from None
+        except urllib.error.URLError as err:
+            fix = "start the stack with `forgeline up`, or set FORGELINE_API_URL"
+            message = f"cannot reach {self.url}: {err.reason}"
+            raise ApiError(0, "unreachable", message, None, fix) from None
+
+
+def _spec_file(path: Path) -> dict[str, Any]:
+    """A spec file's keys, with local data sources made absolute against the file's folder
+    (the API has no folder of its own to resolve them against)."""
+    spec = tomllib.loads(path.read_text())
+    # The owner is the token's person: a file's `owner` (for `forgeline run`) is not sent.
+    spec.pop("owner", None)
+    data = spec.get("data")
+    if isinstance(data, dict) and isinstance(data.get("sources"), list):
+        folder = path.resolve().parent
+        data["sources"] = [
+            s if not isinstance(s, str) or s.startswith(_REMOTE) else os.path.join(folder, s)
+            for s in data["sources"]
+        ]
+    return spec

@@ -1,0 +1,143 @@
+"""The HTTP API on the real stack (`forgeline up` starts it), driven by `forgeline.Client` as a
+notebook would: identities from tokens, a run submitted, resubmitted, decided on and cancelled
+through /v1, and every refusal in the one error shape."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from forgeline import ApiError, Client
+from infra.tokens import LOCAL_TOKEN_FILE, TokenStore
+from tests.conftest import REPO
+from tests.e2e.conftest import Stack, variant, wait_for
+from worker.temporal_client import connect
+from workflows.cluster_models import Allocation, NodeInfo
+from workflows.names import GANG_GRANTED_SIGNAL
+
+SCHEMA = REPO / "docs" / "openapi.json"
+
+
+FORGED_GENERATION = 999
+
+
+async def forge_a_grant(stack: Stack, run: str) -> None:
+    client = await connect(stack.settings)
+    node = NodeInfo(node_id="node-2", rdzv_port=1, incarnation="forged")
+    forged = Allocation(run_id=run, generation=FORGED_GENERATION, nodes=[node, node])
+    await client.get_workflow_handle(run).signal(GANG_GRANTED_SIGNAL, forged)
+
+
+def refused(call, status: int, code: str) -> ApiError:
+    with pytest.raises(ApiError) as raised:
+        call()
+    assert (raised.value.status, raised.value.code) == (status, code), raised.value
+    return raised.value
+
+
+def test_a_run_through_the_api_and_who_may_do_what(stack: Stack, tmp_path: Path) -> None:
+    # alice may submit to research and approve its models: but never her own run.
+    made = stack.cli("tokens", "create", "alice", "--role", "submit:research",
+                     "--role", "approve:research", "--note", "e2e")  # fmt: skip
+    url = stack.settings.api_url
+    alice = Client(url, made.stdout.strip().splitlines()[-1])  # printed once, last
+    tokens = TokenStore(stack.home)
+    bob, carol, dave = (
+        Client(url, tokens.create(person, [role], created_by="e2e")[0])
+        for person, role in (("bob", "approve:vision"), ("carol", "approve:research"),
+                             ("dave", "read"))
+    )  # fmt: skip
+
+    assert alice.whoami().person == "alice"
+    refused(Client(url, "flt_nope").runs, 401, "unauthenticated")
+    request = urllib.request.Request(f"{url}/v1/runs")  # no token at all: the same shape
+    with pytest.raises(urllib.error.HTTPError) as raw:
+        urllib.request.urlopen(request, timeout=30)
+    assert raw.value.code == 401 and json.loads(raw.value.read())["error"]["fix"]
+
+    spec = variant(tmp_path, "via-api", team="research", steps=40)
+    error = refused(lambda: dave.submit(spec), 403, "forbidden")
+    assert error.field == "resources.team" and "submit:research" in (error.fix or "")
+    as_carol = {"name": "x", "owner": "carol", "data": {"sources": ["/dev/null"]}}
+    assert refused(lambda: alice.submit(as_carol), 422, "invalid_spec").field == "owner"
+    bad = tmp_path / "bad.toml"
+    bad.write_text(spec.read_text().replace("steps = 40", 'steps = "many"'))
+    assert refused(lambda: alice.submit(bad), 422, "invalid_spec").field == "train.steps"
+    assert "via-api" not in [r.status.name for r in dave.runs()]  # nothing reached Temporal
+
+    run = alice.submit(spec, idempotency_key="notebook-cell-7")
+    assert run.status.owner == "alice" and run.status.team == "research"
+    again = alice.submit(spec, idempotency_key="notebook-cell-7")  # a retry: the same run
+    assert again.status.name == "via-api"
+    changed = tmp_path / "changed.toml"
+    changed.write_text(spec.read_text().replace("steps = 40", "steps = 41"))
+    for key in ("notebook-cell-7", None):  # under the same key, and under the same name
+        error = refused(lambda k=key: alice.submit(changed, idempotency_key=k), 409, "conflict")
+        assert "train.steps: 40 -> 41" in error.message and error.field == "train.steps"
+    renamed = tmp_path / "renamed.toml"
+    renamed.write_text(spec.read_text().replace('name = "via-api"', 'name = "via-api-2"'))
+    error = refused(lambda: alice.submit(renamed, idempotency_key="notebook-cell-7"), 409,
+                    "conflict")  # fmt: skip
+    assert "was used for run 'via-api'" in error.message
+
+    phases = []
+    run = dave.wait("via-api", progress=lambda r: phases.append(r.status.phase.value),
+                    timeout_s=240)  # fmt: skip
+    assert run.status.phase.value == "AWAITING_APPROVAL", phases
+    assert run.status.last_checkpoint is not None and run.status.last_checkpoint.step == 40
+
+    # Nobody approves their own run; an approver of another team may not; one of this team may.
+    own = refused(lambda: alice.approve("via-api"), 403, "refused")
+    assert "alice" in own.message, own
+    other_team = refused(lambda: bob.approve("via-api"), 403, "forbidden")
+    assert "approve:research" in (other_team.fix or "")
+    decided = carol.approve("via-api", note="fine")
+    assert decided.status.phase.value == "APPROVED" and decided.status.decision
+    assert decided.status.decision.approver == "carol"
+    refused(lambda: carol.approve("via-api"), 409, "wrong_phase")
+    refused(lambda: dave.status("no-such-run"), 404, "not_found")
+
+    # Anyone who reaches Temporal can signal a run: a grant the cluster never made (a made-up
+    # generation, on a node of its choosing) is refused, noted, and changes nothing.
+    alice.submit(variant(tmp_path, "via-api-long", team="research", steps=100_000))
+    asyncio.run(forge_a_grant(stack, "via-api-long"))
+    trained = wait_for(
+        lambda: (r := dave.status("via-api-long")).status.phase.value == "TRAINING" and r,
+        120,
+        "the run to train",
+        poll=0.5,
+    )
+    assert trained.status.generation != FORGED_GENERATION, trained.status
+    assert any("generation 999 on node-2" in g for g in trained.status.refused_grants)
+
+    # A run is cancelled by its owner or an operator, and by nobody else; so are nodes.
+    refused(lambda: dave.cancel("via-api-long"), 403, "forbidden")
+    assert alice.cancel("via-api-long").status.phase.value == "CANCELLED"
+    node = dave.cluster().nodes[0].info.node_id
+    request = urllib.request.Request(f"{url}/v1/nodes/{node}/drain", method="POST",
+                                     headers={"Authorization": f"Bearer {dave.token}"})  # fmt: skip
+    with pytest.raises(urllib.error.HTTPError) as raw:
+        urllib.request.urlopen(request, timeout=30)
+    assert raw.value.code == 403 and "operate" in json.loads(raw.value.read())["error"]["message"]
+    assert all(n.admin.value == "active" for n in dave.cluster().nodes)
+
+    # The local user's admin token lists every token; revoking one shuts its bearer out.
+    listed = stack.cli("tokens", "list").stdout
+    assert "alice" in listed and "submit:research" in listed and "e2e" in listed
+    stack.cli("tokens", "revoke", dave.whoami().token_id)
+    refused(dave.runs, 401, "unauthenticated")
+    local = (stack.home / LOCAL_TOKEN_FILE).read_text().strip()  # `up` made it
+    assert Client(url, local).whoami().roles == ["admin"]
+
+
+def test_the_schema_in_the_repository_is_the_one_served(stack: Stack) -> None:
+    with urllib.request.urlopen(stack.settings.api_url + "/openapi.json", timeout=30) as answer:
+        served = json.loads(answer.read())
+    assert json.loads(SCHEMA.read_text()) == served, (
+        "docs/openapi.json is stale: python -m worker.api_schema > docs/openapi.json"
+    )

@@ -1,0 +1,409 @@
+"""The HTTP API, `/v1`: the door for programs (notebooks, CI pipelines, other services) and
+people, with an identity from a token on every request.
+
+    POST /v1/runs                  submit a spec (owner = the caller; Idempotency-Key honoured)
+    GET  /v1/runs                  every run, as `forgeline runs` shows them
+    GET  /v1/runs/{name}           one run: phase, step, loss, attempts, placement, checkpoint
+    POST /v1/runs/{name}/cancel    one's own run, or anyone's as an operator
+    POST /v1/runs/{name}/approve   as the caller, checked by the run's approval gate
+    POST /v1/runs/{name}/reject
+    GET  /v1/whoami                the caller's identity and roles
+
+The API holds the Temporal connection; callers never need one. Every refusal is one JSON shape
+(`{"error": {"code", "message", "field", "fix"}}`), and a spec is checked completely before
+anything reaches Temporal. `forgeline api` serves it; `forgeline up` starts one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from contextlib import asynccontextmanager
+from enum import StrEnum
+from typing import Annotated
+
+from fastapi import Depends, FastAPI, Header, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from temporalio.client import Client
+from temporalio.service import RPCError
+
+from infra.identity import Identity, InvalidIdentity, canonical_person
+from infra.settings import Settings
+from infra.tokens import TokenError, TokenStore
+from registry.approvals import ApprovalsFile, approvals_toml, install_approvals, load_approvals
+from registry.errors import ApprovalsInvalid
+from worker import cluster_actions, run_actions
+from worker.cli_common import CliError, get_client
+from worker.idempotency import MAX_KEY_CHARS, IdempotencyKeys
+from worker.runs import (
+    RunNotFound,
+    cluster_state,
+    list_run_names,
+    refuse_unknown_gpu_type,
+    submit,
+    submitted_spec,
+    view,
+)
+from worker.specfile import SpecError, check_sources, parse_spec, spec_differences, spec_sha256
+from workflows.api_models import (
+    ApproveRequest,
+    ErrorBody,
+    ErrorDetail,
+    RejectRequest,
+    RunList,
+    RunView,
+    SubmitAnswer,
+    SubmitRequest,
+    WhoAmI,
+)
+from workflows.cluster_models import Admin, ClusterConfig, ClusterState, Node, NodeAdmin
+from workflows.models import Decision
+from workflows.names import InvalidName, check_name
+from workflows.spec import RunSpec
+
+API_VERSION = "v1"
+# Who to ask for a token, in every 401.
+_ASK_FOR_A_TOKEN = "ask an admin for a token (`forgeline tokens create PERSON --role ...`)"
+
+
+class ApiError(Exception):
+    def __init__(
+        self, status: int, code: str, message: str, field: str | None = None, fix: str | None = None
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.detail = ErrorDetail(code=code, message=message, field=field, fix=fix)
+
+
+def _error(status: int, detail: ErrorDetail) -> JSONResponse:
+    return JSONResponse(ErrorBody(error=detail).model_dump(), status_code=status)
+
+
+def caller(request: Request, authorization: Annotated[str | None, Header()] = None) -> Identity:
+    """The identity of the request's bearer token; 401 without one that is valid now."""
+    if not authorization or not authorization.lower().startswith("bearer "):
+        raise ApiError(
+            401,
+            "unauthenticated",
+            "no token: send the header `Authorization: Bearer <token>`",
+            fix=_ASK_FOR_A_TOKEN,
+        )
+    tokens: TokenStore = request.app.state.tokens
+    try:
+        return tokens.authenticate(authorization[len("bearer ") :])
+    except TokenError as err:
+        raise ApiError(401, "unauthenticated", str(err), fix=_ASK_FOR_A_TOKEN) from None
+
+
+# Module level, so that FastAPI resolves it in the handlers' (postponed) annotations.
+Caller = Annotated[Identity, Depends(caller)]
+
+
+def make_app(settings: Settings) -> FastAPI:
+    keys = IdempotencyKeys(settings.home)
+    connection: dict[str, Client] = {}
+    lock = asyncio.Lock()
+
+    async def temporal() -> Client:
+        # One connection for the process, made at the first request that needs it: the API
+        # starts (and answers /v1/whoami) while Temporal is still coming up.
+        async with lock:
+            if "client" not in connection:
+                try:
+                    connection["client"] = await get_client(settings)
+                except CliError as err:
+                    raise ApiError(503, "unavailable", str(err)) from None
+            return connection["client"]
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI):
+        yield
+        connection.clear()
+
+    app = FastAPI(
+        title="Forgeline",
+        version=API_VERSION,
+        description=__doc__.split("\n\n")[0],
+        lifespan=lifespan,
+        responses={
+            401: {"model": ErrorBody, "description": "no token, or not a valid one"},
+            403: {"model": ErrorBody, "description": "the caller's roles do not allow it"},
+            422: {"model": ErrorBody, "description": "bad input: the field and the fix"},
+        },
+    )
+
+    app.state.tokens = TokenStore(settings.home)
+
+    @app.exception_handler(ApiError)
+    async def api_error(_: Request, err: ApiError) -> JSONResponse:
+        return _error(err.status, err.detail)
+
+    @app.exception_handler(RequestValidationError)
+    async def bad_request(_: Request, err: RequestValidationError) -> JSONResponse:
+        first = err.errors()[0]
+        where = ".".join(str(p) for p in first["loc"] if p not in ("body",))
+        return _error(
+            422,
+            ErrorDetail(
+                code="invalid_request",
+                message=f"{where}: {first['msg']}",
+                field=where or None,
+                fix="see the schema at /openapi.json",
+            ),
+        )
+
+    @app.exception_handler(RPCError)
+    async def temporal_error(_: Request, err: RPCError) -> JSONResponse:
+        # Temporal refused or could not be reached mid-request: nothing was half done that a
+        # retry of the same request (with its Idempotency-Key) would not finish.
+        return _error(
+            503,
+            ErrorDetail(
+                code="unavailable",
+                message=f"Temporal: {err.message[:300]}",
+                fix="retry the request; if it persists, check the control plane",
+            ),
+        )
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, err: StarletteHTTPException) -> JSONResponse:
+        code = {404: "not_found", 405: "method_not_allowed"}.get(err.status_code, "http_error")
+        return _error(err.status_code, ErrorDetail(code=code, message=str(err.detail)))
+
+    async def run_view(name: str) -> RunView:
+        try:
+            check_name(name)
+            found = await view(await temporal(), name)
+        except InvalidName as err:
+            raise ApiError(422, "invalid_name", str(err), field="name") from None
+        except RunNotFound as err:
+            raise ApiError(404, "not_found", str(err)) from None
+        return RunView(
+            status=found.status,
+            progress=found.progress,
+            execution=found.execution.name if found.execution else None,
+            retrying=found.retrying,
+        )
+
+    @app.get(f"/{API_VERSION}/whoami")
+    async def whoami(who: Caller) -> WhoAmI:
+        return WhoAmI(person=who.person, roles=sorted(who.roles), token_id=who.token_id)
+
+    @app.post(
+        f"/{API_VERSION}/runs",
+        responses={
+            200: {"model": SubmitAnswer, "description": "the run existed with this spec"},
+            201: {"model": SubmitAnswer, "description": "the run was started"},
+            409: {"model": ErrorBody, "description": "a run or key exists with another spec"},
+        },
+    )
+    async def submit_run(
+        body: SubmitRequest,
+        who: Caller,
+        idempotency_key: Annotated[str | None, Header(max_length=MAX_KEY_CHARS)] = None,
+    ) -> JSONResponse:
+        spec = _checked_spec(body.spec, who)
+        client = await temporal()
+        try:
+            await refuse_unknown_gpu_type(client, spec)
+        except CliError as err:
+            raise ApiError(422, "invalid_spec", str(err), field="resources.gpu_type") from None
+        digest = spec_sha256(spec)
+        if idempotency_key is not None:
+            claim = keys.claim(who.person, idempotency_key, spec.name, digest)
+            if claim.run != spec.name:
+                raise ApiError(
+                    409,
+                    "conflict",
+                    f"Idempotency-Key {idempotency_key!r} was used for run {claim.run!r}; this "
+                    f"request is for run {spec.name!r}",
+                    field="name",
+                    fix="use a new key for a new run",
+                )
+        _handle, started = await submit(client, spec, digest)
+        current = await run_view(spec.name)
+        if not started and current.status.spec_sha256 != digest:
+            before = await submitted_spec(client, spec.name)
+            changed = spec_differences(before, spec) if before else []
+            raise ApiError(
+                409,
+                "conflict",
+                f"run {spec.name} exists with another spec: {'; '.join(changed) or 'it differs'}",
+                field=changed[0].split(":")[0] if changed else None,
+                fix="give the new spec another name to start a new run",
+            )
+        answer = SubmitAnswer(created=started, run=current)
+        return JSONResponse(answer.model_dump(mode="json"), status_code=201 if started else 200)
+
+    @app.get(f"/{API_VERSION}/runs")
+    async def list_runs(who: Caller) -> RunList:
+        names = await list_run_names(await temporal())
+        found = await asyncio.gather(*(run_view(n) for n in names), return_exceptions=True)
+        # A run deleted between the list and its query is simply no longer there.
+        return RunList(runs=sorted((v for v in found if isinstance(v, RunView)),
+                                   key=lambda v: v.status.name))  # fmt: skip
+
+    @app.get(f"/{API_VERSION}/runs/{{name}}", responses={404: {"model": ErrorBody}})
+    async def get_run(name: str, who: Caller) -> RunView:
+        return await run_view(name)
+
+    @app.post(f"/{API_VERSION}/runs/{{name}}/cancel", responses={409: {"model": ErrorBody}})
+    async def cancel_run(name: str, who: Caller, wait_s: float = 120.0) -> RunView:
+        owner = (await run_view(name)).status.owner
+        if not who.may_act_on_run_of(owner):
+            raise ApiError(
+                403,
+                "forbidden",
+                f"run {name} is {owner}'s: only they or an operator may cancel it",
+                fix="ask its owner, or an operator (role `operate`)",
+            )
+        await _act(run_actions.cancel(await temporal(), name, wait_s))
+        return await run_view(name)
+
+    async def decide(name: str, who: Identity, decision: Decision) -> RunView:
+        status = (await run_view(name)).status
+        if not who.may_approve(status.team, status.model_name):
+            raise ApiError(
+                403,
+                "forbidden",
+                f"{who.person} may not decide on the models of team {status.team!r} "
+                f"({status.model_name})",
+                fix=f"an admin can give the role approve:{status.team} or "
+                f"approve:model:{status.model_name}",
+            )
+        await _act(run_actions.decide(await temporal(), name, decision))
+        return await run_view(name)
+
+    @app.post(f"/{API_VERSION}/runs/{{name}}/approve", responses={409: {"model": ErrorBody}})
+    async def approve_run(name: str, body: ApproveRequest, who: Caller) -> RunView:
+        decision = Decision(
+            approver=who.person, approve=True, reason=body.note, override_gate=body.override_gate
+        )
+        return await decide(name, who, decision)
+
+    @app.post(f"/{API_VERSION}/runs/{{name}}/reject", responses={409: {"model": ErrorBody}})
+    async def reject_run(name: str, body: RejectRequest, who: Caller) -> RunView:
+        return await decide(name, who, Decision(approver=who.person, approve=False,
+                                                reason=body.reason))  # fmt: skip
+
+    @app.get(f"/{API_VERSION}/cluster")
+    async def get_cluster(who: Caller) -> ClusterState:
+        """Nodes, queues, allocations and waiting gangs, as `forgeline nodes|queues|jobs`."""
+        return await cluster_state(await temporal())
+
+    @app.put(f"/{API_VERSION}/cluster/config")
+    async def put_cluster_config(config: ClusterConfig, who: Caller) -> ClusterConfig:
+        """Pods, the queue tree, spares, cost and grace, as `forgeline cluster apply`."""
+        _require(who.may_operate(), who, "change the cluster's configuration", "operate")
+        return await cluster_actions.apply_config(await temporal(), config)
+
+    @app.post(f"/{API_VERSION}/nodes/{{node_id}}/{{action}}", responses={404: {"model": ErrorBody}})
+    async def node_action(node_id: str, action: NodeAction, who: Caller) -> Node:
+        """drain (gangs checkpoint and move), cordon (no new work), undrain (back in service)."""
+        _require(who.may_operate(), who, f"{action.value} nodes", "operate")
+        try:
+            change = NodeAdmin(node_id=check_name(node_id, "node id"), admin=_ADMIN[action])
+            return await cluster_actions.set_node_admin(await temporal(), change)
+        except InvalidName as err:
+            raise ApiError(422, "invalid_name", str(err), field="node_id") from None
+        except cluster_actions.ClusterRefused as err:
+            raise ApiError(404, "not_found", str(err), field="node_id") from None
+
+    @app.get(f"/{API_VERSION}/approvals")
+    async def get_approvals(who: Caller) -> ApprovalsFile:
+        """The operators' approval rules (empty: anyone but the submitter may approve)."""
+        try:
+            return load_approvals(settings.home) or ApprovalsFile()
+        except ApprovalsInvalid as err:
+            raise ApiError(500, "invalid_rules", str(err)) from None
+
+    @app.put(f"/{API_VERSION}/approvals")
+    async def put_approvals(rules: ApprovalsFile, who: Caller) -> ApprovalsFile:
+        """Replace the rules for runs that reach approval from now on (admins)."""
+        _require(who.is_admin, who, "change the approval rules", "admin")
+        install_approvals(settings.home, approvals_toml(rules))
+        return rules
+
+    return app
+
+
+class NodeAction(StrEnum):
+    drain = "drain"
+    cordon = "cordon"
+    undrain = "undrain"
+
+
+_ADMIN = {
+    NodeAction.drain: Admin.DRAINING,
+    NodeAction.cordon: Admin.CORDONED,
+    NodeAction.undrain: Admin.ACTIVE,
+}
+
+
+def _require(allowed: bool, who: Identity, what: str, role: str) -> None:
+    if not allowed:
+        raise ApiError(
+            403,
+            "forbidden",
+            f"{who.person} may not {what}: it takes the role {role}",
+            fix=f"ask an admin for the role {role}",
+        )
+
+
+def _checked_spec(data: dict, who: Identity) -> RunSpec:
+    """The spec as the run will have it, checked completely (as `forgeline run` checks a file)
+    and owned by the caller; every refusal names the field."""
+    owner = data.get("owner")
+    if owner is not None:
+        try:
+            same = canonical_person(str(owner)) == who.person
+        except InvalidIdentity:
+            same = False
+        if not same:
+            raise ApiError(
+                422,
+                "invalid_spec",
+                f"owner {owner!r}: a run's owner is whoever submits it (you are {who.person})",
+                field="owner",
+                fix="leave owner out of the spec",
+            )
+    try:
+        spec = parse_spec({**data, "owner": who.person}, spec_dir=None)
+        if spec.train.code is not None:
+            raise ApiError(
+                422,
+                "invalid_spec",
+                "train.code names a folder on the submitter's machine, which the API cannot read",
+                field="train.code",
+                fix="submit specs with your own code with `forgeline run SPEC`, which uploads it",
+            )
+        # Authorised before its files are looked for: nobody learns what exists where by
+        # submitting to a team that is not theirs.
+        if not who.may_submit(spec.resources.team):
+            raise ApiError(
+                403,
+                "forbidden",
+                f"{who.person} may not submit runs to team {spec.resources.team!r}",
+                field="resources.team",
+                fix=f"use a team you submit to, or ask an admin for submit:{spec.resources.team}",
+            )
+        check_sources(spec)
+    except SpecError as err:
+        message = str(err).removeprefix("invalid run spec:\n").strip()
+        field = message.split(":", 1)[0].strip() if ":" in message else None
+        raise ApiError(422, "invalid_spec", message, field=field, fix=None) from None
+    return spec
+
+
+async def _act(action) -> None:
+    try:
+        await action
+    except run_actions.WrongPhase as err:
+        raise ApiError(409, "wrong_phase", str(err)) from None
+    except run_actions.DecisionRefused as err:
+        raise ApiError(403, "refused", str(err)) from None
+    except run_actions.StillStopping as err:
+        raise ApiError(504, "timeout", str(err)) from None
+    except run_actions.RunActionError as err:
+        raise ApiError(422, "invalid_request", str(err)) from None

@@ -1,0 +1,72 @@
+"""What travels through the HTTP API (`/v1`): requests, answers, and the one error shape.
+
+Runs are answered with the workflows' own models (RunStatus, TrainProgress), so the API, the
+CLI and the Temporal UI show the same fields under the same names.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from workflows.models import RunStatus, TrainProgress
+
+
+class ErrorDetail(BaseModel):
+    code: str = Field(description="a stable word for programs: unauthenticated, forbidden, …")
+    message: str = Field(description="what is wrong, for a person")
+    field: str | None = Field(None, description="the spec field or parameter at fault")
+    fix: str | None = Field(None, description="what to do about it")
+
+
+class ErrorBody(BaseModel):
+    """Every error the API returns, whatever the status."""
+
+    error: ErrorDetail
+
+
+class WhoAmI(BaseModel):
+    person: str
+    roles: list[str]
+    token_id: str
+
+
+class SubmitRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    spec: dict[str, Any] = Field(
+        description="the run spec, the keys of a spec file's TOML as JSON; `owner` is the "
+        "caller (a different one is refused); data sources are absolute paths the data "
+        "workers can read, s3:// URLs or store:KEY objects"
+    )
+
+
+class RunView(BaseModel):
+    status: RunStatus
+    progress: TrainProgress | None = Field(
+        None, description="the newest heartbeat of the current generation, while it trains"
+    )
+    execution: str | None = Field(None, description="Temporal's: RUNNING, COMPLETED, …")
+    retrying: list[str] = Field([], description="activities failing and being retried")
+
+
+class SubmitAnswer(BaseModel):
+    created: bool = Field(description="true when this request started the run")
+    run: RunView
+
+
+class RunList(BaseModel):
+    runs: list[RunView]
+
+
+class ApproveRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    note: str = Field("", max_length=5000, description="recorded on the model version")
+    override_gate: bool = Field(
+        False, description="approve although the eval gate failed; the note must say why"
+    )
+
+
+class RejectRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    reason: str = Field(min_length=1, max_length=5000, description="recorded on the version")
