@@ -9,6 +9,7 @@ import json
 import shutil
 import subprocess
 import sys
+import tomllib
 import zipfile
 from pathlib import Path
 
@@ -16,6 +17,8 @@ import pytest
 
 from tests.conftest import REPO
 from tests.fresh_env import PIP_TIMEOUT_S, without_pythonpath
+
+PROJECT_VERSION = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]
 
 PACKAGES = ("forgeline", "infra", "workflows", "activities", "dataprep", "trainer", "registry",
             "worker")  # fmt: skip
@@ -98,6 +101,9 @@ def test_the_cli_runs_from_the_wheel_in_a_clean_environment(wheel: Path, tmp_pat
                              text=True, timeout=120)  # fmt: skip
         assert ran.returncode == 0, (args, ran.stdout[-2000:], ran.stderr[-2000:])
         assert "Usage" in ran.stdout, ran.stdout
+    ran = subprocess.run([str(cli), "--version"], cwd=elsewhere, env=env, capture_output=True,
+                         text=True, timeout=120)  # fmt: skip
+    assert ran.stdout.strip() == f"forgeline {PROJECT_VERSION}", ran.stdout + ran.stderr
 
 
 # What a GPU host must not get from the agent's install, as an installed Python sees it: no full

@@ -65,6 +65,31 @@ from workflows.models import Decision, Phase, RunStatus
 from workflows.names import InvalidName, check_snapshot_id
 
 app = typer.Typer(help=__doc__, no_args_is_help=True, add_completion=False)
+
+
+def _print_version(asked: bool) -> None:
+    if asked:
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            typer.echo(f"forgeline {version('forgeline')}")
+        except PackageNotFoundError:  # run from a checkout that was never installed
+            typer.echo("forgeline (not installed: pip install -e .)")
+        raise typer.Exit()
+
+
+@app.callback()
+def _options(
+    show_version: Annotated[
+        bool,
+        typer.Option(
+            "--version", callback=_print_version, is_eager=True, help="print the version and exit"
+        ),
+    ] = False,
+) -> None:
+    """Bring up the local stack, submit runs, watch them, approve what they produce."""
+
+
 app.add_typer(worker_app, name="worker", hidden=True)
 app.add_typer(data_app, name="data")
 app.add_typer(cluster_app, name="cluster")
