@@ -356,6 +356,7 @@ class ControlActivities:
                 self.settings.mlflow_uri,
                 Registration(
                     model_name=inp.spec.model_name,
+                    team=inp.spec.resources.team,
                     run_name=inp.run_id,
                     params={
                         **inp.spec.model_dump(exclude={"name", "owner"}),

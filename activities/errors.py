@@ -9,7 +9,7 @@ from temporalio.exceptions import ApplicationError
 
 from dataprep.errors import DataprepError
 from infra.errors import IntegrityError, InvalidKey
-from registry.errors import VersionNotFound
+from registry.errors import ModelOfAnotherTeam, VersionNotFound
 from trainer.errors import CheckpointError, DataError
 
 # Retrying these cannot help: the input or the stored data itself is wrong. ValueError: settings
@@ -21,6 +21,7 @@ NON_RETRYABLE = (
     CheckpointError,
     DataError,
     VersionNotFound,
+    ModelOfAnotherTeam,
     ValueError,
 )
 

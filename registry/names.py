@@ -14,3 +14,7 @@ CHECKPOINT_TAG = "forgeline.checkpoint_manifest_key"
 # "false" on a version that holds weights and lineage only (a user's script gave no way to
 # serve it): `forgeline serve` and `generate` say so instead of failing inside MLflow.
 SERVABLE_TAG = "forgeline.servable"
+# On a version: Forgeline's approval gate's decision (approved, rejected, expired).
+DECISION_TAG = "forgeline.decision"
+# On a registered model: the team whose runs registered it first, and only they since.
+TEAM_TAG = "forgeline.team"

@@ -24,13 +24,15 @@ from mlflow.entities import Metric, Param, RunTag
 from mlflow.entities.model_registry import ModelVersion
 from mlflow.tracking import MlflowClient
 
-from registry.errors import VersionNotFound
+from registry.errors import ModelOfAnotherTeam, VersionNotFound
 from registry.names import (
     CANDIDATE,
     CHECKPOINT_TAG,
+    DECISION_TAG,
     EXPERIMENT,
     IDEMPOTENCY_TAG,
     PRODUCTION,
+    TEAM_TAG,
 )
 
 if TYPE_CHECKING:
@@ -84,6 +86,7 @@ class Registration:
     texts: dict[str, str] = field(default_factory=dict)  # file name -> content, on the run
     mlflow_run_id: str | None = None  # the run opened at the start (open_run); None: a new one
     dataset: DatasetUsed | None = None
+    team: str = ""  # the run's team: the model must be its own, or new ("": not checked)
 
 
 def flatten(data: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
@@ -121,6 +124,8 @@ def register(tracking_uri: str, reg: Registration) -> RegisteredVersion:
     existing = find_version(client, reg.model_name, reg.idempotency_key)
     if existing is not None:
         return existing
+    # Before anything is logged: a refused version leaves no trace in the other team's model.
+    model_name = _ensure_registered_model(client, reg.model_name, reg.team)
 
     mlflow.set_experiment(EXPERIMENT)
     started = (
@@ -166,7 +171,7 @@ def register(tracking_uri: str, reg: Registration) -> RegisteredVersion:
                 )
             source, model_id = info.model_uri, info.model_id
     version = client.create_model_version(
-        name=_ensure_registered_model(client, reg.model_name),
+        name=model_name,
         source=source,
         run_id=run_id,
         model_id=model_id,
@@ -235,13 +240,37 @@ def close_run(tracking_uri: str, run_id: str, status: str, error: str = "") -> N
     client.set_terminated(run_id, status=status)
 
 
-def _ensure_registered_model(client: MlflowClient, name: str) -> str:
+def _ensure_registered_model(client: MlflowClient, name: str, team: str) -> str:
+    """The registered model, made for `team` when it is new (tagged in the same call, so two
+    teams racing for a new name cannot both win); an existing one must be `team`'s."""
+    tags = {TEAM_TAG: team} if team else None
     try:
-        client.create_registered_model(name, description="Trained by Forgeline")
+        client.create_registered_model(name, tags=tags, description="Trained by Forgeline")
+        return name
     except mlflow.exceptions.MlflowException as err:
         if err.error_code != "RESOURCE_ALREADY_EXISTS":
             raise
+    owner = model_team(client, name)
+    if team and owner is None:
+        # Registered before models had teams: the first team to register it now claims it.
+        client.set_registered_model_tag(name, TEAM_TAG, team)
+    elif team and owner != team:
+        raise ModelOfAnotherTeam(
+            f"model {name!r} belongs to team {owner!r}, which registered it first: a run of "
+            f"team {team!r} may not add versions to it; set registry.model_name to a name of "
+            "your team's"
+        )
     return name
+
+
+def model_team(client: MlflowClient, name: str) -> str | None:
+    """The team a registered model belongs to (None: it does not exist, or predates teams)."""
+    try:
+        return client.get_registered_model(name).tags.get(TEAM_TAG)
+    except mlflow.exceptions.MlflowException as err:
+        if err.error_code == "RESOURCE_DOES_NOT_EXIST":
+            return None
+        raise
 
 
 def record_decision(
@@ -265,7 +294,7 @@ def record_decision(
         raise VersionNotFound(f"model {model_name} has no version {version}") from None
     decision = "expired" if expired else ("approved" if approve else "rejected")
     tags = {
-        "forgeline.decision": decision,
+        DECISION_TAG: decision,
         "forgeline.decided_by": approver,
         "forgeline.decided_at": decided_at.isoformat(),
         "forgeline.decision_reason": reason,

@@ -209,6 +209,7 @@ def make_app(settings: Settings) -> FastAPI:
             await refuse_unknown_gpu_type(client, spec)
         except CliError as err:
             raise ApiError(422, "invalid_spec", str(err), field="resources.gpu_type") from None
+        await _refuse_another_team_s_model(settings, spec)
         digest = spec_sha256(spec)
         if idempotency_key is not None:
             claim = keys.claim(who.person, idempotency_key, spec.name, digest)
@@ -394,6 +395,32 @@ def _checked_spec(data: dict, who: Identity) -> RunSpec:
         field = message.split(":", 1)[0].strip() if ":" in message else None
         raise ApiError(422, "invalid_spec", message, field=field, fix=None) from None
     return spec
+
+
+async def _refuse_another_team_s_model(settings: Settings, spec: RunSpec) -> None:
+    """A run may register only its team's models: found now rather than when it registers,
+    hours of GPUs later. (Registration checks again, and decides: a model registered by
+    another team in between still refuses the run's version.)"""
+    from mlflow.exceptions import MlflowException
+    from mlflow.tracking import MlflowClient
+
+    from registry.tracking import model_team
+
+    client = MlflowClient(tracking_uri=settings.mlflow_uri)
+    try:
+        # MLflow's client retries an unreachable server for minutes: a submit does not wait.
+        found = asyncio.to_thread(model_team, client, spec.model_name)
+        owner = await asyncio.wait_for(found, timeout=10)
+    except (MlflowException, TimeoutError):
+        return  # MLflow unreachable: the registration's check still holds
+    if owner is not None and owner != spec.resources.team:
+        raise ApiError(
+            403,
+            "forbidden",
+            f"model {spec.model_name!r} belongs to team {owner!r}, which registered it first",
+            field="registry.model_name",
+            fix="name a model of your team's (registry.model_name), or a new one",
+        )
 
 
 async def _act(action) -> None:

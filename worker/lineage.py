@@ -22,7 +22,7 @@ from infra.errors import IntegrityError, ObjectNotFound
 from infra.processes import http_ok
 from infra.settings import Settings
 from infra.store import ObjectStore
-from registry.names import CHECKPOINT_TAG, IDEMPOTENCY_TAG
+from registry.names import CHECKPOINT_TAG, DECISION_TAG, IDEMPOTENCY_TAG
 from trainer.manifest import read_manifest, verify_files
 from worker.cli_common import CliError, check_name, console, get_settings
 from worker.serve import ALIAS_PATTERN
@@ -120,7 +120,7 @@ def trace(settings: Settings, store: ObjectStore, name: str, version: str) -> li
 
 
 def _decision(tags: dict[str, str]) -> str:
-    decision = tags.get("forgeline.decision")
+    decision = tags.get(DECISION_TAG)
     if decision is None:
         return "waiting for approval"
     return f"{decision} by {tags.get('forgeline.decided_by', '?')}"

@@ -26,7 +26,7 @@ from pathlib import Path
 
 from infra.extras import require_extra
 from infra.processes import ManagedProcess, free_port, http_ok, port_is_open
-from registry.names import PRODUCTION, SERVABLE_TAG
+from registry.names import DECISION_TAG, PRODUCTION, SERVABLE_TAG
 from worker.cli_common import check_name
 
 # MLflow's own rule for aliases (letters, digits, `_`, `-`); checked here so a typo is refused
@@ -98,6 +98,17 @@ def check_registered(tracking_uri: str, ref: ModelRef) -> str:
                 f"script that trained it ({found.tags.get('forgeline.entrypoint', 'yours')}) "
                 "does not say how to serve it, so there is nothing to load as a model here; "
                 f"its weights are model/model.safetensors in MLflow run {found.run_id}"
+            )
+        if ref.alias == PRODUCTION and found.tags.get(DECISION_TAG) != "approved":
+            # Anyone who can write to MLflow can move an alias; only Forgeline's approval gate
+            # records a decision on the version. A production that skipped the gate is not
+            # served as production.
+            raise ServeError(
+                f"{ref.name}@{PRODUCTION} points at version {found.version}, which Forgeline "
+                f"never approved (its {DECISION_TAG} tag is "
+                f"{found.tags.get(DECISION_TAG, 'missing')!r}): the alias was moved outside "
+                f"Forgeline; approve its run with `forgeline approve RUN`, or serve "
+                f"{ref.name}/{found.version} by number if you mean to"
             )
         return str(found.version)
     try:

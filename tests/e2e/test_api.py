@@ -102,6 +102,12 @@ def test_a_run_through_the_api_and_who_may_do_what(stack: Stack, tmp_path: Path)
     refused(lambda: carol.approve("via-api"), 409, "wrong_phase")
     refused(lambda: dave.status("no-such-run"), 404, "not_found")
 
+    # The model is research's now: a run of another team may not add versions to it.
+    admin = Client(url, (stack.home / LOCAL_TOKEN_FILE).read_text().strip())  # `up` made it
+    poach = variant(tmp_path, "poacher", team="vision", registry={"model_name": "via-api"})
+    error = refused(lambda: admin.submit(poach), 403, "forbidden")
+    assert error.field == "registry.model_name" and "team 'research'" in error.message
+
     # Anyone who reaches Temporal can signal a run: a grant the cluster never made (a made-up
     # generation, on a node of its choosing) is refused, noted, and changes nothing.
     alice.submit(variant(tmp_path, "via-api-long", team="research", steps=100_000))
@@ -131,8 +137,7 @@ def test_a_run_through_the_api_and_who_may_do_what(stack: Stack, tmp_path: Path)
     assert "alice" in listed and "submit:research" in listed and "e2e" in listed
     stack.cli("tokens", "revoke", dave.whoami().token_id)
     refused(dave.runs, 401, "unauthenticated")
-    local = (stack.home / LOCAL_TOKEN_FILE).read_text().strip()  # `up` made it
-    assert Client(url, local).whoami().roles == ["admin"]
+    assert admin.whoami().roles == ["admin"]
 
 
 def test_the_schema_in_the_repository_is_the_one_served(stack: Stack) -> None:

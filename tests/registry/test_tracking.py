@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -11,7 +12,7 @@ import torch
 from mlflow.tracking import MlflowClient
 
 from dataprep.tokenizer import char_tokenizer
-from registry.errors import VersionNotFound
+from registry.errors import ModelOfAnotherTeam, VersionNotFound
 from registry.tracking import (
     CANDIDATE,
     CHECKPOINT_TAG,
@@ -22,6 +23,7 @@ from registry.tracking import (
     checkpoint_of,
     close_run,
     flatten,
+    model_team,
     open_run,
     record_decision,
     register,
@@ -233,3 +235,25 @@ def test_an_expired_window_is_recorded_and_moves_no_alias(
     tags = client.get_model_version("tiny-lm", late.version).tags
     assert tags["forgeline.decision"] == "expired" and tags["forgeline.gate"] == "none"
     assert client.get_registered_model("tiny-lm").aliases.get(PRODUCTION) == before
+
+
+def test_a_model_belongs_to_the_team_that_registered_it_first(
+    tracking_uri: str, artifacts: dict[str, str]
+) -> None:
+    client = MlflowClient(tracking_uri=tracking_uri, registry_uri=tracking_uri)
+    mine = dataclasses.replace(registration(artifacts, "wf-team-1"), model_name="owned", team="nlp")
+    first = register(tracking_uri, mine)
+    assert model_team(client, "owned") == "nlp"
+    theirs = dataclasses.replace(mine, idempotency_key="wf-team-2", team="vision")
+    with pytest.raises(ModelOfAnotherTeam, match=r"belongs to team 'nlp'.*registry\.model_name"):
+        register(tracking_uri, theirs)
+    # Nothing of the refused run reached the model: no version, no alias moved.
+    versions = client.search_model_versions("name = 'owned'")
+    assert [v.version for v in versions] == [first.version]
+    assert client.get_model_version_by_alias("owned", "candidate").version == first.version
+    again = register(tracking_uri, dataclasses.replace(mine, idempotency_key="wf-team-3"))
+    assert again.version != first.version  # the owning team goes on adding versions
+    # A model from before teams is claimed by the first team that registers it now.
+    client.create_registered_model("older")
+    register(tracking_uri, dataclasses.replace(mine, model_name="older", idempotency_key="t4"))
+    assert model_team(client, "older") == "nlp"

@@ -13,6 +13,7 @@ import threading
 import time
 import urllib.request
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
@@ -22,7 +23,7 @@ from typer.testing import CliRunner
 
 from infra.processes import free_port, port_is_open
 from registry.names import EXPERIMENT, PRODUCTION
-from registry.tracking import register
+from registry.tracking import record_decision, register
 from tests.registry import test_tracking
 from worker.cli import app
 from worker.cli_common import CliError
@@ -55,8 +56,9 @@ def registry(tmp_path_factory: pytest.TempPathFactory, artifacts: dict[str, str]
     # Created first so the run's artifacts land under tmp, not in ./mlruns of the working folder.
     MlflowClient(tracking_uri).create_experiment(EXPERIMENT, str(root / "artifacts"))
     registered = register(tracking_uri, test_tracking.registration(artifacts, "serve-run"))
-    client = MlflowClient(tracking_uri=tracking_uri, registry_uri=tracking_uri)
-    client.set_registered_model_alias(MODEL, PRODUCTION, registered.version)
+    # As the approval gate does it: the decision on the version, then the alias.
+    record_decision(tracking_uri, MODEL, registered.version, approver="bob", approve=True,
+                    reason="", decided_at=datetime.now(UTC))  # fmt: skip
     return Registry(tracking_uri, root / "home", registered.version)
 
 
@@ -160,6 +162,26 @@ def test_a_missing_alias_or_model_is_a_clear_error(registry: Registry, tmp_path:
         f"`forgeline approve RUN --as APPROVER` (or serve {MODEL}@candidate)"
     )
     assert not (tmp_path / "logs").exists()  # refused before a server was started
+
+
+def test_a_production_alias_moved_behind_forgeline_s_back_is_not_served(
+    registry: Registry, artifacts: dict[str, str]
+) -> None:
+    """Anyone who can write to MLflow can point @production anywhere: a version no approval
+    was recorded on is refused as production (by number it is still what it is)."""
+    sneaked = register(registry.tracking_uri, test_tracking.registration(artifacts, "sneaked"))
+    client = MlflowClient(tracking_uri=registry.tracking_uri, registry_uri=registry.tracking_uri)
+    client.set_registered_model_alias(MODEL, PRODUCTION, sneaked.version)
+    try:
+        with pytest.raises(ServeError, match=f"version {sneaked.version}, which Forgeline never"):
+            check_registered(registry.tracking_uri, parse_ref(MODEL))
+        refused = CliRunner().invoke(app, ["generate", MODEL, PROMPT], env=registry.env())
+        assert isinstance(refused.exception, CliError), refused.output
+        assert "the alias was moved outside Forgeline" in str(refused.exception)
+        by_number = parse_ref(f"{MODEL}/{sneaked.version}")
+        assert check_registered(registry.tracking_uri, by_number) == str(sneaked.version)
+    finally:
+        client.set_registered_model_alias(MODEL, PRODUCTION, registry.version)
 
 
 def test_model_references() -> None:
