@@ -108,6 +108,12 @@ class Client:
         body = wire.RejectRequest(reason=reason)
         return self._call("POST", f"/v1/runs/{name}/reject", body, wire.RunView)
 
+    def lineage(self, model: str, version: str) -> wire.Lineage:
+        """A version (a number, or `@production`) traced to its checkpoint, data and code, every
+        hash checked against the store as it is now."""
+        return self._call("GET", f"/v1/models/{model}/versions/{version}/lineage",
+                          answer=wire.Lineage)  # fmt: skip
+
     def cluster(self) -> ClusterState:
         return self._call("GET", "/v1/cluster", answer=ClusterState)
 

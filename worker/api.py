@@ -50,6 +50,8 @@ from workflows.api_models import (
     ApproveRequest,
     ErrorBody,
     ErrorDetail,
+    Lineage,
+    LineageLink,
     RejectRequest,
     RunList,
     RunView,
@@ -287,6 +289,26 @@ def make_app(settings: Settings) -> FastAPI:
     async def reject_run(name: str, body: RejectRequest, who: Caller) -> RunView:
         return await decide(name, who, Decision(approver=who.person, approve=False,
                                                 reason=body.reason))  # fmt: skip
+
+    @app.get(
+        f"/{API_VERSION}/models/{{name}}/versions/{{version}}/lineage",
+        responses={404: {"model": ErrorBody}},
+    )
+    async def get_lineage(name: str, version: str, who: Caller) -> Lineage:
+        """`version` is a number or @ALIAS (`@production`)."""
+        from worker.lineage import LineageError, check_version, trace
+
+        try:
+            check_name(name, "model name")
+            check_version(version)
+        except (InvalidName, CliError) as err:
+            raise ApiError(422, "invalid_name", str(err), field="version") from None
+        try:
+            found = await asyncio.to_thread(trace, settings, settings.open_store(), name, version)
+        except LineageError as err:
+            raise ApiError(404, "not_found", str(err)) from None
+        links = [LineageLink(what=k.what, detail=k.detail, check=k.check) for k in found]
+        return Lineage(links=links, broken=any(k.broken for k in found))
 
     @app.get(f"/{API_VERSION}/cluster")
     async def get_cluster(who: Caller) -> ClusterState:

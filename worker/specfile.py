@@ -155,7 +155,12 @@ def _resolved(source: object, spec_dir: Path | None, key: str) -> object:
     """Absolute and normalised, against the spec's folder. Not Path.resolve: it raises on a
     symlink loop and follows links the reader would report by the name the user wrote. A spec
     with no folder (sent to the API) must say where a file is."""
-    if not isinstance(source, str) or "\x00" in source or len(source) > MAX_PATH_CHARS:
+    if (
+        not isinstance(source, str)
+        or not source
+        or "\x00" in source
+        or len(source) > MAX_PATH_CHARS
+    ):
         return source  # validation reports it, by the value the user wrote
     if is_remote(source):
         return source  # an object's URL or a store key: no folder of this machine's

@@ -59,6 +59,20 @@ class RunList(BaseModel):
     runs: list[RunView]
 
 
+class LineageLink(BaseModel):
+    what: str = Field(description="version, mlflow run, checkpoint, dataset, code, spec, …")
+    detail: str
+    check: str = Field("", description="'ok', what is wrong, or '' where nothing is checked")
+
+
+class Lineage(BaseModel):
+    """A version traced to its checkpoint, data and code, every hash checked against the
+    store as it is now (as `forgeline lineage` prints it)."""
+
+    links: list[LineageLink]
+    broken: bool = Field(description="true when a hash does not match")
+
+
 class ApproveRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     note: str = Field("", max_length=5000, description="recorded on the model version")

@@ -263,8 +263,8 @@ class TrainSpec(_Strict):
     def _user_code_named(self) -> TrainSpec:
         if (self.code is None) != (self.entrypoint is None):
             raise ValueError(
-                "train.code and train.entrypoint go together: code is the folder, entrypoint "
-                'the script in it ("train.py") or "module:function"'
+                "train.code and train.entrypoint go together: set both (code: the folder, "
+                'entrypoint: the script in it, "train.py", or "module:function"), or neither'
             )
         if self.entrypoint is not None and not (
             ENTRY_SCRIPT.fullmatch(self.entrypoint) or ENTRY_FUNCTION.fullmatch(self.entrypoint)

@@ -100,6 +100,9 @@ def test_a_run_through_the_api_and_who_may_do_what(stack: Stack, tmp_path: Path)
     assert decided.status.phase.value == "APPROVED" and decided.status.decision
     assert decided.status.decision.approver == "carol"
     refused(lambda: carol.approve("via-api"), 409, "wrong_phase")
+    lineage = dave.lineage("via-api", "@production")
+    assert not lineage.broken and "approved by carol" in lineage.links[0].detail, lineage
+    assert {"checkpoint", "dataset"} <= {k.what for k in lineage.links if k.check == "ok"}
     refused(lambda: dave.status("no-such-run"), 404, "not_found")
 
     # The model is research's now: a run of another team may not add versions to it.

@@ -75,10 +75,10 @@ def registered_with_its_code(stack: Stack, model: str, metric: str, servable: bo
 
 
 # With the slow tests (make test's 15 minutes): its parts run in the default suite, on real
-# ranks and the real stack: tests/trainer/test_user_code.py (a user script resumes exactly after
-# a SIGKILL), test_the_fsdp_convnet_example_trains_to_approval_and_is_registered below (a script
-# through the CLI to a registered version) and tests/e2e/test_failures.py's SIGKILLs (a dead
-# node's gang recovers from the last committed manifest).
+# ranks and the real stack: tests/trainer/test_user_code.py (a user script's errors; the user
+# scripts' exact resumes are slow tests too), test_cli_end_to_end.py and test_api.py (a run
+# through to a registered version) and tests/e2e/test_failures.py's SIGKILLs (a dead node's gang
+# recovers from the last committed manifest).
 @pytest.mark.slow
 def test_your_own_script_recovers_from_a_dead_node_and_is_registered(
     stack: Stack, tmp_path: Path
@@ -116,6 +116,10 @@ def test_your_own_script_recovers_from_a_dead_node_and_is_registered(
     assert text.strip().startswith("ROMEO:") and len(text.strip()) > len("ROMEO:") + 20, text
 
 
+# With the slow tests, to keep `make test` within 15 minutes: a run through the CLI to a
+# registered version runs in it with the built-in GPT (test_cli_end_to_end.py) and through the
+# API (test_api.py); a user's script at rank level in tests/trainer/test_user_code.py.
+@pytest.mark.slow
 def test_the_fsdp_convnet_example_trains_to_approval_and_is_registered(
     stack: Stack, tmp_path: Path
 ) -> None:

@@ -99,6 +99,10 @@ def kill_after_first_commit(trainer: Trainer, job: TrainJob, ranks: int) -> Resu
     return resume_point(trainer, found.manifest, job.run_id, manifest_key(job.run_id, found.step))
 
 
+# With the slow tests, to keep `make test` within 15 minutes: exact resume through the SDK runs
+# in it with the built-in GPT (tests/trainer/test_distributed_training.py, every layout in
+# test_layouts.py) and through the whole stack in tests/e2e/test_failures.py.
+@pytest.mark.slow
 def test_a_user_script_resumes_exactly_after_a_sigkill(trainer: Trainer) -> None:
     train = user_train(GRU)
     trainer.run(user_job(trainer, "gru-ref", GRU, train), ranks=2)
@@ -140,6 +144,8 @@ def convnet_killed(trainer: Trainer) -> ResumePoint:
     return kill_after_first_commit(trainer, job, 2)
 
 
+# With the slow tests, as the one above.
+@pytest.mark.slow
 def test_an_fsdp_script_resumes_bitwise_on_as_many_ranks(
     trainer: Trainer, convnet_reference: dict, convnet_killed: ResumePoint
 ) -> None:
@@ -157,6 +163,8 @@ def test_an_fsdp_script_resumes_bitwise_on_as_many_ranks(
     assert all(torch.equal(ours[k], theirs[k]) for k in theirs)
 
 
+# With the slow tests, as the one above.
+@pytest.mark.slow
 def test_an_fsdp_script_resumes_resharded_onto_one_rank(
     trainer: Trainer, convnet_reference: dict, convnet_killed: ResumePoint
 ) -> None:
