@@ -17,6 +17,7 @@ import os
 import time
 import tomllib
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
@@ -69,7 +70,7 @@ class Client:
         return self._call("POST", "/v1/runs", body, wire.SubmitAnswer, headers).run
 
     def status(self, name: str) -> wire.RunView:
-        return self._call("GET", f"/v1/runs/{name}", answer=wire.RunView)
+        return self._call("GET", f"/v1/runs/{_segment(name)}", answer=wire.RunView)
 
     def runs(self) -> list[wire.RunView]:
         return self._call("GET", "/v1/runs", answer=wire.RunList).runs
@@ -98,21 +99,21 @@ class Client:
             time.sleep(poll_s)
 
     def cancel(self, name: str) -> wire.RunView:
-        return self._call("POST", f"/v1/runs/{name}/cancel", answer=wire.RunView)
+        return self._call("POST", f"/v1/runs/{_segment(name)}/cancel", answer=wire.RunView)
 
     def approve(self, name: str, note: str = "", override_gate: bool = False) -> wire.RunView:
         body = wire.ApproveRequest(note=note, override_gate=override_gate)
-        return self._call("POST", f"/v1/runs/{name}/approve", body, wire.RunView)
+        return self._call("POST", f"/v1/runs/{_segment(name)}/approve", body, wire.RunView)
 
     def reject(self, name: str, reason: str) -> wire.RunView:
         body = wire.RejectRequest(reason=reason)
-        return self._call("POST", f"/v1/runs/{name}/reject", body, wire.RunView)
+        return self._call("POST", f"/v1/runs/{_segment(name)}/reject", body, wire.RunView)
 
     def lineage(self, model: str, version: str) -> wire.Lineage:
         """A version (a number, or `@production`) traced to its checkpoint, data and code, every
         hash checked against the store as it is now."""
-        return self._call("GET", f"/v1/models/{model}/versions/{version}/lineage",
-                          answer=wire.Lineage)  # fmt: skip
+        path = f"/v1/models/{_segment(model)}/versions/{_segment(version)}/lineage"
+        return self._call("GET", path, answer=wire.Lineage)
 
     def cluster(self) -> ClusterState:
         return self._call("GET", "/v1/cluster", answer=ClusterState)
@@ -152,6 +153,11 @@ class Client:
             fix = "start the stack with `forgeline up`, or set FORGELINE_API_URL"
             message = f"cannot reach {self.url}: {err.reason}"
             raise ApiError(0, "unreachable", message, None, fix) from None
+
+
+def _segment(text: str) -> str:
+    """One path segment, whatever it holds: the API, not the URL, refuses a bad name."""
+    return urllib.parse.quote(text, safe="@")
 
 
 def _spec_file(path: Path) -> dict[str, Any]:

@@ -45,6 +45,7 @@ from worker.replication_cli import replication
 from worker.runs import (
     RunNotFound,
     list_run_names,
+    on_the_wire,
     publish_code,
     refuse_unknown_gpu_type,
     submit,
@@ -61,6 +62,7 @@ from worker.serve import (
 )
 from worker.simulate_cli import simulate
 from worker.specfile import SpecError, load_spec, spec_sha256
+from workflows.api_models import RunList
 from workflows.models import Decision, Phase, RunStatus
 from workflows.names import InvalidName, check_snapshot_id
 
@@ -223,8 +225,13 @@ async def _follow(client, name: str, poll_s: float = 1.0) -> RunStatus:
         await asyncio.sleep(poll_s)
 
 
+JsonOption = Annotated[
+    bool, typer.Option("--json", help="the state as JSON (the HTTP API's models), not a table")
+]
+
+
 @app.command()
-def runs() -> None:
+def runs(as_json: JsonOption = False) -> None:
     """Table of runs: name, phase, step, loss, attempts."""
     settings = get_settings()
 
@@ -234,6 +241,10 @@ def runs() -> None:
         return await asyncio.gather(*(view(client, n) for n in names))
 
     views = run_async(go())
+    if as_json:
+        ordered = sorted(views, key=lambda v: v.status.name)
+        typer.echo(RunList(runs=[on_the_wire(v) for v in ordered]).model_dump_json(indent=2))
+        return
     if not views:
         console.print("no runs yet: `forgeline run examples/tiny.toml`")
         return
@@ -241,7 +252,9 @@ def runs() -> None:
 
 
 @app.command()
-def status(name: Annotated[str, typer.Argument(help="run name")]) -> None:
+def status(
+    name: Annotated[str, typer.Argument(help="run name")], as_json: JsonOption = False
+) -> None:
     """Phase, allocation and generation, last committed checkpoint, metrics."""
     settings = get_settings()
     check_name(name)
@@ -249,7 +262,11 @@ def status(name: Annotated[str, typer.Argument(help="run name")]) -> None:
     async def go():
         return await view(await get_client(settings), name)
 
-    console.print(status_text(run_async(go()), settings))
+    found = run_async(go())
+    if as_json:
+        typer.echo(on_the_wire(found).model_dump_json(indent=2))
+        return
+    console.print(status_text(found, settings))
 
 
 @app.command()

@@ -25,14 +25,30 @@ async def _cluster_state() -> ClusterState:
     return await cluster_state(await get_client(get_settings()))
 
 
-def nodes() -> None:
+# The tables are views of one state: --json prints that state whole (as GET /v1/cluster).
+ClusterJson = Annotated[
+    bool, typer.Option("--json", help="the cluster's whole state as JSON (GET /v1/cluster)")
+]
+
+
+def _printed_as_json(state: ClusterState, as_json: bool) -> bool:
+    if as_json:
+        typer.echo(state.model_dump_json(indent=2))
+    return as_json
+
+
+def nodes(as_json: ClusterJson = False) -> None:
     """The nodes: pod, GPUs in use, state, jobs, cached datasets."""
-    console.print(nodes_table(run(_cluster_state())))
+    state = run(_cluster_state())
+    if not _printed_as_json(state, as_json):
+        console.print(nodes_table(state))
 
 
-def queues() -> None:
+def queues(as_json: ClusterJson = False) -> None:
     """The queues (teams): guaranteed, max, in use, borrowed, pending GPUs."""
     state = run(_cluster_state())
+    if _printed_as_json(state, as_json):
+        return
     console.print(queues_table(state))
     total = sum(n.info.gpus for n in state.nodes)
     used = sum(n.used for n in state.nodes)
@@ -42,9 +58,11 @@ def queues() -> None:
     )
 
 
-def jobs() -> None:
+def jobs(as_json: ClusterJson = False) -> None:
     """Running gangs, and waiting ones with their place in line and why they wait."""
     state = run(_cluster_state())
+    if _printed_as_json(state, as_json):
+        return
     console.print(jobs_table(state))
     if state.reservation:
         r = state.reservation

@@ -14,6 +14,7 @@ from temporalio.service import RPCError, RPCStatusCode
 from infra import code_snapshot
 from infra.settings import Settings
 from worker.cli_common import CliError
+from workflows import api_models as wire
 from workflows.cluster_models import ClusterState
 from workflows.models import (
     CodeRef,
@@ -92,6 +93,16 @@ async def submit(
         return handle, True
     except WorkflowAlreadyStartedError:
         return client.get_workflow_handle(spec.name), False
+
+
+def on_the_wire(found: RunView) -> wire.RunView:
+    """A run as the API answers it and `--json` prints it."""
+    return wire.RunView(
+        status=found.status,
+        progress=found.progress,
+        execution=found.execution.name if found.execution else None,
+        retrying=found.retrying,
+    )
 
 
 async def view(client: Client, name: str) -> RunView:

@@ -17,7 +17,8 @@ from infra.tokens import LOCAL_TOKEN_FILE, TokenStore
 from tests.conftest import REPO
 from tests.e2e.conftest import Stack, variant, wait_for
 from worker.temporal_client import connect
-from workflows.cluster_models import Allocation, NodeInfo
+from workflows.api_models import RunList, RunView
+from workflows.cluster_models import Allocation, ClusterState, NodeInfo
 from workflows.names import GANG_GRANTED_SIGNAL
 
 SCHEMA = REPO / "docs" / "openapi.json"
@@ -100,6 +101,13 @@ def test_a_run_through_the_api_and_who_may_do_what(stack: Stack, tmp_path: Path)
     assert decided.status.phase.value == "APPROVED" and decided.status.decision
     assert decided.status.decision.approver == "carol"
     refused(lambda: carol.approve("via-api"), 409, "wrong_phase")
+    # The CLI's --json is the API's answer, field for field.
+    printed = RunView.model_validate_json(stack.cli("status", "via-api", "--json").stdout)
+    assert printed.status == dave.status("via-api").status
+    listed = RunList.model_validate_json(stack.cli("runs", "--json").stdout)
+    assert "via-api" in [r.status.name for r in listed.runs]
+    state = ClusterState.model_validate_json(stack.cli("nodes", "--json").stdout)
+    assert {n.info.node_id for n in state.nodes} == {n.info.node_id for n in dave.cluster().nodes}
     lineage = dave.lineage("via-api", "@production")
     assert not lineage.broken and "approved by carol" in lineage.links[0].detail, lineage
     assert {"checkpoint", "dataset"} <= {k.what for k in lineage.links if k.check == "ok"}

@@ -1,0 +1,69 @@
+"""The HTTP API's refusals, served by uvicorn over HTTP with no stack behind it: whatever goes
+wrong, the answer is the one error shape, and bad input is refused before Temporal (which is
+not even there)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import uvicorn
+
+from forgeline import ApiError, Client
+from infra.processes import free_port
+from infra.settings import Settings
+from infra.tokens import TokenStore
+from worker.api import make_app
+
+
+@pytest.fixture
+def api(tmp_path: Path) -> Iterator[tuple[str, Path]]:
+    # Temporal's address is a free port nobody listens on: the API must not need it to refuse.
+    settings = Settings(home=tmp_path, temporal_address=f"127.0.0.1:{free_port()}")
+    port = free_port()
+    config = uvicorn.Config(make_app(settings), port=port, log_level="critical")
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert time.monotonic() < deadline, "the API did not start"
+        time.sleep(0.05)
+    try:
+        yield f"http://127.0.0.1:{port}", tmp_path
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+
+
+def refused(call, status: int, code: str) -> ApiError:
+    with pytest.raises(ApiError) as raised:
+        call()
+    assert (raised.value.status, raised.value.code) == (status, code), raised.value
+    return raised.value
+
+
+def test_every_refusal_has_the_one_shape(api: tuple[str, Path]) -> None:
+    url, home = api
+    token, _ = TokenStore(home).create("alice", ["submit:research"], created_by="test")
+    alice = Client(url, token)
+    assert alice.whoami().roles == ["submit:research"]
+    refused(Client(url, "flt_" + "0" * 12 + "_" + "a" * 43).whoami, 401, "unauthenticated")
+
+    relative = {"name": "x", "data": {"sources": ["corpus.txt"]}, "resources": {"team": "research"}}
+    error = refused(lambda: alice.submit(relative), 422, "invalid_spec")
+    assert error.field == "data.sources" and "is relative" in error.message
+    other_team = {"name": "x", "data": {"sources": ["/dev/null"]}}  # team "default"
+    assert refused(lambda: alice.submit(other_team), 403, "forbidden").field == "resources.team"
+    refused(lambda: alice.status("Not A Name"), 422, "invalid_name")
+
+    # Reads need Temporal, which is not there: 503, with what to do.
+    assert "Temporal" in refused(alice.runs, 503, "unavailable").message
+    # A hand-edited rules file that is not UTF-8 is a bug's path: 500, the same shape.
+    (home / "approvals.toml").write_bytes(b"[defaults]\napprovers = ['\xff']\n")
+    error = refused(lambda: alice._call("GET", "/v1/approvals"), 500, "internal")
+    assert "UnicodeDecodeError" in error.message
+    refused(lambda: alice._call("GET", "/v1/nothing"), 404, "not_found")
