@@ -161,27 +161,17 @@ def make_app(settings: Settings) -> FastAPI:
     async def temporal_error(_: Request, err: RPCError) -> JSONResponse:
         # Temporal refused or could not be reached mid-request: nothing was half done that a
         # retry of the same request (with its Idempotency-Key) would not finish.
-        return _error(
-            503,
-            ErrorDetail(
-                code="unavailable",
-                message=f"Temporal: {err.message[:300]}",
-                fix="retry the request; if it persists, check the control plane",
-            ),
-        )
+        fix = "retry the request; if it persists, check the control plane"
+        return _error(503, ErrorDetail(code="unavailable", message=f"Temporal: {err.message[:300]}",
+                                       fix=fix))  # fmt: skip
 
     @app.exception_handler(Exception)
     async def internal_error(_: Request, err: Exception) -> JSONResponse:
         # A bug: the one shape still, and the traceback in the API's log (uvicorn logs it).
         logging.getLogger("forgeline.api").exception("unhandled error")
-        return _error(
-            500,
-            ErrorDetail(
-                code="internal",
-                message=f"{type(err).__name__}: {str(err)[:300]}",
-                fix="a bug in Forgeline's API: the API's log has the traceback",
-            ),
-        )
+        message = f"{type(err).__name__}: {str(err)[:300]}"
+        fix = "a bug in Forgeline's API: the API's log has the traceback"
+        return _error(500, ErrorDetail(code="internal", message=message, fix=fix))
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, err: StarletteHTTPException) -> JSONResponse:
