@@ -97,6 +97,10 @@ class Replicator:
         self._records: dict[str, tuple[int, str]] = {}
         self._recent: list[Replicated] = []
         self._max_lag_s = 0.0
+        # Units whose manifest reached the twin but whose prune check on the primary did not
+        # answer (the primary dropped off the network between the two): confirmed, and listed
+        # in the status, on the first pass that reaches the primary again.
+        self._unconfirmed: dict[str, tuple[Replicated, list[str]]] = {}
 
     def run_once(self) -> ReplicationStatus:
         """One pass; the status it wrote to the twin. Never raises for a primary that is down."""
@@ -123,6 +127,9 @@ class Replicator:
 
     def _unit(self, manifest_key: str, keys: list[str]) -> None:
         folder = manifest_key.removesuffix(MANIFEST)
+        if manifest_key in self._unconfirmed:
+            self._confirm(manifest_key)
+            return
         if self.twin.exists(manifest_key):
             self._done.add(manifest_key)  # copied by an earlier replicator
             return
@@ -138,9 +145,6 @@ class Replicator:
             self._withdraw(manifest_key, members)
             return
         self.twin.put_if_absent(manifest_key, manifest)
-        if not self.primary.exists(manifest_key):  # pruned just now, the twin's copies too
-            self._withdraw(manifest_key, members)
-            return
         landed = self.clock()
         committed = _commit_time(manifest) or landed
         entry = Replicated(
@@ -151,9 +155,21 @@ class Replicator:
             objects=len(members) + 1,
             bytes=copied + len(manifest),
         )
-        self._recent.insert(0, entry)
-        self._max_lag_s = max(self._max_lag_s, entry.lag_s)
-        self._done.add(manifest_key)
+        self._unconfirmed[manifest_key] = (entry, members)
+        self._confirm(manifest_key)
+
+    def _confirm(self, manifest_key: str) -> None:
+        """List a unit whose manifest is on the twin, unless it was pruned on the primary
+        meanwhile (then the twin's copies go too). Raises StoreUnavailable, and keeps the unit
+        unconfirmed, when the primary cannot answer."""
+        entry, members = self._unconfirmed[manifest_key]
+        if not self.primary.exists(manifest_key):  # pruned just now, the twin's copies too
+            self._withdraw(manifest_key, members)
+        else:
+            self._recent.insert(0, entry)
+            self._max_lag_s = max(self._max_lag_s, entry.lag_s)
+            self._done.add(manifest_key)
+        del self._unconfirmed[manifest_key]
 
     def _withdraw(self, manifest_key: str, members: list[str]) -> None:
         """Take back a unit that was pruned while it was being copied: the prune deleted the

@@ -154,6 +154,36 @@ def test_the_replicator_reports_an_unreachable_primary_and_catches_up(
     assert status.primary_reachable and twin.exists("runs/r/checkpoints/step-5/MANIFEST.json")
 
 
+class CutAfterManifest(LocalStore):
+    """A twin whose primary drops off the network the moment a manifest lands on it: between
+    the copy and the replicator's check that the checkpoint was not pruned meanwhile."""
+
+    def __init__(self, root: Path, partition: Partition) -> None:
+        super().__init__(root)
+        self.partition = partition
+
+    def put_if_absent(self, key: str, data: bytes) -> bool:
+        landed = super().put_if_absent(key, data)
+        self.partition.cut()
+        return landed
+
+
+def test_a_copy_confirmed_after_the_primary_returns_is_listed(
+    partitioned: Any, tmp_path: Path
+) -> None:
+    """The e2e of the twin site cut the primary just as its first checkpoint reached the twin:
+    that copy was on the twin but never in the status, and the run was missing from it."""
+    partition, primary = partitioned
+    manifest = checkpoint(primary, "r", 50)
+    replicator = Replicator(primary, CutAfterManifest(tmp_path / "twin", partition), tmp_path)
+    status = replicator.run_once()
+    assert not status.primary_reachable and status.recent == []
+    partition.heal()
+    status = replicator.run_once()
+    assert [entry.manifest_key for entry in status.recent] == [manifest]
+    assert status.pending == []
+
+
 def test_an_unreachable_primary_alone_is_an_error_that_names_it(partitioned: Any) -> None:
     partition, primary = partitioned
     partition.cut()
