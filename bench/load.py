@@ -3,17 +3,21 @@
     python -m bench.load [--runs 50] [--nodes 4] [--gpus-per-node 2] [--steps 20]
 
 Starts a private stack (Temporal dev server, MLflow, control and data workers, node agents),
-submits `--runs` small runs of examples/tiny.toml at once (1- and 2-node gangs, two teams, all on
-one dataset, so the snapshot is prepared once and reused under contention), and watches until
-every run is in a final phase. Nobody approves: each run's approval window (3.6 s) closes and it
-ends EXPIRED, a final phase like any other.
+submits `--runs` small runs of examples/tiny.toml at once through the HTTP API (one
+`forgeline.Client` request per run, all in flight together; 1- and 2-node gangs, two teams, all
+on one dataset, so the snapshot is prepared once and reused under contention), and watches
+through the API until every run is in a final phase. Nobody approves: each run's approval
+window (3.6 s) closes and it ends EXPIRED, a final phase like any other.
 
-While they run, the Cluster workflow's state is queried every 0.25 s and checked: no node holds
-more GPUs than it has, no node is held by a gang it does not list, no run holds two gangs. Each
-queried state is also scheduled again by the same policy function (`workflows.scheduler.schedule`)
-to time one decision at the queue depth the stack really had, beside the trivial pass of an empty
-queue on the same nodes (the baseline). From the runs' own records: request-to-grant waits, and
-the wall time from the first submission to the last final phase.
+While they run, the cluster's state (GET /v1/cluster) is read every 0.25 s and checked: no node
+holds more GPUs than it has, no node is held by a gang it does not list, no run holds two gangs.
+Each state read is also scheduled again by the same policy function
+(`workflows.scheduler.schedule`) to time one decision at the queue depth the stack really had,
+beside the trivial pass of an empty queue on the same nodes (the baseline). From the runs' own
+records: request-to-grant waits, and the wall time from the first submission to the last final
+phase. Every API request is timed:
+latency p50 / p99 per kind of request (submit, list runs, cluster state), beside the scheduler's
+figures.
 
 Exits non-zero if a run is lost (no final phase, or no workflow), or an invariant breaks.
 """
@@ -21,7 +25,6 @@ Exits non-zero if a run is lost (no final phase, or no workflow), or an invarian
 from __future__ import annotations
 
 import argparse
-import asyncio
 import os
 import re
 import statistics
@@ -30,24 +33,28 @@ import sys
 import tempfile
 import time
 from collections import Counter
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
+from functools import partial
 from pathlib import Path
+from typing import TypeVar
 
+from forgeline.client import Client
 from infra.settings import load_settings
-from worker.runs import submit
-from worker.specfile import load_spec, spec_sha256
+from infra.tokens import caller_token
 from worker.stack import free_port_flags
-from worker.temporal_client import connect
 from workflows.cluster_models import ClusterState
 from workflows.fleet.report import percentile
 from workflows.models import Phase, RunStatus
-from workflows.names import CLUSTER_WORKFLOW_ID
 from workflows.scheduler import schedule
 
 REPO = Path(__file__).resolve().parent.parent
 FORGELINE = str(Path(sys.executable).parent / "forgeline")
 FINAL = {Phase.APPROVED, Phase.REJECTED, Phase.EXPIRED, Phase.FAILED, Phase.CANCELLED}
+SUBMIT, LIST, CLUSTER = "POST /v1/runs", "GET /v1/runs", "GET /v1/cluster"
+T = TypeVar("T")
 
 
 def spec_files(folder: Path, runs: int, steps: int) -> list[Path]:
@@ -78,6 +85,7 @@ class Watch:
     empty_ms: list[float] = field(default_factory=list)
     max_queue: int = 0
     max_running: int = 0
+    latency: dict[str, list[float]] = field(default_factory=dict)  # ms, by kind of request
 
 
 def check(state: ClusterState, watch: Watch) -> None:
@@ -109,27 +117,31 @@ def check(state: ClusterState, watch: Watch) -> None:
     watch.empty_ms.append((time.perf_counter() - started) * 1000)
 
 
-async def drive(home: Path, specs: list[Path]) -> tuple[dict[str, RunStatus], Watch, float]:
-    client = await connect(load_settings(home))
-    cluster = client.get_workflow_handle(CLUSTER_WORKFLOW_ID)
-    loaded = [(spec, spec_sha256(spec)) for spec in map(load_spec, specs)]
-    started = time.monotonic()
-    handles = await asyncio.gather(*(submit(client, spec, sha) for spec, sha in loaded))
-    names = [handle.id for handle, _ in handles]
+def timed(latency: dict[str, list[float]], kind: str, request: Callable[[], T]) -> T:
+    started = time.perf_counter()
+    try:
+        return request()
+    finally:
+        latency.setdefault(kind, []).append((time.perf_counter() - started) * 1000)
+
+
+def drive(api: Client, specs: list[Path]) -> tuple[dict[str, RunStatus], Watch, float]:
     watch = Watch()
+    started = time.monotonic()
+    # Every submit in flight at once, as many programs submitting together would be.
+    with ThreadPoolExecutor(max_workers=len(specs)) as pool:
+        submits = [pool.submit(timed, watch.latency, SUBMIT, partial(api.submit, path))
+                   for path in specs]  # fmt: skip
+        names = [future.result().status.name for future in submits]
     final: dict[str, RunStatus] = {}
     while len(final) < len(names):
-        state = await cluster.query("state", result_type=ClusterState)
-        check(state, watch)
-        for name in names:
-            if name in final:
-                continue
-            status = await client.get_workflow_handle(name).query("status", result_type=RunStatus)
-            if status.phase in FINAL:
-                final[name] = status
+        check(timed(watch.latency, CLUSTER, api.cluster), watch)
+        for run in timed(watch.latency, LIST, api.runs):
+            if run.status.name in names and run.status.phase in FINAL:
+                final[run.status.name] = run.status
         if time.monotonic() - started > 3600:
             break
-        await asyncio.sleep(0.25)
+        time.sleep(0.25)
     return final, watch, time.monotonic() - started
 
 
@@ -161,6 +173,11 @@ def report(runs: int, final: dict[str, RunStatus], watch: Watch, wall_s: float) 
         ("ratio of the p50s", f"{_ratio(watch.decision_ms, watch.empty_ms):.1f}×"),
         ("request → grant wait, p50 / p99 / max", f"{percentile(waits, 50):.1f} / "
          f"{percentile(waits, 99):.1f} / {max(waits, default=0):.1f} s"),
+    ]  # fmt: skip
+    rows += [
+        (f"API {kind}, p50 / p99 (n)", f"{percentile(ms, 50):.0f} / {percentile(ms, 99):.0f} ms"
+                                       f" ({len(ms)})")
+        for kind, ms in watch.latency.items()
     ]  # fmt: skip
     width = max(len(name) for name, _ in rows)
     print(f"\n{'figure':<{width}}  value")
@@ -197,8 +214,9 @@ def main() -> int:
             subprocess.run([FORGELINE, "cluster", "apply", str(cluster)], env=env, check=True,
                            capture_output=True, timeout=120)  # fmt: skip
             specs = spec_files(Path(tmp) / "specs", args.runs, args.steps)
-            os.environ["FORGELINE_HOME"] = str(home)
-            final, watch, wall_s = asyncio.run(drive(home, specs))
+            settings = load_settings(home)
+            api = Client(settings.api_url, caller_token(home))  # the stack's admin, `up` made
+            final, watch, wall_s = drive(api, specs)
             return report(args.runs, final, watch, wall_s)
         finally:
             subprocess.run([FORGELINE, "down"], env=env, capture_output=True, timeout=300)

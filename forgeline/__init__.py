@@ -22,9 +22,37 @@ Everything here is documented call by call in `forgeline.training` and `forgelin
 `forgeline.Client` is the other half: the client of the HTTP API (`forgeline.client`).
 """
 
-from forgeline.client import ApiError, Client
-from forgeline.errors import SDKUsageError
-from forgeline.step import Step
-from forgeline.training import Run, init
+from __future__ import annotations
 
-__all__ = ["ApiError", "Client", "Run", "SDKUsageError", "Step", "init"]
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from forgeline.client import ApiError, Client
+    from forgeline.errors import SDKUsageError
+    from forgeline.step import Step
+    from forgeline.training import Run, init
+
+# Loaded when first used: a program that only calls the API (and the `forgeline` CLI, which
+# is one) must not pay for importing torch, and a rank script does not load the client.
+_WHERE = {
+    "ApiError": "forgeline.client",
+    "Client": "forgeline.client",
+    "SDKUsageError": "forgeline.errors",
+    "Step": "forgeline.step",
+    "Run": "forgeline.training",
+    "init": "forgeline.training",
+}
+__all__ = ["ApiError", "Client", "Run", "SDKUsageError", "Step", "init"]  # = _WHERE
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _WHERE:
+        raise AttributeError(f"module 'forgeline' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_WHERE[name]), name)
+    globals()[name] = value  # once: later lookups do not come here
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_WHERE])

@@ -25,11 +25,13 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel
 
+from infra import code_snapshot
 from infra.settings import load_settings
 from infra.tokens import caller_token
+from registry.approvals import ApprovalsFile
 from workflows import api_models as wire
-from workflows.cluster_models import ClusterState
-from workflows.models import Phase
+from workflows.cluster_models import ClusterConfig, ClusterState, Node
+from workflows.models import CodeRef, Phase
 
 M = TypeVar("M", bound=BaseModel)
 # Phases a run waits in for a person or ends in: `wait` returns at the first of them.
@@ -63,17 +65,44 @@ class Client:
     def submit(
         self, spec: dict[str, Any] | str | Path, idempotency_key: str | None = None
     ) -> wire.RunView:
-        """Start a run from a spec (a dict, or a spec file whose relative data sources are
-        resolved against its folder), or get the run this spec already started."""
-        body = wire.SubmitRequest(spec=spec if isinstance(spec, dict) else _spec_file(Path(spec)))
+        """Start a run from a spec (a dict, or a spec file whose relative paths are resolved
+        against its folder), or get the run this spec already started. A spec's train.code
+        folder is uploaded first (`upload_code`)."""
+        return self.start(spec, idempotency_key).run
+
+    def start(
+        self, spec: dict[str, Any] | str | Path, idempotency_key: str | None = None
+    ) -> wire.SubmitAnswer:
+        """`submit`, with the API's whole answer: `created` is true when this call started it."""
+        data = spec if isinstance(spec, dict) else _spec_file(Path(spec))
+        train = data.get("train")
+        folder = train.get("code") if isinstance(train, dict) else None
+        code = self.upload_code(Path(folder)) if isinstance(folder, str) and folder else None
+        body = wire.SubmitRequest(spec=data, code=code)
         headers = {"Idempotency-Key": idempotency_key} if idempotency_key else {}
-        return self._call("POST", "/v1/runs", body, wire.SubmitAnswer, headers).run
+        return self._call("POST", "/v1/runs", body, wire.SubmitAnswer, headers)
+
+    def upload_code(self, folder: Path) -> CodeRef:
+        """A train.code folder as a snapshot in the platform's store (the files `.gitignore`
+        leaves in); the API's id must be the one these files make, or nothing is submitted."""
+        data, expected = code_snapshot.pack(folder)
+        code = self._call("POST", "/v1/code", answer=CodeRef, raw=data)
+        if code.snapshot_id != expected:
+            message = f"the API stored {folder} as snapshot {code.snapshot_id}, not {expected}"
+            raise ApiError(0, "corrupt_upload", message, "code", "submit again")
+        return code
 
     def status(self, name: str) -> wire.RunView:
         return self._call("GET", f"/v1/runs/{_segment(name)}", answer=wire.RunView)
 
     def runs(self) -> list[wire.RunView]:
         return self._call("GET", "/v1/runs", answer=wire.RunList).runs
+
+    def metrics(self, name: str, *keys: str) -> wire.Metrics:
+        """The run's metric series (`train/loss`, …; every one when no key is given)."""
+        query = urllib.parse.urlencode([("key", k) for k in keys])
+        path = f"/v1/runs/{_segment(name)}/metrics" + (f"?{query}" if query else "")
+        return self._call("GET", path, answer=wire.Metrics)
 
     def wait(
         self,
@@ -98,8 +127,10 @@ class Client:
                 raise TimeoutError(f"run {name} is still {run.status.phase.value}")
             time.sleep(poll_s)
 
-    def cancel(self, name: str) -> wire.RunView:
-        return self._call("POST", f"/v1/runs/{_segment(name)}/cancel", answer=wire.RunView)
+    def cancel(self, name: str, wait_s: float = 120) -> wire.RunView:
+        """Stop the run's ranks and release its gang; waits up to `wait_s` for them to stop."""
+        path = f"/v1/runs/{_segment(name)}/cancel?wait_s={wait_s:g}"
+        return self._call("POST", path, answer=wire.RunView)
 
     def approve(self, name: str, note: str = "", override_gate: bool = False) -> wire.RunView:
         body = wire.ApproveRequest(note=note, override_gate=override_gate)
@@ -118,6 +149,20 @@ class Client:
     def cluster(self) -> ClusterState:
         return self._call("GET", "/v1/cluster", answer=ClusterState)
 
+    def node(self, node_id: str, action: str) -> Node:
+        """`drain` (its gangs checkpoint and move), `cordon` (no new work) or `undrain`."""
+        return self._call("POST", f"/v1/nodes/{_segment(node_id)}/{_segment(action)}",
+                          answer=Node)  # fmt: skip
+
+    def apply_cluster(self, config: ClusterConfig) -> ClusterConfig:
+        return self._call("PUT", "/v1/cluster/config", config, ClusterConfig)
+
+    def approvals(self) -> ApprovalsFile:
+        return self._call("GET", "/v1/approvals", answer=ApprovalsFile)
+
+    def apply_approvals(self, rules: ApprovalsFile) -> ApprovalsFile:
+        return self._call("PUT", "/v1/approvals", rules, ApprovalsFile)
+
     def _call(
         self,
         method: str,
@@ -125,13 +170,14 @@ class Client:
         body: BaseModel | None = None,
         answer: type[M] = BaseModel,  # type: ignore[assignment]
         headers: dict[str, str] | None = None,
+        raw: bytes | None = None,
     ) -> M:
         request = urllib.request.Request(
             self.url + path,
             method=method,
-            data=body.model_dump_json().encode() if body is not None else None,
+            data=raw if raw is not None else (body.model_dump_json().encode() if body else None),
             headers={
-                "Content-Type": "application/json",
+                "Content-Type": "application/x-tar" if raw is not None else "application/json",
                 **({"Authorization": f"Bearer {self.token}"} if self.token else {}),
                 **(headers or {}),
             },
@@ -164,13 +210,14 @@ def _spec_file(path: Path) -> dict[str, Any]:
     """A spec file's keys, with local data sources made absolute against the file's folder
     (the API has no folder of its own to resolve them against)."""
     spec = tomllib.loads(path.read_text())
-    # The owner is the token's person: a file's `owner` (for `forgeline run`) is not sent.
-    spec.pop("owner", None)
+    folder = path.resolve().parent
     data = spec.get("data")
     if isinstance(data, dict) and isinstance(data.get("sources"), list):
-        folder = path.resolve().parent
         data["sources"] = [
             s if not isinstance(s, str) or s.startswith(_REMOTE) else os.path.join(folder, s)
             for s in data["sources"]
         ]
+    train = spec.get("train")
+    if isinstance(train, dict) and isinstance(train.get("code"), str) and train["code"]:
+        train["code"] = os.path.abspath(os.path.join(folder, train["code"]))
     return spec

@@ -18,8 +18,10 @@ leaves the folder are refused by name: data belongs in the dataset, not the code
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
+import tarfile
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
@@ -176,6 +178,58 @@ def publish(store: ObjectStore, folder: Path) -> PublishedCode:
         store.put_file(_blob_key(snapshot, entry.sha256), root / entry.path)
     store.put_if_absent(manifest_key(snapshot), manifest)  # an identical one may have won
     return PublishedCode(**{**published.__dict__, "reused": False})
+
+
+def pack(folder: Path) -> tuple[bytes, str]:
+    """The snapshot's files as an uncompressed tar (for the HTTP API, which publishes it from
+    its side) and the snapshot id they make: the API's answer must name the same id."""
+    files = collect(folder)
+    root = folder.resolve()
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        for entry in files:
+            # Contents, not links: a link inside the folder is its target's bytes, as in
+            # `collect`; and one mode, so the same code packs to the same tar anywhere.
+            info = tarfile.TarInfo(entry.path)
+            info.size, info.mode = entry.bytes, 0o644
+            with open(root / entry.path, "rb") as f:
+                tar.addfile(info, f)
+    return buffer.getvalue(), snapshot_id(files)
+
+
+def unpack(data: bytes, dest: Path) -> None:
+    """A tar from `pack` as files under `dest`: regular files only, each inside `dest`, within
+    the snapshot limits; anything else is refused by name before a byte is written."""
+    try:
+        with tarfile.open(fileobj=io.BytesIO(data), mode="r:") as tar:
+            members = tar.getmembers()
+            _check_upload(members)
+            for member in members:
+                target = dest / member.name
+                target.parent.mkdir(parents=True, exist_ok=True)
+                source = tar.extractfile(member)
+                assert source is not None  # a regular file, checked above
+                with source, open(target, "wb") as out:
+                    out.write(source.read())
+    except tarfile.TarError as err:
+        raise CodeSnapshotError(f"the code upload is not a tar archive ({err})") from None
+
+
+def _check_upload(members: list[tarfile.TarInfo]) -> None:
+    if len(members) > MAX_FILES or sum(m.size for m in members) > MAX_TOTAL_BYTES:
+        raise CodeSnapshotError(
+            f"the code upload holds more than {MAX_FILES} files or {MAX_TOTAL_BYTES // 2**20} MiB"
+        )
+    for member in members:
+        try:
+            _safe_relative(member.name)
+        except IntegrityError as err:
+            raise CodeSnapshotError(str(err).replace("manifest", "upload")) from None
+        if not member.isfile() or member.size > MAX_FILE_BYTES:
+            raise CodeSnapshotError(
+                f"{member.name}: the code upload may hold only regular files of at most "
+                f"{MAX_FILE_BYTES // 2**20} MiB"
+            )
 
 
 def _safe_relative(path: object) -> PurePosixPath:

@@ -74,6 +74,10 @@ class Identity:
     def may_submit(self, team: str) -> bool:
         return self.is_admin or bool({"submit:*", f"submit:{team}"} & self.roles)
 
+    def may_submit_somewhere(self) -> bool:
+        """Submits to some team: may upload code for a run (the submit checks which team)."""
+        return self.is_admin or any(r.startswith("submit:") for r in self.roles)
+
     def may_approve(self, team: str, model: str) -> bool:
         """Holds a role to decide on `model` of a run on `team`'s queue (the approval rules
         decide the rest)."""

@@ -18,3 +18,7 @@ SERVABLE_TAG = "forgeline.servable"
 DECISION_TAG = "forgeline.decision"
 # On a registered model: the team whose runs registered it first, and only they since.
 TEAM_TAG = "forgeline.team"
+# On a version: JSON {path in the version's model folder: sha256} of every file Forgeline put
+# there (weights, tokenizer, config), taken as they were registered. `serve` and `generate`
+# check the files they load against it: a version whose files changed since is not served.
+ARTIFACTS_TAG = "forgeline.artifacts_sha256"

@@ -7,6 +7,7 @@ created before instead of registering a second one.
 from __future__ import annotations
 
 import importlib.util
+import json
 import shutil
 import tempfile
 import time
@@ -24,8 +25,10 @@ from mlflow.entities import Metric, Param, RunTag
 from mlflow.entities.model_registry import ModelVersion
 from mlflow.tracking import MlflowClient
 
+from infra.digest import sha256_file
 from registry.errors import ModelOfAnotherTeam, VersionNotFound
 from registry.names import (
+    ARTIFACTS_TAG,
     CANDIDATE,
     CHECKPOINT_TAG,
     DECISION_TAG,
@@ -175,10 +178,22 @@ def register(tracking_uri: str, reg: Registration) -> RegisteredVersion:
         source=source,
         run_id=run_id,
         model_id=model_id,
-        tags={**reg.version_tags, IDEMPOTENCY_TAG: reg.idempotency_key},
+        tags={
+            **reg.version_tags,
+            IDEMPOTENCY_TAG: reg.idempotency_key,
+            ARTIFACTS_TAG: json.dumps(artifact_digests(reg), sort_keys=True),
+        },
     )
     client.set_registered_model_alias(reg.model_name, CANDIDATE, version.version)
     return RegisteredVersion(reg.model_name, version.version, run_id)
+
+
+def artifact_digests(reg: Registration) -> dict[str, str]:
+    """Where each artifact lands in the version's model folder, and its sha256: a pyfunc
+    model keeps them under artifacts/, a weights-only version at the folder's top."""
+    folder = "artifacts/" if reg.python_model is not None else ""
+    files = [Path(path) for path in reg.artifacts.values()]
+    return {f"{folder}{path.name}": sha256_file(path) for path in files}
 
 
 def stage_modules(modules: Iterable[str], dest: Path) -> list[str]:
@@ -304,6 +319,18 @@ def record_decision(
         client.set_model_version_tag(model_name, version, key, value)
     if approve and not expired:
         client.set_registered_model_alias(model_name, PRODUCTION, version)
+
+
+def metric_history(
+    tracking_uri: str, run_id: str, keys: Iterable[str] | None = None
+) -> dict[str, list[Metric]]:
+    """The run's metric series by key, each by step (every key it has when none are given)."""
+    client = _client(tracking_uri)
+    wanted = list(keys or sorted(client.get_run(run_id).data.metrics))
+    return {
+        key: sorted(client.get_metric_history(run_id, key), key=lambda m: (m.step, m.timestamp))
+        for key in wanted
+    }
 
 
 def lookup_version(

@@ -17,6 +17,7 @@ import pytest
 
 from tests.conftest import REPO
 from tests.fresh_env import PIP_TIMEOUT_S, without_pythonpath
+from worker.cli_common import ExitCode
 
 PROJECT_VERSION = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]
 
@@ -164,6 +165,6 @@ def test_a_gpu_host_s_install_runs_the_agent_without_servers_or_data_tools(
     assert agent.returncode == 0 and "--node-id" in agent.stdout, agent.stderr[-2000:]
     env["FORGELINE_HOME"] = str(tmp_path / "home")
     refused = run(cli, "up")
-    assert refused.returncode == 2, refused.stderr[-2000:]
+    assert refused.returncode == ExitCode.BAD_INPUT, refused.stderr[-2000:]
     assert "forgeline up needs forgeline[all]" in refused.stdout
     assert "Traceback" not in refused.stdout + refused.stderr

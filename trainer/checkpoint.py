@@ -228,6 +228,7 @@ class Checkpointer:
             fenced = fenced or self._superseded()  # once more, just before the commit
             if not fenced:
                 key = self._write_manifest(step, meta, gathered)
+                fenced = key is None and self._superseded()  # taken back: fenced after all
         outcome = [(key, fenced)]  # rank 0's verdict, for every rank
         dist.broadcast_object_list(outcome, src=0, group=self._group)
         key, fenced = outcome[0]
@@ -253,6 +254,13 @@ class Checkpointer:
         if not self.store.put_if_absent(
             key, json.dumps(manifest, indent=2, sort_keys=True).encode()
         ):
+            return None
+        # The fence is read before the commit, not with it: a generation paused between the
+        # two (SIGSTOP, a frozen host) commits after a newer one resumed from an earlier step.
+        # Every reader passes over such a manifest; taking it back frees the key for the newer
+        # generation's own commit at this step. (The e2e's paused node caught it under load.)
+        if Fences.read(self.store, self.run_id).why_stale(self.generation, step):
+            self.store.delete(key)
             return None
         prune(self.store, self.run_id, self.keep)
         return key

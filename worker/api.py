@@ -1,9 +1,11 @@
 """The HTTP API, `/v1`: the door for programs (notebooks, CI pipelines, other services) and
 people, with an identity from a token on every request.
 
+    POST /v1/code                  a train.code folder (a tar) as a content-addressed snapshot
     POST /v1/runs                  submit a spec (owner = the caller; Idempotency-Key honoured)
     GET  /v1/runs                  every run, as `forgeline runs` shows them
     GET  /v1/runs/{name}           one run: phase, step, loss, attempts, placement, checkpoint
+    GET  /v1/runs/{name}/metrics   its metric series (?key=train/loss …), from its MLflow run
     POST /v1/runs/{name}/cancel    one's own run, or anyone's as an operator
     POST /v1/runs/{name}/approve   as the caller, checked by the run's approval gate
     POST /v1/runs/{name}/reject
@@ -22,38 +24,47 @@ from contextlib import asynccontextmanager
 from enum import StrEnum
 from typing import Annotated
 
-from fastapi import Depends, FastAPI, Header, Request
+from fastapi import FastAPI, Header, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from temporalio.client import Client
 from temporalio.service import RPCError
 
-from infra.identity import Identity, InvalidIdentity, canonical_person
+from infra.identity import Identity
 from infra.settings import Settings
-from infra.tokens import TokenError, TokenStore
+from infra.tokens import TokenStore
 from registry.approvals import ApprovalsFile, approvals_toml, install_approvals, load_approvals
 from registry.errors import ApprovalsInvalid
 from worker import cluster_actions, run_actions
+from worker.api_code import CodeRefused, check_code, publish_upload, upload_body
+from worker.api_rules import (
+    ApiError,
+    Caller,
+    checked_spec,
+    refuse_another_team_s_model,
+    require,
+)
 from worker.cli_common import CliError, get_client
 from worker.idempotency import MAX_KEY_CHARS, IdempotencyKeys
 from worker.runs import (
     RunNotFound,
     cluster_state,
     list_run_names,
-    on_the_wire,
     refuse_unknown_gpu_type,
     submit,
     submitted_spec,
     view,
 )
-from worker.specfile import SpecError, check_sources, parse_spec, spec_differences, spec_sha256
+from worker.specfile import spec_differences, spec_sha256
 from workflows.api_models import (
     ApproveRequest,
     ErrorBody,
     ErrorDetail,
     Lineage,
     LineageLink,
+    MetricPoint,
+    Metrics,
     RejectRequest,
     RunList,
     RunView,
@@ -62,46 +73,14 @@ from workflows.api_models import (
     WhoAmI,
 )
 from workflows.cluster_models import Admin, ClusterConfig, ClusterState, Node, NodeAdmin
-from workflows.models import Decision
+from workflows.models import CodeRef, Decision
 from workflows.names import InvalidName, check_name
-from workflows.spec import RunSpec
 
 API_VERSION = "v1"
-# Who to ask for a token, in every 401.
-_ASK_FOR_A_TOKEN = "ask an admin for a token (`forgeline tokens create PERSON --role ...`)"
-
-
-class ApiError(Exception):
-    def __init__(
-        self, status: int, code: str, message: str, field: str | None = None, fix: str | None = None
-    ) -> None:
-        super().__init__(message)
-        self.status = status
-        self.detail = ErrorDetail(code=code, message=message, field=field, fix=fix)
 
 
 def _error(status: int, detail: ErrorDetail) -> JSONResponse:
     return JSONResponse(ErrorBody(error=detail).model_dump(), status_code=status)
-
-
-def caller(request: Request, authorization: Annotated[str | None, Header()] = None) -> Identity:
-    """The identity of the request's bearer token; 401 without one that is valid now."""
-    if not authorization or not authorization.lower().startswith("bearer "):
-        raise ApiError(
-            401,
-            "unauthenticated",
-            "no token: send the header `Authorization: Bearer <token>`",
-            fix=_ASK_FOR_A_TOKEN,
-        )
-    tokens: TokenStore = request.app.state.tokens
-    try:
-        return tokens.authenticate(authorization[len("bearer ") :])
-    except TokenError as err:
-        raise ApiError(401, "unauthenticated", str(err), fix=_ASK_FOR_A_TOKEN) from None
-
-
-# Module level, so that FastAPI resolves it in the handlers' (postponed) annotations.
-Caller = Annotated[Identity, Depends(caller)]
 
 
 def make_app(settings: Settings) -> FastAPI:
@@ -142,6 +121,11 @@ def make_app(settings: Settings) -> FastAPI:
     @app.exception_handler(ApiError)
     async def api_error(_: Request, err: ApiError) -> JSONResponse:
         return _error(err.status, err.detail)
+
+    @app.exception_handler(CodeRefused)
+    async def code_refused(_: Request, err: CodeRefused) -> JSONResponse:
+        return _error(err.status, ErrorDetail(code="invalid_code", message=str(err),
+                                              field="code", fix=err.fix))  # fmt: skip
 
     @app.exception_handler(RequestValidationError)
     async def bad_request(_: Request, err: RequestValidationError) -> JSONResponse:
@@ -186,7 +170,26 @@ def make_app(settings: Settings) -> FastAPI:
             raise ApiError(422, "invalid_name", str(err), field="name") from None
         except RunNotFound as err:
             raise ApiError(404, "not_found", str(err)) from None
-        return on_the_wire(found)
+        return found
+
+    @app.post(
+        f"/{API_VERSION}/code",
+        openapi_extra={
+            "requestBody": {
+                "required": True,
+                "content": {"application/x-tar": {"schema": {"type": "string",
+                                                             "format": "binary"}}},
+            }
+        },
+        responses={413: {"model": ErrorBody, "description": "more than a snapshot may hold"}},
+    )  # fmt: skip
+    async def upload_code(request: Request, who: Caller) -> CodeRef:
+        """A train.code folder as a tar of its files (what `forgeline run` and
+        `Client.submit` send): published as a content-addressed snapshot; its answer goes into
+        the submit's `code`."""
+        require(who.may_submit_somewhere(), who, "upload code", "submit:TEAM")
+        data = await upload_body(request)
+        return await asyncio.to_thread(publish_upload, settings.open_store(), data)
 
     @app.get(f"/{API_VERSION}/whoami")
     async def whoami(who: Caller) -> WhoAmI:
@@ -205,13 +208,14 @@ def make_app(settings: Settings) -> FastAPI:
         who: Caller,
         idempotency_key: Annotated[str | None, Header(max_length=MAX_KEY_CHARS)] = None,
     ) -> JSONResponse:
-        spec = _checked_spec(body.spec, who)
+        spec = checked_spec(body.spec, who)
+        await asyncio.to_thread(check_code, settings.open_store(), spec, body.code)
         client = await temporal()
         try:
             await refuse_unknown_gpu_type(client, spec)
         except CliError as err:
             raise ApiError(422, "invalid_spec", str(err), field="resources.gpu_type") from None
-        await _refuse_another_team_s_model(settings, spec)
+        await refuse_another_team_s_model(settings, spec)
         digest = spec_sha256(spec)
         if idempotency_key is not None:
             claim = keys.claim(who.person, idempotency_key, spec.name, digest)
@@ -224,7 +228,7 @@ def make_app(settings: Settings) -> FastAPI:
                     field="name",
                     fix="use a new key for a new run",
                 )
-        _handle, started = await submit(client, spec, digest)
+        _handle, started = await submit(client, spec, digest, body.code)
         current = await run_view(spec.name)
         if not started and current.status.spec_sha256 != digest:
             before = await submitted_spec(client, spec.name)
@@ -250,6 +254,24 @@ def make_app(settings: Settings) -> FastAPI:
     @app.get(f"/{API_VERSION}/runs/{{name}}", responses={404: {"model": ErrorBody}})
     async def get_run(name: str, who: Caller) -> RunView:
         return await run_view(name)
+
+    @app.get(f"/{API_VERSION}/runs/{{name}}/metrics", responses={404: {"model": ErrorBody}})
+    async def get_metrics(
+        name: str, who: Caller, key: Annotated[list[str] | None, Query()] = None
+    ) -> Metrics:
+        """The run's metric series from its MLflow run (train/loss, train/tokens_per_s, …; the
+        keys asked for, or every one), as the ranks streamed them."""
+        status = (await run_view(name)).status
+        if status.mlflow_run_id is None:
+            message = f"run {name} has no MLflow run yet: it has not started preparing its data"
+            raise ApiError(404, "not_found", message, fix="ask again once it is PREPARING")
+        from registry.tracking import metric_history  # MLflow: only for the requests that read it
+
+        run_id = status.mlflow_run_id
+        found = await asyncio.to_thread(metric_history, settings.mlflow_uri, run_id, key)
+        series = {k: [MetricPoint(step=m.step, value=m.value, timestamp_ms=m.timestamp) for m in v]
+                  for k, v in found.items()}  # fmt: skip
+        return Metrics(run=name, mlflow_run_id=run_id, series=series)
 
     @app.post(f"/{API_VERSION}/runs/{{name}}/cancel", responses={409: {"model": ErrorBody}})
     async def cancel_run(name: str, who: Caller, wait_s: float = 120.0) -> RunView:
@@ -318,13 +340,13 @@ def make_app(settings: Settings) -> FastAPI:
     @app.put(f"/{API_VERSION}/cluster/config")
     async def put_cluster_config(config: ClusterConfig, who: Caller) -> ClusterConfig:
         """Pods, the queue tree, spares, cost and grace, as `forgeline cluster apply`."""
-        _require(who.may_operate(), who, "change the cluster's configuration", "operate")
+        require(who.may_operate(), who, "change the cluster's configuration", "operate")
         return await cluster_actions.apply_config(await temporal(), config)
 
     @app.post(f"/{API_VERSION}/nodes/{{node_id}}/{{action}}", responses={404: {"model": ErrorBody}})
     async def node_action(node_id: str, action: NodeAction, who: Caller) -> Node:
         """drain (gangs checkpoint and move), cordon (no new work), undrain (back in service)."""
-        _require(who.may_operate(), who, f"{action.value} nodes", "operate")
+        require(who.may_operate(), who, f"{action.value} nodes", "operate")
         try:
             change = NodeAdmin(node_id=check_name(node_id, "node id"), admin=_ADMIN[action])
             return await cluster_actions.set_node_admin(await temporal(), change)
@@ -344,7 +366,7 @@ def make_app(settings: Settings) -> FastAPI:
     @app.put(f"/{API_VERSION}/approvals")
     async def put_approvals(rules: ApprovalsFile, who: Caller) -> ApprovalsFile:
         """Replace the rules for runs that reach approval from now on (admins)."""
-        _require(who.is_admin, who, "change the approval rules", "admin")
+        require(who.is_admin, who, "change the approval rules", "admin")
         install_approvals(settings.home, approvals_toml(rules))
         return rules
 
@@ -362,87 +384,6 @@ _ADMIN = {
     NodeAction.cordon: Admin.CORDONED,
     NodeAction.undrain: Admin.ACTIVE,
 }
-
-
-def _require(allowed: bool, who: Identity, what: str, role: str) -> None:
-    if not allowed:
-        raise ApiError(
-            403,
-            "forbidden",
-            f"{who.person} may not {what}: it takes the role {role}",
-            fix=f"ask an admin for the role {role}",
-        )
-
-
-def _checked_spec(data: dict, who: Identity) -> RunSpec:
-    """The spec as the run will have it, checked completely (as `forgeline run` checks a file)
-    and owned by the caller; every refusal names the field."""
-    owner = data.get("owner")
-    if owner is not None:
-        try:
-            same = canonical_person(str(owner)) == who.person
-        except InvalidIdentity:
-            same = False
-        if not same:
-            raise ApiError(
-                422,
-                "invalid_spec",
-                f"owner {owner!r}: a run's owner is whoever submits it (you are {who.person})",
-                field="owner",
-                fix="leave owner out of the spec",
-            )
-    try:
-        spec = parse_spec({**data, "owner": who.person}, spec_dir=None)
-        if spec.train.code is not None:
-            raise ApiError(
-                422,
-                "invalid_spec",
-                "train.code names a folder on the submitter's machine, which the API cannot read",
-                field="train.code",
-                fix="submit specs with your own code with `forgeline run SPEC`, which uploads it",
-            )
-        # Authorised before its files are looked for: nobody learns what exists where by
-        # submitting to a team that is not theirs.
-        if not who.may_submit(spec.resources.team):
-            raise ApiError(
-                403,
-                "forbidden",
-                f"{who.person} may not submit runs to team {spec.resources.team!r}",
-                field="resources.team",
-                fix=f"use a team you submit to, or ask an admin for submit:{spec.resources.team}",
-            )
-        check_sources(spec)
-    except SpecError as err:
-        message = str(err).removeprefix("invalid run spec:\n").strip()
-        field = message.split(":", 1)[0].strip() if ":" in message else None
-        raise ApiError(422, "invalid_spec", message, field=field, fix=None) from None
-    return spec
-
-
-async def _refuse_another_team_s_model(settings: Settings, spec: RunSpec) -> None:
-    """A run may register only its team's models: found now rather than when it registers,
-    hours of GPUs later. (Registration checks again, and decides: a model registered by
-    another team in between still refuses the run's version.)"""
-    from mlflow.exceptions import MlflowException
-    from mlflow.tracking import MlflowClient
-
-    from registry.tracking import model_team
-
-    client = MlflowClient(tracking_uri=settings.mlflow_uri)
-    try:
-        # MLflow's client retries an unreachable server for minutes: a submit does not wait.
-        found = asyncio.to_thread(model_team, client, spec.model_name)
-        owner = await asyncio.wait_for(found, timeout=10)
-    except (MlflowException, TimeoutError):
-        return  # MLflow unreachable: the registration's check still holds
-    if owner is not None and owner != spec.resources.team:
-        raise ApiError(
-            403,
-            "forbidden",
-            f"model {spec.model_name!r} belongs to team {owner!r}, which registered it first",
-            field="registry.model_name",
-            fix="name a model of your team's (registry.model_name), or a new one",
-        )
 
 
 async def _act(action) -> None:

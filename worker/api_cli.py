@@ -12,7 +12,7 @@ from rich.table import Table
 from infra.extras import require_extra
 from infra.identity import Identity, InvalidIdentity
 from infra.tokens import TokenError, TokenStore, caller_token
-from worker.cli_common import CliError, console, get_settings
+from worker.cli_common import CliError, ExitCode, console, get_settings
 
 tokens_app = typer.Typer(help="API tokens: who may call Forgeline, with which roles (admins).")
 
@@ -37,13 +37,16 @@ def _admin(store: TokenStore) -> Identity:
         return Identity(person=getpass.getuser(), roles=frozenset({"admin"}), token_id="-")
     token = caller_token(store.path.parent)
     if token is None:
-        raise CliError("no token: set FORGELINE_TOKEN to an admin's token")
+        raise CliError("no token: set FORGELINE_TOKEN to an admin's token", ExitCode.REFUSED)
     try:
         who = store.authenticate(token)
     except TokenError as err:
-        raise CliError(str(err)) from None
+        raise CliError(str(err), ExitCode.REFUSED) from None
     if not who.is_admin:
-        raise CliError(f"{who.person}'s token is not an admin's: tokens are an admin's business")
+        raise CliError(
+            f"{who.person}'s token is not an admin's: tokens are an admin's business",
+            ExitCode.REFUSED,
+        )
     return who
 
 

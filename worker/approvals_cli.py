@@ -1,4 +1,5 @@
-"""`forgeline approvals [apply FILE]`: the operators' approval rules (registry.approvals).
+"""`forgeline approvals [apply FILE]`: the operators' approval rules (registry.approvals),
+through the API (GET and PUT /v1/approvals; changing them takes an admin's token).
 
 `apply` checks the file before it replaces the installed one, so a typo never locks every run
 out of approval; runs read the rules when their model is registered."""
@@ -10,14 +11,9 @@ from typing import Annotated
 
 import typer
 
-from registry.approvals import (
-    APPROVALS_FILE,
-    ApprovalsFile,
-    install_approvals,
-    load_approvals,
-    parse_approvals,
-)
+from registry.approvals import ApprovalsFile, parse_approvals
 from registry.errors import ApprovalsInvalid
+from worker.api_access import api_client, call
 from worker.cli_common import CliError, console, get_settings
 
 approvals_app = typer.Typer(
@@ -30,17 +26,11 @@ def show(ctx: typer.Context) -> None:
     """The installed rules (with no subcommand)."""
     if ctx.invoked_subcommand is not None:
         return
-    home = get_settings().home
-    try:
-        installed = load_approvals(home)
-    except ApprovalsInvalid as err:
-        raise CliError(str(err)) from None
-    except UnicodeDecodeError as err:  # edited by hand: `apply` installs UTF-8 only
-        raise CliError(_not_utf8(home / APPROVALS_FILE, err)) from None
-    if installed is None:
+    installed = call(api_client(get_settings()).approvals)
+    if installed == ApprovalsFile():
         console.print(
-            f"no {home / APPROVALS_FILE}: anyone but the submitter may approve, no eval gate "
-            "beyond the runs' own; install rules with `forgeline approvals apply FILE`"
+            "no approval rules: anyone but the submitter may approve, no eval gate beyond the "
+            "runs' own; install rules with `forgeline approvals apply FILE`"
         )
         return
     console.print(describe(installed), markup=False)
@@ -65,8 +55,8 @@ def apply(
         rules = parse_approvals(text, str(file))
     except ApprovalsInvalid as err:
         raise CliError(str(err)) from None
-    target = install_approvals(get_settings().home, text)
-    console.print(f"installed {target}", markup=False)
+    call(lambda: api_client(get_settings()).apply_approvals(rules))
+    console.print(f"installed the rules of {file}", markup=False)
     console.print(describe(rules), markup=False)
 
 

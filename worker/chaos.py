@@ -30,7 +30,7 @@ from infra import node_health
 from infra.processes import ManagedProcess
 from trainer.job import CHAOS_FILE
 from trainer.launch import RANK_MODULE
-from worker.cli_common import CliError, check_name, console, get_settings
+from worker.cli_common import CliError, ExitCode, check_name, console, get_settings
 
 chaos_app = typer.Typer(
     help="Inject faults on the local stack: kill, hang, slow down or corrupt a node."
@@ -136,7 +136,9 @@ def fail_health(
     check_name(node, "node id")
     node_dir = get_settings().home / "nodes" / node
     if not node_dir.is_dir():
-        raise CliError(f"no node {node} on this stack: `forgeline nodes` lists the nodes")
+        raise CliError(
+            f"no node {node} on this stack: `forgeline nodes` lists the nodes", ExitCode.NOT_FOUND
+        )
     if clear:
         node_health.repaired(node_dir)
         console.print(f"{node}: health check passes again; the node returns within seconds")

@@ -2,28 +2,33 @@
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
 import signal
 import sys
 import time
+import traceback
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated
 
 import typer
 from rich.markup import escape
-from temporalio.client import WorkflowExecutionStatus
 from temporalio.service import RPCError
 
+from forgeline.client import Client
+from infra.capacity_hardware import PlanError
 from infra.code_snapshot import CodeSnapshotError
-from infra.errors import InfraError, StackError
-from infra.settings import Settings, state_home
+from infra.errors import InfraError, IntegrityError, InvalidKey, ObjectNotFound, StackError
+from infra.extras import MissingExtra
+from infra.host_network import HostNetworkError
+from infra.settings import Settings, SettingsError, state_home
 from worker import run_actions, stack
+from worker.api_access import api_client, call
 from worker.api_cli import api, tokens_app
 from worker.approvals_cli import approvals_app
 from worker.chaos import chaos_app
-from worker.cli_common import CliError, check_name, console, get_client, get_settings
+from worker.cli_common import CliError, ExitCode, check_name, console, get_client, get_settings
 from worker.cli_common import run as run_async
 from worker.cluster_cli import cluster_app, jobs, node_app, nodes, queues
 from worker.data_cli import (
@@ -42,15 +47,7 @@ from worker.plan_cli import plan
 from worker.processes_cli import worker_app
 from worker.render import progress_line, run_link, runs_table, status_text
 from worker.replication_cli import replication
-from worker.runs import (
-    RunNotFound,
-    list_run_names,
-    on_the_wire,
-    publish_code,
-    refuse_unknown_gpu_type,
-    submit,
-    view,
-)
+from worker.runs import RunNotFound
 from worker.serve import (
     ServeError,
     curl_example,
@@ -61,12 +58,12 @@ from worker.serve import (
     wait_in_foreground,
 )
 from worker.simulate_cli import simulate
-from worker.specfile import SpecError, load_spec, spec_sha256
-from workflows.api_models import RunList
-from workflows.models import Decision, Phase, RunStatus
+from worker.specfile import SpecError, load_spec
+from workflows.api_models import RunList, RunView
+from workflows.models import Phase, RunStatus
 from workflows.names import InvalidName, check_snapshot_id
 
-app = typer.Typer(help=__doc__, no_args_is_help=True, add_completion=False)
+app = typer.Typer(help=__doc__, no_args_is_help=True)
 
 
 def _print_version(asked: bool) -> None:
@@ -141,8 +138,8 @@ def up(
         settings = stack.up(
             state_home(), nodes, gpus_per_node, ports, data_workers, say=console.print
         )
-    except StackError as err:
-        raise CliError(str(err)) from None
+    except StackError as err:  # a process that would not start, a server that does not answer
+        raise CliError(str(err), ExitCode.DOWN) from None
     console.print(f"state folder {settings.home}")
     _print_links(settings)
 
@@ -155,52 +152,47 @@ def down() -> None:
 
 # --- runs ---------------------------------------------------------------------------------------
 
+JsonOption = Annotated[
+    bool, typer.Option("--json", help="the state as JSON (the HTTP API's models), not a table")
+]
+
 
 @app.command()
 def run(
     spec_file: Annotated[Path, typer.Argument(help="run spec (TOML)")],
     detach: Annotated[bool, typer.Option(help="submit and return at once")] = False,
-    owner: Annotated[str | None, typer.Option(help="overrides the spec's owner")] = None,
 ) -> None:
-    """Submit a run (or attach to the run of that name) and follow it to approval."""
+    """Submit a run (or attach to the run of that name) and follow it to approval. The run is
+    yours: its owner is the person of your token."""
     try:
-        spec = load_spec(spec_file, {"owner": owner} if owner else None)
+        load_spec(spec_file)  # refused here with the file's name, before the API is called
     except SpecError as err:
         raise CliError(f"{spec_file}: {err}") from None
     settings = get_settings()
+    client = api_client(settings)
     try:
-        code = publish_code(settings, spec)
-    except CodeSnapshotError as err:
+        answer = call(lambda: client.start(spec_file))
+    except CodeSnapshotError as err:  # packing train.code, on this machine
         raise CliError(f"{spec_file}: train.code: {err}") from None
-
-    async def go() -> int:
-        client = await get_client(settings)
-        await refuse_unknown_gpu_type(client, spec)
-        _handle, started = await submit(client, spec, spec_sha256(spec), code)
-        if started:
-            console.print(f"submitted run {spec.name}")
-        else:
-            console.print(f"run {spec.name} exists: attaching to it")
-        console.print(f"Temporal     {run_link(settings, spec.name)}")
-        if detach:
-            return 0
-        status = await _follow(client, spec.name)
-        if not started and status.spec_sha256 and status.spec_sha256 != spec_sha256(spec):
-            console.print(
-                f"[yellow]note: run {spec.name} was submitted with a different spec; give the "
-                "new one another name to start a new run[/yellow]"
-            )
-        _print_links(settings)
-        return 0 if status.phase in (Phase.AWAITING_APPROVAL, Phase.APPROVED) else 1
-
-    raise typer.Exit(run_async(go()))
+    name = answer.run.status.name
+    if answer.created:
+        console.print(f"submitted run {name}")
+    else:
+        console.print(f"run {name} exists with this spec: attaching to it")
+    console.print(f"Temporal     {run_link(settings, name)}")
+    if detach:
+        return
+    status = _follow(client, name)
+    _print_links(settings)
+    if status.phase not in (Phase.AWAITING_APPROVAL, Phase.APPROVED):
+        raise typer.Exit(ExitCode.RUN_FAILED)
 
 
-async def _follow(client, name: str, poll_s: float = 1.0) -> RunStatus:
+def _follow(client: Client, name: str, poll_s: float = 1.0) -> RunStatus:
     """Print a line whenever the run's progress changes, until it waits for a person or ends."""
     last: tuple = ()
     while True:
-        current = await view(client, name)
+        current = call(lambda: client.status(name))
         beat = current.progress
         # Throughput jitters every second; print when something a person waits for changes.
         stages = current.dataset.model_dump_json() if current.dataset else None
@@ -212,43 +204,37 @@ async def _follow(client, name: str, poll_s: float = 1.0) -> RunStatus:
         phase = current.status.phase
         if phase == Phase.AWAITING_APPROVAL:
             console.print(
-                f"model waiting for approval: forgeline approve {name} --as APPROVER"
-                f"  |  forgeline reject {name} --as APPROVER --reason '…'"
+                f"model waiting for approval by someone else: forgeline approve {name}"
+                f"  |  forgeline reject {name} --reason '…'  (their FORGELINE_TOKEN)"
             )
             return current.status
         if phase.final:
             if current.status.error:
                 console.print(f"[red]{current.status.error}[/red]")
             return current.status
-        if current.execution not in (None, WorkflowExecutionStatus.RUNNING):
+        if current.execution not in (None, "RUNNING"):
             return current.status
-        await asyncio.sleep(poll_s)
+        time.sleep(poll_s)
 
 
-JsonOption = Annotated[
-    bool, typer.Option("--json", help="the state as JSON (the HTTP API's models), not a table")
-]
+@app.command()
+def whoami() -> None:
+    """The person and roles of your token (FORGELINE_TOKEN, else the local stack's)."""
+    who = call(api_client(get_settings()).whoami)
+    console.print(f"{who.person}  {', '.join(who.roles)}  (token {who.token_id})", markup=False)
 
 
 @app.command()
 def runs(as_json: JsonOption = False) -> None:
     """Table of runs: name, phase, step, loss, attempts."""
-    settings = get_settings()
-
-    async def go():
-        client = await get_client(settings)
-        names = await list_run_names(client)
-        return await asyncio.gather(*(view(client, n) for n in names))
-
-    views = run_async(go())
+    views = call(api_client(get_settings()).runs)
     if as_json:
-        ordered = sorted(views, key=lambda v: v.status.name)
-        typer.echo(RunList(runs=[on_the_wire(v) for v in ordered]).model_dump_json(indent=2))
+        typer.echo(RunList(runs=views).model_dump_json(indent=2))
         return
     if not views:
         console.print("no runs yet: `forgeline run examples/tiny.toml`")
         return
-    console.print(runs_table(sorted(views, key=lambda v: v.status.name)))
+    console.print(runs_table(views))
 
 
 @app.command()
@@ -257,14 +243,9 @@ def status(
 ) -> None:
     """Phase, allocation and generation, last committed checkpoint, metrics."""
     settings = get_settings()
-    check_name(name)
-
-    async def go():
-        return await view(await get_client(settings), name)
-
-    found = run_async(go())
+    found = call(lambda: api_client(settings).status(check_name(name)))
     if as_json:
-        typer.echo(on_the_wire(found).model_dump_json(indent=2))
+        typer.echo(found.model_dump_json(indent=2))
         return
     console.print(status_text(found, settings))
 
@@ -280,12 +261,8 @@ def report(
     from worker.report import report_run
 
     settings = get_settings()
-    check_name(name)
-
-    async def go():
-        return await view(await get_client(settings), name)
-
-    written = report_run(settings, run_async(go()).status, out or Path("reports") / name)
+    found = call(lambda: api_client(settings).status(check_name(name)))
+    written = report_run(settings, found.status, out or Path("reports") / name)
     for path in written.files:
         console.print(f"wrote {path}")
     for what in written.missing:
@@ -294,23 +271,14 @@ def report(
         console.print(f"logged to {written.logged_to}")
 
 
-def _decide(name: str, decision: Decision) -> None:
-    settings = get_settings()
+def _decided(name: str, reason: str, decide: Callable[[Client], RunView]) -> None:
     check_name(name)
-    check_name(decision.approver, "approver")
     try:
-        run_actions.check_reason(decision)  # before Temporal is reached
+        run_actions.check_reason(reason)  # before the API is reached
     except run_actions.RunActionError as err:
         raise CliError(str(err)) from None
-
-    async def go() -> RunStatus:
-        try:
-            return await run_actions.decide(await get_client(settings), name, decision)
-        except run_actions.RunActionError as err:
-            raise CliError(str(err)) from None
-
-    status = run_async(go())
-    mv = status.model_version
+    found = call(lambda: decide(api_client(get_settings())))
+    status, mv = found.status, found.status.model_version
     console.print(
         f"run {name}: {status.phase.value}" + (f" ({mv.model_name} v{mv.version})" if mv else "")
     )
@@ -321,27 +289,25 @@ def _decide(name: str, decision: Decision) -> None:
 @app.command()
 def approve(
     name: Annotated[str, typer.Argument(help="run name")],
-    approver: Annotated[str, typer.Option("--as", help="who approves")],
     note: Annotated[str, typer.Option(help="recorded on the model version")] = "",
     override_gate: Annotated[
         bool, typer.Option(help="approve although the eval gate failed; --note must say why")
     ] = False,
 ) -> None:
-    """Approve the run's model: alias `production` moves to its version. Only a listed approver
-    other than the submitter may (see `forgeline approvals`), and the eval gate must pass."""
-    _decide(
-        name, Decision(approver=approver, approve=True, reason=note, override_gate=override_gate)
-    )
+    """Approve the run's model, as the person of your token: alias `production` moves to its
+    version. Only a listed approver other than the submitter may (see `forgeline approvals`),
+    and the eval gate must pass."""
+    _decided(name, note, lambda client: client.approve(name, note, override_gate))
 
 
 @app.command()
 def reject(
     name: Annotated[str, typer.Argument(help="run name")],
-    approver: Annotated[str, typer.Option("--as", help="who rejects")],
     reason: Annotated[str, typer.Option(help="why; recorded on the model version")],
 ) -> None:
-    """Reject the run's model; the reason is recorded on the version."""
-    _decide(name, Decision(approver=approver, approve=False, reason=reason))
+    """Reject the run's model, as the person of your token; the reason is recorded on the
+    version."""
+    _decided(name, reason, lambda client: client.reject(name, reason))
 
 
 @app.command()
@@ -349,18 +315,10 @@ def cancel(
     name: Annotated[str, typer.Argument(help="run name")],
     wait_s: Annotated[float, typer.Option(help="how long to wait for the ranks to stop")] = 120,
 ) -> None:
-    """Cancel a run: its ranks are stopped and its gang is released."""
-    settings = get_settings()
+    """Cancel a run (yours, or anyone's as an operator): its ranks stop, its gang is released."""
     check_name(name)
-
-    async def go() -> RunStatus:
-        try:
-            return await run_actions.cancel(await get_client(settings), name, wait_s)
-        except run_actions.RunActionError as err:
-            raise CliError(str(err)) from None
-
-    final = run_async(go())
-    console.print(f"run {name}: {final.phase.value}; its nodes are released")
+    final = call(lambda: api_client(get_settings()).cancel(name, wait_s))
+    console.print(f"run {name}: {final.status.phase.value}; its nodes are released")
 
 
 # --- deploy -------------------------------------------------------------------------------------
@@ -476,16 +434,24 @@ def data_report(
     console.print(f"wrote {path}")
 
 
-def error_message(err: BaseException) -> str | None:
-    """What `forgeline` prints for an error it expects (bad input, a stack that is down), or
-    None for anything else: a bug, which keeps its traceback."""
-    # InfraError: a bad setting, an unreachable or missing store, a stack that will not start:
-    # each message already names the setting or the object, and the fix.
-    if isinstance(err, CliError | RunNotFound | DataCliError | InfraError):
-        return str(err)
+def outcome(err: BaseException) -> tuple[str, ExitCode] | None:
+    """What `forgeline` prints and exits with for an error it expects (bad input, a refusal, a
+    stack that is down), or None for anything else: a bug, which keeps its traceback."""
+    if isinstance(err, CliError):
+        return str(err), err.code
+    if isinstance(err, RunNotFound | ObjectNotFound):
+        return str(err), ExitCode.NOT_FOUND
+    # A bad setting, a plan or a host network that cannot be, an extra not installed, a
+    # corrupt object: the message names the setting or the object, and the fix.
+    if isinstance(err, DataCliError | SettingsError | PlanError | HostNetworkError | MissingExtra
+                  | IntegrityError | InvalidKey):  # fmt: skip
+        return str(err), ExitCode.BAD_INPUT
+    # A store or a stack process that did not answer or would not start.
+    if isinstance(err, InfraError):
+        return str(err), ExitCode.DOWN
     if isinstance(err, RPCError | TimeoutError):
         reason = err or type(err).__name__
-        return f"Temporal did not answer ({reason}): is the stack up? `forgeline up`"
+        return f"Temporal did not answer ({reason}): is the stack up? `forgeline up`", ExitCode.DOWN
     return None
 
 
@@ -497,12 +463,14 @@ def main() -> None:
     except SystemExit as done:  # typer ends every command this way
         code = done.code if isinstance(done.code, int) else (0 if done.code is None else 1)
     except Exception as err:
-        message = error_message(err)
-        if message is None:
-            raise
-        # Escaped: messages quote TOML sections and paths, whose [brackets] are not markup.
-        console.print(f"[red]error:[/red] {escape(message)}")
-        code = 2
+        expected = outcome(err)
+        if expected is None:
+            traceback.print_exc()
+            code = ExitCode.BUG
+        else:
+            # Escaped: messages quote TOML sections and paths, whose [brackets] are not markup.
+            console.print(f"[red]error:[/red] {escape(expected[0])}")
+            code = expected[1]
     # Skip interpreter finalisation: the Temporal client's core threads can still hold Python
     # objects then, and releasing them in a finalising interpreter aborts the process
     # ("PyGILState_Release ... finalizing", seen in about one `up` in five here). Everything

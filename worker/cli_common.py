@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import sys
 from collections.abc import Awaitable
+from enum import IntEnum
 from typing import TypeVar
 
 from rich.console import Console
@@ -19,8 +20,26 @@ console = Console(highlight=False, soft_wrap=True, width=None if sys.stdout.isat
 T = TypeVar("T")
 
 
+class ExitCode(IntEnum):
+    """What `forgeline` exits with, one code per kind of outcome, for scripts to branch on
+    (the README lists them)."""
+
+    OK = 0
+    RUN_FAILED = 1  # the run ended FAILED, CANCELLED or REJECTED; a lineage hash is broken
+    USAGE = 2  # click's own: an unknown command or option, a missing argument
+    BAD_INPUT = 3  # a spec, name, file or value refused before anything started
+    NOT_FOUND = 4  # no such run, model version, node, token or log
+    REFUSED = 5  # not allowed (no token, not the role), or the run's state or gate refuses it
+    DOWN = 6  # the API, Temporal, MLflow or the store did not answer
+    BUG = 70  # a defect in Forgeline: the traceback is printed (sysexits' EX_SOFTWARE)
+
+
 class CliError(Exception):
-    """Shown to the user as one line, without a traceback."""
+    """Shown to the user as one line, without a traceback; `code` is the exit code."""
+
+    def __init__(self, message: str, code: ExitCode = ExitCode.BAD_INPUT) -> None:
+        super().__init__(message)
+        self.code = code
 
 
 def run(coro: Awaitable[T]) -> T:
@@ -39,7 +58,8 @@ async def get_client(
     except RuntimeError as err:
         reason = "connection refused" if "Connection refused" in str(err) else str(err)[:200]
         raise CliError(
-            f"cannot reach Temporal at {settings.temporal_address} ({reason}): {fix}"
+            f"cannot reach Temporal at {settings.temporal_address} ({reason}): {fix}",
+            ExitCode.DOWN,
         ) from None
 
 

@@ -10,19 +10,18 @@ import typer
 from pydantic import ValidationError
 
 from infra.toml_files import read_toml
-from worker import cluster_actions
-from worker.cli_common import CliError, check_name, console, get_client, get_settings, run
+from worker.api_access import api_client, call
+from worker.cli_common import CliError, check_name, console, get_settings
 from worker.cluster_render import jobs_table, nodes_table, queues_table
-from worker.runs import cluster_state
 from worker.specfile import explain_errors
-from workflows.cluster_models import Admin, ClusterConfig, ClusterState, Node, NodeAdmin
+from workflows.cluster_models import ClusterConfig, ClusterState, Node
 
 cluster_app = typer.Typer(help="The cluster's configuration: pods, queues, spares.")
 node_app = typer.Typer(help="Take a node out of service or put it back.")
 
 
-async def _cluster_state() -> ClusterState:
-    return await cluster_state(await get_client(get_settings()))
+def _cluster_state() -> ClusterState:
+    return call(api_client(get_settings()).cluster)
 
 
 # The tables are views of one state: --json prints that state whole (as GET /v1/cluster).
@@ -39,14 +38,14 @@ def _printed_as_json(state: ClusterState, as_json: bool) -> bool:
 
 def nodes(as_json: ClusterJson = False) -> None:
     """The nodes: pod, GPUs in use, state, jobs, cached datasets."""
-    state = run(_cluster_state())
+    state = _cluster_state()
     if not _printed_as_json(state, as_json):
         console.print(nodes_table(state))
 
 
 def queues(as_json: ClusterJson = False) -> None:
     """The queues (teams): guaranteed, max, in use, borrowed, pending GPUs."""
-    state = run(_cluster_state())
+    state = _cluster_state()
     if _printed_as_json(state, as_json):
         return
     console.print(queues_table(state))
@@ -60,7 +59,7 @@ def queues(as_json: ClusterJson = False) -> None:
 
 def jobs(as_json: ClusterJson = False) -> None:
     """Running gangs, and waiting ones with their place in line and why they wait."""
-    state = run(_cluster_state())
+    state = _cluster_state()
     if _printed_as_json(state, as_json):
         return
     console.print(jobs_table(state))
@@ -83,27 +82,16 @@ def load_cluster_config(path: Path) -> ClusterConfig:
 def apply(file: Annotated[Path, typer.Argument(help="cluster file (TOML)")]) -> None:
     """Declare pods, the queue tree, the spare pool, cost and preemption grace."""
     config = load_cluster_config(file)
-
-    async def go() -> ClusterConfig:
-        return await cluster_actions.apply_config(await get_client(get_settings()), config)
-
-    applied = run(go())
+    applied = call(lambda: api_client(get_settings()).apply_cluster(config))
     console.print(
         f"applied: {len(applied.queues)} queue(s), {len(applied.pods)} pod(s), "
         f"{applied.spare_nodes} spare node(s), preemption grace {applied.preemption_grace_s} s"
     )
 
 
-def _set_admin(node_id: str, admin: Admin) -> Node:
-    change = NodeAdmin(node_id=check_name(node_id, "node id"), admin=admin)
-
-    async def go() -> Node:
-        try:
-            return await cluster_actions.set_node_admin(await get_client(get_settings()), change)
-        except cluster_actions.ClusterRefused as err:
-            raise CliError(str(err)) from None
-
-    node = run(go())
+def _set_admin(node_id: str, action: str) -> Node:
+    check_name(node_id, "node id")
+    node = call(lambda: api_client(get_settings()).node(node_id, action))
     console.print(
         f"{node.info.node_id}: {node.state}"
         + (f", running {', '.join(node.jobs)}" if node.jobs else "")
@@ -114,16 +102,16 @@ def _set_admin(node_id: str, admin: Admin) -> Node:
 @node_app.command("drain")
 def drain(node: Annotated[str, typer.Argument(help="node id")]) -> None:
     """No new work; the gangs on it checkpoint within the grace period and move elsewhere."""
-    _set_admin(node, Admin.DRAINING)
+    _set_admin(node, "drain")
 
 
 @node_app.command("cordon")
 def cordon(node: Annotated[str, typer.Argument(help="node id")]) -> None:
     """No new work; what runs there keeps running."""
-    _set_admin(node, Admin.CORDONED)
+    _set_admin(node, "cordon")
 
 
 @node_app.command("undrain")
 def undrain(node: Annotated[str, typer.Argument(help="node id")]) -> None:
     """Back in service (after drain or cordon)."""
-    _set_admin(node, Admin.ACTIVE)
+    _set_admin(node, "undrain")

@@ -24,7 +24,7 @@ from infra.settings import Settings
 from infra.store import ObjectStore
 from registry.names import CHECKPOINT_TAG, DECISION_TAG, IDEMPOTENCY_TAG
 from trainer.manifest import read_manifest, verify_files
-from worker.cli_common import CliError, check_name, console, get_settings
+from worker.cli_common import CliError, ExitCode, check_name, console, get_settings
 from worker.serve import ALIAS_PATTERN
 
 
@@ -55,16 +55,19 @@ def lineage_command(
     # MlflowClient retries an unreachable server with back-off for minutes; ask once, quickly.
     uri = settings.mlflow_uri
     if uri.startswith(("http://", "https://")) and not http_ok(f"{uri}/health"):
-        raise CliError(f"cannot reach MLflow at {uri}: start the local stack with `forgeline up`")
+        raise CliError(
+            f"cannot reach MLflow at {uri}: start the local stack with `forgeline up`",
+            ExitCode.DOWN,
+        )
     try:
         links = trace(settings, settings.open_store(), name, version)
     except LineageError as err:
-        raise CliError(str(err)) from None
+        raise CliError(str(err), ExitCode.NOT_FOUND) from None
     for link in links:
         mark = {"": "", "ok": "  [verified]"}.get(link.check, f"  [BROKEN: {link.check}]")
         console.print(f"{link.what:<11} {link.detail}{mark}", markup=False)
     if any(link.broken for link in links):
-        raise typer.Exit(1)
+        raise typer.Exit(ExitCode.RUN_FAILED)
 
 
 def check_version(version: str) -> str:

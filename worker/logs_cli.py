@@ -10,7 +10,7 @@ from typing import Annotated
 import typer
 
 from trainer.rank_logs import LogPiece, pieces
-from worker.cli_common import CliError, check_name, get_settings
+from worker.cli_common import CliError, ExitCode, check_name, get_settings
 
 _FOLLOW_POLL_S = 1.0
 
@@ -49,12 +49,18 @@ def logs(
     store = get_settings().open_store()
     found = pieces(store, run)
     if not found and not follow:
-        raise CliError(f"no logs of run {run} in {store.url}: check the name (`forgeline runs`)")
+        raise CliError(
+            f"no logs of run {run} in {store.url}: check the name (`forgeline runs`)",
+            ExitCode.NOT_FOUND,
+        )
     generations = sorted({p.generation for p in found})
     if attempt is None:
         attempt = generations[-1] if generations else 1
     elif attempt not in generations and not follow:
-        raise CliError(f"run {run} has no logs of attempt {attempt}: it has {generations}")
+        raise CliError(
+            f"run {run} has no logs of attempt {attempt}: it has {generations}",
+            ExitCode.NOT_FOUND,
+        )
     printed: set[str] = set()
     current: str | None = None
     while True:

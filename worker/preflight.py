@@ -12,7 +12,7 @@ from temporalio.client import Client
 
 from infra.errors import InfraError
 from infra.settings import Settings, setting_label, unset_settings
-from worker.cli_common import CliError, get_client
+from worker.cli_common import CliError, ExitCode, get_client
 
 TEMPORAL, STORE, MLFLOW = "temporal_address", "store_url", "mlflow_uri"
 # What each process talks to: an agent ships metrics to MLflow, a data worker does not.
@@ -38,7 +38,7 @@ def check_store(settings: Settings) -> None:
     try:
         settings.open_store().list("runs/")
     except InfraError as err:  # the store's own message names the bucket and the fix
-        raise CliError(f"the store {settings.store} cannot be used: {err}") from None
+        raise CliError(f"the store {settings.store} cannot be used: {err}", ExitCode.DOWN) from None
 
 
 def check_mlflow(settings: Settings) -> None:
@@ -54,7 +54,8 @@ def check_mlflow(settings: Settings) -> None:
         reason = str(getattr(err, "reason", None) or err)
     raise CliError(
         f"MLflow at {settings.mlflow_uri} does not answer ({reason}): check "
-        f"{setting_label(MLFLOW)} and that the server is up"
+        f"{setting_label(MLFLOW)} and that the server is up",
+        ExitCode.DOWN,
     )
 
 

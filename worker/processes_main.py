@@ -25,8 +25,9 @@ from infra.processes import free_port
 from infra.settings import Settings
 from registry.metric_stream import MetricShipper, seal_abandoned
 from trainer.launch import LOOPBACK, Fabric
+from worker.node_claim import join, previous_incarnation
 from worker.preflight import reach_temporal
-from worker.temporal_client import ensure_cluster, ensure_search_attributes, register_node
+from worker.temporal_client import ensure_cluster, ensure_search_attributes
 from workflows.cluster import ClusterWorkflow
 from workflows.cluster_models import NodeHealthReport, NodeInfo
 from workflows.dataset import DatasetSnapshotWorkflow
@@ -131,8 +132,10 @@ async def run_node_agent(
     incarnation: str | None = None,
     ports: RendezvousPorts | None = None,
 ) -> None:
+    node_dir = settings.home / "nodes" / node_id
+    previous = previous_incarnation(node_dir, node_id)  # refused here while it still runs
     client = await reach_temporal(settings)
-    cached = CachedSnapshots(settings.home / "nodes" / node_id / "cache" / "snapshots.json")
+    cached = CachedSnapshots(node_dir / "cache" / "snapshots.json")
     # On the local stack any free port will do: the agents share one machine's ports.
     ports = ports or RendezvousPorts(free_port())
     info = NodeInfo(
@@ -154,9 +157,8 @@ async def run_node_agent(
         nonlocal info
         if cached.add(snapshot_id):
             info = info.model_copy(update={"cached": cached.load()})
-            await register_node(client, info)
+            await join(client, node_dir, info, previous)
 
-    node_dir = settings.home / "nodes" / node_id
     node_health.repaired(node_dir)  # a new incarnation runs on a repaired node
     activities = NodeActivities(settings, node_id, on_cached, fabric)
     # No writer of this node's spool is alive yet: what a crashed predecessor left open is
@@ -173,7 +175,7 @@ async def run_node_agent(
     )
     # Stopping the agent (SIGTERM) cancels its running activity at once, which stops the
     # ranks before the worker exits.
-    await register_node(client, info)
+    await join(client, node_dir, info, previous)  # NodeClaimed: another agent holds the id
     logging.info(
         "node %s at %s (%s, %s) registered, polling %s", node_id, fabric.address,
         fabric.interface, hardware.describe(), node_task_queue(node_id),

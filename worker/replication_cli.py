@@ -20,7 +20,7 @@ from infra.errors import StoreError
 from infra.replication import ReplicationStatus, Replicator
 from infra.settings import Settings
 from infra.store import open_store
-from worker.cli_common import CliError, console, get_settings
+from worker.cli_common import CliError, ExitCode, console, get_settings
 
 
 def _stores(settings: Settings):  # -> tuple[ObjectStore, ObjectStore]
@@ -60,7 +60,7 @@ def replication(
     try:
         status = ReplicationStatus.read(twin)
     except StoreError as err:
-        raise CliError(f"cannot read the twin site: {err}") from None
+        raise CliError(f"cannot read the twin site: {err}", ExitCode.DOWN) from None
     if status is None:
         raise CliError(
             f"{twin.url} has no replication status yet: is the replicator running "

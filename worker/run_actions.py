@@ -29,18 +29,17 @@ class StillStopping(RunActionError):
     """A cancelled run's ranks had not stopped within the wait."""
 
 
-def check_reason(decision: Decision) -> None:
+def check_reason(reason: str) -> None:
     # The reason travels in a Temporal update and becomes an MLflow tag.
-    if len(decision.reason) > MAX_REASON_CHARS:
+    if len(reason) > MAX_REASON_CHARS:
         raise RunActionError(
-            f"the note or reason is {len(decision.reason):,} characters: keep it under "
-            f"{MAX_REASON_CHARS:,}"
+            f"the note or reason is {len(reason):,} characters: keep it under {MAX_REASON_CHARS:,}"
         )
 
 
 async def decide(client: Client, name: str, decision: Decision) -> RunStatus:
     """Approve or reject the run's model; the run's own gate checks who may."""
-    check_reason(decision)
+    check_reason(decision.reason)
     current = await view(client, name)
     if current.status.phase != Phase.AWAITING_APPROVAL:
         raise WrongPhase(
@@ -59,7 +58,7 @@ async def decide(client: Client, name: str, decision: Decision) -> RunStatus:
 async def cancel(client: Client, name: str, wait_s: float) -> RunStatus:
     """Cancel the run and wait for its ranks to stop and its gang to be released."""
     current = await view(client, name)
-    if current.execution != WorkflowExecutionStatus.RUNNING:
+    if current.execution != WorkflowExecutionStatus.RUNNING.name:
         raise WrongPhase(f"run {name} is not running ({current.status.phase.value})")
     handle = client.get_workflow_handle(name)
     await handle.cancel()

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 
-from temporalio.client import Client, WorkflowExecutionStatus, WorkflowHandle
+from temporalio.client import Client, WorkflowHandle
 from temporalio.common import WorkflowIDReusePolicy
 from temporalio.exceptions import WorkflowAlreadyStartedError
 from temporalio.service import RPCError, RPCStatusCode
@@ -34,13 +33,8 @@ class RunNotFound(Exception):
     pass
 
 
-@dataclass
-class RunView:
-    status: RunStatus
-    progress: TrainProgress | None  # the newest heartbeat of the current generation
-    execution: WorkflowExecutionStatus | None
-    retrying: list[str] = field(default_factory=list)  # activities failing and being retried
-    dataset: DatasetProgress | None = None  # while PREPARING: the data stages' progress
+# One view of a run for the CLI, the API and the client: the API's own model.
+RunView = wire.RunView
 
 
 def publish_code(settings: Settings, spec: RunSpec) -> CodeRef | None:
@@ -95,16 +89,6 @@ async def submit(
         return client.get_workflow_handle(spec.name), False
 
 
-def on_the_wire(found: RunView) -> wire.RunView:
-    """A run as the API answers it and `--json` prints it."""
-    return wire.RunView(
-        status=found.status,
-        progress=found.progress,
-        execution=found.execution.name if found.execution else None,
-        retrying=found.retrying,
-    )
-
-
 async def view(client: Client, name: str) -> RunView:
     handle = client.get_workflow_handle(name)
     try:
@@ -131,7 +115,10 @@ async def view(client: Client, name: str) -> RunView:
     dataset = None
     if status.phase == Phase.PREPARING and status.dataset_workflow_id:
         dataset = await dataset_progress(client, status.dataset_workflow_id)
-    return RunView(status, progress, description.status, retrying, dataset)
+    execution = description.status.name if description.status else None
+    return RunView(
+        status=status, progress=progress, execution=execution, retrying=retrying, dataset=dataset
+    )
 
 
 async def dataset_progress(client: Client, workflow_id: str) -> DatasetProgress | None:

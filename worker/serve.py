@@ -14,8 +14,10 @@ import json
 import os
 import re
 import shlex
+import shutil
 import signal
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.parse
@@ -28,6 +30,7 @@ from infra.extras import require_extra
 from infra.processes import ManagedProcess, free_port, http_ok, port_is_open
 from registry.names import DECISION_TAG, PRODUCTION, SERVABLE_TAG
 from worker.cli_common import check_name
+from worker.verified_model import UnverifiedModel, fetch_verified
 
 # MLflow's own rule for aliases (letters, digits, `_`, `-`); checked here so a typo is refused
 # before it becomes part of a models:/ URI.
@@ -120,7 +123,7 @@ def check_registered(tracking_uri: str, ref: ModelRef) -> str:
         ) from None
     if ref.alias == PRODUCTION:
         fix = (
-            "approve one with `forgeline approve RUN --as APPROVER` "
+            "approve one with `forgeline approve RUN` (as an approver) "
             f"(or serve {ref.name}@candidate)"
         )
     elif ref.alias:
@@ -147,6 +150,7 @@ class ModelServer:
     version: str
     url: str
     process: ManagedProcess
+    scratch: Path | None = None  # holds the verified copy it serves, removed when it stops
 
     def running(self) -> bool:
         return self.process.running()
@@ -166,6 +170,8 @@ class ModelServer:
                     os.killpg(group, signal.SIGKILL)
                 deadline, killed = time.monotonic() + 5, True
             time.sleep(0.1)
+        if self.scratch is not None:
+            shutil.rmtree(self.scratch, ignore_errors=True)
 
     def log_tail(self, lines: int = 30) -> str:
         return self.process.log_tail(lines)
@@ -199,20 +205,24 @@ def start_server(
     # The scoring server loads a pyfunc model, which needs pandas: the full mlflow brings it.
     require_extra("control", "forgeline serve")
     version = check_registered(tracking_uri, ref)
-    say(f"starting the model server for {ref} (version {version}) from {tracking_uri}")
     # A server on every interface is reached through loopback from here.
     local = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
     if port is None:
         port = free_port()
     elif port_is_open(local, port):
         raise ServeError(f"port {port} on {host} is in use: pass another --port, or none")
+    # One folder (and log, and pid file) per port: two servers of one model may run side by side.
+    process = ManagedProcess(home, f"serve-{ref.name}-{port}")
+    scratch = home / "serving" / process.name
+    folder = _verified_folder(tracking_uri, ref, version, scratch)
+    say(f"starting the model server for {ref} (version {version}, files verified) from {folder}")
     bin_dir = Path(sys.executable).parent
     argv = [
         str(bin_dir / "mlflow"),
         "models",
         "serve",
         "-m",
-        ref.uri,
+        str(folder),  # what was verified, not the registry's copy
         "--env-manager",
         "local",
         "-h",
@@ -229,12 +239,10 @@ def start_server(
         # (forgeline called by path, venv not activated) it would not be found, or be another's.
         "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}",
     }
-    # One log (and pid file) per port: two servers of one model may run side by side.
-    process = ManagedProcess(home, f"serve-{ref.name}-{port}")
     process.log_file.unlink(missing_ok=True)
     process.start(argv, env=env)
     url = f"http://[{local}]:{port}" if ":" in local else f"http://{local}:{port}"
-    server = ModelServer(ref, version, url, process)
+    server = ModelServer(ref, version, url, process, scratch)
     try:
         _wait_ready(server, timeout_s)
     except BaseException:  # failed, or Ctrl-C while it starts: leave nothing behind
@@ -284,13 +292,21 @@ def generate_local(
     import mlflow.pyfunc
 
     importlib.import_module("trainer")
-    check_registered(tracking_uri, ref)
-    # models:/ URIs resolve through the process-wide registry URI; there is no per-call argument.
-    mlflow.set_tracking_uri(tracking_uri)
-    mlflow.set_registry_uri(tracking_uri)
-    model = mlflow.pyfunc.load_model(ref.uri)
-    (text,) = model.predict([prompt], params={"max_new_tokens": max_new_tokens, "seed": seed})
+    version = check_registered(tracking_uri, ref)
+    with tempfile.TemporaryDirectory(prefix="forgeline-generate-") as scratch:
+        folder = _verified_folder(tracking_uri, ref, version, Path(scratch))
+        model = mlflow.pyfunc.load_model(str(folder))
+        (text,) = model.predict([prompt], params={"max_new_tokens": max_new_tokens, "seed": seed})
     return text
+
+
+def _verified_folder(tracking_uri: str, ref: ModelRef, version: str, dest: Path) -> Path:
+    shutil.rmtree(dest, ignore_errors=True)  # a folder a stopped server left: fetched afresh
+    dest.mkdir(parents=True)
+    try:
+        return fetch_verified(tracking_uri, ref.name, version, dest)
+    except UnverifiedModel as err:
+        raise ServeError(str(err)) from None
 
 
 def generate_remote(

@@ -28,7 +28,7 @@ from temporalio.service import TLSConfig
 from infra.redact import redact_text
 from infra.settings import Settings, SettingsError, setting_label
 from workflows import search_attributes
-from workflows.cluster_models import ClusterState, NodeInfo
+from workflows.cluster_models import ClusterState
 from workflows.names import CLUSTER_WORKFLOW_ID, CONTROL_TASK_QUEUE
 
 
@@ -160,18 +160,6 @@ async def ensure_cluster(client: Client) -> WorkflowHandle:
         id=CLUSTER_WORKFLOW_ID,
         task_queue=CONTROL_TASK_QUEUE,
         id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
-    )
-
-
-async def register_node(client: Client, info: NodeInfo) -> None:
-    """Signal-with-start: the node registers even if it comes up before the control plane."""
-    await client.start_workflow(
-        "Cluster",
-        ClusterState(),
-        id=CLUSTER_WORKFLOW_ID,
-        task_queue=CONTROL_TASK_QUEUE,
-        start_signal="register_node",
-        start_signal_args=[info],
     )
 
 

@@ -10,7 +10,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from workflows.models import RunStatus, TrainProgress
+from workflows.models import CodeRef, DatasetProgress, RunStatus, TrainProgress
 
 
 class ErrorDetail(BaseModel):
@@ -39,6 +39,11 @@ class SubmitRequest(BaseModel):
         "caller (a different one is refused); data sources are absolute paths the data "
         "workers can read, s3:// URLs or store:KEY objects"
     )
+    code: CodeRef | None = Field(
+        None,
+        description="the snapshot of the spec's train.code folder, as POST /v1/code answered "
+        "it: required when the spec names train.code, refused when it does not",
+    )
 
 
 class RunView(BaseModel):
@@ -48,6 +53,9 @@ class RunView(BaseModel):
     )
     execution: str | None = Field(None, description="Temporal's: RUNNING, COMPLETED, …")
     retrying: list[str] = Field([], description="activities failing and being retried")
+    dataset: DatasetProgress | None = Field(
+        None, description="the data stages' progress, while the run prepares its dataset"
+    )
 
 
 class SubmitAnswer(BaseModel):
@@ -57,6 +65,18 @@ class SubmitAnswer(BaseModel):
 
 class RunList(BaseModel):
     runs: list[RunView]
+
+
+class MetricPoint(BaseModel):
+    step: int
+    value: float
+    timestamp_ms: int = Field(description="when the rank logged it, milliseconds since the epoch")
+
+
+class Metrics(BaseModel):
+    run: str
+    mlflow_run_id: str
+    series: dict[str, list[MetricPoint]] = Field(description="each metric key, by step")
 
 
 class LineageLink(BaseModel):

@@ -28,6 +28,7 @@ with workflow.unsafe.imports_passed_through():
         ClusterState,
         GangRequest,
         Health,
+        JoinRequest,
         Node,
         NodeAdmin,
         NodeFailure,
@@ -81,6 +82,32 @@ class ClusterWorkflow:
 
     @workflow.signal
     def register_node(self, info: NodeInfo) -> None:
+        """Agents before `join_node` (kept: recorded histories hold it)."""
+        self._register(info)
+
+    @workflow.update
+    def join_node(self, join: JoinRequest) -> Node:
+        """An agent joins, or says again what it holds (a new cached snapshot)."""
+        self._register(join.info)
+        node = self._node(join.info.node_id)
+        assert node is not None  # registered just now
+        return node
+
+    @join_node.validator
+    def _not_a_live_node_of_another_agent(self, join: JoinRequest) -> None:
+        # Refused in the validator: nothing reaches the history, and the live node is untouched.
+        node = self._node(join.info.node_id)
+        if node is None or node.health == Health.DOWN:
+            return
+        if node.info.incarnation in (join.info.incarnation, join.previous_incarnation):
+            return  # this agent again, or its successor on the same host
+        raise ApplicationError(
+            f"node {join.info.node_id} is alive under another agent (at {node.info.host}, "
+            f"{node.state}): give this agent its own --node-id, or stop that agent first",
+            non_retryable=True,
+        )
+
+    def _register(self, info: NodeInfo) -> None:
         node = self._node(info.node_id)
         if node is None:
             self._state.nodes.append(Node(info=info))

@@ -48,6 +48,15 @@ class NodeInfo(BaseModel):
     peak_flops: float = Field(default=0.0, ge=0, description="per GPU / rank slot (0: unknown)")
 
 
+class JoinRequest(BaseModel):
+    """An agent joining the cluster (the `join_node` update): its node, and the incarnation the
+    agent that ran from the same state folder had, which is how a restart on the same host is
+    told from a second host claiming a node that is alive."""
+
+    info: NodeInfo
+    previous_incarnation: str | None = None
+
+
 class Health(StrEnum):
     HEALTHY = "healthy"
     DOWN = "down"

@@ -9,7 +9,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +21,7 @@ from infra.processes import free_port, port_is_open
 from infra.s3_store import S3Store, client_config
 from infra.settings import load_settings
 from infra.store import ObjectStore, fetch_verified
+from infra.tokens import LOCAL_TOKEN_FILE, TokenStore
 from infra.twin_store import TwinStore
 from tests.conftest import REPO
 from tests.partition import Partition
@@ -50,6 +51,7 @@ class Stack:
     home: Path
     env: dict[str, str]
     sites: Sites
+    tokens: dict[tuple[str, ...], str] = field(default_factory=dict)
 
     def _site(self, bucket: str, endpoint: str) -> S3Store:
         client = s3_client(endpoint, self.env, config=client_config(max_attempts=2))
@@ -66,12 +68,35 @@ class Stack:
         this process's own boto3 clients: the test process's environment is left alone)."""
         return TwinStore(self.primary(), self.twin())
 
+    @property
+    def me(self) -> str:
+        """The local user's person: the stack's admin, who submits the tests' runs."""
+        token = (self.home / LOCAL_TOKEN_FILE).read_text().strip()
+        return TokenStore(self.home).authenticate(token).person
+
+    def token(self, person: str, *roles: str) -> str:
+        """A token for `person` with `roles`, made once per stack (as an admin would)."""
+        key = (person, *sorted(roles))
+        if key not in self.tokens:
+            made, _ = TokenStore(self.home).create(person, list(roles), created_by="e2e")
+            self.tokens[key] = made
+        return self.tokens[key]
+
     def cli(
-        self, *args: str, timeout: float = 300, check: bool = True
+        self,
+        *args: str,
+        timeout: float = 300,
+        check: bool = True,
+        as_person: tuple[str, ...] | None = None,
     ) -> subprocess.CompletedProcess:
+        """`forgeline ARGS` as the local user (the stack's admin), or `as_person` = (PERSON,
+        ROLE, ...) with a token of theirs."""
+        env = self.env
+        if as_person is not None:
+            env = {**env, "FORGELINE_TOKEN": self.token(*as_person)}
         try:
             result = subprocess.run(
-                [FORGELINE, *args], env=self.env, capture_output=True, text=True, timeout=timeout
+                [FORGELINE, *args], env=env, capture_output=True, text=True, timeout=timeout
             )
         except subprocess.TimeoutExpired as err:
             output = err.stdout.decode(errors="replace") if isinstance(err.stdout, bytes) else ""

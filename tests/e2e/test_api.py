@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import subprocess
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -15,7 +16,8 @@ import pytest
 from forgeline import ApiError, Client
 from infra.tokens import LOCAL_TOKEN_FILE, TokenStore
 from tests.conftest import REPO
-from tests.e2e.conftest import Stack, variant, wait_for
+from tests.e2e.conftest import FORGELINE, Stack, variant, wait_for
+from worker.cli_common import ExitCode
 from worker.temporal_client import connect
 from workflows.api_models import RunList, RunView
 from workflows.cluster_models import Allocation, ClusterState, NodeInfo
@@ -91,6 +93,16 @@ def test_a_run_through_the_api_and_who_may_do_what(stack: Stack, tmp_path: Path)
                     timeout_s=240)  # fmt: skip
     assert run.status.phase.value == "AWAITING_APPROVAL", phases
     assert run.status.last_checkpoint is not None and run.status.last_checkpoint.step == 40
+    # The loss curve the ranks streamed to MLflow, through the API (the agents ship it within
+    # seconds of each step).
+    curve = wait_for(
+        lambda: 40 in (steps := [p.step for p in dave.metrics("via-api", "train/loss")
+                                 .series["train/loss"]]) and steps,
+        60,
+        "the last step's loss in the metrics",
+    )  # fmt: skip
+    assert curve == sorted(curve) and len(curve) >= 8, curve
+    assert "train/tokens_per_s" in dave.metrics("via-api").series
 
     # Nobody approves their own run; an approver of another team may not; one of this team may.
     own = refused(lambda: alice.approve("via-api"), 403, "refused")
@@ -157,3 +169,24 @@ def test_the_schema_in_the_repository_is_the_one_served(stack: Stack) -> None:
     assert json.loads(SCHEMA.read_text()) == served, (
         "docs/openapi.json is stale: python -m worker.api_schema > docs/openapi.json"
     )
+
+
+def test_a_second_agent_under_a_live_node_s_id_is_refused(stack: Stack, tmp_path: Path) -> None:
+    """Another host started with a live node's --node-id (a copied config, say) is refused by
+    the cluster, and so is a second agent from the node's own state folder; the node is as it
+    was."""
+    before = ClusterState.model_validate_json(stack.cli("nodes", "--json").stdout).nodes[0]
+    settings = stack.settings
+    elsewhere = {**stack.env, "FORGELINE_HOME": str(tmp_path / "another-host"),
+                 "FORGELINE_TEMPORAL_ADDRESS": settings.temporal_address,
+                 "FORGELINE_MLFLOW_URI": settings.mlflow_uri}  # fmt: skip
+    agent = [FORGELINE, "agent", "--node-id", before.info.node_id, "--gpus", "1"]
+    for env, says in [
+        (elsewhere, f"node {before.info.node_id} is alive under another agent"),
+        (stack.env, f"node {before.info.node_id}'s agent (pid "),
+    ]:
+        done = subprocess.run(agent, env=env, capture_output=True, text=True, timeout=180)
+        assert done.returncode == ExitCode.REFUSED, done.stdout + done.stderr[-3000:]
+        assert says in done.stdout, done.stdout
+    after = ClusterState.model_validate_json(stack.cli("nodes", "--json").stdout).nodes[0]
+    assert (after.info.incarnation, after.health) == (before.info.incarnation, before.health)

@@ -25,6 +25,9 @@ from tests.e2e.conftest import (
     wait_for,
 )
 from trainer.manifest import committed_steps, find_latest
+from worker.cli_common import ExitCode
+
+BAD_INPUT, NOT_FOUND, REFUSED = ExitCode.BAD_INPUT, ExitCode.NOT_FOUND, ExitCode.REFUSED
 
 pytestmark = pytest.mark.e2e
 
@@ -48,12 +51,13 @@ def test_run_to_approval_and_the_registered_model(stack: Stack, tmp_path: Path) 
     assert "submitted run tiny" in submitted.stdout
 
     # Approving before there is a model is refused with a reason, not a traceback.
-    early = stack.cli("approve", "tiny", "--as", "bob", check=False)
-    assert early.returncode == 2 and "only a run AWAITING_APPROVAL" in early.stdout
+    bob, dave = ("bob", "approve:default"), ("dave", "approve:model:tiny")
+    early = stack.cli("approve", "tiny", check=False, as_person=bob)
+    assert early.returncode == REFUSED and "only a run AWAITING_APPROVAL" in early.stdout
 
     # Submitting the same name again attaches to the run and follows it to the approval gate.
     followed = stack.cli("run", str(TINY))
-    assert "run tiny exists: attaching to it" in followed.stdout
+    assert "run tiny exists with this spec: attaching to it" in followed.stdout
     assert "AWAITING_APPROVAL" in followed.stdout and "model tiny v1" in followed.stdout
     assert re.search(r"TRAINING +step \d+/60 +loss \d", followed.stdout)
 
@@ -65,25 +69,28 @@ def test_run_to_approval_and_the_registered_model(stack: Stack, tmp_path: Path) 
     val_loss = float(re.search(r"val_loss (\d+\.\d+)", status).group(1))
     assert val_loss < 3.5  # from ln(67) ≈ 4.2 at initialisation
 
-    assert re.search(r"^approvers +bob, carol \(not alice, who submitted it\)", status, re.M)
+    me = stack.me  # the local user, the stack's admin, submitted it
+    assert re.search(rf"^approvers +bob, carol \(not {me}, who submitted it\)", status, re.M)
     assert re.search(r"^eval gate +val_loss <= 1: FAILS", status, re.M), status
-    # The submitter, someone not listed, and a listed approver below the gate are all refused.
+    # The submitter (an admin, even), someone not listed, someone without the role and a
+    # listed approver below the gate are all refused; who they are is their token's person.
     for who, extra, why in [
-        ("alice", [], "alice submitted run tiny and may not approve it"),
-        ("mallory", [], "mallory may not approve run tiny: approvers are bob, carol"),
-        ("bob", ["--note", "looks right"], "fails its eval gate"),
+        (None, [], f"{me} submitted run tiny and may not approve it"),
+        (("mallory", "approve:*"), [], "mallory may not approve run tiny: approvers are bob"),
+        (("carol", "read"), [], "carol may not decide on the models of team 'default'"),
+        (bob, ["--note", "looks right"], "fails its eval gate"),
     ]:
-        refused = stack.cli("approve", "tiny", "--as", who, *extra, check=False)
-        assert refused.returncode == 2 and why in refused.stdout, (who, refused.stdout)
+        refused = stack.cli("approve", "tiny", *extra, check=False, as_person=who)
+        assert refused.returncode == REFUSED and why in refused.stdout, (who, refused.stdout)
     # The rules are read when someone decides: new rules count for a model already waiting.
     rules.write_text('[models.tiny]\napprovers = ["dave"]\nmax_val_loss = 1.0\n')
     stack.cli("approvals", "apply", str(rules))
     removed = stack.cli(
-        "approve", "tiny", "--as", "bob", "--override-gate", "--note", "x", check=False
+        "approve", "tiny", "--override-gate", "--note", "x", check=False, as_person=bob
     )
     assert "bob may not approve run tiny: approvers are dave" in removed.stdout, removed.stdout
     approved = stack.cli(
-        "approve", "tiny", "--as", "dave", "--override-gate", "--note", "looks right"
+        "approve", "tiny", "--override-gate", "--note", "looks right", as_person=dave
     )
     assert "run tiny: APPROVED" in approved.stdout
 
@@ -174,7 +181,7 @@ def test_cancel_stops_the_ranks_and_releases_the_gang(stack: Stack, tmp_path: Pa
     nodes_table = stack.cli("nodes").stdout
     assert "tiny-cancel" not in nodes_table and "allocated" not in nodes_table, nodes_table
     again = stack.cli("cancel", "tiny-cancel", check=False)
-    assert again.returncode == 2 and "is not running" in again.stdout
+    assert again.returncode == REFUSED and "is not running" in again.stdout
     # Its MLflow run (opened while the data was prepared) ends with it, not RUNNING forever.
     client = MlflowClient(tracking_uri=stack.settings.mlflow_uri)
     experiment = client.get_experiment_by_name(EXPERIMENT)
@@ -204,12 +211,12 @@ def test_bad_input_gets_one_clear_line(stack: Stack, tmp_path: Path) -> None:
     bad = tmp_path / "bad.toml"
     bad.write_text('name = "Bad Name"\n[data]\nsources = ["x.txt"]\n[train]\nsteps = -1\n')
     result = stack.cli("run", str(bad), check=False)
-    assert result.returncode == 2
+    assert result.returncode == BAD_INPUT
     assert "name: 'Bad Name' is not a valid name" in result.stdout
     assert "train.steps: Input should be greater than or equal to 1" in result.stdout
     assert "Traceback" not in result.stdout + result.stderr
     missing = stack.cli("status", "no-such-run", check=False)
-    assert missing.returncode == 2 and "no run named 'no-such-run'" in missing.stdout
+    assert missing.returncode == NOT_FOUND and "no run named 'no-such-run'" in missing.stdout
 
 
 # Covered faster by tests/workflows/test_cluster_workflow.py (reclaim, grace, requeue) and

@@ -40,6 +40,7 @@ class Cluster:
     root: Path
     env: dict[str, str]  # the settings every process gets: the servers at the bridge's address
     processes: dict[str, subprocess.Popen] = field(default_factory=dict)
+    token: str = ""  # an operator's, made on the API's host as the README says
 
     def start(self, name: str, argv: list[str], home: Path) -> subprocess.Popen:
         home.mkdir(parents=True, exist_ok=True)
@@ -61,7 +62,9 @@ class Cluster:
     def cli(
         self, *args: str, timeout: float = 300, check: bool = True
     ) -> subprocess.CompletedProcess:
-        env = {**self.env, "FORGELINE_HOME": str(self.root / "cli")}
+        # A person's machine: what they do goes through the API under their token (`logs`
+        # still reads the store, with the cluster's settings).
+        env = {**self.env, "FORGELINE_HOME": str(self.root / "cli"), "FORGELINE_TOKEN": self.token}
         try:
             done = subprocess.run(
                 [FORGELINE, *args], env=env, capture_output=True, text=True, timeout=timeout
@@ -141,6 +144,20 @@ def _start_servers(cluster: Cluster, gateway: str) -> None:
     wait_for(lambda: http_ok(f"http://{gateway}:{mlflow_port}/health"), 120, "MLflow")
 
 
+def _start_api(cluster: Cluster, gateway: str) -> None:
+    port, home = free_port(), cluster.root / "api"
+    cluster.start("api", [FORGELINE, "api", "--host", gateway, "--port", str(port)], home)
+    url = f"http://{gateway}:{port}"
+    cluster.env["FORGELINE_API_URL"] = url
+    made = subprocess.run(
+        [FORGELINE, "tokens", "create", "ops", "--role", "admin"],
+        env={**cluster.env, "FORGELINE_HOME": str(home)}, capture_output=True, text=True,
+        timeout=60, check=True,
+    )  # fmt: skip
+    cluster.token = made.stdout.strip().splitlines()[-1]
+    wait_for(lambda: http_ok(f"{url}/openapi.json"), 60, "the API")
+
+
 @pytest.fixture(scope="package")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     network = _network_or_skip()
@@ -165,6 +182,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         s3_client(endpoint, env).create_bucket(Bucket=BUCKET)
         _start_servers(cluster, gateway)
         cluster.start("control", [FORGELINE, "control"], root / "control")
+        _start_api(cluster, gateway)
         cluster.start("data", [FORGELINE, "data", "worker"], root / "data")
         for host in network.hosts:
             cluster.start_agent(host)

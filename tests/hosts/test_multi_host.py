@@ -20,6 +20,7 @@ from tests.hosts.netns import Host
 from trainer.evaluate import load_model
 from trainer.manifest import Fences, committed_steps, find_latest, manifest_key
 from worker.chaos import trainer_processes
+from worker.cli_common import ExitCode
 
 STEPS, CHECKPOINT_EVERY = 300, 50
 
@@ -81,7 +82,7 @@ def test_a_gpu_type_no_agent_reports_is_refused_before_the_run_starts(
     path = spec(tmp_path, "wants-h100")
     path.write_text(path.read_text().replace("[resources]\n", '[resources]\ngpu_type = "h100"\n'))
     refused = cluster.cli("run", str(path), check=False)
-    assert refused.returncode == 2, refused.stdout
+    assert refused.returncode == ExitCode.BAD_INPUT, refused.stdout
     assert "resources.gpu_type = 'h100' is a type no node reports: the nodes report cpu" in (
         refused.stdout
     )

@@ -15,6 +15,7 @@ from packaging.utils import canonicalize_name
 from infra.extras import MissingExtra, missing_distributions, require_extra
 from tests.conftest import REPO
 from tests.fresh_env import without_pythonpath
+from worker.cli_common import ExitCode
 
 PROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
 # What an agent never needs: MLflow's server (the full `mlflow`, with Flask, SQLAlchemy and
@@ -99,6 +100,6 @@ def test_the_cli_says_which_extra_to_install_in_one_line(
         if (tmp_path / "stack.json").exists():
             subprocess.run([sys.executable, "-m", "worker.cli", "down"], cwd=REPO, env=env,
                            capture_output=True, timeout=120)  # fmt: skip
-    assert done.returncode == 2, done.stderr[-2000:]
+    assert done.returncode == ExitCode.BAD_INPUT, done.stderr[-2000:]
     assert says in done.stdout and "Traceback" not in done.stdout + done.stderr
     assert len(done.stdout.strip().splitlines()) == 1, done.stdout

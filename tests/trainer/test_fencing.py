@@ -4,17 +4,24 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Iterator
 from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
 
 from infra.digest import sha256_bytes
 from infra.store import LocalStore
 from tests.trainer.conftest import Trainer
 from tests.trainer.test_layouts import TRAIN
+from trainer.checkpoint import Checkpointer
 from trainer.manifest import (
     MANIFEST_FORMAT,
     Fences,
     committed_steps,
     find_latest,
+    generation_key,
     manifest_key,
     prune,
     record_generation,
@@ -102,3 +109,45 @@ def test_a_superseded_gang_commits_nothing_more_and_stops(trainer: Trainer) -> N
     assert later == []
     found = find_latest(store, "fenced", max_generation=2)
     assert found is not None and found.step == resume_step
+
+
+class ResumedDuringTheCommit(LocalStore):
+    """A newer generation resumes (its fence record lands) between an older one's last fence
+    check and its manifest: the older gang paused at that moment (SIGSTOP, a frozen host)."""
+
+    def put_if_absent(self, key: str, data: bytes) -> bool:
+        if key.endswith("/MANIFEST.json") and not self.exists(generation_key("r", 2)):
+            record_generation(self, "r", 2, resume_step=0)
+        return super().put_if_absent(key, data)
+
+
+@pytest.fixture
+def one_rank(tmp_path: Path) -> Iterator[None]:
+    dist.init_process_group(
+        "gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1
+    )
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.usefixtures("one_rank")
+def test_a_commit_that_lands_after_a_newer_generation_resumed_is_taken_back(
+    tmp_path: Path,
+) -> None:
+    """The e2e's paused node committed its in-flight checkpoint when it came back, after the
+    new generation had resumed from an earlier step: stale for every reader, and in the way of
+    the new generation's own commit at that step. Now it is taken back, and the save fenced."""
+    store = ResumedDuringTheCommit(tmp_path / "store")
+    saver = Checkpointer(store=store, staging_dir=tmp_path / "staging", run_id="r", generation=1,
+                         keep=2, layout={}, asynchronous=False)  # fmt: skip
+    model = torch.nn.Linear(4, 4)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    try:
+        saver.save(model, optimizer, 10, {"tokens_seen": 10})
+        report = saver.wait()
+    finally:
+        saver.close()
+    assert report is not None and report.manifest_key is None and report.fenced and saver.fenced
+    assert committed_steps(store, "r") == []  # the key is free for generation 2's step 10

@@ -4,6 +4,8 @@ not even there)."""
 
 from __future__ import annotations
 
+import io
+import tarfile
 import threading
 import time
 from collections.abc import Iterator
@@ -13,10 +15,12 @@ import pytest
 import uvicorn
 
 from forgeline import ApiError, Client
+from infra import code_snapshot
 from infra.processes import free_port
 from infra.settings import Settings
 from infra.tokens import TokenStore
 from worker.api import make_app
+from workflows.api_models import SubmitAnswer, SubmitRequest
 
 
 @pytest.fixture
@@ -67,3 +71,57 @@ def test_every_refusal_has_the_one_shape(api: tuple[str, Path]) -> None:
     error = refused(lambda: alice._call("GET", "/v1/approvals"), 500, "internal")
     assert "UnicodeDecodeError" in error.message
     refused(lambda: alice._call("GET", "/v1/nothing"), 404, "not_found")
+
+
+def _spec(corpus: Path, code: Path | None) -> dict:
+    train = {"code": str(code), "entrypoint": "train.py"} if code else {}
+    return {"name": "x", "data": {"sources": [str(corpus)]}, "resources": {"team": "research"},
+            "train": train}  # fmt: skip
+
+
+def test_code_is_uploaded_as_a_snapshot_and_checked_before_temporal(
+    api: tuple[str, Path], tmp_path: Path
+) -> None:
+    url, home = api
+    tokens = TokenStore(home)
+    alice = Client(url, tokens.create("alice", ["submit:research"], created_by="test")[0])
+    reader = Client(url, tokens.create("rhea", ["read"], created_by="test")[0])
+    code = tmp_path / "code"
+    code.mkdir()
+    (code / "train.py").write_text("import forgeline\n")
+    (code / ".gitignore").write_text("*.ckpt\n")
+    (code / "weights.ckpt").write_bytes(b"left out")
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("To be, or not to be.\n")
+
+    uploaded = alice.upload_code(code)
+    assert uploaded.snapshot_id == code_snapshot.pack(code)[1] and uploaded.files == 2
+    assert Settings(home=home).open_store().exists(uploaded.manifest_key)
+    refused(lambda: reader.upload_code(code), 403, "forbidden")
+    for member in ("../escape.py", "/etc/cron.d/x"):
+        error = refused(lambda m=member: alice._call("POST", "/v1/code", raw=_tar(m)), 422,
+                        "invalid_code")  # fmt: skip
+        assert error.field == "code" and "leaves the code folder" in error.message
+    assert not (tmp_path / "escape.py").exists()
+
+    # The submit's code must be the snapshot of its train.code, in the store: else 422, and
+    # nothing reaches Temporal (whose absence is the 503 once everything is in order).
+    send = lambda spec, ref: alice._call(  # noqa: E731
+        "POST", "/v1/runs", SubmitRequest(spec=spec, code=ref), SubmitAnswer
+    )
+    assert "cannot read a folder" in refused(lambda: send(_spec(corpus, code), None), 422,
+                                             "invalid_code").message  # fmt: skip
+    forged = uploaded.model_copy(update={"manifest_sha256": "0" * 64})
+    refused(lambda: send(_spec(corpus, code), forged), 422, "invalid_code")
+    refused(lambda: send(_spec(corpus, None), uploaded), 422, "invalid_code")
+    refused(lambda: send(_spec(corpus, code), uploaded), 503, "unavailable")
+    refused(lambda: alice.submit(_spec(corpus, code)), 503, "unavailable")  # uploads, then submits
+
+
+def _tar(name: str) -> bytes:
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w") as tar:
+        info = tarfile.TarInfo(name)
+        info.size = 2
+        tar.addfile(info, io.BytesIO(b"x\n"))
+    return buffer.getvalue()

@@ -17,6 +17,9 @@ from infra.store import LocalStore
 from tests.e2e.conftest import FORGELINE
 from tests.http_server import serving
 from trainer.rank_logs import LogShipper
+from worker.cli_common import ExitCode
+
+BAD_INPUT, DOWN, NOT_FOUND = ExitCode.BAD_INPUT, ExitCode.DOWN, ExitCode.NOT_FOUND
 
 
 def forgeline(home: Path, *args: str, **env: str) -> subprocess.CompletedProcess:
@@ -43,9 +46,10 @@ def healthy_mlflow() -> Iterator[str]:
         yield url
 
 
-def _one_error_line(done: subprocess.CompletedProcess, alone: bool = True) -> str:
-    """The command's one error line (and, `alone`, nothing else), with no traceback."""
-    assert done.returncode == 2, done.stdout + done.stderr
+def _one_error_line(done: subprocess.CompletedProcess, code: ExitCode, alone: bool = True) -> str:
+    """The command's one error line (and, `alone`, nothing else), with no traceback, and the
+    exit code of its kind."""
+    assert done.returncode == code, done.stdout + done.stderr
     assert "Traceback" not in done.stderr, done.stderr
     lines = [line for line in done.stdout.splitlines() if line.strip()]
     (error,) = [line for line in lines if line.startswith("error: ")]
@@ -54,11 +58,12 @@ def _one_error_line(done: subprocess.CompletedProcess, alone: bool = True) -> st
 
 
 def test_an_agent_without_its_settings_names_each_one(tmp_path: Path) -> None:
-    line = _one_error_line(forgeline(tmp_path, "agent", "--node-id", "gpu-7"))
+    line = _one_error_line(forgeline(tmp_path, "agent", "--node-id", "gpu-7"), BAD_INPUT)
     for variable in ("FORGELINE_TEMPORAL_ADDRESS", "FORGELINE_STORE", "FORGELINE_MLFLOW_URI"):
         assert variable in line, line
     # A data worker needs no MLflow, and says only what it misses.
-    line = _one_error_line(forgeline(tmp_path, "data", "worker", "--store", str(tmp_path / "s")))
+    done = forgeline(tmp_path, "data", "worker", "--store", str(tmp_path / "s"))
+    line = _one_error_line(done, BAD_INPUT)
     assert "FORGELINE_TEMPORAL_ADDRESS" in line and "MLFLOW" not in line, line
 
 
@@ -67,7 +72,7 @@ def test_an_agent_whose_mlflow_does_not_answer_refuses_to_start(tmp_path: Path) 
     line = _one_error_line(forgeline(
         tmp_path, "agent", "--node-id", "gpu-7", "--temporal-address", f"127.0.0.1:{free_port()}",
         "--store", str(tmp_path / "store"), "--mlflow-uri", f"http://127.0.0.1:{closed}",
-    ))  # fmt: skip
+    ), DOWN)  # fmt: skip
     assert f"MLflow at http://127.0.0.1:{closed} does not answer" in line, line
     assert "FORGELINE_MLFLOW_URI" in line
 
@@ -79,7 +84,7 @@ def test_a_control_worker_whose_temporal_does_not_answer_refuses_to_start(
     line = _one_error_line(forgeline(
         tmp_path, "control", "--store", str(tmp_path / "store"), "--mlflow-uri", healthy_mlflow,
         FORGELINE_TEMPORAL_ADDRESS=f"127.0.0.1:{closed}",
-    ))  # fmt: skip
+    ), DOWN)  # fmt: skip
     assert f"cannot reach Temporal at 127.0.0.1:{closed}" in line, line
     assert "FORGELINE_TEMPORAL_ADDRESS" in line and "forgeline up" not in line, line
 
@@ -92,7 +97,7 @@ def test_up_starts_no_local_server_behind_settings_that_point_elsewhere(tmp_path
         FORGELINE_MLFLOW_URI=f"http://127.0.0.1:{mlflow}",
     )  # fmt: skip
     assert f"temporal      external at 127.0.0.1:{temporal}" in done.stdout, done.stdout
-    assert f"MLflow at http://127.0.0.1:{mlflow}" in _one_error_line(done, alone=False)
+    assert f"MLflow at http://127.0.0.1:{mlflow}" in _one_error_line(done, DOWN, alone=False)
     assert not list((tmp_path / "run").glob("*.pid")), "a local server was started"
 
 
@@ -114,9 +119,10 @@ def test_logs_are_read_back_by_run_node_rank_and_attempt(tmp_path: Path) -> None
     node = forgeline(tmp_path, "logs", "tiny", "--node", "h1", "--attempt", "1").stdout
     assert "on h1" in node and "h2" not in node
     assert "has no logs of attempt 7" in _one_error_line(
-        forgeline(tmp_path, "logs", "tiny", "--attempt", "7")
+        forgeline(tmp_path, "logs", "tiny", "--attempt", "7"), NOT_FOUND
     )
-    assert "no logs of run other" in _one_error_line(forgeline(tmp_path, "logs", "other"))
+    other = forgeline(tmp_path, "logs", "other")
+    assert "no logs of run other" in _one_error_line(other, NOT_FOUND)
 
 
 def test_logs_follow_prints_lines_as_they_are_shipped(tmp_path: Path) -> None:

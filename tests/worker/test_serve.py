@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.parse
 import urllib.request
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -22,12 +23,12 @@ from tokenizers import Tokenizer
 from typer.testing import CliRunner
 
 from infra.processes import free_port, port_is_open
-from registry.names import EXPERIMENT, PRODUCTION
+from registry.names import ARTIFACTS_TAG, EXPERIMENT, PRODUCTION
 from registry.tracking import record_decision, register
 from tests.registry import test_tracking
 from worker.cli import app
 from worker.cli_common import CliError
-from worker.serve import ModelRef, ServeError, check_registered, parse_ref
+from worker.serve import ModelRef, ServeError, check_registered, generate_local, parse_ref
 
 REPO = Path(__file__).resolve().parents[2]
 MODEL = "tiny-lm"  # the name `registration()` registers under
@@ -159,7 +160,7 @@ def test_a_missing_alias_or_model_is_a_clear_error(registry: Registry, tmp_path:
     assert isinstance(result.exception, CliError)
     assert str(result.exception) == (
         f"{MODEL} has no version with alias production: approve one with "
-        f"`forgeline approve RUN --as APPROVER` (or serve {MODEL}@candidate)"
+        f"`forgeline approve RUN` (as an approver) (or serve {MODEL}@candidate)"
     )
     assert not (tmp_path / "logs").exists()  # refused before a server was started
 
@@ -182,6 +183,42 @@ def test_a_production_alias_moved_behind_forgeline_s_back_is_not_served(
         assert check_registered(registry.tracking_uri, by_number) == str(sneaked.version)
     finally:
         client.set_registered_model_alias(MODEL, PRODUCTION, registry.version)
+
+
+def _stored_folder(client: MlflowClient, version: str) -> Path:
+    """The version's model folder in the local artifact store (what MLflow serves from)."""
+    uri = client.get_model_version_download_uri(MODEL, version)
+    if uri.startswith("models:/"):  # a logged model (MLflow 3): its own artifact location
+        uri = client.get_logged_model(client.get_model_version(MODEL, version).model_id)
+        uri = uri.artifact_location
+    return Path(urllib.parse.urlparse(uri).path)
+
+
+def test_a_version_whose_files_changed_after_registration_is_not_loaded(
+    registry: Registry, artifacts: dict[str, str], tmp_path: Path
+) -> None:
+    """The weights in the artifact store are swapped after registration: the digests recorded
+    then no longer match, and neither `generate` nor `serve` loads them."""
+    changed = register(registry.tracking_uri, test_tracking.registration(artifacts, "changed"))
+    client = MlflowClient(tracking_uri=registry.tracking_uri, registry_uri=registry.tracking_uri)
+    recorded = json.loads(client.get_model_version(MODEL, changed.version).tags[ARTIFACTS_TAG])
+    assert set(recorded) == {f"artifacts/{Path(p).name}" for p in artifacts.values()}
+    (weights,) = [k for k in recorded if k.endswith(".safetensors")]
+    stored = _stored_folder(client, changed.version) / weights
+    stored.write_bytes(stored.read_bytes()[:-1] + b"\x00")  # one byte of one weight
+    ref = parse_ref(f"{MODEL}/{changed.version}")
+    with pytest.raises(ServeError, match=rf"{weights} is not the file it was registered with"):
+        generate_local(registry.tracking_uri, ref, PROMPT, NEW_TOKENS, SEED)
+    served = CliRunner().invoke(
+        app, ["serve", str(ref)], env={**registry.env(), "FORGELINE_HOME": str(tmp_path)}
+    )
+    assert "is not the file it was registered with" in str(served.exception), served.output
+    assert not list((tmp_path / "run").glob("*.pid"))  # refused before a server started
+    # A record of the digests that was removed, or edited into nonsense, is refused too.
+    for tag in ("", "[1, 2]", '{"../../etc/passwd": "0"}'):
+        client.set_model_version_tag(MODEL, changed.version, ARTIFACTS_TAG, tag)
+        with pytest.raises(ServeError, match="carries no valid record of its files' digests"):
+            generate_local(registry.tracking_uri, ref, PROMPT, NEW_TOKENS, SEED)
 
 
 def test_model_references() -> None:

@@ -10,9 +10,10 @@ through the CLI as a person would.
 `tiny-restart` (the default): one run of examples/tiny.toml (more steps, so a node can die
 mid-run):
 
-1. `forgeline run` (owner alice), then SIGKILL the agent of one node of its gang after the
-   gang's first checkpoint (tests/e2e/faults.py): the run recovers on the spare node as
-   generation 2 from the last committed checkpoint; `forgeline up` brings the node back;
+1. `forgeline run` (as the local user, the stack's admin), then SIGKILL the agent of one node
+   of its gang after the gang's first checkpoint (tests/e2e/faults.py): the run recovers on
+   the spare node as generation 2 from the last committed checkpoint; `forgeline up` brings
+   the node back;
 2. follow the run through evaluation and registration to AWAITING_APPROVAL, and
    `forgeline approve` it as bob (APPROVED).
 
@@ -103,7 +104,8 @@ def restart_and_approve(stack: Stack, run: str, spec: Path, seed: int) -> None:
     status = stack.cli("status", run).stdout
     if re.search(r"attempts +0 restart", status):
         raise RuntimeError(f"run {run} shows no restart:\n{status}")
-    approved = stack.cli("approve", run, "--as", "bob", "--note", "recorded for replay tests")
+    approved = stack.cli("approve", run, "--note", "recorded for replay tests",
+                         as_person=("bob", "approve:*"))  # fmt: skip
     if f"run {run}: APPROVED" not in approved.stdout:
         raise RuntimeError(f"approving {run} did not say APPROVED:\n{approved.stdout}")
 

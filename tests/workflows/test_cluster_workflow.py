@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import TypeVar
 
 import pytest
-from temporalio.client import Client, WorkflowHandle
+from temporalio.client import Client, WorkflowHandle, WorkflowUpdateFailedError
 from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.service import RPCError
 from temporalio.testing import WorkflowEnvironment
@@ -27,6 +27,8 @@ from workflows.cluster_models import (
     ClusterState,
     GangRequest,
     Health,
+    JoinRequest,
+    Node,
     NodeAdmin,
     NodeFailure,
     NodeHealthReport,
@@ -253,6 +255,38 @@ def test_a_death_reported_after_the_agent_restarted_leaves_the_new_one_up(
         await h.cluster.signal(ClusterWorkflow.report_failure, died)
         state = await h.state(lambda s: s.fail_stops == 1)
         assert all(n.health == Health.HEALTHY for n in state.nodes)
+
+    run_scenario(temporal_address, task_queue, scenario)
+
+
+async def join(h: Harness, info: NodeInfo, previous: str | None = None) -> Node:
+    request = JoinRequest(info=info, previous_incarnation=previous)
+    return await h.cluster.execute_update(ClusterWorkflow.join_node, request)
+
+
+def test_a_second_agent_cannot_join_as_a_live_node(temporal_address: str, task_queue: str) -> None:
+    """Only the node's own agent, or its successor on the same host (which names the
+    incarnation it follows), joins as a node that is alive; a refusal changes nothing."""
+
+    async def scenario(h: Harness) -> None:
+        first = node("n0", incarnation="a").model_copy(update={"host": "198.18.0.2"})
+        assert (await join(h, first)).info.incarnation == "a"
+        again = first.model_copy(update={"cached": ["snap"]})  # the same agent, more cached
+        assert (await join(h, again)).info.cached == ["snap"]
+        impostor = node("n0", incarnation="x").model_copy(update={"host": "198.18.0.9"})
+        for previous in (None, "not-a"):
+            with pytest.raises(WorkflowUpdateFailedError) as refused:
+                await join(h, impostor, previous)
+            said = str(refused.value.cause)
+            assert "node n0 is alive under another agent (at 198.18.0.2" in said, said
+        (kept,) = (await h.state()).nodes
+        assert (kept.info.host, kept.info.incarnation) == ("198.18.0.2", "a")
+        # Its successor on the same host names the incarnation it follows, and takes over.
+        assert (await join(h, node("n0", incarnation="b"), previous="a")).info.incarnation == "b"
+        # Once the node is down (its agent stopped), any agent may bring it back.
+        await h.cluster.signal(ClusterWorkflow.node_stopped, node("n0", incarnation="b"))
+        await h.state(lambda s: s.nodes[0].health == Health.DOWN)
+        assert (await join(h, impostor)).info.host == "198.18.0.9"
 
     run_scenario(temporal_address, task_queue, scenario)
 

@@ -1,0 +1,86 @@
+"""A run's own code through the HTTP API: the tar of a train.code folder in, a content-addressed
+snapshot in the store out (infra.code_snapshot), and the check that a submit names that
+snapshot. The API reads no folder of the submitter's: what runs is what was uploaded."""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import tempfile
+from pathlib import Path
+
+from fastapi import Request
+
+from infra import code_snapshot
+from infra.errors import ObjectNotFound
+from infra.store import ObjectStore
+from workflows.models import CodeRef
+from workflows.spec import RunSpec
+
+# A snapshot's limit and room for the tar's headers: a bigger body is refused unread.
+MAX_UPLOAD_BYTES = code_snapshot.MAX_TOTAL_BYTES + 16 * 2**20
+_SNAPSHOT_ID = re.compile(r"[0-9a-f]{32}")
+_UPLOAD_FIX = "upload the folder with POST /v1/code (`forgeline run` and Client.submit do)"
+
+
+class CodeRefused(Exception):
+    def __init__(self, status: int, message: str, fix: str = _UPLOAD_FIX) -> None:
+        super().__init__(message)
+        self.status, self.fix = status, fix
+
+
+async def upload_body(request: Request) -> bytes:
+    """The request's body, refused (413) as soon as it outgrows a snapshot."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > MAX_UPLOAD_BYTES:
+        raise _too_big()
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > MAX_UPLOAD_BYTES:
+            raise _too_big()
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _too_big() -> CodeRefused:
+    return CodeRefused(
+        413,
+        f"the code upload is over {MAX_UPLOAD_BYTES // 2**20} MiB",
+        fix="point train.code at the training code only, or list the rest in .gitignore",
+    )
+
+
+def publish_upload(store: ObjectStore, data: bytes) -> CodeRef:
+    """Unpack the tar in a scratch folder and publish it: the snapshot id comes from the files
+    as they arrived, so the submitter can check it against the one it computed."""
+    with tempfile.TemporaryDirectory(prefix="forgeline-code-") as scratch:
+        try:
+            code_snapshot.unpack(data, Path(scratch))
+            published = code_snapshot.publish(store, Path(scratch))
+        except code_snapshot.CodeSnapshotError as err:
+            raise CodeRefused(422, str(err)) from None
+    return CodeRef.model_validate(published, from_attributes=True)
+
+
+def check_code(store: ObjectStore, spec: RunSpec, code: CodeRef | None) -> None:
+    """A spec with train.code comes with the snapshot its folder was uploaded as, and one
+    without comes with none; the snapshot must be in the store, with the manifest it names."""
+    if spec.train.code is None:
+        if code is not None:
+            raise CodeRefused(422, "code: sent with a spec that names no train.code",
+                              fix="set train.code, or leave code out")  # fmt: skip
+        return
+    if code is None:
+        raise CodeRefused(422, "train.code: the API cannot read a folder of yours; send the "
+                               "snapshot it was uploaded as in the submit's code")  # fmt: skip
+    if not _SNAPSHOT_ID.fullmatch(code.snapshot_id):
+        raise CodeRefused(422, f"code: {code.snapshot_id!r} is not a snapshot id (32 hex digits)")
+    key = code_snapshot.manifest_key(code.snapshot_id)
+    try:
+        raw = store.get_bytes(key) if code.manifest_key == key else None
+    except ObjectNotFound:
+        raw = None
+    if raw is None or hashlib.sha256(raw).hexdigest() != code.manifest_sha256:
+        raise CodeRefused(422, f"code: the store holds no snapshot {code.snapshot_id} with "
+                               f"manifest sha256 {code.manifest_sha256[:12]}…")  # fmt: skip
