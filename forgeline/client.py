@@ -132,6 +132,10 @@ class Client:
         path = f"/v1/runs/{_segment(name)}/cancel?wait_s={wait_s:g}"
         return self._call("POST", path, answer=wire.RunView)
 
+    def resume(self, name: str) -> wire.RunView:
+        """A FAILED or CANCELLED run trains on from its last committed checkpoint."""
+        return self._call("POST", f"/v1/runs/{_segment(name)}/resume", answer=wire.RunView)
+
     def approve(self, name: str, note: str = "", override_gate: bool = False) -> wire.RunView:
         body = wire.ApproveRequest(note=note, override_gate=override_gate)
         return self._call("POST", f"/v1/runs/{_segment(name)}/approve", body, wire.RunView)

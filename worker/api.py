@@ -7,6 +7,7 @@ people, with an identity from a token on every request.
     GET  /v1/runs/{name}           one run: phase, step, loss, attempts, placement, checkpoint
     GET  /v1/runs/{name}/metrics   its metric series (?key=train/loss …), from its MLflow run
     POST /v1/runs/{name}/cancel    one's own run, or anyone's as an operator
+    POST /v1/runs/{name}/resume    a FAILED or CANCELLED one, from its last checkpoint
     POST /v1/runs/{name}/approve   as the caller, checked by the run's approval gate
     POST /v1/runs/{name}/reject
     GET  /v1/whoami                the caller's identity and roles
@@ -286,6 +287,21 @@ def make_app(settings: Settings) -> FastAPI:
         await _act(run_actions.cancel(await temporal(), name, wait_s))
         return await run_view(name)
 
+    @app.post(f"/{API_VERSION}/runs/{{name}}/resume", responses={409: {"model": ErrorBody}})
+    async def resume_run(name: str, who: Caller) -> RunView:
+        """A FAILED or CANCELLED run trains on from its last committed checkpoint, with what it
+        was submitted with and a fresh restart budget."""
+        owner = (await run_view(name)).status.owner
+        if not who.may_act_on_run_of(owner):
+            raise ApiError(
+                403,
+                "forbidden",
+                f"run {name} is {owner}'s: only they or an operator may resume it",
+                fix="ask its owner, or an operator (role `operate`)",
+            )
+        await _act(run_actions.resume(await temporal(), name))
+        return await run_view(name)
+
     async def decide(name: str, who: Identity, decision: Decision) -> RunView:
         status = (await run_view(name)).status
         if not who.may_approve(status.team, status.model_name):
@@ -389,6 +405,8 @@ _ADMIN = {
 async def _act(action) -> None:
     try:
         await action
+    except RunNotFound as err:
+        raise ApiError(404, "not_found", str(err)) from None
     except run_actions.WrongPhase as err:
         raise ApiError(409, "wrong_phase", str(err)) from None
     except run_actions.DecisionRefused as err:

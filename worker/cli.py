@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
 import sys
 import time
 import traceback
@@ -28,7 +27,15 @@ from worker.api_access import api_client, call
 from worker.api_cli import api, tokens_app
 from worker.approvals_cli import approvals_app
 from worker.chaos import chaos_app
-from worker.cli_common import CliError, ExitCode, check_name, console, get_client, get_settings
+from worker.cli_common import (
+    CliError,
+    ExitCode,
+    check_name,
+    console,
+    get_client,
+    get_settings,
+    print_version,
+)
 from worker.cli_common import run as run_async
 from worker.cluster_cli import cluster_app, jobs, node_app, nodes, queues
 from worker.data_cli import (
@@ -48,15 +55,7 @@ from worker.processes_cli import worker_app
 from worker.render import progress_line, run_link, runs_table, status_text
 from worker.replication_cli import replication
 from worker.runs import RunNotFound
-from worker.serve import (
-    ServeError,
-    curl_example,
-    generate_local,
-    generate_remote,
-    parse_ref,
-    start_server,
-    wait_in_foreground,
-)
+from worker.serve_cli import generate, serve
 from worker.simulate_cli import simulate
 from worker.specfile import SpecError, load_spec
 from workflows.api_models import RunList, RunView
@@ -66,23 +65,12 @@ from workflows.names import InvalidName, check_snapshot_id
 app = typer.Typer(help=__doc__, no_args_is_help=True)
 
 
-def _print_version(asked: bool) -> None:
-    if asked:
-        from importlib.metadata import PackageNotFoundError, version
-
-        try:
-            typer.echo(f"forgeline {version('forgeline')}")
-        except PackageNotFoundError:  # run from a checkout that was never installed
-            typer.echo("forgeline (not installed: pip install -e .)")
-        raise typer.Exit()
-
-
 @app.callback()
 def _options(
     show_version: Annotated[
         bool,
         typer.Option(
-            "--version", callback=_print_version, is_eager=True, help="print the version and exit"
+            "--version", callback=print_version, is_eager=True, help="print the version and exit"
         ),
     ] = False,
 ) -> None:
@@ -105,6 +93,8 @@ app.command("lineage")(lineage_command)
 app.command("plan")(plan)
 app.command("simulate")(simulate)
 app.command("replication")(replication)
+app.command()(serve)
+app.command()(generate)
 app.command()(nodes)
 app.command()(queues)
 app.command()(jobs)
@@ -182,6 +172,11 @@ def run(
     console.print(f"Temporal     {run_link(settings, name)}")
     if detach:
         return
+    _follow_to_a_decision(client, settings, name)
+
+
+def _follow_to_a_decision(client: Client, settings: Settings, name: str) -> None:
+    """Follow the run; exits RUN_FAILED unless its model awaits approval or is approved."""
     status = _follow(client, name)
     _print_links(settings)
     if status.phase not in (Phase.AWAITING_APPROVAL, Phase.APPROVED):
@@ -311,6 +306,23 @@ def reject(
 
 
 @app.command()
+def resume(
+    name: Annotated[str, typer.Argument(help="run name")],
+    detach: Annotated[bool, typer.Option(help="resume and return at once")] = False,
+) -> None:
+    """Run a FAILED or CANCELLED run again from its last committed checkpoint (yours, or
+    anyone's as an operator), and follow it to approval."""
+    check_name(name)
+    settings = get_settings()
+    client = api_client(settings)
+    call(lambda: client.resume(name))
+    console.print(f"resumed run {name}: it trains on from its last committed checkpoint")
+    if detach:
+        return
+    _follow_to_a_decision(client, settings, name)
+
+
+@app.command()
 def cancel(
     name: Annotated[str, typer.Argument(help="run name")],
     wait_s: Annotated[float, typer.Option(help="how long to wait for the ranks to stop")] = 120,
@@ -319,80 +331,6 @@ def cancel(
     check_name(name)
     final = call(lambda: api_client(get_settings()).cancel(name, wait_s))
     console.print(f"run {name}: {final.status.phase.value}; its nodes are released")
-
-
-# --- deploy -------------------------------------------------------------------------------------
-
-_MODEL_HELP = "NAME (alias production), NAME@ALIAS or NAME/VERSION"
-
-
-def _interrupt(signum: int, frame: object) -> None:
-    raise KeyboardInterrupt  # SIGTERM (systemd, docker stop, kill) stops it like Ctrl-C does
-
-
-def _serve_failed(err: ServeError) -> CliError:
-    if err.log_tail:
-        console.print(err.log_tail, markup=False, emoji=False)
-    return CliError(str(err))
-
-
-@app.command()
-def serve(
-    model: Annotated[str, typer.Argument(help=_MODEL_HELP)],
-    port: Annotated[int | None, typer.Option(min=1, max=65535, help="default: a free one")] = None,
-    host: Annotated[str, typer.Option(help="0.0.0.0 to accept other machines")] = "127.0.0.1",
-    workers: Annotated[int, typer.Option(min=1, max=64, help="each loads the model")] = 1,
-) -> None:
-    """Serve a registered model over HTTP (`mlflow models serve`) until Ctrl-C."""
-    settings = get_settings()
-    signal.signal(signal.SIGTERM, _interrupt)
-    try:
-        ref = parse_ref(model)
-        server = start_server(
-            settings.mlflow_uri, settings.home, ref, host, port, workers, say=console.print
-        )
-    except ServeError as err:
-        raise _serve_failed(err) from None
-    except KeyboardInterrupt:
-        raise typer.Exit(130) from None
-    try:
-        console.print(f"{ref} (version {server.version}) is ready at {server.url}", markup=False)
-        console.print(f"  {curl_example(server.url)}", markup=False)
-        console.print(f'  forgeline generate {ref} "ROMEO:" --url {server.url}', markup=False)
-        console.print(f"log {server.process.log_file}; Ctrl-C stops it", markup=False)
-        wait_in_foreground(server)
-    except ServeError as err:
-        raise _serve_failed(err) from None
-    except KeyboardInterrupt:
-        console.print(f"stopping the model server for {ref}")
-    finally:
-        # A second Ctrl-C must not cut the stop short and leave the server's group running.
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        server.stop()
-
-
-@app.command()
-def generate(
-    model: Annotated[str, typer.Argument(help=_MODEL_HELP)],
-    prompt: Annotated[str, typer.Argument(help="text to continue")],
-    max_new_tokens: Annotated[int, typer.Option(min=1, max=100_000)] = 200,
-    seed: Annotated[int, typer.Option(help="same seed, same text")] = 0,
-    url: Annotated[
-        str | None,
-        typer.Option(help="a `forgeline serve` server; default: load the model here"),
-    ] = None,
-) -> None:
-    """Continue a prompt with a registered model, here or on a model server."""
-    try:
-        ref = parse_ref(model)
-        if url:
-            text = generate_remote(url, prompt, max_new_tokens, seed)
-        else:
-            text = generate_local(get_settings().mlflow_uri, ref, prompt, max_new_tokens, seed)
-    except ServeError as err:
-        raise _serve_failed(err) from None
-    typer.echo(text)  # exactly the model's text: no markup, emoji codes or wrapping
 
 
 # --- data -----------------------------------------------------------------------------------------

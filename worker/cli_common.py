@@ -8,6 +8,7 @@ from collections.abc import Awaitable
 from enum import IntEnum
 from typing import TypeVar
 
+import typer
 from rich.console import Console
 from temporalio.client import Client
 
@@ -40,6 +41,18 @@ class CliError(Exception):
     def __init__(self, message: str, code: ExitCode = ExitCode.BAD_INPUT) -> None:
         super().__init__(message)
         self.code = code
+
+
+def print_version(asked: bool) -> None:
+    """`forgeline --version`: the installed distribution's version, then exit."""
+    if asked:
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            typer.echo(f"forgeline {version('forgeline')}")
+        except PackageNotFoundError:  # run from a checkout that was never installed
+            typer.echo("forgeline (not installed: pip install -e .)")
+        raise typer.Exit()
 
 
 def run(coro: Awaitable[T]) -> T:

@@ -4,10 +4,13 @@ CLI and the HTTP API, which differ only in how they say no."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 
 from temporalio.client import Client, WorkflowExecutionStatus, WorkflowUpdateFailedError
+from temporalio.exceptions import WorkflowAlreadyStartedError
 
+from worker import runs
 from worker.runs import view
 from workflows.models import MAX_REASON_CHARS, Decision, Phase, RunStatus
 
@@ -53,6 +56,23 @@ async def decide(client: Client, name: str, decision: Decision) -> RunStatus:
     except WorkflowUpdateFailedError as err:
         cause = err.cause
         raise DecisionRefused(str(getattr(cause, "message", cause) or err)) from None
+
+
+# A run that ended without a model to decide on: resuming it trains on from its checkpoint.
+RESUMABLE = (Phase.FAILED, Phase.CANCELLED)
+
+
+async def resume(client: Client, name: str) -> RunStatus:
+    """Run a FAILED or CANCELLED run again from its last committed checkpoint."""
+    current = await view(client, name)
+    if current.status.phase not in RESUMABLE or current.execution == "RUNNING":
+        raise WrongPhase(
+            f"run {name} is {current.status.phase.value}: only a FAILED or CANCELLED run can be "
+            "resumed"
+        )
+    with contextlib.suppress(WorkflowAlreadyStartedError):  # resumed by someone just now
+        await runs.resume(client, name)
+    return (await view(client, name)).status
 
 
 async def cancel(client: Client, name: str, wait_s: float) -> RunStatus:

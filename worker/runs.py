@@ -137,13 +137,37 @@ async def list_run_names(client: Client, limit: int = 200) -> list[str]:
     return names
 
 
-async def submitted_spec(client: Client, name: str) -> RunSpec | None:
-    """The spec the run was started with, from the first event of its history (None: the
-    history is gone, past the namespace's retention)."""
+async def submitted_input(client: Client, name: str) -> TrainingRunInput | None:
+    """What the run's latest execution was started with (spec, its digest, submitter, code),
+    from the first event of its history (None: the history is gone, past the namespace's
+    retention)."""
     async for event in client.get_workflow_handle(name).fetch_history_events():
         payloads = event.workflow_execution_started_event_attributes.input.payloads
         if not payloads:
             return None
         (started,) = await client.data_converter.decode(payloads, [TrainingRunInput])
-        return started.spec
+        return started
     return None
+
+
+async def submitted_spec(client: Client, name: str) -> RunSpec | None:
+    """The spec the run was started with (None: its history is gone)."""
+    started = await submitted_input(client, name)
+    return started.spec if started is not None else None
+
+
+async def resume(client: Client, name: str) -> None:
+    """Start the run again, under its name, with what it was first started with: a new
+    execution of its workflow, which resumes from the run's last committed checkpoint (the
+    store's, found by the run's name) with a fresh restart budget."""
+    started = await submitted_input(client, name)
+    if started is None:
+        raise RunNotFound(f"run {name}'s history is gone (past the namespace's retention)")
+    await client.start_workflow(
+        "TrainingRun",
+        started,
+        id=name,
+        task_queue=CONTROL_TASK_QUEUE,
+        # Only here: a submit never starts a name twice (it attaches instead).
+        id_reuse_policy=WorkflowIDReusePolicy.ALLOW_DUPLICATE,
+    )

@@ -196,6 +196,29 @@ def test_cancel_stops_the_ranks_and_releases_the_gang(stack: Stack, tmp_path: Pa
     assert wait_for(mlflow_status, 30, "the MLflow run to end") == "KILLED"
 
 
+def test_a_cancelled_run_resumes_from_its_last_checkpoint(stack: Stack, tmp_path: Path) -> None:
+    spec = variant(tmp_path, "tiny-resume", steps=1200, checkpoint_every=100)
+    stack.cli("run", str(spec), "--detach")
+    store = stack.store()
+    wait_for(lambda: committed_steps(store, "tiny-resume"), 120, "a checkpoint", 0.25)
+    stack.cli("cancel", "tiny-resume")
+    kept = committed_steps(store, "tiny-resume")[0]
+    assert kept < 1200, kept
+    someone = stack.cli("resume", "tiny-resume", check=False, as_person=("eve", "submit:*"))
+    assert someone.returncode == REFUSED and "only they or an operator" in someone.stdout
+    resumed = stack.cli("resume", "tiny-resume", timeout=300)
+    assert "resumed run tiny-resume" in resumed.stdout, resumed.stdout
+    assert re.search(rf"TRAINING +step {kept}/1200 .* ckpt {kept}", resumed.stdout), resumed.stdout
+    assert "AWAITING_APPROVAL" in resumed.stdout, resumed.stdout
+    again = stack.cli("resume", "tiny-resume", check=False)
+    assert again.returncode == REFUSED and "only a FAILED or CANCELLED run" in again.stdout
+    final = find_latest(store, "tiny-resume", max_generation=10**9)
+    assert final is not None and final.step == 1200
+    # One loss curve across both executions: the second began where the first's checkpoint was.
+    steps = [s for s, _ in final.manifest["loss_history"]]
+    assert steps == sorted(set(steps)) and steps[-1] == 1200 and steps[0] <= kept, steps[:3]
+
+
 def test_cancel_while_queued_withdraws_the_request(stack: Stack, tmp_path: Path) -> None:
     spec = variant(tmp_path, "too-big", nodes=4)  # the stack has 3 nodes
     stack.cli("run", str(spec), "--detach")

@@ -56,7 +56,7 @@ def forgeline_argv(container: dict) -> list[str]:
 
 def test_the_files_hold_what_the_issue_asks_for() -> None:
     kinds = sorted(doc["kind"] for _, doc in DOCUMENTS)
-    assert kinds.count("Deployment") == 2 and "DaemonSet" in kinds and "ConfigMap" in kinds
+    assert kinds.count("Deployment") == 3 and "DaemonSet" in kinds and "ConfigMap" in kinds
 
 
 @pytest.mark.parametrize("version", VERSIONS)
@@ -74,7 +74,7 @@ def test_every_container_runs_a_forgeline_command_that_exists() -> None:
             argv = forgeline_argv(container)
             check_forgeline_argv(argv)
             ran.add(" ".join(word for word in argv if not word.startswith(("-", "$"))))
-    assert ran == {"agent", "control", "data worker"}, ran
+    assert ran == {"agent", "control", "data worker", "api"}, ran
 
 
 def test_the_settings_are_ones_forgeline_reads(monkeypatch, tmp_path: Path) -> None:
@@ -92,6 +92,24 @@ def test_the_settings_are_ones_forgeline_reads(monkeypatch, tmp_path: Path) -> N
             refs = container["envFrom"]
             assert {"configMapRef": {"name": "forgeline-settings"}} in refs
             assert {"secretRef": {"name": "forgeline-secrets", "optional": True}} in refs
+
+
+def test_the_api_keeps_its_tokens_on_a_volume_that_outlives_the_pod() -> None:
+    """tokens.json, the approval rules and the idempotency keys live in the API's state
+    folder: on an emptyDir every restart would lock everyone out."""
+    (api,) = [w for w in workloads() if w["metadata"]["name"] == "forgeline-api"]
+    spec = api["spec"]["template"]["spec"]
+    (container,) = spec["containers"]
+    home = next(e["value"] for e in container["env"] if e["name"] == "FORGELINE_HOME")
+    mounted = next(m["name"] for m in container["volumeMounts"] if m["mountPath"] == home)
+    volume = next(v for v in spec["volumes"] if v["name"] == mounted)
+    claims = {d["metadata"]["name"] for _, d in DOCUMENTS if d["kind"] == "PersistentVolumeClaim"}
+    assert volume["persistentVolumeClaim"]["claimName"] in claims
+    assert api["spec"]["replicas"] == 1 and api["spec"]["strategy"]["type"] == "Recreate"
+    port = container["ports"][0]["containerPort"]
+    assert f"--port={port}" in forgeline_argv(container)
+    services = [d for _, d in DOCUMENTS if d["kind"] == "Service"]
+    assert any(p["targetPort"] == "http" for s in services for p in s["spec"]["ports"])
 
 
 def test_the_agents_get_the_node_s_island_address_and_gpus() -> None:
