@@ -37,7 +37,11 @@ from infra.store import ObjectStore
 MANIFEST = "MANIFEST.json"
 STATUS_KEY = "replication/status.json"
 # The units that carry a manifest, and the records copied as they change.
-_UNIT = re.compile(r"^(datasets/[^/]+|runs/[^/]+/checkpoints/step-\d+)/MANIFEST\.json$")
+# Committed units, each files first and manifest last: dataset snapshots, checkpoints, and the
+# users' code snapshots (a run resuming from the twin fetches its code there too).
+_UNIT = re.compile(
+    r"^(datasets/[^/]+|runs/[^/]+/checkpoints/step-\d+|code/[0-9a-f]+)/MANIFEST\.json$"
+)
 _RECORD = re.compile(r"^runs/[^/]+/(generations|attempts)/[^/]+$")
 _SKIPPED_IN_UNIT = "/work/"  # a snapshot's staging area: dropped when it commits
 _RECENT = 20  # replicated units kept in the status, newest first

@@ -2,8 +2,9 @@
 
 What reaches the twin, and when:
 
-- Committed checkpoints and dataset snapshots, and the small run records resume needs (the
-  generation fences, the attempt ledgers), are copied there asynchronously by the replicator
+- Committed checkpoints, dataset snapshots and code snapshots, and the small run records resume
+  needs (the generation fences, the attempt ledgers), are copied there asynchronously by the
+  replicator
   (`infra/replication.py`), files first and manifest last, as on the primary.
 - While the primary is unreachable (`StoreUnavailable`), reads and writes go to the twin instead:
   training keeps committing checkpoints, resume and evaluation read what the twin has.
@@ -15,7 +16,8 @@ records written by one generation, so the same key on both sites holds the same 
 primary's copy wins where both answer.
 
 After a failure the primary is left alone for `retry_after_s`: every request would otherwise pay
-botocore's retries (seconds) before falling back.
+botocore's retries (seconds) before falling back. A read that the twin cannot answer asks the
+primary even then: only the primary may hold the object, and it may be back.
 """
 
 from __future__ import annotations
@@ -63,13 +65,20 @@ class TwinStore:
             raise
 
     def _read(self, operation: Callable[[ObjectStore], T]) -> T:
+        presumed_down = self.primary_down
         try:
             return self._on_primary(operation)
         except (StoreUnavailable, ObjectNotFound) as primary_error:
             try:
                 return operation(self.twin)
             except ObjectNotFound:
-                raise primary_error from None
+                if not presumed_down:
+                    raise primary_error from None
+            # Only the primary can have it (written there since the outage, or never copied),
+            # and the primary was only presumed down: ask it now rather than fail a read that
+            # it may answer (an agent's first job after the primary came back, say).
+            self._primary_down_until = 0.0
+            return self._on_primary(operation)
 
     def _write(self, operation: Callable[[ObjectStore], T]) -> T:
         try:

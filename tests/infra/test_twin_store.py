@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 
+from infra import code_snapshot
 from infra.errors import ObjectNotFound, StoreUnavailable
 from infra.replication import STATUS_KEY, ReplicationStatus, Replicator
 from infra.s3_store import S3Store, client_config
@@ -135,6 +136,38 @@ def test_reads_and_writes_go_to_the_twin_while_the_primary_is_unreachable(
     store.delete("runs/r/checkpoints/step-20/MANIFEST.json")  # pruning reaches both sites
     with pytest.raises(ObjectNotFound):
         store.get_bytes("runs/r/checkpoints/step-20/MANIFEST.json")
+
+
+def test_a_read_only_the_primary_can_answer_asks_it_while_it_is_presumed_down(
+    partitioned: Any, tmp_path: Path
+) -> None:
+    """The slow e2e: an agent that met the outage left the primary alone for 30 s after it
+    healed, and its next job's code snapshot, published on the primary just then, was not on
+    the twin: the job failed on a store that was up."""
+    partition, primary = partitioned
+    store = TwinStore(primary, LocalStore(tmp_path / "twin"), retry_after_s=30)
+    partition.cut()
+    assert not store.exists("code/0123/MANIFEST.json") and store.primary_down
+    partition.heal()
+    primary.put_bytes("code/0123/MANIFEST.json", b"published since")
+    assert store.get_bytes("code/0123/MANIFEST.json") == b"published since"
+    assert not store.primary_down  # it answered: asked first again from now on
+    partition.cut()
+    with pytest.raises(StoreUnavailable):  # truly down, and the twin lacks it: still an outage
+        store.get_bytes("code/0123/MANIFEST.json")
+
+
+def test_code_snapshots_reach_the_twin(tmp_path: Path) -> None:
+    """A run of a user's code that resumes from the twin fetches its code there."""
+    primary, twin = LocalStore(tmp_path / "primary"), LocalStore(tmp_path / "twin")
+    code = tmp_path / "code"
+    code.mkdir()
+    (code / "train.py").write_text("import forgeline\n")
+    published = code_snapshot.publish(primary, code)
+    Replicator(primary, twin, tmp_path / "scratch").run_once()
+    fetched = code_snapshot.fetch(twin, published.snapshot_id, published.manifest_sha256,
+                                  tmp_path / "fetched")  # fmt: skip
+    assert (fetched / "train.py").read_text() == "import forgeline\n"
 
 
 def test_the_replicator_reports_an_unreachable_primary_and_catches_up(

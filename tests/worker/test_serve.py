@@ -135,9 +135,13 @@ def test_served_model_answers_http_and_generate_matches_it(
         assert not port_is_open("127.0.0.1", port)  # the server's whole group stopped
         assert not list((registry.home / "run").glob("serve-*.pid"))
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        if proc.poll() is None:  # failed midway: it still stops its server's group on SIGTERM
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
 
 
 def test_a_missing_alias_or_model_is_a_clear_error(registry: Registry, tmp_path: Path) -> None:
