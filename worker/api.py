@@ -192,6 +192,16 @@ def make_app(settings: Settings) -> FastAPI:
         data = await upload_body(request)
         return await asyncio.to_thread(publish_upload, settings.open_store(), data)
 
+    async def owner_or_operator(name: str, who: Identity, verb: str) -> None:
+        owner = (await run_view(name)).status.owner
+        if not who.may_act_on_run_of(owner):
+            raise ApiError(
+                403,
+                "forbidden",
+                f"run {name} is {owner}'s: only they or an operator may {verb} it",
+                fix="ask its owner, or an operator (role `operate`)",
+            )
+
     @app.get(f"/{API_VERSION}/whoami")
     async def whoami(who: Caller) -> WhoAmI:
         return WhoAmI(person=who.person, roles=sorted(who.roles), token_id=who.token_id)
@@ -276,14 +286,7 @@ def make_app(settings: Settings) -> FastAPI:
 
     @app.post(f"/{API_VERSION}/runs/{{name}}/cancel", responses={409: {"model": ErrorBody}})
     async def cancel_run(name: str, who: Caller, wait_s: float = 120.0) -> RunView:
-        owner = (await run_view(name)).status.owner
-        if not who.may_act_on_run_of(owner):
-            raise ApiError(
-                403,
-                "forbidden",
-                f"run {name} is {owner}'s: only they or an operator may cancel it",
-                fix="ask its owner, or an operator (role `operate`)",
-            )
+        await owner_or_operator(name, who, "cancel")
         await _act(run_actions.cancel(await temporal(), name, wait_s))
         return await run_view(name)
 
@@ -291,14 +294,7 @@ def make_app(settings: Settings) -> FastAPI:
     async def resume_run(name: str, who: Caller) -> RunView:
         """A FAILED or CANCELLED run trains on from its last committed checkpoint, with what it
         was submitted with and a fresh restart budget."""
-        owner = (await run_view(name)).status.owner
-        if not who.may_act_on_run_of(owner):
-            raise ApiError(
-                403,
-                "forbidden",
-                f"run {name} is {owner}'s: only they or an operator may resume it",
-                fix="ask its owner, or an operator (role `operate`)",
-            )
+        await owner_or_operator(name, who, "resume")
         await _act(run_actions.resume(await temporal(), name))
         return await run_view(name)
 

@@ -15,8 +15,8 @@ from temporalio.client import Client, WorkflowUpdateFailedError
 
 from infra.tokens import write_private
 from worker.cli_common import CliError, ExitCode
-from worker.temporal_client import ensure_cluster
 from workflows.cluster_models import JoinRequest, Node, NodeInfo
+from workflows.names import CLUSTER_WORKFLOW_ID
 
 RECORD = "agent.json"
 
@@ -53,8 +53,9 @@ def _is_an_agent(pid: int) -> bool:
 
 async def join(client: Client, node_dir: Path, info: NodeInfo, previous: str | None) -> Node:
     """Join the cluster as `info` (again, when what it holds changed), and record the
-    incarnation for this host's next agent."""
-    handle = await ensure_cluster(client)
+    incarnation for this host's next agent. The Cluster workflow must be running
+    (`ensure_cluster`, once at the agent's start)."""
+    handle = client.get_workflow_handle(CLUSTER_WORKFLOW_ID)
     try:
         node = await handle.execute_update(
             "join_node", JoinRequest(info=info, previous_incarnation=previous), result_type=Node

@@ -175,6 +175,8 @@ async def run_node_agent(
     )
     # Stopping the agent (SIGTERM) cancels its running activity at once, which stops the
     # ranks before the worker exits.
+    # The agent may come up before the control plane has started the Cluster workflow.
+    await ensure_cluster(client)
     await join(client, node_dir, info, previous)  # NodeClaimed: another agent holds the id
     logging.info(
         "node %s at %s (%s, %s) registered, polling %s", node_id, fabric.address,
