@@ -34,6 +34,7 @@ import base64
 import hashlib
 import os
 import re
+import socket
 import tempfile
 import uuid
 from collections.abc import Iterator
@@ -238,6 +239,19 @@ class S3Store:
 
     def exists(self, key: str) -> bool:
         return self._head(key) is not None
+
+    def reachable(self, timeout_s: float = 1.0) -> bool:
+        """Whether the endpoint takes a TCP connection: one try, `timeout_s` at most. What a
+        twin asks of a site it presumes down before paying botocore's retries on it. (Behind
+        an HTTP proxy the endpoint may be up yet not connectable: False then only leaves the
+        site presumed down until its hold-off ends.)"""
+        parts = urlsplit(self._endpoint)
+        port = parts.port or (443 if parts.scheme == "https" else 80)
+        try:
+            with socket.create_connection((parts.hostname or "", port), timeout=timeout_s):
+                return True
+        except OSError:
+            return False
 
     def digest(self, key: str) -> tuple[int, str]:
         """(size, sha256) from a HEAD; objects put by other tools are streamed and hashed."""

@@ -51,6 +51,9 @@ class ObjectStore(Protocol):
     def digest(self, key: str) -> tuple[int, str]: ...
     def list(self, prefix: str) -> list[str]: ...
     def delete(self, key: str) -> None: ...
+    def reachable(self) -> bool:
+        """Whether the site answers at all, in about a second and without retries."""
+        ...
 
 
 class LocalStore:
@@ -146,6 +149,9 @@ class LocalStore:
                 parent.rmdir()
             except OSError:  # not empty (or already gone)
                 break
+
+    def reachable(self) -> bool:
+        return self.root.is_dir()  # a folder: there, or its disk is gone
 
 
 def open_store(url: str, twin: str = "") -> ObjectStore:

@@ -17,7 +17,8 @@ primary's copy wins where both answer.
 
 After a failure the primary is left alone for `retry_after_s`: every request would otherwise pay
 botocore's retries (seconds) before falling back. A read that the twin cannot answer asks the
-primary even then: only the primary may hold the object, and it may be back.
+primary even then, once a bare connection to it gets through: only the primary may hold the
+object, and it may be back.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ class TwinStore:
         primary: ObjectStore,
         twin: ObjectStore,
         retry_after_s: float = 30.0,
+        probe_every_s: float = 1.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.primary = primary
@@ -49,6 +51,8 @@ class TwinStore:
         self._retry_after_s = retry_after_s
         self._clock = clock
         self._primary_down_until = 0.0
+        self._probe_every_s = probe_every_s
+        self._last_probe = -probe_every_s
 
     @property
     def primary_down(self) -> bool:
@@ -76,9 +80,22 @@ class TwinStore:
                     raise primary_error from None
             # Only the primary can have it (written there since the outage, or never copied),
             # and the primary was only presumed down: ask it now rather than fail a read that
-            # it may answer (an agent's first job after the primary came back, say).
+            # it may answer (an agent's first job after the primary came back, say). But only
+            # once a bare connection gets through: during a real outage every absent key (a new
+            # run's fence, a manifest not yet written) would otherwise pay botocore's retries.
+            if not self._primary_is_back():
+                raise primary_error from None
             self._primary_down_until = 0.0
             return self._on_primary(operation)
+
+    def _primary_is_back(self) -> bool:
+        """A probe of the presumed-down primary, at most one per `probe_every_s` (a black-holed
+        site costs the probe's timeout, not a refused connection's microseconds)."""
+        now = self._clock()
+        if now - self._last_probe < self._probe_every_s:
+            return False
+        self._last_probe = now
+        return self.primary.reachable()
 
     def _write(self, operation: Callable[[ObjectStore], T]) -> T:
         try:
@@ -122,6 +139,9 @@ class TwinStore:
 
     def digest(self, key: str) -> tuple[int, str]:
         return self._read(lambda store: store.digest(key))
+
+    def reachable(self) -> bool:
+        return self.primary.reachable() or self.twin.reachable()
 
     def exists(self, key: str) -> bool:
         with contextlib.suppress(StoreUnavailable):

@@ -290,6 +290,17 @@ def s3_sites(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Sites]:
             server.wait(timeout=30)
 
 
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Iterator[None]:
+    """A failed test on the stack shows the end of every stack process's log, whatever failed:
+    a timeout from pytest-timeout (which interrupts a CLI call before it can add them) included."""
+    outcome = yield
+    report = outcome.get_result()
+    stack = getattr(item, "funcargs", {}).get("stack")
+    if report.failed and call.when == "call" and isinstance(stack, Stack):
+        report.sections.append(("stack logs", stack.log_tails(40)))
+
+
 @pytest.fixture(scope="package")
 def stack(tmp_path_factory: pytest.TempPathFactory, s3_sites: Sites) -> Iterator[Stack]:
     home = tmp_path_factory.mktemp("forgeline-home")
