@@ -49,8 +49,12 @@ def temporal_dev_server_argv(
     return argv
 
 
-def mlflow_server_argv(state_dir: Path, port: int, host: str = "127.0.0.1") -> list[str]:
+def mlflow_server_argv(
+    state_dir: Path, port: int, host: str = "127.0.0.1", basic_auth: bool = False
+) -> list[str]:
+    """`basic_auth`: MLflow's auth app, configured by the environment (infra.mlflow_login)."""
     # One worker: the default forks 4 workers (~1.6 GB, 16 s to answer); see STACK-NOTES.
+    auth = ["--app-name", "basic-auth"] if basic_auth else []
     return [
         sys.executable, "-m", "mlflow", "server",
         "--backend-store-uri", f"sqlite:///{state_dir / 'mlflow.db'}",
@@ -61,6 +65,7 @@ def mlflow_server_argv(state_dir: Path, port: int, host: str = "127.0.0.1") -> l
         # MLflow answers 403 to a Host header it does not know (its DNS-rebinding guard
         # knows loopback and RFC 1918 addresses): the address it is reached at is known.
         "--allowed-hosts", f"{host},{host}:{port},localhost,localhost:{port},127.0.0.1:{port}",
+        *auth,
     ]  # fmt: skip
 
 

@@ -16,6 +16,7 @@ from rich.markup import escape
 from temporalio.service import RPCError
 
 from forgeline.client import Client
+from infra import mlflow_login
 from infra.capacity_hardware import PlanError
 from infra.code_snapshot import CodeSnapshotError
 from infra.errors import InfraError, IntegrityError, InvalidKey, ObjectNotFound, StackError
@@ -103,7 +104,13 @@ app.command()(jobs)
 def _print_links(settings: Settings) -> None:
     namespace = settings.temporal_namespace
     console.print(f"Temporal UI  {settings.temporal_ui_url}/namespaces/{namespace}/workflows")
-    console.print(f"MLflow UI    {settings.mlflow_uri}")
+    login = mlflow_login.read(settings.home)
+    sign_in = ""
+    if login is not None and login.uri == settings.mlflow_uri:
+        sign_in = (
+            f"  (sign in as {mlflow_login.VIEWER}, password {login.viewer_password}: read-only)"
+        )
+    console.print(f"MLflow UI    {settings.mlflow_uri}{sign_in}", soft_wrap=True)
     console.print(f"API          {settings.api_url}/docs")
 
 

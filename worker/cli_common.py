@@ -12,6 +12,7 @@ import typer
 from rich.console import Console
 from temporalio.client import Client
 
+from infra.mlflow_login import use_local_login
 from infra.settings import Settings, load_settings
 from worker.temporal_client import connect
 from workflows import names
@@ -60,7 +61,11 @@ def run(coro: Awaitable[T]) -> T:
 
 
 def get_settings() -> Settings:
-    return load_settings()
+    settings = load_settings()
+    # The local stack's MLflow answers only to Forgeline's login (infra.mlflow_login): this
+    # process is Forgeline's, run by whoever owns the state folder.
+    use_local_login(settings.home, settings.mlflow_uri)
+    return settings
 
 
 async def get_client(

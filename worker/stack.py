@@ -19,6 +19,7 @@ from pathlib import Path
 
 from temporalio.client import Client
 
+from infra import mlflow_login
 from infra.errors import StackError
 from infra.extras import require_extra
 from infra.identity import InvalidIdentity, canonical_person
@@ -155,10 +156,15 @@ async def _up(
         say(f"mlflow        running (pid {mlflow.pid()}) at {mlflow_uri}")
     else:
         port = _port(ports.mlflow, _port_of(recorded.mlflow_uri), DEFAULT_PORTS["mlflow"])
-        mlflow.start(mlflow_server_argv(home, port), {**env, **MLFLOW_SERVER_ENV})
         mlflow_uri = f"http://127.0.0.1:{port}"
+        login = mlflow_login.prepare(home, mlflow_uri)
+        server_env = {**env, **MLFLOW_SERVER_ENV, **login.server_env(home)}
+        mlflow.start(mlflow_server_argv(home, port, basic_auth=True), server_env)
         wait_until(lambda: http_ok(f"{mlflow_uri}/health"), 120, "MLflow server", mlflow)
+        mlflow_login.add_viewer(login)
         say(f"mlflow        started (pid {mlflow.pid()}) at {mlflow_uri}")
+    # Forgeline's processes (started below, and this one) write as Forgeline; people read.
+    mlflow_login.use_local_login(home, mlflow_uri)
 
     api = ManagedProcess(home, API)
     if api.running():

@@ -17,6 +17,7 @@ import boto3
 import pytest
 import torch
 
+from infra.mlflow_login import use_local_login
 from infra.processes import free_port, port_is_open
 from infra.s3_store import S3Store, client_config
 from infra.settings import load_settings
@@ -313,10 +314,16 @@ def stack(tmp_path_factory: pytest.TempPathFactory, s3_sites: Sites) -> Iterator
         "FORGELINE_TWIN_STORE": f"s3://{TWIN_BUCKET}/{home.name}?endpoint={s3_sites.twin_endpoint}",
     }
     s = Stack(home, env, s3_sites)
+    before = dict(os.environ)
     try:
         s.cli("up", "--nodes", "3", "--gpus-per-node", "1", *free_port_flags(), timeout=240)
+        # The tests' own MLflow clients sign in as Forgeline's processes do (its MLflow answers
+        # to nobody else); the environment is restored for the packages after this one.
+        use_local_login(home, s.settings.mlflow_uri)
         yield s
     finally:
+        os.environ.clear()
+        os.environ.update(before)
         s.cli("down", timeout=120, check=False)
         leftovers = [p for p in (home / "run").glob("*.pid")]
         assert leftovers == [], f"`forgeline down` left pid files: {leftovers}"

@@ -9,9 +9,11 @@ import subprocess
 from pathlib import Path
 
 import pytest
+import requests
 import torch
 from mlflow.tracking import MlflowClient
 
+from infra import mlflow_login
 from infra.local_servers import temporal_binary
 from registry.names import EXPERIMENT
 from tests.conftest import REPO
@@ -98,6 +100,7 @@ def test_run_to_approval_and_the_registered_model(stack: Stack, tmp_path: Path) 
     production = client.get_model_version_by_alias("tiny", "production")
     candidate = client.get_model_version_by_alias("tiny", "candidate")
     assert production.version == candidate.version == "1"
+    mlflow_writes_only_from_forgeline(stack, "tiny")
     tags = production.tags
     assert (
         tags["forgeline.decided_by"] == "dave"
@@ -169,6 +172,20 @@ def test_run_to_approval_and_the_registered_model(stack: Stack, tmp_path: Path) 
     assert "report/goodput.png" in logged and "report/report.md" in logged, logged
     generated = stack.cli("generate", "tiny@production", "ROMEO:", "--max-new-tokens", "20")
     assert generated.stdout.startswith("ROMEO:") and len(generated.stdout.strip()) > 6
+
+
+def mlflow_writes_only_from_forgeline(stack: Stack, model: str) -> None:
+    """The stack's MLflow: nobody who merely reaches its port moves an alias (401), and the UI's
+    read-only viewer browses the model but cannot move it either (403)."""
+    login = mlflow_login.read(stack.home)
+    assert login is not None and login.uri == stack.settings.mlflow_uri
+    api = f"{login.uri}/api/2.0/mlflow/registered-models"
+    move = {"name": model, "alias": "production", "version": "1"}
+    assert requests.post(f"{api}/alias", json=move, timeout=30).status_code == 401
+    viewer = (mlflow_login.VIEWER, login.viewer_password)
+    assert requests.post(f"{api}/alias", json=move, auth=viewer, timeout=30).status_code == 403
+    browsed = requests.get(f"{api}/get", params={"name": model}, auth=viewer, timeout=30)
+    assert browsed.ok and browsed.json()["registered_model"]["name"] == model, browsed.text
 
 
 def test_cancel_stops_the_ranks_and_releases_the_gang(stack: Stack, tmp_path: Path) -> None:
