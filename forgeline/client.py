@@ -19,7 +19,7 @@ import tomllib
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -103,6 +103,24 @@ class Client:
         query = urllib.parse.urlencode([("key", k) for k in keys])
         path = f"/v1/runs/{_segment(name)}/metrics" + (f"?{query}" if query else "")
         return self._call("GET", path, answer=wire.Metrics)
+
+    def logs(
+        self,
+        name: str,
+        attempt: int | None = None,
+        node: str | None = None,
+        rank: int | None = None,
+        after: Sequence[str] = (),
+    ) -> wire.RunLogs:
+        """The run's ranks' and torchrun's output (the latest attempt unless one is given);
+        `after` holds NODE/FILE:OFFSET of the last piece read of each file, to follow it."""
+        chosen = {"attempt": attempt, "node": node, "rank": rank}
+        query = [(k, str(v)) for k, v in chosen.items() if v is not None]
+        query += [("after", cursor) for cursor in after]
+        path = f"/v1/runs/{_segment(name)}/logs"
+        if query:
+            path += f"?{urllib.parse.urlencode(query)}"
+        return self._call("GET", path, answer=wire.RunLogs)
 
     def wait(
         self,

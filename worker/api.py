@@ -6,6 +6,7 @@ people, with an identity from a token on every request.
     GET  /v1/runs                  every run, as `forgeline runs` shows them
     GET  /v1/runs/{name}           one run: phase, step, loss, attempts, placement, checkpoint
     GET  /v1/runs/{name}/metrics   its metric series (?key=train/loss …), from its MLflow run
+    GET  /v1/runs/{name}/logs      its ranks' output (?attempt, node, rank; after= to follow)
     POST /v1/runs/{name}/cancel    one's own run, or anyone's as an operator
     POST /v1/runs/{name}/resume    a FAILED or CANCELLED one, from its last checkpoint
     POST /v1/runs/{name}/approve   as the caller, checked by the run's approval gate
@@ -39,6 +40,7 @@ from registry.approvals import ApprovalsFile, approvals_toml, install_approvals,
 from registry.errors import ApprovalsInvalid
 from worker import cluster_actions, run_actions
 from worker.api_code import CodeRefused, check_code, publish_upload, upload_body
+from worker.api_logs import BadCursor, LogQuery, read_logs
 from worker.api_rules import (
     ApiError,
     Caller,
@@ -68,6 +70,7 @@ from workflows.api_models import (
     Metrics,
     RejectRequest,
     RunList,
+    RunLogs,
     RunView,
     SubmitAnswer,
     SubmitRequest,
@@ -283,6 +286,29 @@ def make_app(settings: Settings) -> FastAPI:
         series = {k: [MetricPoint(step=m.step, value=m.value, timestamp_ms=m.timestamp) for m in v]
                   for k, v in found.items()}  # fmt: skip
         return Metrics(run=name, mlflow_run_id=run_id, series=series)
+
+    @app.get(f"/{API_VERSION}/runs/{{name}}/logs")
+    async def get_logs(
+        name: str,
+        who: Caller,
+        attempt: Annotated[int | None, Query(ge=1)] = None,
+        node: str | None = None,
+        rank: Annotated[int | None, Query(ge=0)] = None,
+        after: Annotated[list[str] | None, Query()] = None,
+    ) -> RunLogs:
+        """The ranks' and torchrun's output as shipped to the store (the latest attempt unless
+        one is asked for); `after=NODE/FILE:OFFSET` per file already read returns what is new."""
+        for field, value, what in (("name", name, "name"), ("node", node, "node id")):
+            try:
+                if value is not None:
+                    check_name(value, what)
+            except InvalidName as err:
+                raise ApiError(422, "invalid_name", str(err), field=field) from None
+        query = LogQuery(attempt, node, rank, tuple(after or ()))
+        try:
+            return await asyncio.to_thread(read_logs, settings.open_store(), name, query)
+        except BadCursor as err:
+            raise ApiError(422, "invalid_cursor", str(err), field="after") from None
 
     @app.post(f"/{API_VERSION}/runs/{{name}}/cancel", responses={409: {"model": ErrorBody}})
     async def cancel_run(name: str, who: Caller, wait_s: float = 120.0) -> RunView:

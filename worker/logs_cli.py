@@ -1,34 +1,25 @@
-"""`forgeline logs RUN [--node N] [--rank R] [--attempt G] [--follow]`: the ranks' output, read
-from the store, from any machine (trainer.rank_logs ships it there while the ranks run)."""
+"""`forgeline logs RUN [--node N] [--rank R] [--attempt G] [--follow]`: the ranks' output, from
+any machine, through the API under the caller's token (trainer.rank_logs ships it to the store
+while the ranks run; the API reads it there, so people need no store key)."""
 
 from __future__ import annotations
 
 import sys
 import time
+from functools import partial
 from typing import Annotated
 
 import typer
 
-from trainer.rank_logs import LogPiece, pieces
+from worker.api_access import api_client, call
 from worker.cli_common import CliError, ExitCode, check_name, get_settings
+from workflows.api_models import LogPieceView
 
 _FOLLOW_POLL_S = 1.0
 
 
-def _chosen(
-    found: list[LogPiece], node: str | None, rank: int | None, attempt: int | None
-) -> list[LogPiece]:
-    return [
-        p
-        for p in found
-        if p.generation == attempt
-        and (node is None or p.node_id == node)
-        and (rank is None or p.rank == rank)
-    ]
-
-
-def _header(piece: LogPiece) -> str:
-    return f"==> attempt (generation) {piece.generation}, {piece.node_id}, {piece.name} <==\n"
+def _header(attempt: int, piece: LogPieceView) -> str:
+    return f"==> attempt (generation) {attempt}, {piece.node_id}, {piece.file} <==\n"
 
 
 def logs(
@@ -46,35 +37,34 @@ def logs(
     run = check_name(run)
     if node is not None:
         node = check_name(node, "node id")
-    store = get_settings().open_store()
-    found = pieces(store, run)
-    if not found and not follow:
-        raise CliError(
-            f"no logs of run {run} in {store.url}: check the name (`forgeline runs`)",
-            ExitCode.NOT_FOUND,
-        )
-    generations = sorted({p.generation for p in found})
-    if attempt is None:
-        attempt = generations[-1] if generations else 1
-    elif attempt not in generations and not follow:
-        raise CliError(
-            f"run {run} has no logs of attempt {attempt}: it has {generations}",
-            ExitCode.NOT_FOUND,
-        )
-    printed: set[str] = set()
+    client = api_client(get_settings())
+    read_up_to: dict[str, int] = {}  # NODE/FILE -> offset of its last piece printed
     current: str | None = None
     while True:
-        for piece in _chosen(found, node, rank, attempt):
-            if piece.key in printed:
-                continue
-            file = f"{piece.node_id}/{piece.name}"
+        after = tuple(f"{file}:{offset}" for file, offset in read_up_to.items())
+        answer = call(partial(client.logs, run, attempt, node, rank, after))
+        if not follow:
+            if not answer.attempts:
+                raise CliError(
+                    f"no logs of run {run}: check the name (`forgeline runs`)", ExitCode.NOT_FOUND
+                )
+            if answer.attempt not in answer.attempts:
+                raise CliError(
+                    f"run {run} has no logs of attempt {answer.attempt}: it has {answer.attempts}",
+                    ExitCode.NOT_FOUND,
+                )
+        if attempt is None and answer.attempt is not None:
+            attempt = answer.attempt  # followed from here on, even when a later one starts
+        for piece in answer.pieces:
+            file = f"{piece.node_id}/{piece.file}"
             if file != current:
-                sys.stdout.write(("\n" if current else "") + _header(piece))
+                sys.stdout.write(("\n" if current else "") + _header(answer.attempt or 0, piece))
                 current = file
-            sys.stdout.write(store.get_bytes(piece.key).decode(errors="replace"))
-            sys.stdout.flush()
-            printed.add(piece.key)
+            sys.stdout.write(piece.text)
+            read_up_to[file] = piece.offset
+        sys.stdout.flush()
+        if answer.more:
+            continue
         if not follow:
             return
         time.sleep(_FOLLOW_POLL_S)
-        found = pieces(store, run)

@@ -79,6 +79,22 @@ class Metrics(BaseModel):
     series: dict[str, list[MetricPoint]] = Field(description="each metric key, by step")
 
 
+class LogPieceView(BaseModel):
+    node_id: str
+    file: str = Field(description='"rank-<R>" or "torchrun"')
+    rank: int | None = Field(description="the rank whose output it is; none for torchrun's")
+    offset: int = Field(description="where in its file this piece starts, in bytes")
+    text: str
+
+
+class RunLogs(BaseModel):
+    run: str
+    attempts: list[int] = Field(description="the generations (attempts) that left logs")
+    attempt: int | None = Field(description="the one shown: the one asked for, or the latest")
+    pieces: list[LogPieceView] = Field(description="in order: node, file, offset")
+    more: bool = Field(description="the answer was cut at its size limit: ask again with `after`")
+
+
 class LineageLink(BaseModel):
     what: str = Field(description="version, mlflow run, checkpoint, dataset, code, spec, …")
     detail: str

@@ -6,20 +6,17 @@ from __future__ import annotations
 
 import io
 import tarfile
-import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import uvicorn
 
 from forgeline import ApiError, Client
 from infra import code_snapshot
 from infra.processes import free_port
 from infra.settings import Settings
 from infra.tokens import TokenStore
-from worker.api import make_app
+from tests.api_server import serving_api
 from workflows.api_models import SubmitAnswer, SubmitRequest
 
 
@@ -27,20 +24,8 @@ from workflows.api_models import SubmitAnswer, SubmitRequest
 def api(tmp_path: Path) -> Iterator[tuple[str, Path]]:
     # Temporal's address is a free port nobody listens on: the API must not need it to refuse.
     settings = Settings(home=tmp_path, temporal_address=f"127.0.0.1:{free_port()}")
-    port = free_port()
-    config = uvicorn.Config(make_app(settings), port=port, log_level="critical")
-    server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert time.monotonic() < deadline, "the API did not start"
-        time.sleep(0.05)
-    try:
-        yield f"http://127.0.0.1:{port}", tmp_path
-    finally:
-        server.should_exit = True
-        thread.join(timeout=10)
+    with serving_api(settings) as url:
+        yield url, tmp_path
 
 
 def refused(call, status: int, code: str) -> ApiError:

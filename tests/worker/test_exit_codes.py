@@ -11,7 +11,9 @@ from pathlib import Path
 import pytest
 
 from infra.processes import free_port
+from infra.settings import Settings
 from infra.tokens import TokenStore
+from tests.api_server import serving_api
 from tests.conftest import REPO
 from tests.fresh_env import without_pythonpath
 from worker.cli_common import ExitCode
@@ -27,9 +29,12 @@ _BUG = (
 )
 
 
-def forgeline(home: Path, *args: str, token: str | None = None) -> subprocess.CompletedProcess:
+def forgeline(
+    home: Path, *args: str, token: str | None = None, api_url: str | None = None
+) -> subprocess.CompletedProcess:
+    api_url = api_url or f"http://127.0.0.1:{free_port()}"  # by default, nobody answers there
     env = {**without_pythonpath(), "FORGELINE_HOME": str(home), "COLUMNS": "200",
-           "FORGELINE_API_URL": f"http://127.0.0.1:{free_port()}"}  # fmt: skip
+           "FORGELINE_API_URL": api_url}  # fmt: skip
     env.pop("FORGELINE_TOKEN", None)
     if token:
         env["FORGELINE_TOKEN"] = token
@@ -44,7 +49,6 @@ def forgeline(home: Path, *args: str, token: str | None = None) -> subprocess.Co
         (("--version",), ExitCode.OK, "forgeline "),
         (("status",), ExitCode.USAGE, "Usage: "),
         (("status", "Not A Name"), ExitCode.BAD_INPUT, "is not valid"),
-        (("logs", "never-ran"), ExitCode.NOT_FOUND, "no logs of run never-ran"),
         (("runs",), ExitCode.DOWN, "cannot reach http://127.0.0.1:"),
         (("boom",), ExitCode.BUG, "KeyError: 'missing'"),
     ],
@@ -67,3 +71,12 @@ def test_a_refusal_exits_refused(tmp_path: Path) -> None:
     done = forgeline(tmp_path, "tokens", "list", token=reader)
     assert done.returncode == ExitCode.REFUSED, done.stdout + done.stderr[-2000:]
     assert "rhea's token is not an admin's" in done.stdout
+
+
+def test_what_is_not_there_exits_not_found(tmp_path: Path) -> None:
+    settings = Settings(home=tmp_path, temporal_address=f"127.0.0.1:{free_port()}")
+    reader, _ = TokenStore(tmp_path).create("rhea", ["read"], created_by="test")
+    with serving_api(settings) as url:
+        done = forgeline(tmp_path, "logs", "never-ran", token=reader, api_url=url)
+    assert done.returncode == ExitCode.NOT_FOUND, done.stdout + done.stderr[-2000:]
+    assert "no logs of run never-ran" in done.stdout and "Traceback" not in done.stderr

@@ -1,6 +1,6 @@
 """`forgeline agent | control | data worker` refuse to start, in one line, on a setting that
 is missing or a service that does not answer; `up` starts no local server behind a setting
-that points elsewhere; `forgeline logs` reads shipped rank logs back."""
+that points elsewhere."""
 
 from __future__ import annotations
 
@@ -13,10 +13,8 @@ from pathlib import Path
 import pytest
 
 from infra.processes import free_port
-from infra.store import LocalStore
 from tests.e2e.conftest import FORGELINE
 from tests.http_server import serving
-from trainer.rank_logs import LogShipper
 from worker.cli_common import ExitCode
 
 BAD_INPUT, DOWN, NOT_FOUND = ExitCode.BAD_INPUT, ExitCode.DOWN, ExitCode.NOT_FOUND
@@ -99,52 +97,3 @@ def test_up_starts_no_local_server_behind_settings_that_point_elsewhere(tmp_path
     assert f"temporal      external at 127.0.0.1:{temporal}" in done.stdout, done.stdout
     assert f"MLflow at http://127.0.0.1:{mlflow}" in _one_error_line(done, DOWN, alone=False)
     assert not list((tmp_path / "run").glob("*.pid")), "a local server was started"
-
-
-def test_logs_are_read_back_by_run_node_rank_and_attempt(tmp_path: Path) -> None:
-    store = LocalStore(tmp_path / "store")  # the state folder's own store: FORGELINE_STORE unset
-    for generation, node, rank in ((1, "h1", 0), (1, "h2", 1), (2, "h1", 0), (2, "h3", 1)):
-        folder = tmp_path / "logs" / f"{generation}-{node}"
-        folder.mkdir(parents=True)
-        (folder / f"rank-{rank}.log").write_text(f"[rank {rank}/2 gen {generation}] on {node}\n")
-        (folder / "torchrun.log").write_text(f"torchrun of {node}\n")
-        LogShipper(store, "tiny", generation, node, folder).ship(final=True)
-
-    latest = forgeline(tmp_path, "logs", "tiny")
-    assert latest.returncode == 0, latest.stdout + latest.stderr
-    assert "[rank 0/2 gen 2] on h1" in latest.stdout and "[rank 1/2 gen 2] on h3" in latest.stdout
-    assert "gen 1]" not in latest.stdout and "torchrun of h3" in latest.stdout
-    one = forgeline(tmp_path, "logs", "tiny", "--rank", "1", "--attempt", "1").stdout
-    assert "[rank 1/2 gen 1] on h2" in one and "rank 0" not in one and "torchrun" not in one
-    node = forgeline(tmp_path, "logs", "tiny", "--node", "h1", "--attempt", "1").stdout
-    assert "on h1" in node and "h2" not in node
-    assert "has no logs of attempt 7" in _one_error_line(
-        forgeline(tmp_path, "logs", "tiny", "--attempt", "7"), NOT_FOUND
-    )
-    other = forgeline(tmp_path, "logs", "other")
-    assert "no logs of run other" in _one_error_line(other, NOT_FOUND)
-
-
-def test_logs_follow_prints_lines_as_they_are_shipped(tmp_path: Path) -> None:
-    store, folder = LocalStore(tmp_path / "store"), tmp_path / "gen-1"
-    folder.mkdir()
-    log = folder / "rank-0.log"
-    log.write_text("first line\n")
-    shipper = LogShipper(store, "tiny", 1, "h1", folder)
-    shipper.ship()
-    clean = {k: v for k, v in os.environ.items() if not k.startswith("FORGELINE_")}
-    follower = subprocess.Popen(
-        [FORGELINE, "logs", "tiny", "--follow"], env={**clean, "FORGELINE_HOME": str(tmp_path)},
-        stdout=subprocess.PIPE, text=True,
-    )  # fmt: skip
-    try:
-        assert follower.stdout is not None
-        assert "==> attempt (generation) 1, h1, rank-0 <==" in follower.stdout.readline()
-        assert follower.stdout.readline() == "first line\n"
-        with open(log, "a") as handle:
-            handle.write("second line\n")
-        shipper.ship()
-        assert follower.stdout.readline() == "second line\n"  # within a poll, not at the end
-    finally:
-        follower.kill()
-        follower.wait()

@@ -18,6 +18,7 @@ from tests.forgeline_argv import check_forgeline_argv
 DEPLOY = REPO / "infra" / "deploy"
 SBATCH = DEPLOY / "slurm" / "forgeline-agents.sbatch"
 UNIT = DEPLOY / "systemd" / "forgeline-agent.service"
+API_UNIT = DEPLOY / "systemd" / "forgeline-api.service"
 
 # srun's stand-in: the step's task on one node, its options ignored.
 FAKE_SRUN = """#!/bin/bash
@@ -102,22 +103,41 @@ def test_the_unit_runs_an_agent_command_that_exists() -> None:
     )
 
 
+def test_the_api_unit_serves_the_api_command_that_exists() -> None:
+    binary, *argv = exec_start(API_UNIT.read_text())
+    assert binary.endswith("/bin/forgeline") and argv[0] == "api"
+    values = {"${FORGELINE_API_HOST}": "0.0.0.0", "${FORGELINE_API_PORT}": "8700"}
+    check_forgeline_argv([values.get(word, word) for word in argv])
+    assert "StateDirectoryMode=0700" in API_UNIT.read_text()  # the tokens: its user's alone
+
+
 @pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="no systemd-analyze here")
-def test_the_unit_passes_systemd_analyze_verify(tmp_path: Path) -> None:
+@pytest.mark.parametrize("source", [UNIT, API_UNIT], ids=lambda path: path.stem)
+def test_the_unit_passes_systemd_analyze_verify(source: Path, tmp_path: Path) -> None:
     """Without a warning: verify exits 0 on unknown keys and bad values too, and says so on
     stderr. The ExecStart binary must exist for it, so the copy names one that does."""
-    binary = exec_start(UNIT.read_text())[0]
-    unit = tmp_path / UNIT.name
-    unit.write_text(UNIT.read_text().replace(binary, shutil.which("bash") or "/bin/bash"))
+    binary = exec_start(source.read_text())[0]
+    unit = tmp_path / source.name
+    unit.write_text(source.read_text().replace(binary, shutil.which("bash") or "/bin/bash"))
     done = subprocess.run(["systemd-analyze", "verify", "--man=no", str(unit)],
                           capture_output=True, text=True, timeout=60)  # fmt: skip
     assert done.returncode == 0 and done.stderr.strip() == "", done.stderr
 
 
+def example_names(name: str) -> set[str]:
+    example = (DEPLOY / "systemd" / name).read_text()
+    return {line.lstrip("#").split("=", 1)[0] for line in example.splitlines()
+            if "=" in line and not line.startswith("# ")}  # fmt: skip
+
+
 def test_the_environment_file_example_names_settings_of_the_agent() -> None:
-    example = (DEPLOY / "systemd" / "agent.env.example").read_text()
-    names = {line.lstrip("#").split("=", 1)[0] for line in example.splitlines()
-             if "=" in line and not line.startswith("# ")}  # fmt: skip
+    names = example_names("agent.env.example")
     used_by_unit = {"FORGELINE_NODE_ID", "FORGELINE_POD", "FORGELINE_AGENT_ARGS"}
     assert used_by_unit <= names
     assert "FORGELINE_TEMPORAL_API_KEY" not in names  # the key goes in a file of its own
+
+
+def test_the_api_environment_file_example_names_what_its_unit_reads() -> None:
+    names = example_names("api.env.example")
+    assert {"FORGELINE_API_HOST", "FORGELINE_API_PORT", "FORGELINE_TEMPORAL_ADDRESS"} <= names
+    assert "FORGELINE_TEMPORAL_API_KEY" not in names
