@@ -131,6 +131,7 @@ class Checkpointer:
         self.generation = generation
         self.fenced = False  # set once a save found this generation superseded
         self.keep = keep
+        self._verified: set[str] = set()  # checkpoints pruning found whole: checked once
         self.layout = layout
         self.asynchronous = asynchronous
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
@@ -262,7 +263,7 @@ class Checkpointer:
         if Fences.read(self.store, self.run_id).why_stale(self.generation, step):
             self.store.delete(key)
             return None
-        prune(self.store, self.run_id, self.keep)
+        prune(self.store, self.run_id, self.keep, self._verified)
         return key
 
     def _superseded(self) -> bool:

@@ -19,6 +19,7 @@ import json
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
+from enum import Enum
 
 from infra.errors import IntegrityError, ObjectNotFound
 from infra.store import ObjectStore
@@ -169,30 +170,54 @@ def newest_commit_of(store: ObjectStore, run_id: str, generation: int) -> int | 
     return None
 
 
-def prune(store: ObjectStore, run_id: str, keep: int) -> list[int]:
+def prune(
+    store: ObjectStore, run_id: str, keep: int, verified: set[str] | None = None
+) -> list[int]:
     """Keep the newest `keep` checkpoints that resume could use; delete the others, and any
     manifest a fenced-out generation committed. Manifest first, then files.
 
-    Deleting the manifest first means a crash halfway leaves orphan files, never a manifest
-    that points at files which are gone. Stale manifests never count toward `keep`, so a late
-    commit of an old generation cannot push a usable checkpoint out.
+    Only a checkpoint whose files verify counts toward `keep`: a corrupt or unreadable one newer
+    than those is left alone (resume passes over it; it is evidence) and never pushes a good
+    one out, and the newest verified checkpoint is never deleted. Deleting the manifest first
+    means a crash halfway leaves orphan files, never a manifest that points at files which are
+    gone. `verified` caches manifests already checked (a writer prunes after every commit).
     """
     fences = Fences.read(store, run_id)
     removed, kept = [], 0
     for step in committed_steps(store, run_id):
         key = manifest_key(run_id, step)
-        try:
-            stale = fences.why_stale(int(read_manifest(store, key)["generation"]), step)
-        except (IntegrityError, ObjectNotFound, ValueError, KeyError):
-            stale = None  # unreadable: pruned by age like any other
-        if stale is None and kept < keep:
-            kept += 1
-            continue
+        state = _usability(store, fences, key, step, verified)
+        if kept < keep and state is not Usability.STALE:
+            kept += state is Usability.USABLE
+            continue  # a usable one is kept; a broken one newer than them is left as it is
         store.delete(key)
         for leftover in store.list(checkpoint_prefix(run_id, step) + "/"):
             store.delete(leftover)
         removed.append(step)
     return removed
+
+
+class Usability(Enum):
+    USABLE = "resume could load it"
+    STALE = "committed by a fenced-out generation"
+    BROKEN = "unreadable, or its files do not verify"
+
+
+def _usability(
+    store: ObjectStore, fences: Fences, key: str, step: int, verified: set[str] | None
+) -> Usability:
+    try:
+        manifest = read_manifest(store, key)
+        if fences.why_stale(int(manifest["generation"]), step):
+            return Usability.STALE
+        fingerprint = f"{key}@{manifest.get('committed_at')}"
+        if verified is None or fingerprint not in verified:
+            verify_files(store, manifest)
+            if verified is not None:
+                verified.add(fingerprint)
+    except (IntegrityError, ObjectNotFound, ValueError, KeyError):
+        return Usability.BROKEN
+    return Usability.USABLE
 
 
 def load_for_init(store: ObjectStore, key: str, architecture: dict) -> CommittedCheckpoint:
