@@ -16,6 +16,7 @@ from activities.errors import domain_errors
 from activities.fetch import NodeCache
 from activities.heartbeat import keep_alive
 from infra.code_version import code_version, installed_packages, packages_digest
+from infra.errors import IntegrityError, ObjectNotFound
 from infra.extras import require_extra
 from infra.settings import Settings
 from registry.approvals import load_approvals, rules_for
@@ -177,22 +178,36 @@ class ControlActivities:
                 seed=train.seed,
             )
             curve = [EvalPoint(step=inp.checkpoint.step, val_loss=result.val_loss)]
-            # The older checkpoints still kept give the curve's earlier points.
+            left_out: list[str] = []
+            # The older checkpoints still kept give the curve's earlier points. One that does
+            # not verify (rotted, pruned meanwhile) is left out of the curve with a note: the
+            # model was trained and checked already, and is never lost to a curve.
             for step in committed_steps(self.store, inp.run_id):
                 if step >= inp.checkpoint.step:
                     continue
                 older = inp.checkpoint.model_copy(
                     update={"manifest_key": manifest_key(inp.run_id, step), "step": step}
                 )
-                older_folder, older_manifest = self.cache.checkpoint(older)
-                loss = checkpoint_val_loss(
-                    older_folder,
-                    older_manifest["model_config"],
-                    val_shards,
-                    dataset["dtype"],
-                    train.batch_size,
-                    train.eval_batches,
-                )
+                try:
+                    older_folder, older_manifest = self.cache.checkpoint(older)
+                    loss = checkpoint_val_loss(
+                        older_folder,
+                        older_manifest["model_config"],
+                        val_shards,
+                        dataset["dtype"],
+                        train.batch_size,
+                        train.eval_batches,
+                    )
+                except (
+                    IntegrityError,
+                    ObjectNotFound,
+                    CheckpointError,
+                    KeyError,
+                    ValueError,
+                ) as err:
+                    left_out.append(f"step {step}: {err}")
+                    activity.logger.warning("val curve: leaving out step %s: %s", step, err)
+                    continue
                 curve.append(EvalPoint(step=step, val_loss=loss))
                 activity.heartbeat(f"checkpoint {step} evaluated")
         return EvalResult(
@@ -205,6 +220,7 @@ class ControlActivities:
                 Sample(prompt=p, text=t) for p, t in zip(prompts, result.samples, strict=True)
             ],
             curve=sorted(curve, key=lambda point: point.step),
+            curve_left_out=left_out,
         )
 
     def _reported_evaluation(self, inp: EvaluateInput) -> EvalResult:

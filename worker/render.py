@@ -137,6 +137,8 @@ def status_text(view: RunView, settings: Settings) -> str:
         if len(e.curve) > 1:
             points = ", ".join(f"{p.step}: {p.val_loss:.3f}" for p in e.curve)
             lines.append(f"val curve      {points}")
+        for note in e.curve_left_out:
+            lines.append(f"val curve      left out {note}")
         for sample in e.samples or [Sample(prompt="", text=e.sample)]:
             if not sample.text.strip():  # a user's run: samples are its own serving's business
                 continue

@@ -246,6 +246,7 @@ class EvalResult(BaseModel):
     sample: str  # the first prompt's continuation
     samples: list[Sample] = []  # every prompt's (registry.sample_prompt, then sample_prompts)
     curve: list[EvalPoint] = []  # held-out loss of every committed checkpoint kept, by step
+    curve_left_out: list[str] = []  # older checkpoints that did not verify, and why
     # "held-out": the validation split; "train": a user's script reported no held-out loss, and
     # this is its last training loss (trainer.reported_eval).
     measured_on: str = "held-out"
