@@ -56,6 +56,13 @@ format: $(STAMP)
 	$(BIN)/ruff format .
 	$(BIN)/ruff check --fix .
 
+# The local stack's state folder, deleted only once its stack has stopped: a stack still running
+# keeps writing into it, and a failed `down` leaves nothing deleted (FORGELINE_HOME is never
+# touched: it may be a real deployment's).
 clean:
-	-$(FL) down
-	rm -rf .forgeline
+	@if [ -d .forgeline ]; then \
+	  FORGELINE_HOME=.forgeline $(FL) down || { \
+	    echo "make clean: \`forgeline down\` failed, so nothing was deleted: stop the stack's processes (.forgeline/run/*.pid), then make clean again" >&2; exit 1; }; \
+	  echo "make clean: deleting .forgeline/ (the local stack's store, MLflow, Temporal history, tokens and logs)"; \
+	  rm -rf .forgeline; \
+	fi

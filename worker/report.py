@@ -69,9 +69,10 @@ def _parse(text: str) -> datetime:
 
 
 def log_report(tracking_uri: str, run_id: str, report: Report) -> str:
-    MlflowClient(tracking_uri=tracking_uri).log_artifacts(
-        run_id, str(report.out_dir), artifact_path=ARTIFACT_PATH
-    )
+    """The files the report wrote, and nothing else of `--out`'s folder (which may be a home)."""
+    client = MlflowClient(tracking_uri=tracking_uri)
+    for path in report.files:
+        client.log_artifact(run_id, str(path), artifact_path=ARTIFACT_PATH)
     return f"MLflow run {run_id}, artifacts {ARTIFACT_PATH}/"
 
 

@@ -234,10 +234,16 @@ def test_fetch_log_and_report_against_a_real_tracking_store(tmp_path: Path) -> N
     assert fetch_checkpoints(store, "tiny") == [CheckpointMark(50, 2, at(57))]
 
     settings = Settings(home=tmp_path, mlflow_uri=uri, store_url=str(tmp_path / "store"))
-    report = report_run(settings, status, tmp_path / "reports" / "tiny")
+    out = tmp_path / "reports" / "tiny"
+    out.mkdir(parents=True)
+    (out / "id_rsa").write_text("a key that was there before")  # `--out ~`, say
+    (out / "notes").mkdir()
+    report = report_run(settings, status, out)
     assert report.logged_to == f"MLflow run {run_id}, artifacts report/"
     logged = {a.path for a in client.list_artifacts(run_id, ARTIFACT_PATH)}
+    # Only what the report wrote goes to MLflow (the whole folder went before).
     assert logged == {f"{ARTIFACT_PATH}/{p.name}" for p in report.files}
+    assert f"{ARTIFACT_PATH}/id_rsa" not in logged and len(report.files) == 4
     local = Path(client.download_artifacts(run_id, f"{ARTIFACT_PATH}/goodput.png", str(tmp_path)))
     assert_png(local)
 
