@@ -20,7 +20,7 @@ from infra.settings import Settings
 from worker.render import stage_bars
 from worker.runs import dataset_progress
 from workflows.models import DatasetInput, DatasetRef
-from workflows.names import CONTROL_TASK_QUEUE
+from workflows.names import CONTROL_TASK_QUEUE, standalone_dataset_workflow_id
 from workflows.spec import DataSpec
 
 data_app = typer.Typer(help="Prepare dataset snapshots and read their reports.")
@@ -33,7 +33,7 @@ class DataCliError(Exception):
 def standalone_workflow_id(data: DataSpec) -> str:
     """The same [data] table always names the same workflow: preparing twice attaches."""
     digest = hashlib.sha256(json.dumps(data.model_dump(), sort_keys=True).encode()).hexdigest()
-    return f"dataset-{digest[:16]}"
+    return standalone_dataset_workflow_id(digest)
 
 
 async def prepare(client: Client, data: DataSpec, console: Console) -> DatasetRef:

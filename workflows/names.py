@@ -65,5 +65,26 @@ def node_task_queue(node_id: str) -> str:
 DATA_TASK_QUEUE = "forgeline-data"
 
 
+DATASET_SUFFIX = "-dataset"
+# `forgeline data prepare`'s own workflows: a digest of the [data] table (worker.data_cli).
+STANDALONE_DATASET_ID = re.compile(r"dataset-[0-9a-f]{16}")
+
+
 def dataset_workflow_id(run_id: str) -> str:
-    return f"{run_id}-dataset"
+    return f"{run_id}{DATASET_SUFFIX}"
+
+
+def standalone_dataset_workflow_id(table_sha256: str) -> str:
+    return f"dataset-{table_sha256[:16]}"
+
+
+def reserved_id(name: str) -> str | None:
+    """What else runs under workflow id `name`, if anything: a run is a workflow under its own
+    name, and may not take another's (its start would attach to it, or be refused by it)."""
+    if name == CLUSTER_WORKFLOW_ID:
+        return "the Cluster workflow's id"
+    if name.endswith(DATASET_SUFFIX):
+        return f"how the id of a run's data preparation ends (RUN{DATASET_SUFFIX})"
+    if STANDALONE_DATASET_ID.fullmatch(name):
+        return "the form of `forgeline data prepare`'s workflow ids (dataset-<16 hex digits>)"
+    return None

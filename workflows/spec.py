@@ -25,7 +25,7 @@ from pydantic import (
 
 # Names become workflow ids, store keys and MLflow model names: keep them path- and URL-safe
 # (the rule lives in workflows.names; re-exported here for the models that use it).
-from workflows.names import NAME_PATTERN, NAME_RULE
+from workflows.names import NAME_PATTERN, NAME_RULE, reserved_id
 
 __all__ = ["NAME_PATTERN", "NAME_RULE", "RunSpec"]
 
@@ -413,6 +413,13 @@ class RunSpec(_Strict):
     parallel: ParallelSpec = ParallelSpec()
     recovery: RecoverySpec = RecoverySpec()
     registry: RegistrySpec = RegistrySpec()
+
+    @field_validator("name")
+    @classmethod
+    def _not_another_workflow_s_id(cls, name: str) -> str:
+        if why := reserved_id(name):
+            raise ValueError(f"{name!r} is {why}: give the run another name")
+        return name
 
     @property
     def model_name(self) -> str:

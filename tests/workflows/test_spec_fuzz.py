@@ -10,6 +10,7 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
+import pytest
 from hypothesis import event, example, given
 from hypothesis import strategies as st
 from pydantic import ValidationError
@@ -35,6 +36,7 @@ from workflows.names import (
     check_snapshot_id,
     dataset_workflow_id,
     is_valid_name,
+    standalone_dataset_workflow_id,
 )
 from workflows.spec import ResourcesSpec, RunSpec
 
@@ -279,3 +281,21 @@ def test_snapshot_ids_are_hex_or_refused(snapshot_id: str) -> None:
     assert checked.isalnum() and set(checked) <= set("0123456789abcdef")
     validate_key(f"datasets/{checked}/MANIFEST.json")
     assert json.dumps(checked) == f'"{checked}"'
+
+
+@pytest.mark.parametrize(
+    ("name", "why"),
+    [
+        ("forgeline-cluster", "the Cluster workflow's id"),
+        ("tiny-dataset", "a run's data preparation"),
+        (standalone_dataset_workflow_id("0123456789abcdef" * 4), "`forgeline data prepare`"),
+    ],
+)
+def test_a_run_may_not_take_another_workflow_s_id(name: str, why: str) -> None:
+    """Before, `tiny-dataset` started as a run and the run `tiny` then met it as its own data
+    preparation; `forgeline-cluster` attached to the Cluster workflow."""
+    with pytest.raises(ValidationError) as refused:
+        RunSpec.model_validate({"name": name, "data": {"sources": ["/dev/null"]}})
+    (error,) = refused.value.errors()
+    assert error["loc"] == ("name",) and why in error["msg"], error
+    RunSpec.model_validate({"name": "dataset-tiny", "data": {"sources": ["/dev/null"]}})
