@@ -12,7 +12,7 @@ import contextlib
 import os
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 API_KEY_ENV = "FORGELINE_TEMPORAL_API_KEY"
 API_KEY_FILE_ENV = "FORGELINE_TEMPORAL_API_KEY_FILE"
@@ -51,22 +51,35 @@ def redact_text(text: str, secrets: Iterable[str] | None = None) -> str:
 
 def redact_url(url: str) -> str:
     """`url` with the secret part of its user info masked: http://me:pw@host ->
-    http://me:***@host, and a bare token (https://TOKEN@host) -> https://***@host."""
+    http://me:***@host, and a bare token (https://TOKEN@host) -> https://***@host; the same
+    for a URL in its query (s3://b/p?endpoint=https://me:pw@host)."""
     try:
         parts = urlsplit(url)
         username, password = parts.username, parts.password
     except ValueError:  # not a URL at all: nothing structured to redact
         return url
+    if any(map(has_credentials, _nested_urls(parts.query))):
+        query = [(k, redact_url(v)) for k, v in parse_qsl(parts.query, keep_blank_values=True)]
+        parts = parts._replace(query=urlencode(query))
+    elif username is None and password is None:
+        return url  # nothing to mask: unchanged to the character
     if username is None and password is None:
-        return url
+        return urlunsplit(parts)
     host = parts.netloc.rsplit("@", 1)[1]
     userinfo = MASK if password is None else f"{username}:{MASK}"
     return urlunsplit(parts._replace(netloc=f"{userinfo}@{host}"))
 
 
 def has_credentials(url: str) -> bool:
-    """Whether `url` carries user info (http://me:pw@host, https://TOKEN@host)."""
+    """Whether `url`, or a URL in its query, carries user info (http://me:pw@host,
+    https://TOKEN@host, s3://b/p?endpoint=https://me:pw@host): the whole URL is checked."""
     try:
-        return "@" in urlsplit(url).netloc
+        parts = urlsplit(url)
     except ValueError:
         return False
+    return "@" in parts.netloc or any(map(has_credentials, _nested_urls(parts.query)))
+
+
+def _nested_urls(query: str) -> list[str]:
+    """The values of a query that are URLs themselves (an endpoint, say)."""
+    return [value for _, value in parse_qsl(query) if "://" in value]

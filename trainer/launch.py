@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from infra.host_network import is_loopback
+from infra.redact import API_KEY_ENV, API_KEY_FILE_ENV
 from trainer.errors import RanksFailed, RanksHung, UserCodeFailed
 from trainer.hang import HangWatch
 from trainer.job import TrainJob
@@ -167,6 +168,21 @@ class ProgressTail:
         return self.latest.get("state") in ("done", "stopped")
 
 
+# What the agent holds for itself: its Temporal key and certificate, its MLflow login, a
+# person's API token. A rank (and the user's script in it) needs none of them: it reads the
+# store (the AWS_* it keeps), reports to its agent through files, and talks to nobody else.
+AGENT_ONLY_ENV = frozenset({
+    API_KEY_ENV, API_KEY_FILE_ENV, "FORGELINE_TEMPORAL_TLS_KEY", "FORGELINE_TEMPORAL_TLS_CERT",
+    "MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD", "MLFLOW_TRACKING_TOKEN",
+    "FORGELINE_TOKEN",
+})  # fmt: skip
+
+
+def rank_environment(environ: Mapping[str, str]) -> dict[str, str]:
+    """The agent's environment less what only the agent may hold (AGENT_ONLY_ENV)."""
+    return {name: value for name, value in environ.items() if name not in AGENT_ONLY_ENV}
+
+
 async def run_ranks(
     job: TrainJob,
     workdir: Path,
@@ -189,7 +205,7 @@ async def run_ranks(
     Path(job.progress_file).unlink(missing_ok=True)
     tail = ProgressTail(Path(job.progress_file), job.resume.step if job.resume else 0)
     env = {
-        **os.environ,
+        **rank_environment(os.environ),
         "OMP_NUM_THREADS": str(threads_per_rank),
         "PYTHONUNBUFFERED": "1",
         "FORGELINE_JOB": str(job_file),  # what forgeline.init() reads in a rank script

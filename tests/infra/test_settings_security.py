@@ -157,6 +157,17 @@ def test_tls_settings_survive_stack_json(
         ("FORGELINE_MLFLOW_URI", "https://tok3n-abcdefgh@mlflow.example", "MLFLOW_TRACKING_TOKEN"),
         ("FORGELINE_STORE", "s3://AKIA:s3cr3t-key@bucket/prefix", "AWS_SECRET_ACCESS_KEY"),
         ("FORGELINE_TEMPORAL_ADDRESS", "me:pass-word@temporal.example:7233", "API_KEY"),
+        # In the query: a twin's endpoint (passed the check before, and went into stack.json).
+        (
+            "FORGELINE_TWIN_STORE",
+            "s3://twin/p?endpoint=https://me:hunter22@s3.example",
+            "AWS profile",
+        ),
+        (
+            "FORGELINE_STORE",
+            "s3://b/p?region=x&endpoint=https%3A%2F%2FAKIA%3As3cr3t-key%40s3.x",
+            "AWS_SECRET_ACCESS_KEY",
+        ),
     ],
 )
 def test_credentials_in_a_url_are_refused_without_being_repeated(
@@ -179,6 +190,8 @@ def test_plain_paths_and_urls_are_not_mistaken_for_credentials(
 
 
 def test_redact_url_masks_the_secret_part_only() -> None:
+    nested = redact_url("s3://twin/p?endpoint=https://me:pw-123@s3.example&region=x")
+    assert nested == "s3://twin/p?endpoint=https%3A%2F%2Fme%3A%2A%2A%2A%40s3.example&region=x"
     assert redact_url("https://me:pw@host:5000/x?y=1") == "https://me:***@host:5000/x?y=1"
     assert redact_url("https://TOKEN@host") == "https://***@host"
     assert redact_url("http://127.0.0.1:5000") == "http://127.0.0.1:5000"

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+import json
 import os
 import shutil
 import signal
@@ -253,3 +254,28 @@ def test_a_crash_after_training_began_is_a_crash(trainer: Trainer, tmp_path: Pat
         trainer.run(user_job(trainer, "late-crash", code, user_train(code)), ranks=2)
     assert not isinstance(failed.value, UserCodeFailed)
     assert find_latest(trainer.store, "late-crash", max_generation=1).step == 10
+
+
+_SPY = (
+    "import json, os, pathlib\n"
+    "pathlib.Path(os.environ['SPY_OUT']).write_text(json.dumps(sorted(os.environ)))\n"
+    "raise SystemExit('spied')\n"
+)
+
+
+def test_a_rank_gets_the_store_s_keys_but_none_of_the_agent_s(
+    trainer: Trainer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The user's script sees its environment: before, the agent's Temporal API key and MLflow
+    password were in it."""
+    held = {"FORGELINE_TEMPORAL_API_KEY": "temporal-key-123456", "FORGELINE_TOKEN": "flt_x",
+            "MLFLOW_TRACKING_PASSWORD": "mlflow-pw-123456", "AWS_ACCESS_KEY_ID": "AKIAEXAMPLE",
+            "SPY_OUT": str(tmp_path / "env.json")}  # fmt: skip
+    for name, value in held.items():
+        monkeypatch.setenv(name, value)
+    code = broken_script(tmp_path, "spy", _SPY)
+    with pytest.raises(UserCodeFailed):
+        trainer.run(user_job(trainer, "spy", code, user_train(code)), ranks=1)
+    seen = set(json.loads((tmp_path / "env.json").read_text()))
+    assert {"AWS_ACCESS_KEY_ID", "FORGELINE_JOB", "SPY_OUT"} <= seen
+    assert not seen & {"FORGELINE_TEMPORAL_API_KEY", "FORGELINE_TOKEN", "MLFLOW_TRACKING_PASSWORD"}
