@@ -62,6 +62,10 @@ def flip_a_byte_of_the_newest_checkpoint(store: ObjectStore, run: str) -> str:
     return manifest_key(run, step)
 
 
+# With the slow tests, to keep `make test` within 15 minutes (77 s of it): single kills and
+# resume from the last checkpoint stay in `make test` (test_cli_end_to_end's cancel and resume,
+# tests/trainer/test_distributed_training.py's exact resume).
+@pytest.mark.slow
 def test_three_sigkills_and_a_flipped_byte_change_no_weight(
     stack: Stack, reference: str, tmp_path: Path
 ) -> None:
