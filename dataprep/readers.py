@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import IO, get_args
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from dataprep import text_pieces as streamed
@@ -40,6 +41,7 @@ __all__ = ["UNICODE_SPACES", "ReaderSettings", "SplitRule", "read_source", "spli
 EARLY_STOP_RECORDS = 1_000
 MAX_CODE_FILE_BYTES = 64 << 20
 _PARQUET_BATCH_ROWS = 1024
+_PARQUET_BATCH_BYTES = 256 << 20  # of text, decompressed, in one batch
 
 
 @dataclass(frozen=True)
@@ -129,6 +131,13 @@ def _percent(fraction: float) -> str:
     return f"{pct:.1f}%" if pct == 0 or pct >= 0.1 else f"{pct:.2g}%"
 
 
+def _longer_than_the_cap(what: str) -> str:
+    """Why a record was refused for its size: one cap (text_pieces.MAX_RECORD_BYTES) for every
+    reader, so that no format lets through what another refuses."""
+    cap = streamed.MAX_RECORD_BYTES
+    return f"{what} longer than " + (f"{cap >> 20} MiB" if cap >= 1 << 20 else f"{cap} bytes")
+
+
 def _read_bytes(path: str) -> bytes:
     with source_errors(path):
         return Path(path).read_bytes()
@@ -140,7 +149,7 @@ def _read_bytes(path: str) -> bytes:
 def _read_text_file(
     source: SourceFile, settings: ReaderSettings, tally: _Tally
 ) -> Iterator[Document]:
-    too_long = f"document longer than {streamed.MAX_RECORD_BYTES >> 20} MiB"
+    too_long = _longer_than_the_cap("document")
     if settings.split == "whole-file":
         pieces = whole_file(source.path)
     else:
@@ -180,7 +189,7 @@ def _read_jsonl(source: SourceFile, settings: ReaderSettings, tally: _Tally) -> 
                 line += 1
                 if len(raw) > streamed.MAX_RECORD_BYTES and not raw.endswith(b"\n"):
                     _skip_line(stream)
-                    tally.bad(line, f"record longer than {streamed.MAX_RECORD_BYTES >> 20} MiB")
+                    tally.bad(line, _longer_than_the_cap("record"))
                     continue
                 if line == 1:
                     raw = raw.removeprefix(BOM)
@@ -279,8 +288,10 @@ def _read_parquet(
                 "set data.text_field to a string column"
             )
         row = 0
-        # Batches of one column keep memory at a row group's worth, whatever the file size.
-        batches = parquet.iter_batches(batch_size=_PARQUET_BATCH_ROWS, columns=[field])
+        # Batches of one column, sized by the widest row group's cells: a few compressed bytes
+        # can hold megabytes of text, and a batch is decompressed whole.
+        batch_rows = _batch_rows(parquet.metadata, field)
+        batches = parquet.iter_batches(batch_size=batch_rows, columns=[field])
         while True:
             try:
                 batch = next(batches, None)
@@ -291,8 +302,11 @@ def _read_parquet(
                 ) from None
             if batch is None:
                 break
-            for text in _cell_texts(batch.column(0)):
-                if text is None:
+            column, oversized = _without_oversized_cells(batch.column(0))
+            for text, too_big in zip(_cell_texts(column), oversized, strict=True):
+                if too_big:
+                    tally.bad(row, _longer_than_the_cap("document"))
+                elif text is None:
                     tally.bad(row, f"field {field!r} is null")
                 elif isinstance(text, bytes):
                     tally.bad(row, "not UTF-8")
@@ -302,6 +316,31 @@ def _read_parquet(
                     tally.good()
                     yield Document(text, source.path, row, "text")
                 row += 1
+
+
+def _batch_rows(metadata: pq.FileMetaData, field: str) -> int:
+    """Rows per batch: _PARQUET_BATCH_ROWS, fewer where the text column's decompressed bytes per
+    row would make a batch pass _PARQUET_BATCH_BYTES. An estimate from the footer, which counts
+    a dictionary-encoded column's repeated values once; each cell is capped all the same."""
+    widest = 1.0
+    for group in range(metadata.num_row_groups):
+        row_group = metadata.row_group(group)
+        for index in range(row_group.num_columns):
+            chunk = row_group.column(index)
+            if chunk.path_in_schema == field and row_group.num_rows:
+                widest = max(widest, chunk.total_uncompressed_size / row_group.num_rows)
+    return max(1, min(_PARQUET_BATCH_ROWS, int(_PARQUET_BATCH_BYTES // widest)))
+
+
+def _without_oversized_cells(column: pa.Array) -> tuple[pa.Array, list[bool]]:
+    """The column with cells over the record cap emptied (never turned into Python strings),
+    and which ones they were."""
+    if pa.types.is_dictionary(column.type):
+        column = column.dictionary_decode()
+    over = pc.fill_null(pc.greater(pc.binary_length(column), streamed.MAX_RECORD_BYTES), False)
+    if not pc.any(over).as_py():
+        return column, [False] * len(column)
+    return pc.if_else(over, pa.scalar("", column.type), column), over.to_pylist()
 
 
 def _cell_texts(column: pa.Array) -> list[str | bytes | None]:

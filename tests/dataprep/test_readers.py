@@ -8,7 +8,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from dataprep import text_pieces
+from dataprep import readers, text_pieces
 from dataprep.documents import BadRecord, Document, ReadStats
 from dataprep.errors import BadRecordsError, SourceError
 from dataprep.readers import (
@@ -169,7 +169,7 @@ def test_overlong_record_is_skipped_without_losing_the_next(
     path.write_text(json.dumps({"text": "x" * 500}) + "\n" + json.dumps({"text": "ok"}) + "\n")
     docs, stats = read(path)
     assert [(d.text, d.position) for d in docs] == [("ok", 2)]
-    assert [(b.line, b.reason) for b in stats.examples] == [(1, "record longer than 0 MiB")]
+    assert [(b.line, b.reason) for b in stats.examples] == [(1, "record longer than 100 bytes")]
 
 
 # --- Parquet ------------------------------------------------------------------------------
@@ -189,6 +189,33 @@ def test_parquet_rows_nulls_and_empties(tmp_path: Path) -> None:
         (3, "field 'text' is null"),
         (2100, "empty text"),
     ]
+
+
+def test_a_parquet_cell_over_the_record_cap_is_refused_like_a_jsonl_record(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Before, a Parquet cell had no cap: a file of a few kB held megabytes of text in a cell
+    (it compresses), while the same JSONL record was refused."""
+    monkeypatch.setattr(text_pieces, "MAX_RECORD_BYTES", 100)
+    path = tmp_path / "c.parquet"
+    pq.write_table(pa.table({"text": ["ok", "x" * 500, "fine"]}), path, compression="zstd")
+    docs, stats = read(path)
+    assert [(d.text, d.position) for d in docs] == [("ok", 0), ("fine", 2)]
+    assert [(b.line, b.reason) for b in stats.examples] == [(1, "document longer than 100 bytes")]
+
+
+def test_parquet_batches_shrink_to_hold_wide_cells(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "wide.parquet"
+    texts = [f"{i:04d}" + "y" * ((1 << 20) - 4) for i in range(40)]  # 40 MiB, a few kB on disk
+    pq.write_table(pa.table({"text": texts}), path, compression="zstd", row_group_size=40,
+                   use_dictionary=False)  # fmt: skip
+    assert path.stat().st_size < 64 << 10
+    monkeypatch.setattr(readers, "_PARQUET_BATCH_BYTES", 4 << 20)
+    assert readers._batch_rows(pq.ParquetFile(path).metadata, "text") == 3  # not 1024
+    docs, _ = read(path)
+    assert len(docs) == 40 and {len(d.text) for d in docs} == {1 << 20}
 
 
 def test_parquet_missing_or_non_string_column_fails_the_file(tmp_path: Path) -> None:
