@@ -59,14 +59,14 @@ class DataActivities:
 
     @activity.defn(name="commit_dataset")
     def commit_dataset(self, inp: DataStageInput) -> DatasetRef:
-        with domain_errors(), keep_alive():
+        with domain_errors(), keep_alive() as progress:
             workdir = self._workdir(inp.snapshot_id)
-            return self.stages.commit(self.store, inp, workdir, activity.heartbeat)
+            return self.stages.commit(self.store, inp, workdir, progress)
 
     def _run(self, stage: str, inp: DataStageInput) -> None:
-        with domain_errors(), keep_alive():
+        with domain_errors(), keep_alive() as progress:
             workdir = self._workdir(inp.snapshot_id)
-            self.stages.run_stage(self.store, stage, inp, workdir, activity.heartbeat)
+            self.stages.run_stage(self.store, stage, inp, workdir, progress)
 
     def all(self) -> list:
         return [

@@ -56,6 +56,7 @@ REJECTED_SCHEMA = pa.schema(
 )
 _FLUSH = 2048
 _SNIPPET = 200
+_BIG_DOCUMENT_CHARS = 1 << 20  # announced in a heartbeat before it is filtered and hashed
 
 
 def split_of(exact_hash: bytes, val_fraction: float) -> str:
@@ -128,9 +129,15 @@ def scan_chunk(
     ordinal = 0
     sources = SourceReader(cache or workdir.parent / "source-cache")
     for planned in chunk.files:
+        progress(f"chunk {index}: reading {planned.path}")
         for doc in sources.documents(planned, settings.reader, stats):
             doc_id = chunk.doc_id(ordinal)
             ordinal += 1
+            if len(doc.text) >= _BIG_DOCUMENT_CHARS:
+                # Said before its work starts: if it is what kills the worker, the workflow's
+                # last word on the chunk names it (its last heartbeat).
+                progress(f"chunk {index}: {planned.path} record {doc.position} "
+                         f"({len(doc.text):,} characters)")  # fmt: skip
             rejection = first_rejection(filters, doc)
             if rejection is not None:
                 removed_by[rejection.filter] += 1
@@ -162,7 +169,8 @@ def scan_chunk(
                 hashes = hasher.bands(normalized).tolist()
                 bands.extend(doc_id=[doc_id] * len(hashes), band=band_ids, hash=hashes)
             if ordinal % 5000 == 0:
-                progress(f"chunk {index}: {ordinal} documents")
+                progress(f"chunk {index}: {ordinal} documents, at {planned.path} "
+                         f"record {doc.position}")  # fmt: skip
 
     files = {
         name: file_entry(store, keys.work("scan", f"{name}-{chunk_name(index)}.parquet"), t.close())

@@ -10,10 +10,13 @@ means more chunks at once. The `progress` query reports done/total per stage.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from datetime import timedelta
 
 from temporalio import workflow
 from temporalio.common import RetryPolicy
+from temporalio.exceptions import ActivityError, ApplicationError, RetryState
+from temporalio.exceptions import TimeoutError as ActivityTimedOut
 
 with workflow.unsafe.imports_passed_through():
     from workflows.models import (
@@ -35,6 +38,7 @@ class DatasetSnapshotWorkflow:
     @workflow.init
     def __init__(self, inp: DatasetInput) -> None:
         self._progress = DatasetProgress(stages=[StageProgress(name=s) for s in STAGES])
+        self._input = inp
 
     @workflow.query
     def progress(self) -> DatasetProgress:
@@ -70,17 +74,49 @@ class DatasetSnapshotWorkflow:
         stage = next(s for s in self._progress.stages if s.name == name)
         stage.total = len(inputs)
 
+        # Bounded since the patch: a record that kills every worker that reads it (out of
+        # memory) was retried for ever; now the snapshot fails, naming where the worker was.
+        bounded = workflow.patched("bounded-data-retries")
+        heartbeat, retry = timedelta(minutes=2), _RETRY
+        if bounded:
+            heartbeat = timedelta(seconds=self._input.worker_heartbeat_timeout_s)
+            retry = dataclasses.replace(_RETRY, maximum_attempts=self._input.max_attempts)
+
         async def one(arg: object) -> object:
-            result = await workflow.execute_activity(
-                activity,
-                arg,
-                result_type=result_type,
-                task_queue=DATA_TASK_QUEUE,
-                start_to_close_timeout=timedelta(hours=6),
-                heartbeat_timeout=timedelta(minutes=2),
-                retry_policy=_RETRY,
-            )
+            try:
+                result = await workflow.execute_activity(
+                    activity,
+                    arg,
+                    result_type=result_type,
+                    task_queue=DATA_TASK_QUEUE,
+                    start_to_close_timeout=timedelta(hours=6),
+                    heartbeat_timeout=heartbeat,
+                    retry_policy=retry,
+                )
+            except ActivityError as err:
+                if bounded and err.retry_state == RetryState.MAXIMUM_ATTEMPTS_REACHED:
+                    raise _gave_up(name, arg, err, retry.maximum_attempts) from err
+                raise
             stage.done += 1
             return result
 
         return list(await asyncio.gather(*(one(arg) for arg in inputs)))
+
+
+def _gave_up(stage: str, arg: object, err: ActivityError, attempts: int) -> ApplicationError:
+    """The stage's last failure, with what its worker last reported doing (the file and record
+    the scan was reading) when the worker stopped answering rather than failing."""
+    chunk = getattr(arg, "chunk", None)
+    what = f"the {stage} stage" + (f" of chunk {chunk}" if chunk is not None else "")
+    cause = err.cause
+    if isinstance(cause, ActivityTimedOut):
+        details = cause.last_heartbeat_details
+        last = str(details[0]) if details else "nothing"
+        message = (
+            f"{what} failed {attempts} times: its data worker stopped answering each time (it "
+            f"died, out of memory or killed, or hung); it last reported: {last}. Remove or fix "
+            "that record (or give the data workers more memory), then run again"
+        )
+    else:
+        message = f"{what} failed {attempts} times; the last time: {cause or err}"
+    return ApplicationError(message, type="DataStageFailed", non_retryable=True)

@@ -43,6 +43,11 @@ _FINAL_PHASES = {Phase.APPROVED, Phase.REJECTED, Phase.EXPIRED, Phase.FAILED, Ph
 class DatasetInput(BaseModel):
     data: DataSpec
     requested_by: str = ""  # the run (or `forgeline data prepare`) that asked for it
+    # A data worker that stops heartbeating this long is presumed dead (out of memory, say);
+    # a stage's activity is tried this many times before the snapshot fails, naming what the
+    # worker was reading when it was last heard from.
+    worker_heartbeat_timeout_s: int = Field(120, ge=1)
+    max_attempts: int = Field(5, ge=1)
 
 
 class DataStageInput(BaseModel):

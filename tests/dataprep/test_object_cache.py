@@ -142,3 +142,18 @@ def test_a_bad_object_is_named_by_its_url_not_its_cached_copy(
         )
     assert str(failed.value).startswith(f"s3://{bucket}/docs/bad.jsonl: 20 of 20 records are bad")
     assert "source-cache" not in str(failed.value)
+
+
+def test_the_scan_says_which_file_and_record_it_is_on(tmp_path: Path) -> None:
+    """Its heartbeats: the workflow names the last one when a worker dies on a record
+    (tests/workflows/test_dataset_workflow.py)."""
+    corpus = tmp_path / "big.jsonl"
+    lines = [{"text": "a short one"}, {"text": "word " * 300_000}, {"text": "after it"}]
+    corpus.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    store = LocalStore(tmp_path / "store")
+    plan = plan_snapshot([str(corpus)], SPEECHES)
+    save_plan(store, plan)
+    said: list[str] = []
+    scan_chunk(store, plan, 0, SPEECHES, tmp_path / "work", said.append)
+    assert said[0] == f"chunk 0: reading {corpus}"
+    assert f"chunk 0: {corpus} record 2 (1,500,000 characters)" in said, said  # its line

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+from temporalio import activity
 from temporalio.client import Client, WorkflowFailureError
 from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.worker import Worker
@@ -18,7 +20,7 @@ from infra.settings import Settings
 from infra.store import LocalStore, open_store
 from tests.conftest import SHAKESPEARE
 from workflows.dataset import STAGES, DatasetSnapshotWorkflow
-from workflows.models import DatasetInput, DatasetProgress, DatasetRef
+from workflows.models import DatasetInput, DatasetProgress, DatasetRef, DataStageInput
 from workflows.names import DATA_TASK_QUEUE
 from workflows.spec import DataSpec, FilterSpec
 
@@ -117,3 +119,41 @@ def test_a_corpus_uploaded_to_the_runs_s3_store_is_read_by_its_key(
     assert len(list((home / "data-work" / "data" / "source-cache").rglob("object.txt"))) == 2
     again, _ = run_dataset(temporal_address, task_queue, home, data, store_url)
     assert again.reused and again.snapshot_id == dataset.snapshot_id
+
+
+@activity.defn(name="scan_chunk")
+async def _dies_on_a_record(inp: DataStageInput) -> None:
+    """A data worker killed (out of memory) on a record: it said where it was, then went
+    silent. Killing a real worker's process every attempt is what this stands in for."""
+    activity.heartbeat(f"chunk {inp.chunk}: /corpus/poison.jsonl record 7 (9,000,000 characters)")
+    await asyncio.sleep(60)
+
+
+def test_a_record_that_kills_every_worker_fails_the_snapshot_naming_it(
+    temporal_address: str, task_queue: str, tmp_path: Path, three_files: Path
+) -> None:
+    """Before, the stage was retried for ever."""
+    data = DataSpec(sources=[str(three_files)], filters=FilterSpec(min_words=1), chunk_mb=1)
+    real = DataActivities(Settings(home=tmp_path / "home"))
+
+    async def main() -> BaseException:
+        client = await Client.connect(temporal_address, data_converter=pydantic_data_converter)
+        with ThreadPoolExecutor(2) as pool:
+            async with (
+                Worker(client, task_queue=task_queue, workflows=[DatasetSnapshotWorkflow]),
+                Worker(client, task_queue=DATA_TASK_QUEUE, activity_executor=pool,
+                       activities=[real.plan_dataset, _dies_on_a_record]),
+            ):  # fmt: skip
+                inp = DatasetInput(data=data, worker_heartbeat_timeout_s=2, max_attempts=2)
+                handle = await client.start_workflow(
+                    DatasetSnapshotWorkflow.run, inp, task_queue=task_queue,
+                    id=f"dataset-test-{uuid.uuid4().hex[:8]}",
+                )  # fmt: skip
+                with pytest.raises(WorkflowFailureError) as failed:
+                    await asyncio.wait_for(handle.result(), 60)
+                return failed.value.cause
+
+    cause = asyncio.run(main())
+    message = str(cause)
+    assert re.search(r"the scan stage of chunk \d failed 2 times", message), message
+    assert "stopped answering" in message and "/corpus/poison.jsonl record 7" in message
