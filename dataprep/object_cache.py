@@ -1,4 +1,5 @@
-"""Read a planned source: a local file as it is, an object through a local copy of its version.
+"""Read a planned source through a local copy of exactly the planned version: a local file's
+checked against its planned sha256 as it is copied, an object's fetched by its ETag.
 
 The data worker that scans a chunk may share no file system with the CLI or the planner, so it
 fetches each object it reads into a cache folder of its own (the worker's state folder), keyed
@@ -13,8 +14,10 @@ message that names it, rather than feeding new content into a snapshot named for
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import re
+import tempfile
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path, PurePosixPath
@@ -29,6 +32,7 @@ from dataprep.sources import SourceFile
 from infra.errors import ObjectChanged, ObjectNotFound
 
 _SAFE = re.compile(r"[A-Za-z0-9-]{1,64}")
+_COPY_BLOCK = 1 << 20
 _SAFE_SUFFIX = re.compile(r"(\.[A-Za-z0-9]{1,16}){1,2}")
 _AGAIN = (
     "prepare the data again (`forgeline data prepare SPEC`, or submit the run again) so that a "
@@ -47,9 +51,44 @@ class SourceReader:
         self, planned: PlannedFile, settings: ReaderSettings, stats: ReadStats
     ) -> Iterator[Document]:
         if not planned.is_object:
-            yield from read_source(planned.source(), settings, stats)
+            # Read a copy checked against the planned sha256, never the path itself: the
+            # snapshot id names that content, and the path may hold other bytes by now.
+            copy = self.verified_file(planned)
+            try:
+                yield from _named(planned, copy, settings, stats)
+            finally:
+                _remove(copy)
             return
         yield from _named(planned, self.local_copy(planned), settings, stats)
+
+    def verified_file(self, planned: PlannedFile) -> Path:
+        """A private copy of a planned local file, made while hashing it, that has exactly the
+        content it was planned with (SourceChangedError naming it otherwise). Private: chunks
+        scanned at once may read the same file; the caller deletes it once read."""
+        (self.cache / "files").mkdir(parents=True, exist_ok=True)
+        dest = Path(tempfile.mkdtemp(dir=self.cache / "files")) / _name(planned.path)
+        digest = hashlib.sha256()
+        try:
+            with open(planned.path, "rb") as source, open(dest, "wb") as out:
+                while block := source.read(_COPY_BLOCK):
+                    digest.update(block)
+                    out.write(block)
+            if digest.hexdigest() != planned.sha256:
+                raise SourceChangedError(
+                    f"source {planned.path} changed after this snapshot was planned (sha256 "
+                    f"{digest.hexdigest()[:12]}… now, {planned.sha256[:12]}… planned, and the "
+                    f"snapshot id names that content): {_AGAIN}"
+                )
+        except FileNotFoundError:
+            _remove(dest)
+            raise SourceChangedError(
+                f"source {planned.path} was deleted after this snapshot was planned: restore "
+                f"it, or {_AGAIN}"
+            ) from None
+        except BaseException:
+            _remove(dest)
+            raise
+        return dest
 
     def local_copy(self, planned: PlannedFile) -> Path:
         """The cached copy of the planned version of an object, fetched if not there yet."""
@@ -91,6 +130,12 @@ def _named(
     finally:
         own.examples = [replace(bad, source=url) for bad in own.examples]
         stats.merge(own)
+
+
+def _remove(copy: Path) -> None:
+    copy.unlink(missing_ok=True)
+    with contextlib.suppress(OSError):
+        copy.parent.rmdir()
 
 
 def _hashed(key: str) -> str:

@@ -157,3 +157,23 @@ def test_the_scan_says_which_file_and_record_it_is_on(tmp_path: Path) -> None:
     scan_chunk(store, plan, 0, SPEECHES, tmp_path / "work", said.append)
     assert said[0] == f"chunk 0: reading {corpus}"
     assert f"chunk 0: {corpus} record 2 (1,500,000 characters)" in said, said  # its line
+
+
+def test_a_local_file_changed_after_planning_is_not_read_under_the_old_id(tmp_path: Path) -> None:
+    """Before, the scan re-read the path: content swapped after planning (same size, so nothing
+    else noticed) was committed under the clean content's snapshot id."""
+    corpus = tmp_path / "a.txt"
+    corpus.write_text("alpha beta gamma\n\ndelta\n")
+    store = LocalStore(tmp_path / "store")
+    plan = plan_snapshot([str(corpus)], SPEECHES)
+    save_plan(store, plan)
+    corpus.write_text("poison beta gamma\n\ndelta\n")  # as long as before
+    with pytest.raises(SourceChangedError) as failed:
+        scan_chunk(store, plan, 0, SPEECHES, tmp_path / "work")
+    message = str(failed.value)
+    assert f"source {corpus} changed after this snapshot was planned (sha256 " in message, message
+    assert not any((tmp_path / "source-cache").rglob("*.txt"))  # its copy is gone
+    corpus.write_text("alpha beta gamma\n\ndelta\n")  # as planned again: read, and named by path
+    record = scan_chunk(store, plan, 0, SPEECHES, tmp_path / "work")
+    assert record["documents"] == 2
+    assert not any((tmp_path / "source-cache").rglob("*.txt"))
