@@ -25,6 +25,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from infra.errors import StackError
+from infra.tokens import write_private
 
 LOGIN_FILE = "mlflow-login.json"
 AUTH_CONFIG = "mlflow-auth.ini"
@@ -69,7 +70,7 @@ def prepare(home: Path, uri: str) -> MlflowLogin:
         )
     elif login.uri != uri:
         login = login.model_copy(update={"uri": uri})  # a new port: the same users
-    _write_private(path, login.model_dump_json(indent=2))
+    write_private(path, login.model_dump_json(indent=2).encode())
     (home / AUTH_CONFIG).write_text(
         "[mlflow]\n"
         "default_permission = READ\n"
@@ -124,11 +125,3 @@ def use_local_login(home: Path, mlflow_uri: str) -> None:
         return  # the caller's own (an operator's, a test's): theirs to choose
     os.environ[USERNAME_ENV] = WRITER
     os.environ[PASSWORD_ENV] = login.writer_password
-
-
-def _write_private(path: Path, text: str) -> None:
-    tmp = path.with_suffix(".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as out:
-        out.write(text)
-    tmp.replace(path)
