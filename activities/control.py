@@ -36,12 +36,10 @@ from trainer.errors import CheckpointError
 from trainer.evaluate import checkpoint_val_loss, evaluate_checkpoint, load_model
 from trainer.manifest import (
     CommittedCheckpoint,
-    committed_steps,
+    counted,
     find_latest,
     load_for_init,
-    manifest_key,
     newest_commit_of,
-    read_manifest,
     record_generation,
 )
 from trainer.reported_eval import reported_evaluation
@@ -182,12 +180,11 @@ class ControlActivities:
             # The older checkpoints still kept give the curve's earlier points. One that does
             # not verify (rotted, pruned meanwhile) is left out of the curve with a note: the
             # model was trained and checked already, and is never lost to a curve.
-            for step in committed_steps(self.store, inp.run_id):
+            for kept in counted(self.store, inp.run_id):
+                step = kept.step
                 if step >= inp.checkpoint.step:
                     continue
-                older = inp.checkpoint.model_copy(
-                    update={"manifest_key": manifest_key(inp.run_id, step), "step": step}
-                )
+                older = inp.checkpoint.model_copy(update={"manifest_key": kept.key, "step": step})
                 try:
                     older_folder, older_manifest = self.cache.checkpoint(older)
                     loss = checkpoint_val_loss(
@@ -227,11 +224,11 @@ class ControlActivities:
         """A user's script evaluates its own model (run.report_eval); the manifests carry it."""
         with domain_errors():
             curve, final = [], None
-            for step in committed_steps(self.store, inp.run_id):
+            for kept in counted(self.store, inp.run_id):
+                step = kept.step
                 if step > inp.checkpoint.step:
                     continue
-                manifest = read_manifest(self.store, manifest_key(inp.run_id, step))
-                found = reported_evaluation(manifest)
+                found = reported_evaluation(kept.manifest)
                 if found is None:
                     continue
                 if step == inp.checkpoint.step:

@@ -68,4 +68,5 @@ class Saves:
             manifest_key=report.manifest_key,
             seconds=report.total_s,
             stall_s=report.stall_s,
+            **({"lost": report.lost} if report.lost else {}),
         )

@@ -40,8 +40,11 @@ STATUS_KEY = "replication/status.json"
 # Committed units, each files first and manifest last: dataset snapshots, checkpoints, and the
 # users' code snapshots (a run resuming from the twin fetches its code there too).
 _UNIT = re.compile(
-    r"^(datasets/[^/]+|runs/[^/]+/checkpoints/step-\d+|code/[0-9a-f]+)/MANIFEST\.json$"
+    r"^(datasets/[^/]+|runs/[^/]+/checkpoints/step-\d+(/gen-\d+)?|code/[0-9a-f]+)/MANIFEST\.json$"
 )
+# A checkpoint of the former layout is the folder `step-N/` itself; the generation folders that
+# a later run put beside its files are units of their own.
+_FORMER_CHECKPOINT = re.compile(r"/checkpoints/step-\d+/$")
 _RECORD = re.compile(r"^runs/[^/]+/(generations|attempts)/[^/]+$")
 _SKIPPED_IN_UNIT = "/work/"  # a snapshot's staging area: dropped when it commits
 _RECENT = 20  # replicated units kept in the status, newest first
@@ -137,10 +140,14 @@ class Replicator:
         if self.twin.exists(manifest_key):
             self._done.add(manifest_key)  # copied by an earlier replicator
             return
+        nested = folder + "gen-" if _FORMER_CHECKPOINT.search(folder) else None
         members = [
             k
             for k in keys
-            if k.startswith(folder) and k != manifest_key and _SKIPPED_IN_UNIT not in k
+            if k.startswith(folder)
+            and k != manifest_key
+            and _SKIPPED_IN_UNIT not in k
+            and not (nested and k.startswith(nested))
         ]
         try:
             manifest = self.primary.get_bytes(manifest_key)

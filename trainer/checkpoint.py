@@ -105,10 +105,11 @@ def _stager_for(cuda: bool) -> BackgroundCopyStager | DefaultStager:
 @dataclass
 class SaveReport:
     step: int
-    manifest_key: str | None  # None: another writer had committed this step (the store's wins)
+    manifest_key: str | None  # None: nothing of this save was committed (fenced, or `lost`)
     stall_s: float  # time the training loop was blocked by this save
     total_s: float  # from the save call to the commit
     fenced: bool = False  # a later generation has started: nothing was committed
+    lost: str | None = None  # why this generation's own key at this step held another manifest
 
 
 class Checkpointer:
@@ -207,7 +208,7 @@ class Checkpointer:
         self, written: Future, folder: Path, step: int, meta: dict, started: float
     ) -> SaveReport:
         written.result()
-        prefix = checkpoint_prefix(self.run_id, step)
+        prefix = checkpoint_prefix(self.run_id, step, self.generation)
         fenced = self._superseded()
         mine = []
         for path in [] if fenced else _files_written_by(folder, self.rank):
@@ -225,21 +226,29 @@ class Checkpointer:
         dist.all_gather_object(gathered, (fenced, mine), group=self._group)
         fenced = any(part[0] for part in gathered if part is not None)
         key: str | None = None
+        lost: str | None = None
         if self.rank == 0:
             fenced = fenced or self._superseded()  # once more, just before the commit
             if not fenced:
-                key = self._write_manifest(step, meta, gathered)
-                fenced = key is None and self._superseded()  # taken back: fenced after all
-        outcome = [(key, fenced)]  # rank 0's verdict, for every rank
+                key, lost = self._write_manifest(step, meta, gathered)
+                fenced = key is None and lost is None  # taken back: fenced after all
+        outcome = [(key, fenced, lost)]  # rank 0's verdict, for every rank
         dist.broadcast_object_list(outcome, src=0, group=self._group)
-        key, fenced = outcome[0]
+        key, fenced, lost = outcome[0]
+        if fenced:  # what this rank uploaded will never be named by a manifest
+            for entry in mine:
+                self.store.delete(entry["key"])
         shutil.rmtree(folder, ignore_errors=True)
         self.fenced = self.fenced or fenced
-        return SaveReport(step, key, 0.0, time.perf_counter() - started, fenced)
+        return SaveReport(step, key, 0.0, time.perf_counter() - started, fenced, lost)
 
-    def _write_manifest(self, step: int, meta: dict, gathered: list) -> str | None:
-        """The commit: the manifest, last, create-if-absent; None if this step was already
-        committed by another writer (the store's copy wins)."""
+    def _write_manifest(
+        self, step: int, meta: dict, gathered: list
+    ) -> tuple[str | None, str | None]:
+        """The commit: the manifest, last, create-if-absent, at this generation's own key. Its
+        key and None; or None and why another manifest already held the key (only a writer of
+        this same generation can have put one there: the store's copy stands); or None, None
+        when the commit was taken back because a newer generation had resumed meanwhile."""
         manifest = {
             "format": MANIFEST_FORMAT,
             "run_id": self.run_id,
@@ -251,20 +260,22 @@ class Checkpointer:
             "generation": self.generation,
             "files": [entry for part in gathered for entry in (part[1] if part else [])],
         }
-        key = manifest_key(self.run_id, step)
+        key = manifest_key(self.run_id, step, self.generation)
         if not self.store.put_if_absent(
             key, json.dumps(manifest, indent=2, sort_keys=True).encode()
         ):
-            return None
+            return None, f"{key} was already there (another writer of generation {self.generation})"
         # The fence is read before the commit, not with it: a generation paused between the
         # two (SIGSTOP, a frozen host) commits after a newer one resumed from an earlier step.
-        # Every reader passes over such a manifest; taking it back frees the key for the newer
-        # generation's own commit at this step. (The e2e's paused node caught it under load.)
+        # Every reader passes over such a manifest (and the newer generation commits at keys
+        # of its own); taking it back, files too, leaves nothing stale for anyone to read.
         if Fences.read(self.store, self.run_id).why_stale(self.generation, step):
             self.store.delete(key)
-            return None
+            for entry in manifest["files"]:
+                self.store.delete(entry["key"])
+            return None, None
         prune(self.store, self.run_id, self.keep, self._verified)
-        return key
+        return key, None
 
     def _superseded(self) -> bool:
         return Fences.read(self.store, self.run_id).superseded(self.generation)

@@ -1,7 +1,11 @@
 """Checkpoint manifests: the record that makes a set of checkpoint files a checkpoint.
 
-A checkpoint lives under `runs/<run>/checkpoints/step-<n>/`; its `MANIFEST.json` is written
-last with create-if-absent and lists every file with its size and sha256. Finding the latest
+A checkpoint lives under `runs/<run>/checkpoints/step-<n>/gen-<g>/`: each generation writes its
+files and its manifest under keys of its own, so a paused older generation that comes back can
+neither overwrite a newer one's committed files nor take the key of its manifest at the same
+step. (Checkpoints written before this layout have their files and manifest directly under
+`step-<n>/`; they are still read, resumed from and pruned.) `MANIFEST.json` is written last
+with create-if-absent and lists every file with its key, size and sha256. Finding the latest
 checkpoint means walking manifests from the newest step down and taking the first whose files
 all verify, so a torn upload (no manifest) or a flipped byte (hash mismatch) costs one
 checkpoint interval, never the run.
@@ -27,15 +31,53 @@ from trainer.errors import CheckpointError
 
 MANIFEST_NAME = "MANIFEST.json"
 MANIFEST_FORMAT = "forgeline.checkpoint/1"
-_STEP_DIR = re.compile(r"/step-(\d+)/")
+_MANIFEST_KEY = re.compile(r"/checkpoints/step-(\d+)/(?:gen-(\d+)/)?MANIFEST\.json$")
+_GENERATION_FOLDER = re.compile(r"/checkpoints/step-(\d+)/gen-(\d+)/")
 
 
-def checkpoint_prefix(run_id: str, step: int) -> str:
-    return f"runs/{run_id}/checkpoints/step-{step}"
+def checkpoint_prefix(run_id: str, step: int, generation: int) -> str:
+    """The folder of one generation's checkpoint at `step`: its files and its manifest."""
+    return f"runs/{run_id}/checkpoints/step-{step}/gen-{generation}"
 
 
-def manifest_key(run_id: str, step: int) -> str:
-    return f"{checkpoint_prefix(run_id, step)}/{MANIFEST_NAME}"
+def manifest_key(run_id: str, step: int, generation: int) -> str:
+    return f"{checkpoint_prefix(run_id, step, generation)}/{MANIFEST_NAME}"
+
+
+@dataclass(frozen=True)
+class Commit:
+    """Where one manifest lies in the store (its content unread)."""
+
+    step: int
+    generation: int | None  # None: the layout before per-generation folders
+    key: str
+
+    def file_keys(self, keys: list[str]) -> list[str]:
+        """Of `keys`, the files of this checkpoint's folder (the manifest left out). A folder of
+        the former layout is `step-<n>/` itself, and the generation folders in it are not its."""
+        folder = self.key.removesuffix(MANIFEST_NAME)
+        return [
+            k
+            for k in keys
+            if k.startswith(folder)
+            and k != self.key
+            and (self.generation is not None or not k[len(folder) :].startswith("gen-"))
+        ]
+
+
+def commits(store: ObjectStore, run_id: str) -> list[Commit]:
+    """Every manifest of the run, the newest step first; at one step the newest generation first
+    (a manifest of the former layout last)."""
+    found = []
+    for key in store.list(f"runs/{run_id}/checkpoints/"):
+        if match := _MANIFEST_KEY.search(key):
+            generation = None if match.group(2) is None else int(match.group(2))
+            found.append(Commit(int(match.group(1)), generation, key))
+    return sorted(found, key=_newest_first, reverse=True)
+
+
+def _newest_first(commit: Commit) -> tuple[int, int]:
+    return commit.step, -1 if commit.generation is None else commit.generation
 
 
 @dataclass(frozen=True)
@@ -98,12 +140,25 @@ class Fences:
 
 def committed_steps(store: ObjectStore, run_id: str) -> list[int]:
     """Steps that have a manifest, newest first."""
-    steps = []
-    for key in store.list(f"runs/{run_id}/checkpoints/"):
-        match = _STEP_DIR.search(key)
-        if match and key.endswith(f"/{MANIFEST_NAME}"):
-            steps.append(int(match.group(1)))
-    return sorted(steps, reverse=True)
+    return sorted({c.step for c in commits(store, run_id)}, reverse=True)
+
+
+def counted(store: ObjectStore, run_id: str) -> list[CommittedCheckpoint]:
+    """One readable manifest per step that the fences let count, newest first (files unverified:
+    for a curve or a report, not for resuming). At a step with two, the newest generation's."""
+    fences = Fences.read(store, run_id)
+    found: dict[int, CommittedCheckpoint] = {}
+    for commit in commits(store, run_id):
+        if commit.step in found:
+            continue
+        try:
+            manifest = read_manifest(store, commit.key)
+            if fences.why_stale(int(manifest["generation"]), commit.step):
+                continue
+        except (IntegrityError, ObjectNotFound, ValueError, KeyError):
+            continue
+        found[commit.step] = CommittedCheckpoint(commit.key, manifest)
+    return list(found.values())
 
 
 def read_manifest(store: ObjectStore, key: str) -> dict:
@@ -137,8 +192,8 @@ def find_latest(
     """The newest checkpoint that verifies and was committed by generation ≤ max_generation;
     `vet` may refuse one more (raising CheckpointError), and the search goes on past it."""
     fences = Fences.read(store, run_id)
-    for step in committed_steps(store, run_id):
-        key = manifest_key(run_id, step)
+    for commit in commits(store, run_id):
+        key, step = commit.key, commit.step
         try:
             manifest = read_manifest(store, key)
             if int(manifest["generation"]) > max_generation:
@@ -159,22 +214,18 @@ def find_latest(
 def newest_commit_of(store: ObjectStore, run_id: str, generation: int) -> int | None:
     """The newest step that `generation` committed and the fences let count (files unverified:
     this is for accounting, not for resuming)."""
-    fences = Fences.read(store, run_id)
-    for step in committed_steps(store, run_id):
-        try:
-            committed_by = int(read_manifest(store, manifest_key(run_id, step))["generation"])
-        except (IntegrityError, ObjectNotFound, ValueError, KeyError):
-            continue
-        if committed_by == generation and fences.why_stale(generation, step) is None:
-            return step
+    for checkpoint in counted(store, run_id):
+        if checkpoint.generation == generation:
+            return checkpoint.step
     return None
 
 
 def prune(
     store: ObjectStore, run_id: str, keep: int, verified: set[str] | None = None
 ) -> list[int]:
-    """Keep the newest `keep` checkpoints that resume could use; delete the others, and any
-    manifest a fenced-out generation committed. Manifest first, then files.
+    """Keep the newest `keep` checkpoints that resume could use; delete the others, any
+    manifest a fenced-out generation committed, and the files a fenced-out generation uploaded
+    but never committed. Manifest first, then files.
 
     Only a checkpoint whose files verify counts toward `keep`: a corrupt or unreadable one newer
     than those is left alone (resume passes over it; it is evidence) and never pushes a good
@@ -183,18 +234,35 @@ def prune(
     gone. `verified` caches manifests already checked (a writer prunes after every commit).
     """
     fences = Fences.read(store, run_id)
+    keys = store.list(f"runs/{run_id}/checkpoints/")
     removed, kept = [], 0
-    for step in committed_steps(store, run_id):
-        key = manifest_key(run_id, step)
-        state = _usability(store, fences, key, step, verified)
+    for commit in commits(store, run_id):
+        state = _usability(store, fences, commit.key, commit.step, verified)
         if kept < keep and state is not Usability.STALE:
             kept += state is Usability.USABLE
             continue  # a usable one is kept; a broken one newer than them is left as it is
-        store.delete(key)
-        for leftover in store.list(checkpoint_prefix(run_id, step) + "/"):
+        store.delete(commit.key)
+        for leftover in commit.file_keys(keys):
             store.delete(leftover)
-        removed.append(step)
+        if commit.step not in removed:
+            removed.append(commit.step)
+    for orphan in _uncommitted_files_of_fenced_generations(keys, fences):
+        store.delete(orphan)
     return removed
+
+
+def _uncommitted_files_of_fenced_generations(keys: list[str], fences: Fences) -> list[str]:
+    """Files a superseded generation uploaded without a manifest next to them: it can commit
+    nothing more (it checks the fences before it commits), so nothing will ever name them."""
+    with_manifest = {k.removesuffix(MANIFEST_NAME) for k in keys if _MANIFEST_KEY.search(k)}
+    orphans = []
+    for key in keys:
+        match = _GENERATION_FOLDER.search(key)
+        if match is None or not fences.superseded(int(match.group(2))):
+            continue
+        if key[: match.end()] not in with_manifest:
+            orphans.append(key)
+    return orphans
 
 
 class Usability(Enum):

@@ -23,7 +23,7 @@ from infra.errors import StoreError
 from infra.extras import require_extra
 from infra.settings import Settings
 from infra.store import ObjectStore
-from trainer.manifest import committed_steps, manifest_key, read_manifest
+from trainer.manifest import counted
 from worker.report_data import (
     CheckpointMark,
     Metrics,
@@ -55,11 +55,10 @@ def fetch_metrics(tracking_uri: str, run_id: str) -> Metrics:
 def fetch_checkpoints(store: ObjectStore, run_id: str) -> list[CheckpointMark]:
     """The checkpoints still in the store (pruning keeps the newest few), oldest first."""
     marks = []
-    for step in sorted(committed_steps(store, run_id)):
-        manifest = read_manifest(store, manifest_key(run_id, step))
-        committed = manifest.get("committed_at")
+    for kept in reversed(counted(store, run_id)):
+        committed = kept.manifest.get("committed_at")
         if committed:
-            marks.append(CheckpointMark(step, int(manifest["generation"]), _parse(committed)))
+            marks.append(CheckpointMark(kept.step, kept.generation, _parse(committed)))
     return marks
 
 

@@ -32,7 +32,7 @@ __all__ = ["NAME_PATTERN", "NAME_RULE", "RunSpec"]
 Name = Annotated[str, StringConstraints(pattern=NAME_PATTERN)]
 _NAME = NAME_PATTERN.strip("^$")
 INIT_FROM = re.compile(
-    rf"^(models:/{_NAME}(/[1-9][0-9]{{0,8}}|@{_NAME})|runs/{_NAME}/checkpoints/step-[0-9]+/MANIFEST\.json)$"
+    rf"^(models:/{_NAME}(/[1-9][0-9]{{0,8}}|@{_NAME})|runs/{_NAME}/checkpoints/step-[0-9]+/(gen-[0-9]+/)?MANIFEST\.json)$"
 )
 
 
@@ -175,7 +175,7 @@ class ModelSpec(_Strict):
         max_length=300,
         description="fine-tune from a registered model (models:/NAME/VERSION or "
         "models:/NAME@ALIAS) or a checkpoint manifest key "
-        "(runs/RUN/checkpoints/step-N/MANIFEST.json)",
+        "(runs/RUN/checkpoints/step-N/gen-G/MANIFEST.json)",
     )
 
     @field_validator("init_from")
@@ -185,7 +185,7 @@ class ModelSpec(_Strict):
         if value is not None and not INIT_FROM.fullmatch(value):
             raise ValueError(
                 f"init_from {value!r} is neither models:/NAME/VERSION, models:/NAME@ALIAS "
-                "nor runs/RUN/checkpoints/step-N/MANIFEST.json"
+                "nor runs/RUN/checkpoints/step-N/gen-G/MANIFEST.json"
             )
         return value
 

@@ -67,7 +67,7 @@ def test_run_to_approval_and_the_registered_model(stack: Stack, tmp_path: Path) 
     assert re.search(r"tiny .*AWAITING_APPROVAL .*60/60", table)
     status = stack.cli("status", "tiny").stdout
     assert "checkpoint     step 60 (generation" in status
-    assert "runs/tiny/checkpoints/step-60/MANIFEST.json" in status
+    assert re.search(r"runs/tiny/checkpoints/step-60/gen-\d+/MANIFEST.json", status)
     val_loss = float(re.search(r"val_loss (\d+\.\d+)", status).group(1))
     assert val_loss < 3.5  # from ln(67) ≈ 4.2 at initialisation
 
@@ -106,8 +106,9 @@ def test_run_to_approval_and_the_registered_model(stack: Stack, tmp_path: Path) 
         tags["forgeline.decided_by"] == "dave"
         and tags["forgeline.decision_reason"] == "looks right"
     )
-    assert (
-        tags["forgeline.checkpoint_manifest_key"] == "runs/tiny/checkpoints/step-60/MANIFEST.json"
+    assert re.fullmatch(
+        r"runs/tiny/checkpoints/step-60/gen-\d+/MANIFEST.json",
+        tags["forgeline.checkpoint_manifest_key"],
     )
     assert tags["forgeline.temporal_workflow_id"] == "tiny"
     assert len(tags["forgeline.spec_sha256"]) == 64 and len(tags["forgeline.git_commit"]) >= 7
@@ -144,7 +145,8 @@ def test_run_to_approval_and_the_registered_model(stack: Stack, tmp_path: Path) 
     lineage = stack.cli("lineage", "tiny", "@production").stdout
     expected_lines = [
         r"^version +tiny v1 \(aliases: .*production.*\); approved by dave",
-        r"^checkpoint +runs/tiny/checkpoints/step-60/MANIFEST.json: step 60, .*\[verified\]",
+        r"^checkpoint +runs/tiny/checkpoints/step-60/gen-\d+/MANIFEST.json: step 60, "
+        r".*\[verified\]",
         rf"^dataset +snapshot {tags['forgeline.dataset_snapshot']} from .*tinyshakespeare.txt: "
         r"[\d,]+ documents read, .*\[verified\]",
     ]

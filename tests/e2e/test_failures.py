@@ -28,7 +28,7 @@ from tests.e2e.conftest import (
     wait_for,
 )
 from tests.e2e.faults import commits_of, gang_of, kill_a_node_of, latest_step
-from trainer.manifest import Fences, committed_steps, find_latest, manifest_key
+from trainer.manifest import Fences, commits, committed_steps, find_latest
 from worker.cli_common import ExitCode
 
 pytestmark = pytest.mark.e2e
@@ -37,9 +37,9 @@ pytestmark = pytest.mark.e2e
 def tear_the_newest_checkpoint(store: ObjectStore, run: str) -> tuple[int, int]:
     """Leave the newest checkpoint as a kill during its upload would: files, no manifest.
     Returns its step and the step of the checkpoint before it."""
-    newest, previous = committed_steps(store, run)[:2]
-    store.delete(manifest_key(run, newest))
-    return newest, previous
+    newest, previous = commits(store, run)[:2]
+    store.delete(newest.key)
+    return newest.step, previous.step
 
 
 def first_step_of_generation_after(stack: Stack, run: str, generation: int) -> int | None:
@@ -56,10 +56,10 @@ def first_step_of_generation_after(stack: Stack, run: str, generation: int) -> i
 
 def flip_a_byte_of_the_newest_checkpoint(store: ObjectStore, run: str) -> str:
     """Corrupt one shard of the newest committed checkpoint in place; its manifest's key."""
-    step = committed_steps(store, run)[0]
-    manifest = json.loads(store.get_bytes(manifest_key(run, step)))
+    newest = commits(store, run)[0]
+    manifest = json.loads(store.get_bytes(newest.key))
     flip_a_byte(store, manifest["files"][0]["key"])
-    return manifest_key(run, step)
+    return newest.key
 
 
 # With the slow tests, to keep `make test` within 15 minutes (77 s of it): single kills and
@@ -178,9 +178,9 @@ def _fenced_when_it_comes_back(
     # cancelled when it continues: either way it stops, and commits nothing (below).
     assert last["event"] == "stopped" and last["reason"] in ("fenced", "preempted"), last
     fences = Fences.read(store, "tiny-pause")
-    for step in committed_steps(store, "tiny-pause"):
-        manifest = json.loads(store.get_bytes(manifest_key("tiny-pause", step)))
-        assert fences.why_stale(manifest["generation"], step) is None, step
+    for commit in commits(store, "tiny-pause"):
+        manifest = json.loads(store.get_bytes(commit.key))
+        assert fences.why_stale(manifest["generation"], commit.step) is None, commit
     final = find_latest(store, "tiny-pause", max_generation=10**9)
     assert final is not None and final.step == 200 and final.generation > int(generation)
     assert [s for s, _ in final.manifest["loss_history"]] == list(range(5, 201, 5))

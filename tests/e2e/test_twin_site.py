@@ -59,7 +59,7 @@ def test_the_twin_serves_resume_and_evaluation_while_the_primary_is_down(
 
     # The copies made before the cut are listed once the replicator reaches the primary again
     # (a cut just after a copy leaves it to be confirmed on the next pass).
-    copied = r"runs/tiny-twin/checkpoints/step-\d+/MANIFEST.json .* s "
+    copied = r"runs/tiny-twin/checkpoints/step-\d+/gen-\d+/MANIFEST.json .* s "
     shown = wait_for(
         lambda: re.search(copied, out := stack.cli("replication").stdout) and out,
         60,

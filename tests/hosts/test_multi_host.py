@@ -18,7 +18,7 @@ from tests.e2e.faults import gang_of
 from tests.hosts.conftest import Cluster
 from tests.hosts.netns import Host
 from trainer.evaluate import load_model
-from trainer.manifest import Fences, committed_steps, find_latest, manifest_key
+from trainer.manifest import Fences, commits, committed_steps, find_latest
 from worker.chaos import trainer_processes
 from worker.cli_common import ExitCode
 
@@ -128,9 +128,9 @@ def test_a_partitioned_host_is_replaced_and_its_ranks_commit_nothing(
     # Back on the network, the old ranks find their gang gone and exit without committing.
     wait_for(lambda: not ranks_on(cluster, victim, "cut"), 120, "the cut-off ranks to exit")
     fences = Fences.read(store, "cut")
-    for step in committed_steps(store, "cut"):
-        manifest = json.loads(store.get_bytes(manifest_key("cut", step)))
-        assert fences.why_stale(manifest["generation"], step) is None, (step, manifest)
+    for commit in commits(store, "cut"):
+        manifest = json.loads(store.get_bytes(commit.key))
+        assert fences.why_stale(manifest["generation"], commit.step) is None, (commit, manifest)
     final, expected = (find_latest(store, run, max_generation=10**9) for run in ("cut", clean))
     assert final is not None and expected is not None and final.generation > generation
     assert final.manifest["loss_history"] == expected.manifest["loss_history"]
@@ -145,9 +145,9 @@ def test_a_partitioned_host_is_replaced_and_its_ranks_commit_nothing(
     events = progress(cluster, clean)
     # A gang's step takes as long as its slowest rank's.
     steps = [max(e["rank_step_s"]) for e in events if e["event"] == "step" and e["rank_step_s"]]
-    commits = [e["seconds"] for e in events if e["event"] == "checkpoint" and e["manifest_key"]]
+    commit_s = [e["seconds"] for e in events if e["event"] == "checkpoint" and e["manifest_key"]]
     print(
         f"\nacross the bridge: step {statistics.median(steps) * 1e3:.1f} ms (median), checkpoint "
-        f"commit to S3 {statistics.median(commits):.2f} s (median of {len(commits)}); a new gang "
+        f"commit to S3 {statistics.median(commit_s):.2f} s (median of {len(commit_s)}); a new gang "
         f"{recovered_s:.1f} s after the cut"
     )

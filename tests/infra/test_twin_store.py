@@ -25,8 +25,14 @@ from tests.partition import Partition
 COMMITTED = datetime(2026, 11, 29, 12, 0, tzinfo=UTC)
 
 
-def checkpoint(store: LocalStore, run: str, step: int, *, committed: bool = True) -> str:
+def checkpoint(
+    store: LocalStore, run: str, step: int, *, committed: bool = True, generation: int | None = None
+) -> str:
+    """A checkpoint's files and manifest; in a generation's folder, or (None) in the former
+    layout, directly in step-<n>/."""
     folder = f"runs/{run}/checkpoints/step-{step}"
+    if generation is not None:
+        folder += f"/gen-{generation}"
     store.put_bytes(f"{folder}/__0_0.distcp", f"weights of {step}".encode() * 100)
     store.put_bytes(f"{folder}/.metadata", b"metadata")
     if committed:
@@ -71,6 +77,20 @@ def test_committed_units_and_run_records_replicate_manifest_last(tmp_path: Path)
     primary.put_bytes("runs/r/generations/gen-1.json", b'{"generation": 1, "fenced": 120}')
     assert Replicator(primary, twin, tmp_path / "scratch", clock).run_once().recent == []
     assert twin.get_bytes("runs/r/generations/gen-1.json").endswith(b"120}")
+
+
+def test_a_generation_s_checkpoint_is_a_unit_of_its_own(tmp_path: Path) -> None:
+    """Checkpoints live in step-<n>/gen-<g>/; one of the former layout (step-<n>/ itself) does
+    not take a generation folder beside its files for its own."""
+    primary, twin = LocalStore(tmp_path / "primary"), LocalStore(tmp_path / "twin")
+    former = checkpoint(primary, "r", 100)
+    checkpoint(primary, "r", 100, generation=2, committed=False)  # uploading, uncommitted
+    ours = checkpoint(primary, "r", 200, generation=2)
+    clock = Clock(COMMITTED + timedelta(seconds=1))
+    status = Replicator(primary, twin, tmp_path / "scratch", clock).run_once()
+    assert {(e.manifest_key, e.objects) for e in status.recent} == {(former, 3), (ours, 3)}
+    assert twin.list("runs/r/checkpoints/step-100/gen-2/") == []
+    assert twin.list("runs/r/checkpoints/step-200/") == primary.list("runs/r/checkpoints/step-200/")
 
 
 def test_a_checkpoint_pruned_while_being_copied_leaves_no_manifest_on_the_twin(

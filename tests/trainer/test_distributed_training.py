@@ -104,7 +104,7 @@ def test_killed_run_resumes_exactly(trainer: Trainer, reference: dict) -> None:
 
 def test_resume_on_a_different_world_size(trainer: Trainer, reference: dict) -> None:
     """A 2-rank checkpoint resumes on 1 rank: same global batch, same curve (to rounding)."""
-    key = manifest_key("reference", 60)
+    key = manifest_key("reference", 60, generation=1)
     manifest = json.loads(trainer.store.get_bytes(key))
     resume = resume_point(trainer, manifest, "reshard", key)
     trainer.run(trainer.job("reshard", TRAIN, resume=resume, generation=2), ranks=1)
@@ -135,7 +135,7 @@ def test_corrupt_and_torn_checkpoints_fall_back(trainer: Trainer, reference: dic
     data[len(data) // 2] ^= 0xFF
     store.put_bytes(shard, bytes(data))
     # A torn save: files of step 140 but no manifest.
-    store.put_bytes("runs/damaged/checkpoints/step-140/__0_0.distcp", b"partial")
+    store.put_bytes("runs/damaged/checkpoints/step-140/gen-1/__0_0.distcp", b"partial")
 
     skipped: list[str] = []
     found = find_latest(store, "damaged", max_generation=1, on_skip=skipped.append)
@@ -143,7 +143,9 @@ def test_corrupt_and_torn_checkpoints_fall_back(trainer: Trainer, reference: dic
     assert len(skipped) == 1 and shard in skipped[0] and "corrupt" in skipped[0]
     with pytest.raises(IntegrityError, match="is corrupt"):
         fetch_checkpoint(
-            store, json.loads(store.get_bytes(manifest_key("damaged", 120))), trainer.root / "bad"
+            store,
+            json.loads(store.get_bytes(manifest_key("damaged", 120, 1))),
+            trainer.root / "bad",
         )
     # Manifests from a later generation than the caller's are never used.
     assert find_latest(store, "damaged", max_generation=0) is None
@@ -173,7 +175,7 @@ def test_evaluation_in_a_plain_process(trainer: Trainer, reference: dict) -> Non
 
 
 def test_fine_tuning_starts_from_a_checkpoint_s_weights(trainer: Trainer, reference: dict) -> None:
-    key = manifest_key("reference", 120)
+    key = manifest_key("reference", 120, generation=1)
     found = load_for_init(trainer.store, key, reference["model_config"])
     folder = fetch_checkpoint(trainer.store, found.manifest, trainer.root / "fetched" / "init")
     short = TRAIN.model_copy(update={"steps": 10, "warmup_steps": 1, "learning_rate": 1e-4})
@@ -188,7 +190,7 @@ def test_fine_tuning_starts_from_a_checkpoint_s_weights(trainer: Trainer, refere
     with pytest.raises(CheckpointError, match=r"different network \(n_layer: 2 there, 3 here\)"):
         load_for_init(trainer.store, key, other)
     with pytest.raises(CheckpointError, match="no checkpoint manifest at"):
-        load_for_init(trainer.store, manifest_key("reference", 7), other)
+        load_for_init(trainer.store, manifest_key("reference", 7, 1), other)
 
 
 def job_processes(job_file: Path, launcher: bool = False) -> list[int]:
@@ -218,7 +220,7 @@ def test_a_checkpoint_from_before_the_fused_layout_resumes_in_its_own(trainer: T
     before = MODEL.model_copy(update={"fused_qkv": False, "bias": True})
     first = TRAIN.model_copy(update={"steps": 20, "checkpoint_every": 10})
     trainer.run(trainer.job("old-layout", first, model=before), ranks=1)
-    key = manifest_key("old-layout", 20)
+    key = manifest_key("old-layout", 20, generation=1)
     manifest = json.loads(trainer.store.get_bytes(key))
     stored = {k: v for k, v in manifest["model_config"].items() if k not in WEIGHT_LAYOUT}
     resume = resume_point(trainer, manifest, "old-layout", key)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -15,10 +15,12 @@ from infra.digest import sha256_bytes
 from infra.store import LocalStore
 from tests.trainer.conftest import Trainer
 from tests.trainer.test_layouts import TRAIN
-from trainer.checkpoint import Checkpointer
+from trainer.checkpoint import Checkpointer, fetch_checkpoint, load_model_weights
 from trainer.manifest import (
     MANIFEST_FORMAT,
     Fences,
+    checkpoint_prefix,
+    commits,
     committed_steps,
     find_latest,
     generation_key,
@@ -28,10 +30,16 @@ from trainer.manifest import (
 )
 
 
-def commit(store: LocalStore, run: str, step: int, generation: int) -> None:
-    """A small but complete checkpoint: one file and its manifest."""
+def commit(
+    store: LocalStore, run: str, step: int, generation: int, former_layout: bool = False
+) -> str:
+    """A small but complete checkpoint: one file and its manifest; the manifest's key. With
+    `former_layout`, as checkpoints were laid out before per-generation folders."""
     data = f"{run}-{step}-{generation}".encode()
-    key = f"runs/{run}/checkpoints/step-{step}/__0_0.distcp"
+    folder = checkpoint_prefix(run, step, generation)
+    if former_layout:
+        folder = folder.rsplit("/", 1)[0]
+    key = f"{folder}/__0_0.distcp"
     store.put_bytes(key, data)
     manifest = {
         "format": MANIFEST_FORMAT, "run_id": run, "step": step, "generation": generation,
@@ -39,7 +47,8 @@ def commit(store: LocalStore, run: str, step: int, generation: int) -> None:
         "files": [{"name": "__0_0.distcp", "key": key, "bytes": len(data),
                    "sha256": sha256_bytes(data)}],
     }  # fmt: skip
-    assert store.put_if_absent(manifest_key(run, step), json.dumps(manifest).encode())
+    assert store.put_if_absent(f"{folder}/MANIFEST.json", json.dumps(manifest).encode())
+    return f"{folder}/MANIFEST.json"
 
 
 def test_a_late_commit_of_an_old_generation_is_never_used(tmp_path: Path) -> None:
@@ -51,7 +60,7 @@ def test_a_late_commit_of_an_old_generation_is_never_used(tmp_path: Path) -> Non
     found = find_latest(store, "r", max_generation=2, on_skip=skipped.append)
     assert found is not None and found.step == 20
     assert skipped == [
-        f"{manifest_key('r', 40)}: committed by generation 1 at step 40, after generation 2 "
+        f"{manifest_key('r', 40, 1)}: committed by generation 1 at step 40, after generation 2 "
         "had resumed from step 20"
     ]
     commit(store, "r", 30, generation=2)  # generation 2's own commits count
@@ -151,3 +160,116 @@ def test_a_commit_that_lands_after_a_newer_generation_resumed_is_taken_back(
         saver.close()
     assert report is not None and report.manifest_key is None and report.fenced and saver.fenced
     assert committed_steps(store, "r") == []  # the key is free for generation 2's step 10
+
+
+class PausedAt(LocalStore):
+    """Generation 1's rank stops at `moment` of its save (SIGSTOP, a frozen host) and the test's
+    `meanwhile` runs there once, as what the rest of the cluster did while it was stopped."""
+
+    def __init__(self, root: Path, moment: str) -> None:
+        super().__init__(root)
+        self.moment = moment
+        self.meanwhile: Callable[[], None] | None = None
+
+    def _reached(self, moment: str) -> None:
+        if self.meanwhile is not None and moment == self.moment:
+            meanwhile, self.meanwhile = self.meanwhile, None
+            meanwhile()
+
+    def put_file(self, key: str, path: Path) -> None:
+        self._reached("upload")  # its fence check passed: no generation 2 yet
+        super().put_file(key, path)
+
+    def put_if_absent(self, key: str, data: bytes) -> bool:
+        done = super().put_if_absent(key, data)
+        if key.endswith("/MANIFEST.json"):
+            self._reached("after its commit")  # before it reads the fence again
+        return done
+
+
+def saver(store: LocalStore, tmp_path: Path, generation: int) -> Checkpointer:
+    return Checkpointer(store=store, staging_dir=tmp_path / f"staging-{generation}", run_id="r",
+                        generation=generation, keep=2, layout={}, asynchronous=False)  # fmt: skip
+
+
+def linear(seed: int) -> tuple[torch.nn.Linear, torch.optim.SGD]:
+    torch.manual_seed(seed)
+    model = torch.nn.Linear(4, 4)
+    return model, torch.optim.SGD(model.parameters(), lr=0.1)
+
+
+@pytest.mark.usefixtures("one_rank")
+@pytest.mark.parametrize("moment", ["upload", "after its commit"])
+def test_a_paused_older_generation_never_spoils_a_newer_one_s_commit_at_the_same_step(
+    tmp_path: Path, moment: str
+) -> None:
+    """Generation 1 stops in the middle of its save of step 10; generation 2 resumes from step
+    0 and commits its own step 10; then generation 1 carries on. Before per-generation keys,
+    at "upload" it overwrote generation 2's committed files (whose sha256 then failed: no
+    checkpoint left), and "after its commit" its manifest held the key, so generation 2's
+    commit of step 10 was refused (SaveReport.manifest_key None) and the step lost."""
+    store = PausedAt(tmp_path / "store", moment)
+    old, new = saver(store, tmp_path, 1), saver(store, tmp_path, 2)
+    (old_model, old_opt), (new_model, new_opt) = linear(1), linear(2)
+    reports = []
+
+    def generation_2_resumes_and_commits() -> None:
+        record_generation(store, "r", 2, resume_step=0)
+        new.save(new_model, new_opt, 10, {"tokens_seen": 10})
+        reports.append(new.wait())
+
+    store.meanwhile = generation_2_resumes_and_commits
+    try:
+        old.save(old_model, old_opt, 10, {"tokens_seen": 10})
+        late = old.wait()
+    finally:
+        old.close()
+        new.close()
+    (committed,) = reports
+    assert committed is not None and committed.manifest_key == manifest_key("r", 10, 2)
+    assert late is not None and late.manifest_key is None and late.fenced
+    found = find_latest(store, "r", max_generation=2)
+    assert found is not None and (found.step, found.generation) == (10, 2)
+    folder = fetch_checkpoint(store, found.manifest, tmp_path / "fetched")
+    loaded, _ = linear(3)
+    load_model_weights(loaded, folder)
+    assert torch.equal(loaded.weight, new_model.weight)
+    assert store.list(checkpoint_prefix("r", 10, 1) + "/") == []  # nothing of it is left
+
+
+def test_pruning_removes_what_a_fenced_out_generation_uploaded_but_never_committed(
+    tmp_path: Path,
+) -> None:
+    store = LocalStore(tmp_path)
+    commit(store, "r", 10, generation=1)
+    store.put_bytes(f"{checkpoint_prefix('r', 20, 1)}/__0_0.distcp", b"torn by the fence")
+    record_generation(store, "r", 2, resume_step=10)
+    store.put_bytes(f"{checkpoint_prefix('r', 20, 2)}/__0_0.distcp", b"generation 2 uploading")
+    assert prune(store, "r", keep=2) == []
+    assert store.list("runs/r/checkpoints/step-20/") == [
+        f"{checkpoint_prefix('r', 20, 2)}/__0_0.distcp"  # the current generation's is its own
+    ]
+    assert committed_steps(store, "r") == [10]
+
+
+def test_checkpoints_of_the_former_layout_still_resume_and_prune(tmp_path: Path) -> None:
+    """Written before per-generation folders: files and manifest directly in step-<n>/."""
+    store = LocalStore(tmp_path)
+    commit(store, "r", 10, generation=1, former_layout=True)
+    legacy = commit(store, "r", 20, generation=1, former_layout=True)
+    found = find_latest(store, "r", max_generation=1)
+    assert found is not None and found.key == legacy == "runs/r/checkpoints/step-20/MANIFEST.json"
+    record_generation(store, "r", 2, resume_step=10)  # say step 20 did not resume, and is stale
+    ours = commit(store, "r", 20, generation=2)
+    assert [(c.step, c.generation) for c in commits(store, "r")] == [
+        (20, 2),
+        (20, None),
+        (10, None),
+    ]
+    assert prune(store, "r", keep=1) == [20, 10]
+    assert set(store.list("runs/r/checkpoints/")) == {
+        f"{checkpoint_prefix('r', 20, 2)}/__0_0.distcp",
+        ours,
+    }
+    found = find_latest(store, "r", max_generation=2)
+    assert found is not None and (found.step, found.generation) == (20, 2)

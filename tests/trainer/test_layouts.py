@@ -93,7 +93,7 @@ def test_a_sharded_checkpoint_resumes_on_one_plain_rank(
 ) -> None:
     """FSDP on 2 ranks → 1 rank, TP 2 → TP 1: DCP reshards the saved DTensors on load."""
     run = request.getfixturevalue(source)
-    key = manifest_key(source, 20)
+    key = manifest_key(source, 20, generation=1)
     resume = resume_point(trainer, json.loads(trainer.store.get_bytes(key)), f"{source}-one", key)
     trainer.run(trainer.job(f"{source}-one", TRAIN, resume=resume, generation=2), ranks=1)
     resumed = final(trainer, f"{source}-one", generation=2)
@@ -109,7 +109,7 @@ def test_changing_data_parallel_ranks_neither_skips_nor_repeats_a_sample(
     """Resume the 2-rank run's step-20 checkpoint on 1 rank and on 4 FSDP ranks: every later
     step trains on exactly the samples the uninterrupted run did."""
     reference = sample_log(trainer.root / "ddp-samples.log")
-    key = manifest_key("ddp", 20)
+    key = manifest_key("ddp", 20, generation=1)
     for ranks, layout in ((1, {}), (4, {"replicate": 1, "shard": 4, "tensor": 1})):
         run = f"ddp-on-{ranks}"
         log = trainer.root / f"{run}-samples.log"

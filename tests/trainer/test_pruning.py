@@ -15,7 +15,10 @@ from trainer.manifest import committed_steps, find_latest, manifest_key, prune, 
 
 
 def corrupt(store: LocalStore, run: str, step: int) -> None:
-    store.put_bytes(f"runs/{run}/checkpoints/step-{step}/__0_0.distcp", b"rotted")
+    """Rot the files of every generation's checkpoint at `step`."""
+    for key in store.list(f"runs/{run}/checkpoints/step-{step}/"):
+        if key.endswith(".distcp"):
+            store.put_bytes(key, b"rotted")
 
 
 def test_a_corrupt_newer_checkpoint_does_not_push_the_good_one_out(tmp_path: Path) -> None:
@@ -28,7 +31,7 @@ def test_a_corrupt_newer_checkpoint_does_not_push_the_good_one_out(tmp_path: Pat
     assert found is not None and found.step == 10
     commit(store, "r", 30, generation=1)
     assert prune(store, "r", keep=1) == [20, 10]  # a newer good one: both older ones go
-    store.put_bytes(manifest_key("r", 40), b"{not json")
+    store.put_bytes(manifest_key("r", 40, 1), b"{not json")
     assert prune(store, "r", keep=1) == [] and committed_steps(store, "r") == [40, 30]
 
 

@@ -26,7 +26,7 @@ from trainer.checkpoint import (
     load_training_state,
     vet_metadata,
 )
-from trainer.manifest import MANIFEST_FORMAT, find_latest, manifest_key
+from trainer.manifest import MANIFEST_FORMAT, checkpoint_prefix, find_latest, manifest_key
 from trainer.model import GPT, GPTConfig
 from trainer.safe_load import METADATA_FILE, UnsafeCheckpoint
 
@@ -175,12 +175,12 @@ def commit(store: LocalStore, run: str, step: int, folder: Path) -> None:
     """Upload a checkpoint folder and its manifest, as a generation-1 commit would."""
     files = []
     for path in sorted(folder.iterdir()):
-        key = f"runs/{run}/checkpoints/step-{step}/{path.name}"
+        key = f"{checkpoint_prefix(run, step, 1)}/{path.name}"
         store.put_file(key, path)
         size, sha256 = store.digest(key)
         files.append({"key": key, "name": path.name, "bytes": size, "sha256": sha256})
     manifest = {"format": MANIFEST_FORMAT, "step": step, "generation": 1, "files": files}
-    store.put_if_absent(manifest_key(run, step), json.dumps(manifest).encode())
+    store.put_if_absent(manifest_key(run, step, 1), json.dumps(manifest).encode())
 
 
 def test_resume_passes_over_a_checkpoint_whose_metadata_would_run_code(tmp_path: Path) -> None:
@@ -193,5 +193,5 @@ def test_resume_passes_over_a_checkpoint_whose_metadata_would_run_code(tmp_path:
     skipped: list[str] = []
     found = find_latest(store, "r", 1, skipped.append, partial(vet_metadata, store))
     assert found is not None and found.step == 10
-    assert len(skipped) == 1 and "step-20/.metadata: it names builtins.exec" in skipped[0]
+    assert len(skipped) == 1 and "step-20/gen-1/.metadata: it names builtins.exec" in skipped[0]
     assert not marker.exists()

@@ -23,7 +23,7 @@ from tests.trainer.test_distributed_training import job_processes, resume_point
 from trainer.checkpoint import fetch_checkpoint, load_model_weights
 from trainer.errors import RanksFailed, UserCodeFailed
 from trainer.job import ResumePoint, TrainJob
-from trainer.manifest import find_latest, manifest_key
+from trainer.manifest import find_latest
 from workflows.spec import TrainSpec
 
 GRU = REPO / "examples" / "byo" / "gru"
@@ -97,7 +97,7 @@ def kill_after_first_commit(trainer: Trainer, job: TrainJob, ranks: int) -> Resu
     found = find_latest(trainer.store, job.run_id, max_generation=job.generation)
     steps = TrainSpec.model_validate(job.train).steps
     assert found is not None and found.step < steps
-    return resume_point(trainer, found.manifest, job.run_id, manifest_key(job.run_id, found.step))
+    return resume_point(trainer, found.manifest, job.run_id, found.key)
 
 
 # With the slow tests, to keep `make test` within 15 minutes: exact resume through the SDK runs

@@ -230,7 +230,7 @@ def test_fetch_log_and_report_against_a_real_tracking_store(tmp_path: Path) -> N
     store = LocalStore(tmp_path / "store")
     manifest = {"format": MANIFEST_FORMAT, "step": 50, "generation": 2, "files": []}
     manifest["committed_at"] = at(57).isoformat()
-    store.put_bytes(manifest_key("tiny", 50), json.dumps(manifest).encode())
+    store.put_bytes(manifest_key("tiny", 50, 2), json.dumps(manifest).encode())
     assert fetch_checkpoints(store, "tiny") == [CheckpointMark(50, 2, at(57))]
 
     settings = Settings(home=tmp_path, mlflow_uri=uri, store_url=str(tmp_path / "store"))

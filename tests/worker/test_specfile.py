@@ -148,7 +148,8 @@ def test_layouts_fill_the_gang(
 
 def test_init_from_accepts_registered_models_and_manifests(tmp_path: Path) -> None:
     for source in ("models:/tiny/3", "models:/tiny@production",
-                   "runs/r0/checkpoints/step-40/MANIFEST.json"):  # fmt: skip
+                   "runs/r0/checkpoints/step-40/gen-2/MANIFEST.json",
+                   "runs/r0/checkpoints/step-40/MANIFEST.json"):  # the former layout  # fmt: skip
         assert parse_spec({**VALID, "model": {"init_from": source}}, tmp_path)
 
 
