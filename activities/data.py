@@ -32,6 +32,7 @@ class DataActivities:
         self.stages = load_stages()
         self.store = settings.open_store()
         self.workdir = settings.home / "data-work" / worker_name
+        self.roots = self.stages.DataRoots.of(settings.data_root_folders())
 
     def _workdir(self, snapshot_id: str) -> Path:
         return self.workdir / snapshot_id
@@ -39,7 +40,7 @@ class DataActivities:
     @activity.defn(name="plan_dataset")
     def plan_dataset(self, inp: DatasetInput) -> DatasetPlanRef:
         with domain_errors(), keep_alive():
-            return self.stages.plan_dataset(self.store, inp)
+            return self.stages.plan_dataset(self.store, inp, self.roots)
 
     @activity.defn(name="scan_chunk")
     def scan_chunk(self, inp: DataStageInput) -> None:

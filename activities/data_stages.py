@@ -26,6 +26,7 @@ from dataprep.snapshot import (
     load_plan,
     save_plan,
 )
+from dataprep.source_roots import DataRoots
 from dataprep.tokenize_stage import tokenize_chunk, train_tokenizer
 from infra.store import ObjectStore
 from workflows.models import DatasetInput, DatasetPlanRef, DatasetRef, DataStageInput
@@ -87,9 +88,10 @@ STAGES: dict[str, Callable[..., object]] = {
 }
 
 
-def plan_dataset(store: ObjectStore, inp: DatasetInput) -> DatasetPlanRef:
-    # `store:` sources name objects of this worker's store, which is the run's.
-    snapshot_plan = plan_snapshot(inp.data.sources, snapshot_settings(inp.data), store.url)
+def plan_dataset(store: ObjectStore, inp: DatasetInput, roots: DataRoots) -> DatasetPlanRef:
+    # `store:` sources name objects of this worker's store, which is the run's; local ones
+    # must lie in this worker's data roots.
+    snapshot_plan = plan_snapshot(inp.data.sources, snapshot_settings(inp.data), store.url, roots)
     found = existing_snapshot(store, snapshot_plan.snapshot_id)
     if found is not None:
         return DatasetPlanRef(

@@ -16,6 +16,7 @@ from pathlib import Path
 from dataprep.errors import SourceError
 from dataprep.remote_sources import ObjectSource, expand_objects, split_sources
 from dataprep.settings import SnapshotSettings
+from dataprep.source_roots import UNCONFINED, DataRoots
 from dataprep.source_urls import S3_SCHEME
 from dataprep.sources import SourceFile, expand_sources
 from infra.digest import sha256_file
@@ -92,11 +93,15 @@ class SnapshotPlan:
 
 
 def plan_snapshot(
-    patterns: list[str], settings: SnapshotSettings, store_url: str = ""
+    patterns: list[str],
+    settings: SnapshotSettings,
+    store_url: str = "",
+    roots: DataRoots = UNCONFINED,
 ) -> SnapshotPlan:
-    """`store_url`: the store that `store:` sources name (the run's, as this process has it)."""
+    """`store_url`: the store that `store:` sources name (the run's, as this process has it).
+    `roots`: the folders local sources must lie in, links resolved (a data worker's)."""
     local, remote = split_sources(patterns, store_url)
-    files = [_planned(s) for s in expand_sources(local)] if local else []
+    files = [_planned(s) for s in roots.check(expand_sources(local))] if local else []
     files += [_planned_object(o) for o in expand_objects(remote)]
     files.sort(key=lambda f: (f.path, f.options))  # local paths ("/…") sort before URLs
     identity = {"dataprep_version": DATAPREP_VERSION, **settings.identity()}

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -44,6 +45,7 @@ _ENV = {
     "api_url": "FORGELINE_API_URL",
     "store_url": "FORGELINE_STORE",
     "twin_store_url": "FORGELINE_TWIN_STORE",
+    "data_roots": "FORGELINE_DATA_ROOTS",
     "temporal_tls": "FORGELINE_TEMPORAL_TLS",
     "temporal_tls_ca": "FORGELINE_TEMPORAL_TLS_CA",
     "temporal_tls_cert": "FORGELINE_TEMPORAL_TLS_CERT",
@@ -92,6 +94,10 @@ class Settings:
     # SecretStr keeps it out of str() and f-strings and json.dumps refuses it; repr=False keeps
     # it out of the Settings' repr. Only load_settings sets it, from the environment.
     temporal_api_key: SecretStr | None = field(default=None, repr=False)
+    # The folders data workers read local `data.sources` from, separated by os.pathsep (':').
+    # Empty: your home folder and the system's temporary folder; `forgeline up` records the
+    # folder it was started in as well. The store's own folder is always one.
+    data_roots: str = ""
 
     def __post_init__(self) -> None:
         self._check_no_credentials_in_urls()
@@ -100,6 +106,14 @@ class Settings:
     @property
     def store(self) -> str:
         return self.store_url or str(self.home / "store")
+
+    def data_root_folders(self) -> list[str]:
+        """Where a data worker may read local sources: the roots set, or the defaults, and the
+        store's folder when the store is one (`store:` sources of a local store)."""
+        folders = [f for f in self.data_roots.split(os.pathsep) if f] or default_data_roots()
+        if "://" not in self.store or self.store.startswith("file://"):
+            folders.append(self.store.removeprefix("file://"))
+        return folders
 
     def open_store(self) -> ObjectStore:
         """The store every process uses: the primary, with its twin when one is set."""
@@ -156,6 +170,10 @@ class Settings:
         tmp.write_text(json.dumps(data, indent=2))
         tmp.replace(path)
         return path
+
+
+def default_data_roots() -> list[str]:
+    return [str(Path.home()), tempfile.gettempdir()]
 
 
 def _parse_bool(env_name: str, raw: str) -> bool:

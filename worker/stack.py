@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import getpass
+import os
 import sys
 import uuid
 from collections.abc import Callable
@@ -29,7 +30,13 @@ from infra.local_servers import (
     temporal_dev_server_argv,
 )
 from infra.processes import ManagedProcess, free_port, http_ok, port_is_open, wait_until
-from infra.settings import Settings, load_settings, set_in_environment, setting_label
+from infra.settings import (
+    Settings,
+    default_data_roots,
+    load_settings,
+    set_in_environment,
+    setting_label,
+)
 from infra.tokens import LOCAL_TOKEN_FILE, ensure_local_admin
 from worker.cli_common import get_client
 from worker.temporal_client import ensure_cluster, ensure_search_attributes
@@ -173,13 +180,15 @@ async def _up(
         port = _port(ports.api, _port_of(recorded.api_url), DEFAULT_PORTS["api"])
         api_url = f"http://127.0.0.1:{port}"
 
-    # Everything else as it was set (namespace, TLS, the API key, the stores).
+    # Everything else as it was set (namespace, TLS, the API key, the stores). The local data
+    # worker reads local sources from the folder the stack was started in, too.
     settings = dataclasses.replace(
         recorded,
         temporal_address=temporal_address,
         temporal_ui_url=ui_url,
         mlflow_uri=mlflow_uri,
         api_url=api_url,
+        data_roots=recorded.data_roots or os.pathsep.join([os.getcwd(), *default_data_roots()]),
     )
     settings.save()
     # One command for one person: the local user is the stack's admin (infra.tokens).

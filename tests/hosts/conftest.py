@@ -22,6 +22,7 @@ from moto.server import ThreadedMotoServer
 from infra.local_servers import MLFLOW_SERVER_ENV, mlflow_server_argv, temporal_dev_server_argv
 from infra.processes import free_port, http_ok, port_is_open
 from infra.s3_store import S3Store
+from tests.conftest import REPO
 from tests.e2e.conftest import FORGELINE, s3_client, wait_for
 from tests.hosts.netns import Host, NamespacesUnavailable, Network
 from workflows.search_attributes import SEARCH_ATTRIBUTE_TYPES
@@ -42,11 +43,13 @@ class Cluster:
     processes: dict[str, subprocess.Popen] = field(default_factory=dict)
     token: str = ""  # an operator's, made on the API's host as the README says
 
-    def start(self, name: str, argv: list[str], home: Path) -> subprocess.Popen:
+    def start(
+        self, name: str, argv: list[str], home: Path, env: dict[str, str] | None = None
+    ) -> subprocess.Popen:
         home.mkdir(parents=True, exist_ok=True)
         log = open(self.root / f"{name}.log", "ab")  # noqa: SIM115 (the process's, for life)
         process = subprocess.Popen(
-            argv, env={**self.env, "FORGELINE_HOME": str(home)}, stdout=log,
+            argv, env={**self.env, **(env or {}), "FORGELINE_HOME": str(home)}, stdout=log,
             stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
         )  # fmt: skip
         self.processes[name] = process
@@ -183,7 +186,10 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         _start_servers(cluster, gateway)
         cluster.start("control", [FORGELINE, "control"], root / "control")
         _start_api(cluster, gateway)
-        cluster.start("data", [FORGELINE, "data", "worker"], root / "data")
+        # The data worker reads the corpora the specs name, in the repository, and nothing
+        # else of this machine's (as an operator sets it on a shared host).
+        roots = {"FORGELINE_DATA_ROOTS": str(REPO / "examples" / "data")}
+        cluster.start("data", [FORGELINE, "data", "worker"], root / "data", roots)
         for host in network.hosts:
             cluster.start_agent(host)
         # Each registers with the address it found routes to Temporal: its own, on the bridge.

@@ -25,10 +25,18 @@ from workflows.names import DATA_TASK_QUEUE
 from workflows.spec import DataSpec, FilterSpec
 
 
-def run_dataset(address: str, task_queue: str, home: Path, data: DataSpec, store_url: str = ""):
+def run_dataset(
+    address: str,
+    task_queue: str,
+    home: Path,
+    data: DataSpec,
+    store_url: str = "",
+    data_roots: str = "",
+):
     async def main() -> tuple[DatasetRef, DatasetProgress]:
         client = await Client.connect(address, data_converter=pydantic_data_converter)
-        activities = DataActivities(Settings(home=home, store_url=store_url))
+        settings = Settings(home=home, store_url=store_url, data_roots=data_roots)
+        activities = DataActivities(settings)
         with ThreadPoolExecutor(2) as pool:
             async with (
                 Worker(client, task_queue=task_queue, workflows=[DatasetSnapshotWorkflow]),
@@ -98,6 +106,28 @@ def test_bad_input_fails_the_workflow_at_once_with_the_reason(
         cause = cause.cause
     assert "bad.jsonl: 20 of 20 records are bad" in str(cause)
     assert "data.max_bad_fraction" in str(cause)
+
+
+def test_a_link_out_of_the_data_roots_fails_the_snapshot_before_anything_is_read(
+    temporal_address: str, task_queue: str, tmp_path: Path, three_files: Path
+) -> None:
+    """The data worker reads only inside its data roots. Before, the link's target (another
+    team's file, or /proc/self/environ) was read and committed as shards of the dataset."""
+    secret = tmp_path / "another-team" / "keys.txt"
+    secret.parent.mkdir()
+    secret.write_text("AWS_SECRET_ACCESS_KEY=" + "x" * 40 + "\n")
+    (three_files / "notes.txt").symlink_to(secret)
+    data = DataSpec(sources=[str(three_files)], filters=FilterSpec(min_words=1))
+    with pytest.raises(WorkflowFailureError) as raised:
+        run_dataset(temporal_address, task_queue, tmp_path / "home", data,
+                    data_roots=str(three_files))  # fmt: skip
+    cause = raised.value.cause
+    while getattr(cause, "cause", None) is not None:
+        cause = cause.cause
+    assert f"source {three_files}/notes.txt is a link to {secret}, outside the data roots" in str(
+        cause
+    )
+    assert not LocalStore(tmp_path / "home" / "store").list("datasets/")
 
 
 def test_a_corpus_uploaded_to_the_runs_s3_store_is_read_by_its_key(
