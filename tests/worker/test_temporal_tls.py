@@ -344,7 +344,7 @@ def representative_inputs() -> list[BaseModel]:
         duplicates_removed=0,
     )
     checkpoint = CheckpointRef(
-        manifest_key=manifest_key(spec.name, 10), step=10, generation=1, tokens_seen=1000
+        manifest_key=manifest_key(spec.name, 10, 1), step=10, generation=1, tokens_seen=1000
     )
     allocation = Allocation(run_id=spec.name, generation=1, nodes=[node], granted_at=now)
     evaluation = EvalResult(step=10, val_loss=1.5, perplexity=4.5, val_tokens=100, sample="x")
