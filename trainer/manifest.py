@@ -32,7 +32,7 @@ from trainer.errors import CheckpointError
 MANIFEST_NAME = "MANIFEST.json"
 MANIFEST_FORMAT = "forgeline.checkpoint/1"
 _MANIFEST_KEY = re.compile(r"/checkpoints/step-(\d+)/(?:gen-(\d+)/)?MANIFEST\.json$")
-_GENERATION_FOLDER = re.compile(r"/checkpoints/step-(\d+)/gen-(\d+)/")
+_GENERATION_FOLDER = re.compile(r"/checkpoints/step-\d+/gen-(\d+)/")
 
 
 def checkpoint_prefix(run_id: str, step: int, generation: int) -> str:
@@ -68,8 +68,12 @@ class Commit:
 def commits(store: ObjectStore, run_id: str) -> list[Commit]:
     """Every manifest of the run, the newest step first; at one step the newest generation first
     (a manifest of the former layout last)."""
+    return _commits_among(store.list(f"runs/{run_id}/checkpoints/"))
+
+
+def _commits_among(keys: list[str]) -> list[Commit]:
     found = []
-    for key in store.list(f"runs/{run_id}/checkpoints/"):
+    for key in keys:
         if match := _MANIFEST_KEY.search(key):
             generation = None if match.group(2) is None else int(match.group(2))
             found.append(Commit(int(match.group(1)), generation, key))
@@ -234,9 +238,9 @@ def prune(
     gone. `verified` caches manifests already checked (a writer prunes after every commit).
     """
     fences = Fences.read(store, run_id)
-    keys = store.list(f"runs/{run_id}/checkpoints/")
+    keys = store.list(f"runs/{run_id}/checkpoints/")  # listed once: manifests and files
     removed, kept = [], 0
-    for commit in commits(store, run_id):
+    for commit in _commits_among(keys):
         state = _usability(store, fences, commit.key, commit.step, verified)
         if kept < keep and state is not Usability.STALE:
             kept += state is Usability.USABLE
@@ -258,7 +262,7 @@ def _uncommitted_files_of_fenced_generations(keys: list[str], fences: Fences) ->
     orphans = []
     for key in keys:
         match = _GENERATION_FOLDER.search(key)
-        if match is None or not fences.superseded(int(match.group(2))):
+        if match is None or not fences.superseded(int(match.group(1))):
             continue
         if key[: match.end()] not in with_manifest:
             orphans.append(key)
