@@ -7,13 +7,15 @@ batch and data. No process group, no checkpoints, no progress file, no health si
 one qkv with its rows grouped by head, no biases); `--arch fused` the same shape with a plain
 fused qkv and no biases (bench/fused_gpt.py); `--arch separate` the built-in GPT in its former
 layout (separate q, k and v, biases everywhere), so all three run in the same loop.
-Prints one JSON line: {"tokens_per_s": ..., "measured_steps": ...}, timed after the warm-up.
+Prints one JSON line: {"tokens_per_s": ..., "measured_steps": ..., "window_tokens_per_s": [...]},
+timed after the warm-up; the windows are `--warmup` steps each (the trainer's logging grid).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import json
 import time
 
@@ -43,7 +45,10 @@ def main(
     rng = np.random.default_rng(0)
     T = config.block_size
     started = 0.0
+    marks: list[float] = []  # the clock every `warmup` steps once the warm-up is over
     for step in range(steps):
+        if step >= warmup and (step - warmup) % warmup == 0:
+            marks.append(time.perf_counter())
         if step == warmup:
             started = time.perf_counter()
         starts = rng.integers(0, len(tokens) - T - 1, size=batch)
@@ -56,7 +61,11 @@ def main(
         optimizer.step()
     measured = steps - warmup
     elapsed = time.perf_counter() - started
-    print(json.dumps({"tokens_per_s": measured * batch * T / elapsed, "measured_steps": measured}))
+    if (steps - warmup) % warmup == 0:
+        marks.append(time.perf_counter())
+    windows = [warmup * batch * T / (b - a) for a, b in itertools.pairwise(marks)]
+    print(json.dumps({"tokens_per_s": measured * batch * T / elapsed, "measured_steps": measured,
+                      "window_tokens_per_s": windows}))  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -11,7 +11,9 @@
    with one plain fused qkv and no biases (`bench/fused_gpt.py`), and the GPT's former layout
    (separate q, k, v with biases) against that same network. Tokens/s after a warm-up, best and
    median of `--repeats`, alternating, the order reversed every other repeat; ratios are best
-   over best and the median of each repeat's adjacent pair.
+   over best and the median of each repeat's adjacent pair. A run's figure is its median
+   window of 10 steps (a burst of other work on a shared machine moves a few windows, not the
+   median); the ms/step lines also show each run's figure over all its steps.
 2. Checkpoint stall for a ~60 M-parameter GPT with AdamW state: the time the loop is blocked by
    an asynchronous save (with the copy overlapped with the next forward and backward, as the
    loop does it, and without overlap), against a synchronous `dcp.save` and a `torch.save` of the
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
 import statistics
@@ -86,6 +89,21 @@ SIZES = (
 WARMUP = 10  # steps before the clock starts; also the trainer's log_every (the spec's default)
 
 
+@dataclass(frozen=True)
+class Measured:
+    """One run's tokens/s: over all its measured steps, and in each window of WARMUP steps."""
+
+    whole: float
+    windows: list[float]
+
+    @property
+    def typical(self) -> float:
+        """The median window: what the loop costs when the machine is not busy elsewhere. On
+        a shared 2-core machine a burst of someone else's work moves a whole run's figure by
+        up to 30 % and lands on either side at random; it moves a few windows, not the median."""
+        return statistics.median(self.windows)
+
+
 def _vocab(snapshot) -> int:
     return snapshot.manifest["tokenizer"]["vocab_size"]
 
@@ -94,7 +112,7 @@ def _train_shards(store: LocalStore, snapshot) -> list[str]:
     return [str(store.root / s["key"]) for s in snapshot.manifest["splits"]["train"]["shards"]]
 
 
-def trainer_tokens_per_s(root: Path, store: LocalStore, snapshot, size: Size, run: str) -> float:
+def trainer_tokens_per_s(root: Path, store: LocalStore, snapshot, size: Size, run: str) -> Measured:
     steps = WARMUP + size.measured_steps
     train = TrainSpec(
         steps=steps, batch_size=size.batch, log_every=WARMUP, checkpoint_every=steps,
@@ -125,10 +143,15 @@ def trainer_tokens_per_s(root: Path, store: LocalStore, snapshot, size: Size, ru
         for e in map(json.loads, Path(job.progress_file).read_text().splitlines())
         if e["event"] == "step"
     }
-    return size.measured_steps * size.batch * size.model.block_size / (at[steps] - at[WARMUP])
+    tokens = size.batch * size.model.block_size
+    marks = [at[s] for s in range(WARMUP, steps + 1, WARMUP)]
+    return Measured(
+        whole=size.measured_steps * tokens / (at[steps] - at[WARMUP]),
+        windows=[WARMUP * tokens / (b - a) for a, b in itertools.pairwise(marks)],
+    )
 
 
-def bare_tokens_per_s(store: LocalStore, snapshot, size: Size, arch: str) -> float:
+def bare_tokens_per_s(store: LocalStore, snapshot, size: Size, arch: str) -> Measured:
     shard = _train_shards(store, snapshot)[0]
     model = json.dumps({**size.model.architecture(), "vocab_size": _vocab(snapshot)})
     out = subprocess.run(
@@ -138,12 +161,15 @@ def bare_tokens_per_s(store: LocalStore, snapshot, size: Size, arch: str) -> flo
         cwd=REPO, capture_output=True, text=True, check=True,
         env={**os.environ, "OMP_NUM_THREADS": str(THREADS)},
     )  # fmt: skip
-    return json.loads(out.stdout.strip().splitlines()[-1])["tokens_per_s"]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    return Measured(whole=result["tokens_per_s"], windows=result["window_tokens_per_s"])
 
 
-def _row(measure: str, ours: list[float], base: list[float]) -> tuple[str, str, str, str]:
-    """Best and median tokens/s of each side; the ratio of the bests and the median of the
-    ratios of each repeat's adjacent runs (which drift in the machine's speed cancels)."""
+def _row(measure: str, ours: list[Measured], base: list[Measured]) -> tuple[str, str, str, str]:
+    """Best and median over the repeats of each run's median window; the ratio of the bests
+    and the median of the ratios of each repeat's adjacent runs (which drift in the machine's
+    speed cancels)."""
+    ours, base = [m.typical for m in ours], [m.typical for m in base]
     cell = lambda v: f"{max(v):,.0f} / {statistics.median(v):,.0f}"  # noqa: E731
     paired = statistics.median(o / b for o, b in zip(ours, base, strict=True))
     return (measure, cell(ours), cell(base), f"{max(ours) / max(base):.3f} / {paired:.3f}")
@@ -166,10 +192,12 @@ def throughput(root: Path, repeats: int) -> list[tuple[str, str, str, str]]:
                 )
     rows = []
     for size in SIZES:
-        ms = {k: [1e3 * size.batch * size.model.block_size / v for v in runs[size.label, k]]
-              for k in kinds}  # fmt: skip
-        print(f"{size.label}: ms/step, " + "; ".join(
-            f"{k} {[round(v, 1) for v in ms[k]]}" for k in kinds))  # fmt: skip
+        tokens = size.batch * size.model.block_size
+        for figure in ("typical", "whole"):
+            ms = {k: [round(1e3 * tokens / getattr(m, figure), 1) for m in runs[size.label, k]]
+                  for k in kinds}  # fmt: skip
+            print(f"{size.label}: ms/step ({figure}), "
+                  + "; ".join(f"{k} {ms[k]}" for k in kinds))  # fmt: skip
         rows += [
             _row(f"tokens/s, {size.label}: SDK trainer vs bare loop", runs[size.label, "trainer"],
                  runs[size.label, "gpt"]),

@@ -13,7 +13,7 @@ import torch
 
 from forgeline.errors import SDKUsageError
 from trainer.grad_watch import chaos_asks_to_corrupt, corrupt_gradients
-from trainer.parallel import local_grad_norm
+from trainer.parallel import clip_grad_norm, local_grad_norm
 
 if TYPE_CHECKING:
     from forgeline.training import Run
@@ -62,15 +62,19 @@ class Step:
             yield
         self.forward_s += time.perf_counter() - started
 
-    def gradients(self, model: torch.nn.Module) -> float:
-        """Call after backward, before clipping: this rank's local gradient norm, checked for
-        non-finite values (for DDP, the norm of this replica's own gradients before the
-        all-reduce mixed them: what names the rank that went bad)."""
+    def gradients(self, model: torch.nn.Module, max_norm: float = 0.0) -> float:
+        """Call after backward: this rank's local gradient norm, checked for non-finite values
+        (for DDP, the norm of this replica's own gradients before the all-reduce mixed them:
+        what names the rank that went bad). With `max_norm` > 0 it also clips every gradient
+        by the global norm, as `torch.nn.utils.clip_grad_norm_` would, taking the norm once for
+        both where each rank holds whole gradients (one rank, DDP)."""
         run = self.run
         if run._own_norms is None and chaos_asks_to_corrupt(run._corrupt_next, self.number):
             corrupt_gradients(model)  # no all-reduce hook to do it in: after backward
-        norm = local_grad_norm(model)
+        norm, whole = local_grad_norm(model)
         self.finite = self.finite and math.isfinite(norm)
+        if max_norm > 0:
+            clip_grad_norm(model, max_norm, total=norm if whole else None)
         if run._own_norms is not None:
             norm = run._own_norms.take()
         self.grad_norm = norm

@@ -23,6 +23,10 @@ import torch
 from trainer.errors import DataError
 
 _ROUNDS = 4
+# Positions whose sample order is computed at once. The Feistel rounds cost numpy's per-call
+# overhead, not per element: a batch of 12 took 0.4 ms a step (1.6 % of a small model's step),
+# a block of 4,096 takes about as long once per 4,096 samples.
+ORDER_BLOCK = 4096
 _MASK64 = np.uint64(0xFFFFFFFFFFFFFFFF)
 
 
@@ -120,10 +124,22 @@ class Sampler:
         self.order = SampleOrder(stream.samples, seed)
         self.global_batch = global_batch
         self.part = part
+        self._blocks: dict[int, np.ndarray] = {}  # block number -> its sample indices
 
     def global_indices(self, cursor: int) -> np.ndarray:
         """The samples of the global batch that starts at `cursor` (all ranks together)."""
-        positions = np.arange(cursor, cursor + self.global_batch, dtype=np.int64)
+        first, last = cursor // ORDER_BLOCK, (cursor + self.global_batch - 1) // ORDER_BLOCK
+        blocks = {k: self._blocks.get(k) for k in range(first, last + 1)}
+        self._blocks = {
+            k: found if found is not None else self._order_of(k) for k, found in blocks.items()
+        }
+        joined = np.concatenate(list(self._blocks.values()))
+        start = cursor - first * ORDER_BLOCK
+        return joined[start : start + self.global_batch]
+
+    def _order_of(self, block: int) -> np.ndarray:
+        """The sample indices at the positions of one block (which may straddle epochs)."""
+        positions = np.arange(block * ORDER_BLOCK, (block + 1) * ORDER_BLOCK, dtype=np.int64)
         epochs = positions // self.order.n
         out = np.empty_like(positions)
         for epoch in np.unique(epochs):

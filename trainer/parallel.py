@@ -116,30 +116,37 @@ def parallelize(model: GPT, layout: Layout, placement: Placement) -> nn.Module:
     return model
 
 
-def local_grad_norm(model: torch.nn.Module) -> float:
+def local_grad_norm(model: torch.nn.Module) -> tuple[float, bool]:
     """The L2 norm of the gradients this rank holds (its shards under FSDP or TP): a health
-    signal, compared across ranks to spot silent corruption. One foreach norm and one copy to
-    the host, where a loop over the parameters costs several operations each (and, on a GPU, a
-    sync each). The squares are summed in float32, as a sum over every element would be: the
-    norm is inf when that sum overflows, NaN when any gradient holds a NaN."""
+    signal, compared across ranks to spot silent corruption; and whether those gradients are
+    whole (no DTensor shards: one rank, or DDP after its all-reduce), in which case the norm is
+    also the global one that clipping needs. One foreach norm and one copy to the host, where a
+    loop over the parameters costs several operations each (and, on a GPU, a sync each). The
+    squares are summed in float32, as a sum over every element would be: the norm is inf when
+    that sum overflows, NaN when any gradient holds a NaN."""
     grads = []
+    whole = True
     for param in model.parameters():
         grad = param.grad
         if grad is not None:
-            grads.append(grad.to_local() if hasattr(grad, "to_local") else grad)
+            if hasattr(grad, "to_local"):
+                grad, whole = grad.to_local(), False
+            grads.append(grad)
     if not grads:
-        return 0.0
+        return 0.0, whole
     with torch.no_grad():
         norms = torch._foreach_norm(grads, 2, dtype=torch.float32)
         try:
             stacked = torch.stack(norms)
         except RuntimeError:  # gradients on more than one device (CPU offload)
             stacked = torch.stack([n.cpu() for n in norms])
-        return float(stacked.square().sum().sqrt())
+        return float(stacked.square().sum().sqrt()), whole
 
 
-def clip_grad_norm(model: nn.Module, max_norm: float) -> float:
-    """Clip all gradients by their global norm and return it (before clipping).
+def clip_grad_norm(model: nn.Module, max_norm: float, total: float | None = None) -> float:
+    """Clip all gradients by their global norm and return it (before clipping). `total` is
+    that norm when the caller already has it (`local_grad_norm` of whole gradients): taking it
+    again would be a second pass over every gradient each step.
 
     torch's clip_grad_norm_ needs every gradient to be a plain tensor or every one a DTensor on
     one mesh; under tensor parallelism the blocks' gradients are DTensors while the embeddings'
@@ -147,18 +154,23 @@ def clip_grad_norm(model: nn.Module, max_norm: float) -> float:
     group's reduced to a plain number, then combined.
     """
     grads = [p.grad for p in model.parameters() if p.grad is not None]
-    groups: dict[object, list[torch.Tensor]] = {}
-    for grad in grads:
-        groups.setdefault(getattr(grad, "device_mesh", None), []).append(grad)
-    squares = torch.zeros((), dtype=torch.float64)
-    for members in groups.values():
-        norm = torch.nn.utils.get_total_norm(members, 2.0)
-        if hasattr(norm, "full_tensor"):  # a DTensor: partial over its shards until reduced
-            norm = norm.full_tensor()
-        squares += norm.detach().double().cpu() ** 2
-    total = float(squares.sqrt())
+    if total is None:
+        groups: dict[object, list[torch.Tensor]] = {}
+        for grad in grads:
+            groups.setdefault(getattr(grad, "device_mesh", None), []).append(grad)
+        squares = torch.zeros((), dtype=torch.float64)
+        for members in groups.values():
+            norm = torch.nn.utils.get_total_norm(members, 2.0)
+            if hasattr(norm, "full_tensor"):  # a DTensor: partial over its shards until reduced
+                norm = norm.full_tensor()
+            squares += norm.detach().double().cpu() ** 2
+        total = float(squares.sqrt())
     if max_norm > 0 and total > max_norm:
         coef = max_norm / (total + 1e-6)
+        plain = [g for g in grads if not hasattr(g, "device_mesh")]
+        if plain:  # one foreach multiply where the gradients allow it
+            torch._foreach_mul_(plain, coef)
         for grad in grads:
-            grad.mul_(coef)
+            if hasattr(grad, "device_mesh"):
+                grad.mul_(coef)
     return total

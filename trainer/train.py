@@ -17,7 +17,7 @@ from trainer.checkpoint import load_model_weights
 from trainer.evaluate import held_out_loss
 from trainer.metrics import flops_per_token
 from trainer.model import GPT, GPTConfig
-from trainer.parallel import clip_grad_norm, parallelize
+from trainer.parallel import parallelize
 from trainer.schedule import learning_rate
 
 
@@ -58,8 +58,7 @@ def main() -> None:
                 _, loss = wrapped(x, y)
             (loss / micro).backward()
             loss_sum += loss.detach() / micro
-        step.gradients(wrapped)
-        clip_grad_norm(wrapped, cfg.grad_clip)
+        step.gradients(wrapped, max_norm=cfg.grad_clip)  # health signals, then clipping
         lr = learning_rate(step.number - 1, cfg.learning_rate, cfg.min_lr, cfg.warmup_steps,
                            cfg.steps)  # fmt: skip
         for group in optimizer.param_groups:

@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from trainer.data import (
+    ORDER_BLOCK,
     RankSlice,
     SampleOrder,
     Sampler,
@@ -73,6 +74,22 @@ def test_a_cursor_across_an_epoch_boundary_continues_in_the_next_epoch(
     seen = np.concatenate([sampler.global_indices(c) for c in range(0, 2 * n - 8, 8)])
     assert sorted(seen[:n].tolist()) == list(range(n)), "epoch 0 is not every sample once"
     assert sampler.epoch(n - 1) == 0 and sampler.epoch(n) == 1
+
+
+@pytest.mark.parametrize("batch", [8, 24, ORDER_BLOCK + 8])
+def test_batches_read_from_precomputed_blocks_are_the_order_itself(
+    stream: TokenStream, batch: int
+) -> None:
+    """The sampler computes the order a block of positions at a time and keeps the blocks in
+    use: a batch straddling two blocks, an epoch boundary or spanning whole blocks, read in any
+    order (a resume jumps), is what SampleOrder says position by position."""
+    sampler = Sampler(stream, 5, batch, RankSlice(0, 1, 1))
+    n = stream.samples
+    cursors = [ORDER_BLOCK - 4, 0, 3 * ORDER_BLOCK - batch // 2, 7 * n - 3, ORDER_BLOCK - 4]
+    for cursor in cursors:
+        positions = np.arange(cursor, cursor + batch)
+        expected = [sampler.order.indices(int(p // n), np.array([p % n]))[0] for p in positions]
+        assert sampler.global_indices(cursor).tolist() == expected, f"cursor {cursor}"
 
 
 def test_micro_batches_split_the_rank_slice(stream: TokenStream) -> None:
