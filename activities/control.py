@@ -102,7 +102,9 @@ class ControlActivities:
         require_extra("control", "the control worker")
         self.settings = settings
         self.store = settings.open_store()
-        self.cache = NodeCache(settings.home / "cache" / "control", self.store)
+        self.cache = NodeCache(
+            settings.home / "cache" / "control", self.store, settings.node_cache_bytes()
+        )
 
     @activity.defn(name="latest_checkpoint")
     def latest_checkpoint(self, inp: LatestCheckpointInput) -> CheckpointRef | None:
@@ -158,17 +160,19 @@ class ControlActivities:
         train, prompts = inp.spec.train, inp.spec.registry.prompts
         if train.user_code:
             return self._reported_evaluation(inp)
-        with domain_errors(), keep_alive():
-            dataset = self.cache.dataset_manifest(inp.dataset)
-            val_shards = self.cache.split(dataset, "val")
-            folder, manifest = self.cache.checkpoint(inp.checkpoint)
+        # The lease keeps what this evaluation fetched while it reads it: another activity's
+        # fetch (or this one's, of older checkpoints) evicts only what no activity holds.
+        with domain_errors(), keep_alive(), self.cache.lease() as cache:
+            dataset = cache.dataset_manifest(inp.dataset)
+            val_shards = cache.split(dataset, "val")
+            folder, manifest = cache.checkpoint(inp.checkpoint)
             activity.heartbeat("checkpoint fetched")
             result = evaluate_checkpoint(
                 checkpoint_folder=folder,
                 model_config=manifest["model_config"],
                 val_shards=val_shards,
                 dtype=dataset["dtype"],
-                tokenizer_file=self.cache.tokenizer(dataset),
+                tokenizer_file=cache.tokenizer(dataset),
                 batch_size=train.batch_size,
                 max_batches=train.eval_batches,
                 prompts=prompts,
@@ -186,15 +190,18 @@ class ControlActivities:
                     continue
                 older = inp.checkpoint.model_copy(update={"manifest_key": kept.key, "step": step})
                 try:
-                    older_folder, older_manifest = self.cache.checkpoint(older)
-                    loss = checkpoint_val_loss(
-                        older_folder,
-                        older_manifest["model_config"],
-                        val_shards,
-                        dataset["dtype"],
-                        train.batch_size,
-                        train.eval_batches,
-                    )
+                    # Held only while its loss is taken: the curve's checkpoints together may
+                    # not fit the cache, one at a time they do.
+                    with self.cache.lease() as one:
+                        older_folder, older_manifest = one.checkpoint(older)
+                        loss = checkpoint_val_loss(
+                            older_folder,
+                            older_manifest["model_config"],
+                            val_shards,
+                            dataset["dtype"],
+                            train.batch_size,
+                            train.eval_batches,
+                        )
                 except (
                     IntegrityError,
                     ObjectNotFound,
@@ -293,17 +300,20 @@ class ControlActivities:
         from trainer.weights_export import export_weights, user_served_code
 
         info = activity.info()
-        with domain_errors(), tempfile.TemporaryDirectory(prefix="forgeline-export-") as tmp:
-            dataset = self.cache.dataset_manifest(inp.dataset)
-            folder, manifest = self.cache.checkpoint(inp.checkpoint)
+        with (
+            domain_errors(),
+            tempfile.TemporaryDirectory(prefix="forgeline-export-") as tmp,
+            self.cache.lease() as cache,  # what the export reads stays while it reads it
+        ):
+            dataset = cache.dataset_manifest(inp.dataset)
+            folder, manifest = cache.checkpoint(inp.checkpoint)
             if inp.code is not None:  # a user's model: its weights, served by its own code
-                artifacts = export_weights(folder, manifest, self.cache.tokenizer(dataset),
-                                           Path(tmp))  # fmt: skip
+                artifacts = export_weights(folder, manifest, cache.tokenizer(dataset), Path(tmp))
                 serving = manifest.get("serving")
-                served = user_served_code(self.cache.code(inp.code), serving) if serving else None
+                served = user_served_code(cache.code(inp.code), serving) if serving else None
             else:
                 model = load_model(folder, manifest["model_config"])
-                artifacts = export_model(model, self.cache.tokenizer(dataset), Path(tmp))
+                artifacts = export_model(model, cache.tokenizer(dataset), Path(tmp))
                 served = served_code()
             code = code_version()
             packages = installed_packages()

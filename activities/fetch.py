@@ -7,10 +7,12 @@ from pathlib import Path
 
 from dataprep.dataset_manifest import load_manifest
 from infra import code_snapshot
+from infra.cache_budget import CacheBudget, CacheLease, default_budget
 from infra.errors import IntegrityError
 from infra.store import ObjectStore, fetch_verified
 from trainer.checkpoint import fetch_checkpoint
 from trainer.manifest import read_manifest
+from workflows.cluster_models import MAX_ADVERTISED_CACHED
 from workflows.models import CheckpointRef, CodeRef, DatasetRef
 
 _SHA256 = re.compile(r"[0-9a-f]{64}")
@@ -18,11 +20,107 @@ _SHA256 = re.compile(r"[0-9a-f]{64}")
 
 class NodeCache:
     """Content-addressed: a blob's path is its sha256, so one copy serves every run and a file
-    already present is trusted only after its hash is checked again."""
+    already present is trusted only after its hash is checked again.
 
-    def __init__(self, root: Path, store: ObjectStore) -> None:
+    Kept to a byte budget (infra.cache_budget): a fetch that would go over it evicts what was
+    used longest ago first. A job fetches through a `lease()`, which pins what it fetched until
+    the job ends; the methods here take a lease of their own for the one call."""
+
+    def __init__(self, root: Path, store: ObjectStore, budget_bytes: int | None = None) -> None:
         self.root = root
         self.store = store
+        self.budget = CacheBudget(
+            root, default_budget(root) if budget_bytes is None else budget_bytes
+        )
+
+    def lease(self) -> NodeCacheLease:
+        return NodeCacheLease(self, self.budget.lease())
+
+    def held_snapshots(self) -> list[str]:
+        """What this node advertises: the dataset snapshots it holds whole, the most recently
+        used first, at most MAX_ADVERTISED_CACHED of them."""
+        return self.budget.held_snapshots()[:MAX_ADVERTISED_CACHED]
+
+    def dataset_manifest(self, dataset: DatasetRef) -> dict:
+        return load_manifest(self.store, dataset.manifest_key, dataset.manifest_sha256)
+
+    def split(self, manifest: dict, split: str) -> list[Path]:
+        with self.lease() as lease:
+            return lease.split(manifest, split)
+
+    def tokenizer(self, manifest: dict) -> Path:
+        with self.lease() as lease:
+            return lease.tokenizer(manifest)
+
+    def checkpoint(self, ref: CheckpointRef) -> tuple[Path, dict]:
+        with self.lease() as lease:
+            return lease.checkpoint(ref)
+
+    def code(self, ref: CodeRef) -> Path:
+        with self.lease() as lease:
+            return lease.code(ref)
+
+
+class NodeCacheLease:
+    """The cache as one job sees it: everything it fetches or verifies stays until it closes."""
+
+    def __init__(self, cache: NodeCache, pins: CacheLease) -> None:
+        self.cache = cache
+        self.pins = pins
+
+    def __enter__(self) -> NodeCacheLease:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self.pins.close()
+
+    def dataset_manifest(self, dataset: DatasetRef) -> dict:
+        return self.cache.dataset_manifest(dataset)
+
+    def split(self, manifest: dict, split: str) -> list[Path]:
+        try:
+            paths = [self._blob(shard) for shard in manifest["splits"][split]["shards"]]
+            snapshot = manifest.get("snapshot_id")
+            if isinstance(snapshot, str):  # the manifest's sha256 was checked: its own id
+                self.cache.budget.hold_snapshot(snapshot, (f"blobs/{p.name}" for p in paths))
+            return paths
+        finally:
+            self.cache.budget.save()
+
+    def tokenizer(self, manifest: dict) -> Path:
+        try:
+            return self._blob(manifest["tokenizer"])
+        finally:
+            self.cache.budget.save()
+
+    def checkpoint(self, ref: CheckpointRef) -> tuple[Path, dict]:
+        """The checkpoint's files in one folder (DCP reads them by name) and its manifest."""
+        manifest = read_manifest(self.cache.store, ref.manifest_key)
+        rel = "checkpoints/" + ref.manifest_key.rsplit("/", 1)[0]
+        folder = self.cache.root / rel
+        size = sum(int(entry.get("bytes", 0)) for entry in manifest["files"])
+        try:
+            self.pins.admit(rel, size, lambda: fetch_checkpoint(self.cache.store, manifest, folder))
+        finally:
+            self.cache.budget.save()
+        return folder, manifest
+
+    def code(self, ref: CodeRef) -> Path:
+        """The user's code snapshot, each file checked against the manifest the run carries."""
+        rel = f"code/{ref.snapshot_id}"
+        dest = self.cache.root / rel
+        store = self.cache.store
+        try:
+            return self.pins.admit(
+                rel,
+                ref.bytes,
+                lambda: code_snapshot.fetch(store, ref.snapshot_id, ref.manifest_sha256, dest),
+            )
+        finally:
+            self.cache.budget.save()
 
     def _blob(self, entry: dict) -> Path:
         sha256 = entry["sha256"]
@@ -32,26 +130,10 @@ class NodeCache:
             raise IntegrityError(
                 f"{entry.get('key')!r}: manifest sha256 {sha256!r} is not a hex digest"
             )
-        dest = self.root / "blobs" / sha256
-        return fetch_verified(self.store, entry["key"], dest, sha256, entry["bytes"])
-
-    def dataset_manifest(self, dataset: DatasetRef) -> dict:
-        return load_manifest(self.store, dataset.manifest_key, dataset.manifest_sha256)
-
-    def split(self, manifest: dict, split: str) -> list[Path]:
-        return [self._blob(shard) for shard in manifest["splits"][split]["shards"]]
-
-    def tokenizer(self, manifest: dict) -> Path:
-        return self._blob(manifest["tokenizer"])
-
-    def checkpoint(self, ref: CheckpointRef) -> tuple[Path, dict]:
-        """The checkpoint's files in one folder (DCP reads them by name) and its manifest."""
-        manifest = read_manifest(self.store, ref.manifest_key)
-        folder = self.root / "checkpoints" / ref.manifest_key.rsplit("/", 1)[0]
-        return fetch_checkpoint(self.store, manifest, folder), manifest
-
-    def code(self, ref: CodeRef) -> Path:
-        """The user's code snapshot, each file checked against the manifest the run carries."""
-        return code_snapshot.fetch(
-            self.store, ref.snapshot_id, ref.manifest_sha256, self.root / "code" / ref.snapshot_id
-        )
+        rel = f"blobs/{sha256}"
+        dest = self.cache.root / rel
+        store = self.cache.store
+        return self.pins.admit(
+            rel, int(entry["bytes"]), lambda: fetch_verified(store, entry["key"], dest, sha256,
+                                                             entry["bytes"])
+        )  # fmt: skip

@@ -20,7 +20,7 @@ from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
 from activities.errors import domain_errors
-from activities.fetch import NodeCache
+from activities.fetch import NodeCache, NodeCacheLease
 from infra import node_health
 from infra.requirements import unmet
 from infra.settings import Settings
@@ -55,21 +55,29 @@ class NodeActivities:
         self,
         settings: Settings,
         node_id: str,
-        on_cached: Callable[[str], Awaitable[None]] | None = None,
+        on_cache_changed: Callable[[list[str]], Awaitable[None]] | None = None,
         fabric: Fabric = LOOPBACK,
     ) -> None:
         self.settings = settings
         self.node_id = node_id
         self.fabric = fabric  # the address this node advertises and its interface
-        self.on_cached = on_cached  # called when a dataset snapshot is in this node's cache
+        # Called with the dataset snapshots this node holds (NodeCache.held_snapshots) after
+        # each job's fetch, which may have brought one in or evicted others.
+        self.on_cache_changed = on_cache_changed
         self.store = settings.open_store()
         self.workdir = settings.home / "nodes" / node_id
         # The spool the agent's MetricShipper sends to MLflow (worker.processes_main).
         self.metrics_dir = self.workdir / "metrics"
-        self.cache = NodeCache(self.workdir / "cache", self.store)
+        self.cache = NodeCache(self.workdir / "cache", self.store, settings.node_cache_bytes())
 
     @activity.defn(name="train_on_node")
     async def train_on_node(self, inp: NodeTrainInput) -> NodeTrainResult:
+        # What the job uses (shards, checkpoint, code) is pinned until it ends: another job's
+        # fetch on this node never evicts the files under these ranks.
+        with self.cache.lease() as cache:
+            return await self._train(inp, cache)
+
+    async def _train(self, inp: NodeTrainInput, cache: NodeCacheLease) -> NodeTrainResult:
         allocation = inp.allocation
         generation = allocation.generation
         reporter = _Reporter(
@@ -80,9 +88,11 @@ class NodeActivities:
             tell_cluster=allocation.nodes[0].node_id == self.node_id,
         )
         with domain_errors():
-            job = await _heartbeating(self._prepare_job(inp), lambda: reporter.beat("fetching"))
-        if self.on_cached is not None:
-            await self.on_cached(inp.dataset.snapshot_id)
+            job = await _heartbeating(
+                self._prepare_job(inp, cache), lambda: reporter.beat("fetching")
+            )
+        if self.on_cache_changed is not None:
+            await self.on_cache_changed(self.cache.held_snapshots())
         rdzv = Rendezvous(
             endpoint=allocation.rdzv_endpoint,
             run_id=f"{inp.run_id}-g{generation}",
@@ -141,18 +151,18 @@ class NodeActivities:
         """This node's folder for one generation of a run: job file, logs, progress, staging."""
         return self.workdir / "runs" / run_id / f"gen-{generation}"
 
-    async def _prepare_job(self, inp: NodeTrainInput) -> TrainJob:
-        return await asyncio.to_thread(self._prepare_job_sync, inp)
+    async def _prepare_job(self, inp: NodeTrainInput, cache: NodeCacheLease) -> TrainJob:
+        return await asyncio.to_thread(self._prepare_job_sync, inp, cache)
 
-    def _prepare_job_sync(self, inp: NodeTrainInput) -> TrainJob:
-        dataset = self.cache.dataset_manifest(inp.dataset)
-        shards = self.cache.split(dataset, "train")
+    def _prepare_job_sync(self, inp: NodeTrainInput, cache: NodeCacheLease) -> TrainJob:
+        dataset = cache.dataset_manifest(inp.dataset)
+        shards = cache.split(dataset, "train")
         resume = None
         # The built-in GPT is built as the weights it starts from are laid out: a run begun
         # (or a base model trained) before the fused layout resumes in the layout it has.
         stored: dict = {}
         if inp.resume is not None:
-            folder, manifest = self.cache.checkpoint(inp.resume)
+            folder, manifest = cache.checkpoint(inp.resume)
             stored = manifest.get("model_config") or {}
             resume = ResumePoint(
                 folder=str(folder),
@@ -162,10 +172,10 @@ class NodeActivities:
                 loss_history=manifest.get("loss_history", []),
                 samples_seen=manifest.get("samples_seen"),
             )
-        code_dir = self._user_code(inp)
+        code_dir = self._user_code(inp, cache)
         init_weights = ""
         if inp.init_from is not None and inp.resume is None:
-            folder, base = self.cache.checkpoint(inp.init_from)
+            folder, base = cache.checkpoint(inp.init_from)
             init_weights = str(folder)
             stored = base.get("model_config") or {}
         gen_dir = self._generation_dir(inp.run_id, inp.allocation.generation)
@@ -178,7 +188,7 @@ class NodeActivities:
             node_index=node_ids.index(self.node_id),
             layout={"replicate": replicate, "shard": shard, "tensor": tensor},
             val_shards=(
-                [str(p) for p in self.cache.split(dataset, "val")]
+                [str(p) for p in cache.split(dataset, "val")]
                 if spec.train.eval_every or inp.code is not None  # a script evaluates itself
                 else []
             ),
@@ -218,12 +228,12 @@ class NodeActivities:
             code_dir=str(code_dir) if code_dir else "",
         )
 
-    def _user_code(self, inp: NodeTrainInput) -> Path | None:
+    def _user_code(self, inp: NodeTrainInput, cache: NodeCacheLease) -> Path | None:
         """The run's code snapshot in this node's cache, every file verified, its declared
         requirements met by this node's environment; None for the built-in trainer."""
         if inp.code is None:
             return None
-        folder = self.cache.code(inp.code)
+        folder = cache.code(inp.code)
         if problems := unmet(folder):
             raise ApplicationError(
                 f"train.code's requirements are not met on node {self.node_id}: "

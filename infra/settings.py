@@ -46,6 +46,7 @@ _ENV = {
     "store_url": "FORGELINE_STORE",
     "twin_store_url": "FORGELINE_TWIN_STORE",
     "data_roots": "FORGELINE_DATA_ROOTS",
+    "node_cache_gb": "FORGELINE_NODE_CACHE_GB",
     "temporal_tls": "FORGELINE_TEMPORAL_TLS",
     "temporal_tls_ca": "FORGELINE_TEMPORAL_TLS_CA",
     "temporal_tls_cert": "FORGELINE_TEMPORAL_TLS_CERT",
@@ -98,10 +99,18 @@ class Settings:
     # Empty: your home folder and the system's temporary folder; `forgeline up` records the
     # folder it was started in as well. The store's own folder is always one.
     data_roots: str = ""
+    # The byte budget of each node-local cache (a node agent's datasets, checkpoints and code;
+    # the control worker's), in GB (10^9 bytes). None: a quarter of the disk it is on.
+    node_cache_gb: float | None = None
 
     def __post_init__(self) -> None:
         self._check_no_credentials_in_urls()
         self._check_temporal_tls()
+        if self.node_cache_gb is not None and not 0 < self.node_cache_gb < float("inf"):
+            raise SettingsError(
+                f"{setting_label('node_cache_gb')}={self.node_cache_gb!r}: "
+                "give a positive number of GB, or unset it (a quarter of the cache's disk)"
+            )
 
     @property
     def store(self) -> str:
@@ -114,6 +123,10 @@ class Settings:
         if "://" not in self.store or self.store.startswith("file://"):
             folders.append(self.store.removeprefix("file://"))
         return folders
+
+    def node_cache_bytes(self) -> int | None:
+        """The node cache's budget in bytes; None: the default share of its disk."""
+        return None if self.node_cache_gb is None else int(self.node_cache_gb * 1e9)
 
     def open_store(self) -> ObjectStore:
         """The store every process uses: the primary, with its twin when one is set."""
@@ -183,6 +196,16 @@ def _parse_bool(env_name: str, raw: str) -> bool:
     raise SettingsError(f"{env_name}={raw!r} is not a yes/no value: use true or false")
 
 
+def _parse_gb(env_name: str, raw: object) -> float:
+    try:
+        return float(raw)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        raise SettingsError(
+            f"{env_name}={raw!r} is not a number of GB: use e.g. 500, or unset it "
+            "(a quarter of the cache's disk)"
+        ) from None
+
+
 def read_temporal_api_key(environ: Mapping[str, str] | None = None) -> SecretStr | None:
     """The Temporal API key from the environment: the variable itself, or the file it names
     (a mounted secret). Never from stack.json."""
@@ -229,5 +252,7 @@ def load_settings(home: Path | None = None) -> Settings:
             continue
         if name == "temporal_tls" and isinstance(value, str):
             value = _parse_bool(env_name, value)
+        if name == "node_cache_gb":
+            value = _parse_gb(env_name, value)
         values[name] = value
     return Settings(home=home, temporal_api_key=read_temporal_api_key(), **values)

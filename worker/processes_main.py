@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import signal
 import uuid
@@ -81,27 +80,6 @@ async def run_data_worker(settings: Settings, name: str) -> None:
         await _run_until_signalled(worker)
 
 
-class CachedSnapshots:
-    """The dataset snapshots this node has fetched, kept across agent restarts."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-
-    def load(self) -> list[str]:
-        try:
-            return sorted(json.loads(self.path.read_text()))
-        except (OSError, ValueError):
-            return []
-
-    def add(self, snapshot_id: str) -> bool:
-        known = set(self.load())
-        if snapshot_id in known:
-            return False
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.path.write_text(json.dumps(sorted(known | {snapshot_id})))
-        return True
-
-
 @dataclass(frozen=True)
 class RendezvousPorts:
     """The ports this node serves its gangs' c10d rendezvous on when it is their head: one a
@@ -135,7 +113,9 @@ async def run_node_agent(
     node_dir = settings.home / "nodes" / node_id
     previous = previous_incarnation(node_dir, node_id)  # refused here while it still runs
     client = await reach_temporal(settings)
-    cached = CachedSnapshots(node_dir / "cache" / "snapshots.json")
+    # The list agents kept before the cache had a budget: it only grew, so it is not the truth
+    # (the cache's own index is, activities.fetch.NodeCache.held_snapshots).
+    (node_dir / "cache" / "snapshots.json").unlink(missing_ok=True)
     # On the local stack any free port will do: the agents share one machine's ports.
     ports = ports or RendezvousPorts(free_port())
     info = NodeInfo(
@@ -149,18 +129,20 @@ async def run_node_agent(
         rdzv_port=ports.first,
         rdzv_ports=ports.count,
         incarnation=incarnation or uuid.uuid4().hex,
-        cached=cached.load(),
     )
 
-    async def on_cached(snapshot_id: str) -> None:
-        # Tell the scheduler, which places runs of this snapshot here first.
+    async def on_cache_changed(held: list[str]) -> None:
+        # Tell the scheduler, which places runs of these snapshots here first, what the node
+        # holds now: one fetched, or others evicted to make room. Only the set matters to it,
+        # so a mere change of order costs no update.
         nonlocal info
-        if cached.add(snapshot_id):
-            info = info.model_copy(update={"cached": cached.load()})
+        if set(held) != set(info.cached):
+            info = info.model_copy(update={"cached": held})
             await join(client, node_dir, info, previous)
 
     node_health.repaired(node_dir)  # a new incarnation runs on a repaired node
-    activities = NodeActivities(settings, node_id, on_cached, fabric)
+    activities = NodeActivities(settings, node_id, on_cache_changed, fabric)
+    info = info.model_copy(update={"cached": activities.cache.held_snapshots()})
     # No writer of this node's spool is alive yet: what a crashed predecessor left open is
     # sealed, so it is deleted once shipped. The shipper lives as long as the agent.
     seal_abandoned(activities.metrics_dir)

@@ -28,6 +28,14 @@ DEFAULT_QUEUE = "default"
 
 # --- nodes -------------------------------------------------------------------------------------
 
+# The most dataset snapshots a node advertises (NodeInfo.cached, its most recently used first),
+# and the most the Cluster workflow keeps of any node's list. Every node's list travels in the
+# workflow's state, hence in each continue-as-new input, query answer and grant, which Temporal
+# caps at 2 MB: 8 ids of ~20 characters are ~200 bytes a node, under 0.5 MB at 2,500 nodes. More
+# would buy little: placement only asks whether a node holds the one snapshot a run reads, and
+# the snapshots worth placing a run by are the few its node used last.
+MAX_ADVERTISED_CACHED = 8
+
 
 class NodeInfo(BaseModel):
     """What a node agent announces when it registers."""
@@ -42,7 +50,11 @@ class NodeInfo(BaseModel):
     # own, so a fenced gang's torchrun still sitting on the last one never blocks the next.
     rdzv_ports: int = Field(default=1, ge=1, le=4096, description="ports from rdzv_port up")
     incarnation: str = Field(description="changes every time the agent process starts")
-    cached: list[str] = Field(default=[], description="dataset snapshots in the node's cache")
+    cached: list[str] = Field(
+        default=[],
+        description="dataset snapshots held whole in the node's cache, most recently used first "
+        f"(the Cluster workflow keeps at most {MAX_ADVERTISED_CACHED})",
+    )
     memory_bytes: int = Field(default=0, ge=0, description="per GPU (0: not reported)")
     # What MFU divides by when the spec names no peak: the data sheet's, or measured at start.
     peak_flops: float = Field(default=0.0, ge=0, description="per GPU / rank slot (0: unknown)")

@@ -8,7 +8,15 @@ from __future__ import annotations
 
 from datetime import datetime, timedelta
 
-from workflows.cluster_models import Allocation, ClusterState, Health, Node, PreemptNotice
+from workflows.cluster_models import (
+    MAX_ADVERTISED_CACHED,
+    Allocation,
+    ClusterState,
+    Health,
+    Node,
+    NodeInfo,
+    PreemptNotice,
+)
 from workflows.names import GANG_GRANTED_SIGNAL, PREEMPT_SIGNAL
 from workflows.quotas import decay_usage
 from workflows.scheduler import Decisions, expected_end, schedule
@@ -21,6 +29,28 @@ Message = tuple[str, str, object]  # (run id, signal, argument) for the workflow
 
 def node(state: ClusterState, node_id: str) -> Node | None:
     return state.node(node_id)
+
+
+def bounded(info: NodeInfo) -> NodeInfo:
+    """`info` with at most MAX_ADVERTISED_CACHED snapshots, the first (agents list the most
+    recently used first): an old agent's or a hostile one's list cannot grow the state."""
+    if len(info.cached) <= MAX_ADVERTISED_CACHED:
+        return info
+    return info.model_copy(update={"cached": info.cached[:MAX_ADVERTISED_CACHED]})
+
+
+def as_granted(info: NodeInfo) -> NodeInfo:
+    """A node as a gang carries it: where it is and its GPUs, not what it caches (nothing
+    reads that of an allocation, which travels to the run and into every node's input)."""
+    return info.model_copy(update={"cached": []}) if info.cached else info
+
+
+def bound_cached(state: ClusterState) -> None:
+    """Bound what a state from before the bound holds, before it is carried into a new run."""
+    for each in state.nodes:
+        each.info = bounded(each.info)
+    for allocation in state.allocations:
+        allocation.nodes = [as_granted(info) for info in allocation.nodes]
 
 
 def allocation_of(state: ClusterState, run_id: str) -> Allocation | None:
@@ -93,7 +123,7 @@ def apply(state: ClusterState, decisions: Decisions, now: datetime) -> list[Mess
         allocation = Allocation(
             run_id=request.run_id,
             generation=state.next_generation,
-            nodes=[n.info for n in nodes if n is not None],
+            nodes=[as_granted(n.info) for n in nodes if n is not None],
             gpus_per_node=request.gpus_per_node,
             team=request.team,
             priority=request.priority,

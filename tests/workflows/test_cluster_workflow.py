@@ -19,8 +19,10 @@ from temporalio.worker import Worker
 
 from tests.workflows.conftest import CONTINUE_AS_NEW_AFTER
 from tests.workflows.gang_holder import GangHolder
+from workflows import cluster_ops
 from workflows.cluster import ClusterWorkflow
 from workflows.cluster_models import (
+    MAX_ADVERTISED_CACHED,
     Admin,
     Allocation,
     ClusterConfig,
@@ -289,6 +291,45 @@ def test_a_second_agent_cannot_join_as_a_live_node(temporal_address: str, task_q
         assert (await join(h, impostor)).info.host == "198.18.0.9"
 
     run_scenario(temporal_address, task_queue, scenario)
+
+
+def test_a_node_cannot_grow_the_cluster_state_with_what_it_caches(
+    temporal_address: str, task_queue: str
+) -> None:
+    """Issue 17, item 13: every node's `cached` list travels in the state (continue-as-new
+    input, queries, grants); the workflow keeps the first MAX_ADVERTISED_CACHED of any list, by
+    `join_node` or by the older `register_node`, and a gang carries none."""
+    huge = [f"{i:020x}" for i in range(20_000)]  # ~0.5 MB: an old agent's or a hostile one's
+    kept = huge[:MAX_ADVERTISED_CACHED]
+
+    async def scenario(h: Harness) -> None:
+        joined = await join(h, node("n0").model_copy(update={"cached": huge}))
+        assert joined.info.cached == kept
+        await h.cluster.signal(
+            ClusterWorkflow.register_node, node("n1").model_copy(update={"cached": huge})
+        )
+        state = await h.state(lambda s: len(s.nodes) == 2)
+        assert [n.info.cached for n in state.nodes] == [kept, kept]
+        (grant,) = await h.grants(await h.hold("run-a", nodes=2), 1)
+        assert [n.cached for n in grant.nodes] == [[], []]
+        state = await h.state(lambda s: bool(s.allocations))
+        assert len(state.model_dump_json()) < 5_000, "the state grew with the lists"
+
+    run_scenario(temporal_address, task_queue, scenario)
+
+
+def test_a_state_carried_from_before_the_bound_is_bounded() -> None:
+    """What continue-as-new carries on: a state an older run built, unbounded, comes out
+    bounded (nodes keep their newest snapshots, gangs none)."""
+    huge = [f"{i:020x}" for i in range(1_000)]
+    info = node("n0").model_copy(update={"cached": huge})
+    state = ClusterState(
+        nodes=[Node(info=info)],
+        allocations=[Allocation(run_id="r", generation=1, nodes=[info], gpus_per_node=1)],
+    )
+    cluster_ops.bound_cached(state)
+    assert state.nodes[0].info.cached == huge[:MAX_ADVERTISED_CACHED]
+    assert state.allocations[0].nodes[0].cached == []
 
 
 @pytest.mark.parametrize(
