@@ -4,6 +4,13 @@ The local store keeps objects as files under a root folder; every write lands in
 file first and is renamed into place, so a reader never sees half an object and a process killed
 mid-write leaves no torn key behind. `put_if_absent` is the primitive that commits manifests: it
 uses a hard link, which the kernel creates atomically or refuses when the name exists.
+
+A write returns only once it is durable: the temporary file's data is fsynced before its rename
+or link, and then the folder, so that the new name survives a power cut too. Without that, a
+manifest could commit (and the checkpoint before it be deleted) while the files it names, or its
+own name, still sat in the page cache: a crash then left a torn newest checkpoint and no older
+one to fall back to. Callers order their writes (files, then manifest, then deletes); the store
+makes each one stick before the next begins.
 """
 
 from __future__ import annotations
@@ -71,35 +78,48 @@ class LocalStore:
         """A temporary file next to the key's final place, so the rename stays on one disk."""
         final = self._path(key)
         while True:
-            final.parent.mkdir(parents=True, exist_ok=True)
             try:
+                self._make_folders(final.parent)
                 fd, tmp = tempfile.mkstemp(prefix=_TMP_PREFIX, dir=final.parent)
             except FileNotFoundError:  # a concurrent delete pruned the empty folder: again
                 continue
             os.close(fd)
             return Path(tmp)
 
+    def _make_folders(self, folder: Path) -> None:
+        """Create `folder` and the missing ones above it, each made durable in its parent: a
+        file's name survives a crash only if every folder on its path does."""
+        missing = []
+        while not folder.is_dir():
+            missing.append(folder)
+            folder = folder.parent
+        for new in reversed(missing):
+            new.mkdir(exist_ok=True)
+            _fsync(new.parent)
+
     def put_bytes(self, key: str, data: bytes) -> None:
         tmp = self._staged(key)
         tmp.write_bytes(data)
-        os.replace(tmp, self._path(key))
+        _replace_durably(tmp, self._path(key))
 
     def put_file(self, key: str, path: Path) -> None:
         tmp = self._staged(key)
         shutil.copyfile(path, tmp)
-        os.replace(tmp, self._path(key))
+        _replace_durably(tmp, self._path(key))
 
     def put_if_absent(self, key: str, data: bytes) -> bool:
         """Write `data` under `key` only if nothing is there; True when this call created it."""
-        tmp = self._staged(key)
+        tmp, final = self._staged(key), self._path(key)
         try:
             tmp.write_bytes(data)
-            os.link(tmp, self._path(key))
-            return True
+            _fsync(tmp)  # the link must never name data that a crash could still take back
+            os.link(tmp, final)
         except FileExistsError:
             return False
         finally:
             tmp.unlink(missing_ok=True)
+        _fsync(final.parent)  # the commit counts from here: its name is on the disk
+        return True
 
     def get_bytes(self, key: str) -> bytes:
         try:
@@ -152,6 +172,22 @@ class LocalStore:
 
     def reachable(self) -> bool:
         return self.root.is_dir()  # a folder: there, or its disk is gone
+
+
+def _fsync(path: Path) -> None:
+    """Flush a file's data, or a folder's entries, from the page cache to the disk."""
+    fd = os.open(path, os.O_RDONLY)  # read-only suffices: fsync flushes the inode, not the fd
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _replace_durably(tmp: Path, final: Path) -> None:
+    """Rename a written temporary file into place: data first, then the name, both durable."""
+    _fsync(tmp)
+    os.replace(tmp, final)
+    _fsync(final.parent)
 
 
 def open_store(url: str, twin: str = "") -> ObjectStore:
