@@ -42,6 +42,9 @@ from workflows.models import (
 )
 from workflows.names import CLUSTER_WORKFLOW_ID, HEALTH_SIGNAL
 
+# Health signals of each kind a node sends a run per attempt (_Reporter.new_health).
+HEALTH_SIGNALS = 10
+
 T = TypeVar("T")
 STOP_FILE = "STOP"
 
@@ -256,7 +259,8 @@ class _Reporter:
         self.node_dir = node_dir
         self.tell_cluster = tell_cluster
         self.committed: int | None = inp.resume.step if inp.resume else None
-        self.health_told = 0  # health events of the ranks already signalled to the run
+        self.health_told = 0  # health lines of the ranks already seen
+        self.health_signalled: dict[str, int] = {}  # kind -> signals sent this attempt
         self.pending: set[asyncio.Task] = set()
         self.metrics: _MetricTap | None = None
         self.last_beat: TrainProgress | None = None
@@ -328,10 +332,25 @@ class _Reporter:
             )
             # Advisory: it only sharpens the cluster's preemption choices.
             self._signal(CLUSTER_WORKFLOW_ID, "checkpoint_committed", committed)
-        events = latest.get("health", [])
-        for event in events[self.health_told :]:
+        for event in self.new_health(latest):
             self._signal(self.inp.run_id, HEALTH_SIGNAL, self.health_event(event))
-        self.health_told = len(events)
+
+    def new_health(self, latest: dict) -> list[dict]:
+        """The health lines not yet signalled that may still be: at most HEALTH_SIGNALS of
+        each kind per attempt. Each signal is an event in the run's history, which cannot
+        continue as new during an attempt; a node flapping for a month would otherwise fill
+        it. The attempt's result and the node's progress file keep the rest."""
+        kept = latest.get("health", [])  # the newest HEALTH_KEPT of `seen` (trainer.launch)
+        seen = latest.get("health_seen", len(kept))
+        fresh = kept[max(len(kept) - (seen - self.health_told), 0) :]
+        self.health_told = seen
+        out = []
+        for event in fresh:
+            kind = event.get("kind", "")
+            if self.health_signalled.get(kind, 0) < HEALTH_SIGNALS:
+                self.health_signalled[kind] = self.health_signalled.get(kind, 0) + 1
+                out.append(event)
+        return out
 
     def health_event(self, event: dict) -> HealthEvent:
         """A health line of the ranks, with the node it names (ranks know only its index)."""

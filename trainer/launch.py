@@ -33,6 +33,9 @@ RANK_MODULE = "trainer.entry"
 _FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+)')
 STACKS_GLOB = "stacks-local-rank-*.txt"  # TrainJob.stacks_file, one a rank
 _STEP_FIELDS = ("step", "loss", "lr", "tokens_per_s", "mfu", "checkpoint_step", "epoch")
+# Health lines an attempt keeps in memory and returns: a node that flaps for a month writes
+# thousands; the progress file on the node keeps them all.
+HEALTH_KEPT = 20
 
 
 # Loaded here, not in the child: dlopen between fork and exec can deadlock on a lock that
@@ -142,8 +145,9 @@ class ProgressTail:
                 self.latest["failure"] = event["reason"]
             elif event["event"] == "user_error":  # the first rank to say it is enough
                 self.latest.setdefault("user_error", event)
-            elif event["event"] == "health":  # rare (a straggler found): all of them are kept
-                self.latest["health"] = [*self.latest.get("health", []), event]
+            elif event["event"] == "health":  # the newest few, and how many in all
+                self.latest["health"] = [*self.latest.get("health", []), event][-HEALTH_KEPT:]
+                self.latest["health_seen"] = self.latest.get("health_seen", 0) + 1
             elif event["event"] == "sdk":
                 self.sdk = f"{event['call']}:{event['state']}"
             elif event["event"] == "step":

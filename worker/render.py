@@ -91,7 +91,8 @@ def status_text(view: RunView, settings: Settings) -> str:
         f"allocation     generation {s.generation or '-'} on {', '.join(s.nodes)}"
         if s.nodes
         else f"allocation     none held (last generation {s.generation or '-'})",
-        f"attempts       {s.attempts} restart(s)",
+        f"attempts       {s.attempts} restart(s), {s.swaps} straggler swap(s)"
+        + (f"; history continued as new {s.continued} time(s)" if s.continued else ""),
         f"progress       step {step_of(view)}/{s.total_steps}  loss {_num(loss_of(view), '.4f')}"
         f"  tokens/s {_num(beat.tokens_per_s if beat else s.tokens_per_s, ',.0f')}"
         f"  MFU {_num(beat.mfu if beat else s.mfu, '.2%')}",
@@ -151,12 +152,16 @@ def status_text(view: RunView, settings: Settings) -> str:
             f"               {settings.mlflow_uri}/#/models/{mv.model_name}/versions/{mv.version}"
         )
     lines += approval_lines(s)
+    if (earlier := s.preemptions_total - len(s.preemptions)) > 0:
+        lines.append(f"preempted      {s.preemptions_total} times, the {earlier} earliest unlisted")
     for preempted in s.preemptions:
         where = f" at step {preempted.step}" if preempted.step is not None else ""
         lines.append(
             f"preempted      gen {preempted.generation} at {preempted.at:%H:%M:%S}{where}: "
             f"{preempted.reason}"
         )
+    if (earlier := s.failures_total - len(s.failures)) > 0:
+        lines.append(f"failure        {s.failures_total} in all, the {earlier} earliest unlisted")
     for failure in s.failures:
         # The first line says what and where; log tails stay in the Temporal UI's history.
         reason = failure.reason.splitlines()[0] if failure.reason else ""

@@ -64,7 +64,13 @@ def summary(status: RunStatus, metrics: Metrics, report: Report) -> str:
         rows.append(("GPU-s lost", ", ".join(f"{c} {v:,.1f}" for c, v in lost) or "none"))
     else:
         rows.append(("goodput", "- (no gang attempt has ended)"))
-    attempts = f"{len(s.gang_attempts)} gang attempt(s), {len(s.failures)} failure(s)"
+    attempts = (
+        f"{s.goodput.attempts if s.goodput else len(s.gang_attempts)} gang attempt(s), "
+        f"{max(s.failures_total, len(s.failures))} failure(s), "
+        f"{max(s.preemptions_total, len(s.preemptions))} preemption(s)"
+    )
+    if len(s.gang_attempts) < (s.goodput.attempts if s.goodput else 0):
+        attempts += f"; the newest {len(s.gang_attempts)} are listed"
     rows.append(("attempts", attempts))
     mv = s.model_version
     rows.append(

@@ -165,7 +165,9 @@ async def resume(client: Client, name: str) -> None:
         raise RunNotFound(f"run {name}'s history is gone (past the namespace's retention)")
     await client.start_workflow(
         "TrainingRun",
-        started,
+        # As submitted: a latest execution that continued as new carries the old status,
+        # which a resumed run (a fresh restart budget, its own phases) starts without.
+        started.model_copy(update={"carried": None}),
         id=name,
         task_queue=CONTROL_TASK_QUEUE,
         # Only here: a submit never starts a name twice (it attaches instead).

@@ -41,14 +41,16 @@ CAUSES = (
 _WAIT_CAUSE = {"start": "queue", "failure": "restart", "preemption": "queue", "swap": "straggler"}
 
 
-def account(attempts: list[AttemptRecord]) -> Goodput | None:
-    """The run's goodput over its finished attempts (None before the first one ends)."""
+def account(attempts: list[AttemptRecord], waited_from: datetime | None = None) -> Goodput | None:
+    """The run's goodput over its finished attempts (None before the first one ends), its
+    time counted from `waited_from` (the end of an earlier attempt no longer listed), else
+    from the first attempt's request."""
     done = [a for a in attempts if a.ended_at is not None]
     if not done:
         return None
     lost = dict.fromkeys(CAUSES, 0.0)
     productive = allocated = total = 0.0
-    waited_from = done[0].requested_at
+    waited_from = waited_from or done[0].requested_at
     for attempt in done:
         assert attempt.ended_at is not None
         gpus = attempt.gpus
@@ -65,6 +67,22 @@ def account(attempts: list[AttemptRecord]) -> Goodput | None:
         productive_gpu_s=productive,
         lost_gpu_s={cause: seconds for cause, seconds in lost.items() if seconds > 0},
         attempts=len(done),
+    )
+
+
+def combine(earlier: Goodput | None, later: Goodput | None) -> Goodput | None:
+    """Two accounts of consecutive stretches of one run, as one."""
+    if earlier is None or later is None:
+        return earlier or later
+    causes = {**earlier.lost_gpu_s, **later.lost_gpu_s}
+    return Goodput(
+        gpu_s=earlier.gpu_s + later.gpu_s,
+        allocated_gpu_s=earlier.allocated_gpu_s + later.allocated_gpu_s,
+        productive_gpu_s=earlier.productive_gpu_s + later.productive_gpu_s,
+        lost_gpu_s={
+            c: earlier.lost_gpu_s.get(c, 0.0) + later.lost_gpu_s.get(c, 0.0) for c in causes
+        },
+        attempts=earlier.attempts + later.attempts,
     )
 
 

@@ -356,6 +356,7 @@ class TrainingRunInput(BaseModel):
     spec_sha256: str
     submitted_by: str = "anonymous"
     code: CodeRef | None = None  # uploaded by the submitter before the run starts (train.code)
+    carried: RunCarry | None = None  # set by the run itself when it continues as new
 
 
 class Failure(BaseModel):
@@ -394,15 +395,39 @@ class RunStatus(BaseModel):
     decision: Decision | None = None
     approval: ApprovalPolicy | None = None  # the rules the decision is checked against
     approval_deadline: datetime | None = None  # the run ends EXPIRED if nobody decides by then
-    failures: list[Failure] = []
-    preemptions: list[PreemptionRecord] = []
+    # What the run keeps of its past is bounded (workflows.run_records): the newest entries of
+    # each list, the totals beside them, so a long run with a flapping node stays far under
+    # Temporal's payload and history limits.
+    failures: list[Failure] = []  # the newest 20
+    failures_total: int = 0  # every failure, listed or not (0: a run from before the count)
+    preemptions: list[PreemptionRecord] = []  # the newest 20
+    preemptions_total: int = 0
+    swaps: int = 0  # straggler swaps so far (recovery.max_swaps bounds them)
     health: list[HealthEvent] = []  # the newest 20 of the current and past generations
-    skipped_checkpoints: list[str] = []  # checkpoints resume passed over, and why
+    skipped_checkpoints: list[str] = []  # checkpoints resume passed over, and why (newest 20)
     refused_grants: list[str] = []  # grants signalled to the run that were not the cluster's
-    gang_attempts: list[AttemptRecord] = []
+    gang_attempts: list[AttemptRecord] = []  # the newest 30
+    earlier_goodput: Goodput | None = None  # the attempts no longer listed, accounted
+    earlier_ended_at: datetime | None = None  # when the last of those ended
+    continued: int = 0  # times the workflow continued as new (a fresh history, same run)
     goodput: Goodput | None = None
     final_loss: float | None = None
     tokens_per_s: float | None = None
     mfu: float | None = None
     error: str | None = None
     updated_at: datetime | None = None
+
+
+class RunCarry(BaseModel):
+    """What a TrainingRun hands on when it continues as new between gang attempts: its
+    status and the little state the next attempt needs. Preparation, the MLflow run and the
+    fine-tuning weights are done; they are in the status."""
+
+    status: RunStatus
+    submitted_at: datetime  # the run's age in the queue survives the new history
+    newest_generation: int = 0
+    newest_confirmed: int = 0
+    after: str = "start"  # what the next attempt follows
+
+
+TrainingRunInput.model_rebuild()

@@ -92,7 +92,7 @@ class RunEnd:
         self._status.model_version = version
         return version
 
-    async def _close_tracking(self, tracking: asyncio.Task[str] | None, status: str) -> None:
+    async def _close_tracking(self, tracking: asyncio.Future[str] | None, status: str) -> None:
         """A run that ends without a model ends its MLflow run too (FAILED, or KILLED when
         cancelled), with the reason. Best effort: MLflow being down must not keep the run from
         ending, so a few tries and no more."""
@@ -133,6 +133,15 @@ class RunEnd:
             timeout=timedelta(minutes=2),
         )
         return asyncio.ensure_future(opened)
+
+    def _tracking_opened(self) -> asyncio.Future[str] | None:
+        """A continuation's MLflow run, opened by the run it continues: as the task that
+        opened it would be once done, so a failure closes it the same way."""
+        if self._status.mlflow_run_id is None:
+            return None
+        opened: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+        opened.set_result(self._status.mlflow_run_id)
+        return opened
 
     async def _await_decision(self, version: ModelVersionRef) -> None:
         """Wait for an authorised decision; nobody deciding within the window ends the run."""

@@ -360,6 +360,13 @@ class RecoverySpec(_Strict):
         "short, a second of a starved but healthy rank must not fill a window",
     )
     straggler_windows: int = Field(3, ge=1, le=1000, description="slow windows in a row to act")
+    max_swaps: int = Field(
+        10,
+        ge=0,
+        le=1000,
+        description="straggler swaps a run may make (they cost no restart); past them a slow "
+        "node is reported and kept, so a fleet of stragglers cannot re-queue the run for ever",
+    )
 
     def straggler_settings(self) -> dict:
         """What the ranks need (trainer.stragglers.StragglerWatch, and the policy)."""

@@ -39,7 +39,6 @@ with workflow.unsafe.imports_passed_through():
         straggler_swap,
         user_code_failure,
     )
-    from workflows.goodput import account
     from workflows.models import (
         AttemptLedger,
         AttemptLedgerInput,
@@ -57,6 +56,7 @@ with workflow.unsafe.imports_passed_through():
         NodeTrainResult,
         Phase,
         PreemptionRecord,
+        RunCarry,
         RunStatus,
         TrainingRunInput,
     )
@@ -70,6 +70,14 @@ with workflow.unsafe.imports_passed_through():
         node_task_queue,
     )
     from workflows.run_end import RunEnd
+    from workflows.run_records import (
+        add_attempt,
+        add_failures,
+        add_preemption,
+        add_skipped,
+        newest,
+    )
+    from workflows.spec import RunSpec
 
 # Activities that only talk to the store or MLflow retry until they succeed: an outage of the
 # tracking server or a bug fixed by redeploying the worker costs time, never the trained model.
@@ -81,7 +89,6 @@ _PATIENT_RETRY = RetryPolicy(
 _NO_RETRY = RetryPolicy(maximum_attempts=1)
 # A node agent that does not pick up its activity within this long is treated as down.
 _NODE_PICKUP_TIMEOUT = timedelta(seconds=60)
-_HEALTH_EVENTS_KEPT = 20  # the status stays small; the MLflow run and the logs keep the rest
 
 
 @workflow.defn(name="TrainingRun")
@@ -90,35 +97,49 @@ class TrainingRun(RunEnd):
     def __init__(self, inp: TrainingRunInput) -> None:
         self._input = inp
         self._spec = inp.spec
-        self._status = RunStatus(
-            name=inp.spec.name,
-            phase=Phase.PREPARING,
-            owner=inp.spec.owner,
-            total_steps=inp.spec.train.steps,
-            spec_sha256=inp.spec_sha256,
-            team=inp.spec.resources.team,
-            model_name=inp.spec.model_name,
+        carried = inp.carried
+        self._status = (
+            carried.status
+            if carried
+            else RunStatus(
+                name=inp.spec.name,
+                phase=Phase.PREPARING,
+                owner=inp.spec.owner,
+                total_steps=inp.spec.train.steps,
+                spec_sha256=inp.spec_sha256,
+                team=inp.spec.resources.team,
+                model_name=inp.spec.model_name,
+            )
         )
+        # When the run was submitted: its age in the queue, kept across continue-as-new.
+        self._submitted_at = carried.submitted_at if carried else workflow.info().start_time
         self._grant: Allocation | None = None
         self._allocation: Allocation | None = None
-        self._newest_generation = 0  # grants of this or an older generation are stale
+        # Grants of this or an older generation are stale.
+        self._newest_generation = carried.newest_generation if carried else 0
         # Every grant received, checked against the Cluster's allocations before it is used.
         self._offered: list[Allocation] = []
-        self._newest_confirmed = 0
+        self._newest_confirmed = carried.newest_confirmed if carried else 0
         self._preempt: PreemptNotice | None = None
         self._decision: Decision | None = None
         self._attempt: AttemptRecord | None = None  # the gang attempt under way
-        self._after = "start"  # what the next attempt follows: start, failure, preemption, swap
+        # What the next attempt follows: start, failure, preemption, swap.
+        self._after = carried.after if carried else "start"
 
     @workflow.run
     async def run(self, inp: TrainingRunInput) -> RunStatus:
         try:
-            tracking = self._open_tracking()  # while the data is prepared
-            dataset = await self._prepare()
-            if self._spec.model.init_from:
-                self._status.init_from = await self._resolve_init_from(dataset)
-            if tracking is not None:
-                self._status.mlflow_run_id = await tracking
+            if inp.carried is None:
+                tracking = self._open_tracking()  # while the data is prepared
+                dataset = await self._prepare()
+                if self._spec.model.init_from:
+                    self._status.init_from = await self._resolve_init_from(dataset)
+                if tracking is not None:
+                    self._status.mlflow_run_id = await tracking
+            else:  # a continuation: preparation and the MLflow run are done, in the status
+                tracking = self._tracking_opened()
+                assert self._status.dataset is not None
+                dataset = self._status.dataset
             checkpoint, results = await self._train(dataset)
             evaluation = await self._evaluate(dataset, checkpoint)
             version = await self._register(dataset, checkpoint, evaluation, results)
@@ -162,7 +183,7 @@ class TrainingRun(RunEnd):
         generation's count (fencing)."""
         current = self._allocation
         if current is not None and event.generation == current.generation:
-            self._status.health = [*self._status.health, event][-_HEALTH_EVENTS_KEPT:]
+            self._status.health = newest(self._status.health, [event])
 
     @workflow.update
     async def decide(self, decision: Decision) -> RunStatus:
@@ -219,6 +240,7 @@ class TrainingRun(RunEnd):
 
     async def _train(self, dataset: DatasetRef) -> tuple[CheckpointRef, list[NodeTrainResult]]:
         while True:
+            self._continue_as_new_if_due()
             self._set_phase(Phase.QUEUED if self._status.attempts == 0 else Phase.RECOVERING)
             allocation = await self._acquire_gang()
             # Fenced: from here on, older generations' late commits do not count.
@@ -242,13 +264,14 @@ class TrainingRun(RunEnd):
                 # its original age and resumes from the checkpoint it just committed.
                 await self._close_attempt("preempted", kept_step=preempted.step)
                 self._after = "preemption"
-                self._status.preemptions.append(
+                add_preemption(
+                    self._status,
                     PreemptionRecord(
                         generation=allocation.generation,
                         reason=preempted.notice.reason,
                         at=workflow.now(),
                         step=preempted.step,
-                    )
+                    ),
                 )
                 await self._release_gang()
                 continue
@@ -274,7 +297,7 @@ class TrainingRun(RunEnd):
             self._spec,
             dataset.snapshot_id if dataset else None,
             recovering=self._after in ("failure", "swap"),
-            submitted_at=workflow.info().start_time,
+            submitted_at=self._submitted_at,
         )
         self._grant = None
         self._preempt = None
@@ -339,8 +362,7 @@ class TrainingRun(RunEnd):
                 AttemptLedger | None,
                 timeout=timedelta(minutes=5),
             )
-        self._status.gang_attempts.append(attempt)
-        self._status.goodput = account(self._status.gang_attempts)
+        add_attempt(self._status, attempt)
 
     async def _release_gang(self) -> None:
         """Give back the gang, and withdraw a request still waiting in the queue (generation 0
@@ -374,8 +396,7 @@ class TrainingRun(RunEnd):
             timeout=timedelta(minutes=10),
         )
         if found is not None:  # what was passed over stays on record, once
-            seen = self._status.skipped_checkpoints
-            seen += [why for why in found.skipped if why not in seen]
+            add_skipped(self._status, found.skipped)
         return found
 
     async def _run_gang(
@@ -387,7 +408,7 @@ class TrainingRun(RunEnd):
                 "train_on_node",
                 NodeTrainInput(
                     run_id=self._spec.name,
-                    spec=self._spec,
+                    spec=self._spec_for_nodes(),
                     dataset=dataset,
                     allocation=allocation,
                     node_id=node.node_id,
@@ -464,7 +485,7 @@ class TrainingRun(RunEnd):
         """Drain the nodes at fault, give the gang back, and back off before the next attempt."""
         self._set_phase(Phase.RECOVERING)
         self._after = "failure"
-        self._status.failures.extend(failures)
+        add_failures(self._status, failures)
         generation = allocation.generation
         blamed = nodes_at_fault(failures, self._status.health, generation)
         await report_nodes(self._spec.name, generation, blamed)
@@ -484,11 +505,41 @@ class TrainingRun(RunEnd):
         gang back and queue again for one without it."""
         self._set_phase(Phase.RECOVERING)
         self._after = "swap"
+        self._status.swaps += 1
         event = swap.event
         if event.node_id is not None:
             slow = [(event.node_id, f"straggler: {event.evidence}", "straggler")]
             await report_nodes(self._spec.name, allocation.generation, slow)
         await self._release_gang()
+
+    def _spec_for_nodes(self) -> RunSpec:
+        """The spec the nodes train by: once the run has swapped out `recovery.max_swaps`
+        stragglers, a slow node is reported and kept rather than swapped, so a fleet of
+        stragglers cannot keep the run re-queueing for ever."""
+        recovery = self._spec.recovery
+        if recovery.straggler_policy != "swap" or self._status.swaps < recovery.max_swaps:
+            return self._spec
+        kept = recovery.model_copy(update={"straggler_policy": "report"})
+        return self._spec.model_copy(update={"recovery": kept})
+
+    def _continue_as_new_if_due(self) -> None:
+        """Between gang attempts (no gang held, no request queued), start a fresh history
+        once the server suggests it: every attempt adds activities, signals and timers, and a
+        run preempted or restarted often enough would reach Temporal's history limit. The
+        status, already bounded (workflows.run_records), travels whole."""
+        if not self._status.gang_attempts or not workflow.patched("continue-as-new"):
+            return
+        if not workflow.info().is_continue_as_new_suggested():
+            return
+        self._status.continued += 1
+        carry = RunCarry(
+            status=self._status,
+            submitted_at=self._submitted_at,
+            newest_generation=self._newest_generation,
+            newest_confirmed=self._newest_confirmed,
+            after=self._after,
+        )
+        workflow.continue_as_new(self._input.model_copy(update={"carried": carry}))
 
     def _set_phase(self, phase: Phase) -> None:
         self._status.phase = phase

@@ -1,0 +1,235 @@
+"""A TrainingRun that lives through many gang attempts keeps a bounded history and status.
+
+The real TrainingRun and Cluster workflows run on the dev server (whose conftest has it suggest
+continue-as-new after a few hundred events); the activities the run calls answer as the
+control worker and a node agent would, instantly, so a run can be preempted three dozen times
+in half a minute. What is tested is the workflow: that it continues as new between attempts,
+carries its status, its queue age and its generation counters across, and keeps every list
+of its status bounded while its totals and goodput still count every attempt.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+from collections import defaultdict
+from pathlib import Path
+
+from temporalio import activity
+from temporalio.client import Client, WorkflowExecutionStatus, WorkflowHandle
+from temporalio.contrib.pydantic import pydantic_data_converter
+from temporalio.service import RPCError
+from temporalio.worker import Worker
+
+from tests.workflows.prepared_dataset import DATASET, PreparedDataset
+from tests.workflows.replaying import write_history
+from tests.workflows.test_cluster_workflow import eventually, node
+from worker.runs import resume
+from worker.specfile import load_spec
+from workflows.cluster import ClusterWorkflow
+from workflows.cluster_models import ClusterState, GrantCheck, PreemptNotice
+from workflows.models import (
+    ApprovalPolicy,
+    ApprovalPolicyInput,
+    AttemptLedger,
+    AttemptLedgerInput,
+    CheckpointRef,
+    EvalResult,
+    EvaluateInput,
+    LatestCheckpointInput,
+    ModelVersionRef,
+    NodeStopInput,
+    NodeTrainInput,
+    NodeTrainResult,
+    Phase,
+    RegisterInput,
+    RunStatus,
+    TrackingInput,
+    TrainingRunInput,
+)
+from workflows.names import CLUSTER_WORKFLOW_ID, CONTROL_TASK_QUEUE, PREEMPT_SIGNAL, node_task_queue
+from workflows.run_records import ATTEMPTS_KEPT, KEPT
+from workflows.training_run import TrainingRun
+
+REPO = Path(__file__).resolve().parents[2]
+# Set to a folder, the test also records the first execution's history (it ends continuing as
+# new) and the last one's (a continuation, from its carried status to AWAITING_APPROVAL) for
+# the replay test: FORGELINE_RECORD_HISTORIES=tests/workflows/histories.
+RECORD_TO = "FORGELINE_RECORD_HISTORIES"
+LABEL = "2026-12-02-continue"
+PREEMPTIONS = 36  # more than ATTEMPTS_KEPT, so attempts are folded into the goodput too
+STEPS = 100
+
+
+class Node:
+    """What a node agent's activities do, without ranks: train until asked to stop."""
+
+    def __init__(self) -> None:
+        self.stop: dict[int, asyncio.Event] = defaultdict(asyncio.Event)
+        self.step = 0  # where the last attempt stopped: each attempt trains a step further
+
+    @activity.defn(name="train_on_node")
+    async def train_on_node(self, inp: NodeTrainInput) -> NodeTrainResult:
+        generation = inp.allocation.generation
+        done = self.stop[generation]
+        finishing = generation > PREEMPTIONS  # the last attempt trains to the end
+        while not done.is_set() and not finishing:
+            activity.heartbeat()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(done.wait(), 0.5)
+        self.step = STEPS if finishing else self.step + 1
+        return NodeTrainResult(
+            node_id=inp.node_id, generation=generation, final_step=self.step, final_loss=1.0,
+            stopped=not finishing, stop_reason=None if finishing else "asked to stop",
+        )  # fmt: skip
+
+    @activity.defn(name="stop_training")
+    async def stop_training(self, inp: NodeStopInput) -> None:
+        self.stop[inp.generation].set()
+
+
+class Control:
+    """The control worker's activities, as a healthy store and MLflow would answer."""
+
+    def __init__(self, node: Node) -> None:
+        self.node = node
+
+    @activity.defn(name="open_tracking_run")
+    async def open_tracking_run(self, inp: TrackingInput) -> str:
+        return "mlflow-run"
+
+    @activity.defn(name="confirm_grant")
+    async def confirm_grant(self, check: GrantCheck) -> bool:
+        return True
+
+    @activity.defn(name="latest_checkpoint")
+    async def latest_checkpoint(self, inp: LatestCheckpointInput) -> CheckpointRef | None:
+        step = self.node.step
+        return CheckpointRef(
+            manifest_key=f"runs/{inp.run_id}/checkpoints/step-{step}/MANIFEST.json",
+            step=step, generation=inp.max_generation, tokens_seen=step * 64,
+        ) if step else None  # fmt: skip
+
+    @activity.defn(name="attempt_ledger")
+    async def attempt_ledger(self, inp: AttemptLedgerInput) -> AttemptLedger | None:
+        return None
+
+    @activity.defn(name="evaluate")
+    async def evaluate(self, inp: EvaluateInput) -> EvalResult:
+        return EvalResult(step=STEPS, val_loss=1.0, perplexity=2.7, val_tokens=100, sample="")
+
+    @activity.defn(name="register_model")
+    async def register_model(self, inp: RegisterInput) -> ModelVersionRef:
+        return ModelVersionRef(model_name=inp.spec.model_name, version="1", mlflow_run_id="m")
+
+    @activity.defn(name="approval_policy")
+    async def approval_policy(self, inp: ApprovalPolicyInput) -> ApprovalPolicy:
+        return ApprovalPolicy()
+
+    def all(self) -> list:
+        return [
+            self.open_tracking_run, self.confirm_grant, self.latest_checkpoint,
+            self.attempt_ledger, self.evaluate, self.register_model, self.approval_policy,
+        ]  # fmt: skip
+
+
+async def _status(handle: WorkflowHandle) -> RunStatus:
+    return await handle.query(TrainingRun.status, result_type=RunStatus)
+
+
+async def _preempt_many_times(client: Client, task_queue: str) -> tuple[RunStatus, list[str]]:
+    spec = load_spec(REPO / "examples" / "tiny.toml")
+    spec = spec.model_copy(update={
+        "name": "flapping",
+        "resources": spec.resources.model_copy(update={"nodes": 1}),
+        "train": spec.train.model_copy(update={"steps": STEPS}),
+    })  # fmt: skip
+    agent = Node()
+    control = Control(agent)
+    workers = [
+        Worker(client, task_queue=task_queue, workflows=[ClusterWorkflow]),
+        # Where the control worker runs runs (`forgeline resume` starts them there).
+        Worker(client, task_queue=CONTROL_TASK_QUEUE, workflows=[TrainingRun, PreparedDataset],
+               activities=control.all()),
+        Worker(client, task_queue=node_task_queue("n0"),
+               activities=[agent.train_on_node, agent.stop_training]),
+    ]  # fmt: skip
+    async with contextlib.AsyncExitStack() as stack:
+        for worker in workers:
+            await stack.enter_async_context(worker)
+        cluster = await client.start_workflow(
+            ClusterWorkflow.run, ClusterState(), id=CLUSTER_WORKFLOW_ID, task_queue=task_queue
+        )
+        run = await client.start_workflow(
+            TrainingRun.run,
+            TrainingRunInput(spec=spec, spec_sha256="0" * 64),
+            id=spec.name,
+            task_queue=CONTROL_TASK_QUEUE,
+        )
+        try:
+            await cluster.signal(ClusterWorkflow.register_node, node("n0"))
+            for generation in range(1, PREEMPTIONS + 1):
+                status = await eventually(
+                    lambda: _status(client.get_workflow_handle(spec.name)),
+                    lambda s, g=generation: s.phase == Phase.TRAINING and s.generation == g,
+                )
+                assert status.generation == generation, status
+                notice = PreemptNotice(generation=generation, grace_s=30, reason="priority")
+                await client.get_workflow_handle(spec.name).signal(PREEMPT_SIGNAL, notice)
+            final = await eventually(
+                lambda: _status(client.get_workflow_handle(spec.name)),
+                lambda s: s.phase == Phase.AWAITING_APPROVAL,
+                timeout=60,
+            )
+            executions = [e async for e in client.list_workflows(f"WorkflowId = '{spec.name}'")]
+            executions.sort(key=lambda e: e.start_time)
+            assert executions[0].id == run.id and executions[0].run_id == run.first_execution_run_id
+            # `forgeline resume` starts the run again as submitted, not as the continuation
+            # that its latest execution was started as.
+            await client.get_workflow_handle(spec.name).terminate("to resume it")
+            await resume(client, spec.name)
+            again = await _status(client.get_workflow_handle(spec.name))
+            assert again.continued == again.preemptions_total == again.attempts == 0, again
+            assert again.gang_attempts == [] and again.phase == Phase.PREPARING
+            return final, [e.run_id for e in executions]
+        finally:
+            for handle in (client.get_workflow_handle(spec.name), cluster):
+                with contextlib.suppress(RPCError):
+                    await handle.terminate("test over")
+
+
+def test_a_run_preempted_three_dozen_times_continues_as_new_and_keeps_a_bounded_status(
+    temporal_address: str, task_queue: str
+) -> None:
+    async def main() -> tuple[RunStatus, list[str], list[tuple[int, int]]]:
+        client = await Client.connect(temporal_address, data_converter=pydantic_data_converter)
+        final, runs = await _preempt_many_times(client, task_queue)
+        shapes = []  # (events, status) of each execution of the run's workflow id
+        record = os.environ.get(RECORD_TO)
+        for n, run_id in enumerate(runs):
+            handle = client.get_workflow_handle("flapping", run_id=run_id)
+            history = await handle.fetch_history()
+            shapes.append((len(history.events), (await handle.describe()).status))
+            if record and n in (0, len(runs) - 1):  # the first history, and a continuation
+                write_history(history, Path(record) / f"{LABEL}_TrainingRun_flapping_{n}")
+        return final, runs, shapes
+
+    final, _, shapes = asyncio.run(main())
+    # Before: one history of every attempt (about 40 events each) and a status listing every
+    # preemption and attempt.
+    assert final.continued >= 2, final.continued
+    assert sum(1 for _, s in shapes if s == WorkflowExecutionStatus.CONTINUED_AS_NEW) >= 2
+    assert max(events for events, _ in shapes) < 700, shapes
+    assert final.preemptions_total == PREEMPTIONS
+    assert len(final.preemptions) == KEPT
+    assert [p.generation for p in final.preemptions] == list(
+        range(PREEMPTIONS - KEPT + 1, PREEMPTIONS + 1)
+    )
+    assert len(final.gang_attempts) == ATTEMPTS_KEPT
+    assert final.goodput is not None and final.goodput.attempts == PREEMPTIONS + 1
+    assert final.earlier_goodput is not None
+    assert final.earlier_goodput.attempts == PREEMPTIONS + 1 - ATTEMPTS_KEPT
+    assert final.generation == PREEMPTIONS + 1  # the counters travelled: no generation reused
+    assert final.mlflow_run_id == "mlflow-run" and final.dataset == DATASET
+    assert final.last_checkpoint is not None and final.last_checkpoint.step == STEPS

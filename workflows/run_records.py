@@ -1,0 +1,56 @@
+"""What a TrainingRun keeps of its past: bounded lists with totals beside them.
+
+A run's status is the workflow's query result and travels whole when the run continues as new,
+so it must stay small however long the run lives: a flapping node can fail, be preempted or
+be swapped out hundreds of times in a month-long run. Each list keeps its newest entries and a
+total; gang attempts that fall off the list are folded into one goodput account first, so the
+run's goodput still covers every attempt. Pure functions over the status (no I/O, no time).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import TypeVar
+
+from workflows.goodput import account, combine
+from workflows.models import AttemptRecord, Failure, PreemptionRecord, RunStatus
+
+T = TypeVar("T")
+
+KEPT = 20  # failures, preemptions, skipped checkpoints: enough to diagnose, small to carry
+ATTEMPTS_KEPT = 30  # gang attempts, each with its ledger (about 1 kB): the report plots them
+
+
+def newest(items: list[T], new: Iterable[T], limit: int = KEPT) -> list[T]:
+    return [*items, *new][-limit:]
+
+
+def add_failures(status: RunStatus, failures: list[Failure]) -> None:
+    status.failures_total = max(status.failures_total, len(status.failures)) + len(failures)
+    status.failures = newest(status.failures, failures)
+
+
+def add_preemption(status: RunStatus, record: PreemptionRecord) -> None:
+    status.preemptions_total = max(status.preemptions_total, len(status.preemptions)) + 1
+    status.preemptions = newest(status.preemptions, [record])
+
+
+def add_skipped(status: RunStatus, reasons: list[str]) -> None:
+    """Checkpoints resume passed over, each reason once."""
+    seen = status.skipped_checkpoints
+    status.skipped_checkpoints = newest(seen, [why for why in reasons if why not in seen])
+
+
+def add_attempt(status: RunStatus, attempt: AttemptRecord) -> None:
+    """List a finished attempt and recount goodput over every attempt, listed or folded."""
+    attempts = [*status.gang_attempts, attempt]
+    if len(attempts) > ATTEMPTS_KEPT:
+        folded, attempts = attempts[:-ATTEMPTS_KEPT], attempts[-ATTEMPTS_KEPT:]
+        status.earlier_goodput = combine(
+            status.earlier_goodput, account(folded, waited_from=status.earlier_ended_at)
+        )
+        status.earlier_ended_at = folded[-1].ended_at
+    status.gang_attempts = attempts
+    status.goodput = combine(
+        status.earlier_goodput, account(attempts, waited_from=status.earlier_ended_at)
+    )
