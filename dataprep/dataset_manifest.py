@@ -23,3 +23,10 @@ def load_manifest(store: ObjectStore, key: str, sha256: str) -> dict:
             "the snapshot was modified after the run started"
         )
     return json.loads(data)
+
+
+def snapshot_files(manifest: dict) -> list[dict]:
+    """Every file a snapshot is made of (token shards, tokenizer, per-document report), each
+    as an entry with its key, size and sha256."""
+    shards = [shard for split in manifest["splits"].values() for shard in split["shards"]]
+    return [*shards, manifest["tokenizer"], *manifest["report"].values()]

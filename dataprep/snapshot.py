@@ -14,9 +14,9 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import UTC, datetime
 from pathlib import Path
 
+from dataprep.dataset_manifest import snapshot_files
 from dataprep.dedup_stage import dedup_snapshot, scan_records
 from dataprep.errors import EmptyCorpusError
 from dataprep.near_dedup import connect
@@ -32,8 +32,8 @@ from dataprep.stage_store import (
     required_record,
 )
 from dataprep.tokenize_stage import SPLITS, merge_tails, tokenize_chunk, train_tokenizer
-from infra.digest import sha256_bytes
-from infra.errors import ObjectNotFound
+from infra.digest import sha256_bytes, sha256_file
+from infra.errors import IntegrityError, ObjectNotFound
 from infra.store import ObjectStore
 
 MANIFEST_FORMAT = "forgeline.dataset/2"
@@ -101,8 +101,51 @@ def commit_snapshot(
     workdir: Path,
     progress: Progress = lambda _: None,
 ) -> Snapshot:
+    """Merge the tails, write the report and commit the manifest, last, create-if-absent.
+
+    Two commits of one plan may run at once (an attempt that outlived its heartbeat timeout and
+    its retry; two runs preparing the same corpus), and both return the same snapshot. The
+    manifest and the files it names are functions of the work records, with no timestamp, so
+    where the server has no conditional writes a second PUT rewrites the same bytes; the
+    report, whose Parquet bytes depend on the DuckDB version, goes under keys of its sha256,
+    so a later commit never changes what a committed manifest names. A commit that loses the
+    race, or whose work records the winner dropped while it read them, returns the committed
+    snapshot once every file of it verifies."""
     if (found := existing_snapshot(store, plan.snapshot_id)) is not None:
         return found
+    keys = SnapshotKeys(plan.snapshot_id)
+    try:
+        data = _manifest(store, plan, settings, workdir, progress)
+        store.put_if_absent(keys.manifest, data)
+        stored = store.get_bytes(keys.manifest)
+    except Exception:
+        # The winner of a race drops the work records this commit may still be reading (a
+        # missing file, object or record, however the reader words it): its snapshot stands.
+        if (committed := _committed_elsewhere(store, plan.snapshot_id, progress)) is None:
+            raise
+        return committed
+    if stored != data:  # another commit's manifest holds the key (other library versions)
+        if (committed := _committed_elsewhere(store, plan.snapshot_id, progress)) is None:
+            raise IntegrityError(
+                f"{keys.manifest} was committed by another attempt, but a file it names is "
+                "missing or does not match its sha256: delete the snapshot's folder and "
+                "prepare it again"
+            )
+        return committed
+    _drop_work(store, keys)
+    progress(f"snapshot {plan.snapshot_id} committed")
+    return Snapshot(plan.snapshot_id, keys.manifest, sha256_bytes(data), json.loads(data), False)
+
+
+def _manifest(
+    store: ObjectStore,
+    plan: SnapshotPlan,
+    settings: SnapshotSettings,
+    workdir: Path,
+    progress: Progress,
+) -> bytes:
+    """The manifest's bytes, once every file it names is in the store. No commit time: the
+    manifest is a function of the work records, byte for byte, whoever writes it."""
     keys = SnapshotKeys(plan.snapshot_id)
     cache = workdir / "cache"
     scans = scan_records(store, plan)
@@ -159,7 +202,6 @@ def commit_snapshot(
     manifest = {
         "format": MANIFEST_FORMAT,
         "snapshot_id": plan.snapshot_id,
-        "created_at": datetime.now(UTC).isoformat(),
         "dataprep_version": DATAPREP_VERSION,
         "settings": plan.identity,
         "sources": [f.manifest_entry() for f in plan.files],
@@ -173,19 +215,35 @@ def commit_snapshot(
         "dtype": dtype.name,
         "splits": splits,
         "report": {
-            "documents": file_entry(store, keys.report("documents.parquet"), table),
-            "summary": file_entry(store, keys.report("report.json"), report_json),
+            "documents": _report_entry(store, keys, table),
+            "summary": _report_entry(store, keys, report_json),
         },
     }
-    data = json.dumps(manifest, indent=1, sort_keys=True).encode()
-    store.put_if_absent(keys.manifest, data)
-    committed = existing_snapshot(store, plan.snapshot_id)
-    assert committed is not None
-    _drop_work(store, keys)
-    progress(f"snapshot {plan.snapshot_id} committed")
-    return Snapshot(
-        plan.snapshot_id, keys.manifest, committed.manifest_sha256, committed.manifest, False
-    )
+    return json.dumps(manifest, indent=1, sort_keys=True).encode()
+
+
+def _report_entry(store: ObjectStore, keys: SnapshotKeys, path: Path) -> dict:
+    """Upload a report file under a key of its content: DuckDB's Parquet (its footer names the
+    writer's version) may differ between two commits' hosts, and a fixed key would let the
+    later one change the bytes the earlier one's committed manifest names."""
+    return file_entry(store, keys.report(path.name, sha256_file(path)), path)
+
+
+def _committed_elsewhere(
+    store: ObjectStore, snapshot_id: str, progress: Progress
+) -> Snapshot | None:
+    """The snapshot another commit of this plan committed, if every file it names verifies."""
+    committed = existing_snapshot(store, snapshot_id)
+    if committed is None:
+        return None
+    for entry in snapshot_files(committed.manifest):
+        try:
+            if store.digest(entry["key"]) != (entry["bytes"], entry["sha256"]):
+                return None
+        except ObjectNotFound:
+            return None
+    progress(f"snapshot {snapshot_id} was committed by another attempt; using it")
+    return committed
 
 
 def _refuse_empty(kept: dict[str, int], settings: SnapshotSettings) -> None:

@@ -38,8 +38,10 @@ class SnapshotKeys:
     def shard(self, name: str) -> str:
         return f"{self.root}/shards/{name}"
 
-    def report(self, name: str) -> str:
-        return f"{self.root}/report/{name}"
+    def report(self, name: str, sha256: str) -> str:
+        """Content-addressed (snapshots committed before were named report/<name>; readers
+        take keys from the manifest, so both layouts load)."""
+        return f"{self.root}/report/{sha256}/{name}"
 
     def final(self, name: str) -> str:
         return f"{self.root}/{name}"
