@@ -43,6 +43,7 @@ from trainer.manifest import (
     record_generation,
 )
 from trainer.reported_eval import reported_evaluation
+from trainer.run_identity import claim, pin
 from workflows.models import (
     ApprovalPolicy,
     ApprovalPolicyInput,
@@ -115,12 +116,18 @@ class ControlActivities:
             activity.logger.warning("skipping checkpoint %s", why)
             skipped.append(why)
 
+        # Before anything is read: a prefix another run of this name holds is not this run's.
+        with domain_errors():
+            claim(self.store, inp.run_id, inp.run_uid)
         vet = functools.partial(vet_metadata, self.store)
-        found = find_latest(self.store, inp.run_id, inp.max_generation, skip, vet)
+        found = find_latest(
+            self.store, inp.run_id, inp.max_generation, skip, vet, run_uid=inp.run_uid
+        )
         if inp.fence:
             record_generation(
-                self.store, inp.run_id, inp.max_generation, found.step if found else 0
-            )
+                self.store, inp.run_id, inp.max_generation, found.step if found else 0,
+                run_uid=inp.run_uid,
+            )  # fmt: skip
         if found is None:
             return None
         return _reference(found).model_copy(update={"skipped": skipped})
@@ -375,6 +382,9 @@ class ControlActivities:
                 texts["health.json"] = json.dumps(
                     [e.model_dump(mode="json") for e in inp.health], indent=2
                 )
+            # Before the version exists: its weights must outlive any later pruning.
+            ref = inp.checkpoint
+            pin(self.store, inp.run_id, ref.manifest_key, ref.step, ref.generation)
             registered = register(
                 self.settings.mlflow_uri,
                 Registration(

@@ -187,6 +187,7 @@ class NodeActivities:
         node_ids = [node.node_id for node in inp.allocation.nodes]
         return TrainJob(
             run_id=inp.run_id,
+            run_uid=inp.run_uid,
             node_id=self.node_id,
             node_index=node_ids.index(self.node_id),
             layout={"replicate": replicate, "shard": shard, "tensor": tensor},

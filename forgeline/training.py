@@ -221,6 +221,7 @@ class Run:
             keep=self.settings.keep_checkpoints,
             layout=self.layout.to_dict(),
             asynchronous=self.settings.async_checkpoint,
+            run_uid=self.job.run_uid,
         )
         self._progress.write(
             event="started", step=self.step, rank=self.rank, world=self.world,

@@ -125,10 +125,12 @@ class Checkpointer:
         keep: int,
         layout: dict,
         asynchronous: bool = True,
+        run_uid: str = "",
     ) -> None:
         self.store = store
         self.staging_dir = staging_dir
         self.run_id = run_id
+        self.run_uid = run_uid  # in every manifest; fences and pruning see only this run's
         self.generation = generation
         self.fenced = False  # set once a save found this generation superseded
         self.keep = keep
@@ -252,6 +254,7 @@ class Checkpointer:
         manifest = {
             "format": MANIFEST_FORMAT,
             "run_id": self.run_id,
+            **({"run_uid": self.run_uid} if self.run_uid else {}),
             "step": step,
             "world_size": self.world,
             "layout": self.layout,
@@ -269,16 +272,16 @@ class Checkpointer:
         # two (SIGSTOP, a frozen host) commits after a newer one resumed from an earlier step.
         # Every reader passes over such a manifest (and the newer generation commits at keys
         # of its own); taking it back, files too, leaves nothing stale for anyone to read.
-        if Fences.read(self.store, self.run_id).why_stale(self.generation, step):
+        if Fences.read(self.store, self.run_id, self.run_uid).why_stale(self.generation, step):
             self.store.delete(key)
             for entry in manifest["files"]:
                 self.store.delete(entry["key"])
             return None, None
-        prune(self.store, self.run_id, self.keep, self._verified)
+        prune(self.store, self.run_id, self.keep, self._verified, self.run_uid)
         return key, None
 
     def _superseded(self) -> bool:
-        return Fences.read(self.store, self.run_id).superseded(self.generation)
+        return Fences.read(self.store, self.run_id, self.run_uid).superseded(self.generation)
 
 
 def fetch_checkpoint(store: ObjectStore, manifest: dict, dest: Path) -> Path:

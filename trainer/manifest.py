@@ -28,6 +28,7 @@ from enum import Enum
 from infra.errors import IntegrityError, ObjectNotFound
 from infra.store import ObjectStore
 from trainer.errors import CheckpointError
+from trainer.run_identity import belongs, pinned
 
 MANIFEST_NAME = "MANIFEST.json"
 MANIFEST_FORMAT = "forgeline.checkpoint/1"
@@ -106,10 +107,14 @@ def generation_key(run_id: str, generation: int) -> str:
     return f"runs/{run_id}/generations/gen-{generation}.json"
 
 
-def record_generation(store: ObjectStore, run_id: str, generation: int, resume_step: int) -> None:
+def record_generation(
+    store: ObjectStore, run_id: str, generation: int, resume_step: int, run_uid: str = ""
+) -> None:
     """Fence out older generations: from now on they may only have committed up to
     `resume_step`. Written once per generation (a retried activity finds it there)."""
     record = {"generation": generation, "resume_step": resume_step}
+    if run_uid:
+        record["run_uid"] = run_uid
     store.put_if_absent(generation_key(run_id, generation), json.dumps(record).encode())
 
 
@@ -120,11 +125,13 @@ class Fences:
     resume_steps: dict[int, int]
 
     @classmethod
-    def read(cls, store: ObjectStore, run_id: str) -> Fences:
+    def read(cls, store: ObjectStore, run_id: str, run_uid: str = "") -> Fences:
+        """The run's generation records (with `run_uid`, only those of that run)."""
         steps = {}
         for key in store.list(f"runs/{run_id}/generations/"):
             record = json.loads(store.get_bytes(key))
-            steps[int(record["generation"])] = int(record["resume_step"])
+            if belongs(record, run_uid):
+                steps[int(record["generation"])] = int(record["resume_step"])
         return cls(steps)
 
     def superseded(self, generation: int) -> bool:
@@ -192,14 +199,19 @@ def find_latest(
     max_generation: int,
     on_skip: Callable[[str], None] = lambda _: None,
     vet: Callable[[dict], None] = lambda _: None,
+    run_uid: str = "",
 ) -> CommittedCheckpoint | None:
-    """The newest checkpoint that verifies and was committed by generation ≤ max_generation;
-    `vet` may refuse one more (raising CheckpointError), and the search goes on past it."""
-    fences = Fences.read(store, run_id)
+    """The newest checkpoint of the run (with `run_uid`: of that run alone) that verifies and
+    was committed by generation ≤ max_generation; `vet` may refuse one more (raising
+    CheckpointError), and the search goes on past it."""
+    fences = Fences.read(store, run_id, run_uid)
     for commit in commits(store, run_id):
         key, step = commit.key, commit.step
         try:
             manifest = read_manifest(store, key)
+            if not belongs(manifest, run_uid):
+                on_skip(f"{key}: another run's (run_uid {manifest.get('run_uid') or 'none'})")
+                continue
             if int(manifest["generation"]) > max_generation:
                 on_skip(f"{key}: generation {manifest['generation']} > {max_generation}")
                 continue
@@ -225,7 +237,11 @@ def newest_commit_of(store: ObjectStore, run_id: str, generation: int) -> int | 
 
 
 def prune(
-    store: ObjectStore, run_id: str, keep: int, verified: set[str] | None = None
+    store: ObjectStore,
+    run_id: str,
+    keep: int,
+    verified: set[str] | None = None,
+    run_uid: str = "",
 ) -> list[int]:
     """Keep the newest `keep` checkpoints that resume could use; delete the others, any
     manifest a fenced-out generation committed, and the files a fenced-out generation uploaded
@@ -236,12 +252,17 @@ def prune(
     one out, and the newest verified checkpoint is never deleted. Deleting the manifest first
     means a crash halfway leaves orphan files, never a manifest that points at files which are
     gone. `verified` caches manifests already checked (a writer prunes after every commit).
+    A pinned checkpoint (registered: trainer.run_identity) is never deleted, nor, with
+    `run_uid`, another run's.
     """
-    fences = Fences.read(store, run_id)
+    fences = Fences.read(store, run_id, run_uid)
     keys = store.list(f"runs/{run_id}/checkpoints/")  # listed once: manifests and files
+    keep_always = pinned(store, run_id)
     removed, kept = [], 0
     for commit in _commits_among(keys):
-        state = _usability(store, fences, commit.key, commit.step, verified)
+        state = _usability(store, fences, commit.key, commit.step, verified, run_uid)
+        if state is Usability.FOREIGN or commit.key in keep_always:
+            continue
         if kept < keep and state is not Usability.STALE:
             kept += state is Usability.USABLE
             continue  # a usable one is kept; a broken one newer than them is left as it is
@@ -271,15 +292,23 @@ def _uncommitted_files_of_fenced_generations(keys: list[str], fences: Fences) ->
 
 class Usability(Enum):
     USABLE = "resume could load it"
+    FOREIGN = "another run's"
     STALE = "committed by a fenced-out generation"
     BROKEN = "unreadable, or its files do not verify"
 
 
 def _usability(
-    store: ObjectStore, fences: Fences, key: str, step: int, verified: set[str] | None
+    store: ObjectStore,
+    fences: Fences,
+    key: str,
+    step: int,
+    verified: set[str] | None,
+    run_uid: str = "",
 ) -> Usability:
     try:
         manifest = read_manifest(store, key)
+        if not belongs(manifest, run_uid):
+            return Usability.FOREIGN
         if fences.why_stale(int(manifest["generation"]), step):
             return Usability.STALE
         fingerprint = f"{key}@{manifest.get('committed_at')}"

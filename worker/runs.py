@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import uuid
 from datetime import timedelta
 from pathlib import Path
 
@@ -77,7 +78,11 @@ async def submit(
         handle = await client.start_workflow(
             "TrainingRun",
             TrainingRunInput(
-                spec=spec, spec_sha256=spec_sha256, submitted_by=spec.owner, code=code
+                spec=spec,
+                spec_sha256=spec_sha256,
+                submitted_by=spec.owner,
+                code=code,
+                run_uid=uuid.uuid4().hex,  # its checkpoints are this run's, not the name's
             ),
             id=spec.name,
             task_queue=CONTROL_TASK_QUEUE,

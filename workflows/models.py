@@ -121,6 +121,11 @@ class LatestCheckpointInput(BaseModel):
         description="max_generation is about to start from the checkpoint found: record it, "
         "so older generations can no longer commit one that counts",
     )
+    run_uid: str = Field(
+        "",
+        description="the run's identity: claim runs/<run>/ for it (refused when another run "
+        "of the name holds it) and read only its checkpoints; empty for runs from before",
+    )
 
 
 class NodeTrainInput(BaseModel):
@@ -133,6 +138,7 @@ class NodeTrainInput(BaseModel):
     init_from: CheckpointRef | None = None  # fine-tuning: weights to start from (no resume yet)
     mlflow_run_id: str | None = None  # where the head node streams the ranks' metrics
     code: CodeRef | None = None  # the user's training code; None: the built-in GPT trainer
+    run_uid: str = ""  # into every manifest the ranks commit (trainer.run_identity)
 
 
 class TrainProgress(BaseModel):
@@ -357,6 +363,9 @@ class TrainingRunInput(BaseModel):
     submitted_by: str = "anonymous"
     code: CodeRef | None = None  # uploaded by the submitter before the run starts (train.code)
     carried: RunCarry | None = None  # set by the run itself when it continues as new
+    # Made at submission, kept by `forgeline resume`: what the run's checkpoints belong to
+    # (trainer.run_identity). Empty for runs submitted before identities existed.
+    run_uid: str = ""
 
 
 class Failure(BaseModel):

@@ -391,7 +391,12 @@ class TrainingRun(RunEnd):
     ) -> CheckpointRef | None:
         found = await self._control(
             "latest_checkpoint",
-            LatestCheckpointInput(run_id=self._spec.name, max_generation=generation, fence=fence),
+            LatestCheckpointInput(
+                run_id=self._spec.name,
+                max_generation=generation,
+                fence=fence,
+                run_uid=self._input.run_uid,
+            ),
             CheckpointRef | None,
             timeout=timedelta(minutes=10),
         )
@@ -416,6 +421,7 @@ class TrainingRun(RunEnd):
                     init_from=self._status.init_from,
                     mlflow_run_id=self._status.mlflow_run_id,
                     code=self._input.code,
+                    run_uid=self._input.run_uid,
                 ),
                 result_type=NodeTrainResult,
                 task_queue=node_task_queue(node.node_id),

@@ -93,12 +93,13 @@ def test_a_superseded_gang_commits_nothing_more_and_stops(trainer: Trainer) -> N
     """Real ranks of generation 1 keep training after generation 2 was recorded (as when their
     node was paused and came back): their next save uploads nothing, and they stop."""
     long = TRAIN.model_copy(update={"steps": 100_000, "checkpoint_every": 10})
-    job = trainer.job("fenced", long)
+    job = trainer.job("fenced", long, run_uid="u1")  # a run with an identity: fences are its own
     store = trainer.store
 
     async def fence_while_running():
         task = await trainer.start_until_committed(job, ranks=2)
-        record_generation(store, "fenced", 2, resume_step=committed_steps(store, "fenced")[0])
+        newest = committed_steps(store, "fenced")[0]
+        record_generation(store, "fenced", 2, resume_step=newest, run_uid="u1")
         return await asyncio.wait_for(task, 120)
 
     tail = asyncio.run(fence_while_running())
@@ -116,8 +117,9 @@ def test_a_superseded_gang_commits_nothing_more_and_stops(trainer: Trainer) -> N
         if int(k.split("/step-")[1].split("/")[0]) > resume_step + 10
     ]
     assert later == []
-    found = find_latest(store, "fenced", max_generation=2)
+    found = find_latest(store, "fenced", max_generation=2, run_uid="u1")
     assert found is not None and found.step == resume_step
+    assert found.manifest["run_uid"] == "u1"  # the ranks stamp their run's identity
 
 
 class ResumedDuringTheCommit(LocalStore):
