@@ -8,13 +8,18 @@ One pass (`Replicator.run_once`) copies, from the primary to the twin:
   checkpoint, and a manifest there means every file it lists is there. A folder without a
   manifest is a save in flight, or one that died: it is not copied.
 - the small run records that resume and accounting read (`runs/<run>/generations/`,
-  `runs/<run>/attempts/`), whenever they differ.
+  `runs/<run>/attempts/`, the run's identity claim and its pinned checkpoints), whenever they
+  differ, and before the units: a run resuming from the twin finds its claim beside its
+  checkpoints, never checkpoints that nobody seems to own (trainer.run_identity).
 
 Nothing is deleted by replication: pruning deletes on both sites (`TwinStore.delete`), and
 objects that only the twin has were written there while the primary was down.
 
 Lag is measured per unit: when the copy of its manifest landed on the twin, minus the
-`committed_at` (checkpoint) or `created_at` (snapshot) its manifest records. The pass writes a
+`committed_at` (checkpoint) or `created_at` (an older snapshot) its manifest records; a
+manifest with no time in it (a dataset snapshot's is a pure function of its inputs, so that
+concurrent commits write the same bytes) counts from the start of the pass that copied it, a
+lower bound. The pass writes a
 status object (`replication/status.json`) to the twin, where it can be read while the primary is
 down; `forgeline replication` prints it.
 """
@@ -45,7 +50,7 @@ _UNIT = re.compile(
 # A checkpoint of the former layout is the folder `step-N/` itself; the generation folders that
 # a later run put beside its files are units of their own.
 _FORMER_CHECKPOINT = re.compile(r"/checkpoints/step-\d+/$")
-_RECORD = re.compile(r"^runs/[^/]+/(generations|attempts)/[^/]+$")
+_RECORD = re.compile(r"^runs/[^/]+/((generations|attempts|pins)/[^/]+|identity\.json)$")
 _SKIPPED_IN_UNIT = "/work/"  # a snapshot's staging area: dropped when it commits
 _RECENT = 20  # replicated units kept in the status, newest first
 
@@ -97,6 +102,7 @@ class Replicator:
         self.twin = twin
         self.scratch = scratch
         self.clock = clock
+        self._pass_started = clock()  # what a manifest with no time of its own is measured from
         # Units known to be complete on the twin: manifests never change once committed.
         self._done: set[str] = set()
         # Each record's (size, sha256) as last copied: a record unchanged on the primary costs
@@ -112,14 +118,15 @@ class Replicator:
     def run_once(self) -> ReplicationStatus:
         """One pass; the status it wrote to the twin. Never raises for a primary that is down."""
         status = ReplicationStatus(self.primary.url, self.twin.url, "")
+        self._pass_started = self.clock()
         try:
             keys = self.primary.list("")
-            units = [k for k in keys if _UNIT.match(k) and k not in self._done]
-            for manifest_key in units:
-                self._unit(manifest_key, keys)
             for key in keys:
                 if _RECORD.match(key):
                     self._record(key)
+            units = [k for k in keys if _UNIT.match(k) and k not in self._done]
+            for manifest_key in units:
+                self._unit(manifest_key, keys)
             status.pending = [k for k in units if k not in self._done]
         except StoreUnavailable as err:
             status.primary_reachable = False
@@ -157,7 +164,7 @@ class Replicator:
             return
         self.twin.put_if_absent(manifest_key, manifest)
         landed = self.clock()
-        committed = _commit_time(manifest) or landed
+        committed = _commit_time(manifest) or self._pass_started
         entry = Replicated(
             manifest_key=manifest_key,
             committed_at=committed.isoformat(),

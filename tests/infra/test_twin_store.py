@@ -57,6 +57,11 @@ def test_committed_units_and_run_records_replicate_manifest_last(tmp_path: Path)
     primary.put_bytes("datasets/abc/work/scan/part-0", b"staging")  # dropped at commit
     primary.put_bytes("datasets/abc/MANIFEST.json", b'{"created_at": "2026-11-29T11:00:00+00:00"}')
     primary.put_bytes("runs/r/generations/gen-1.json", b'{"generation": 1}')
+    # Whose the run's checkpoints are, and which are registered (trainer.run_identity): a run
+    # resuming from the twin must find its claim there, not checkpoints nobody owns.
+    primary.put_bytes("runs/r/identity.json", b'{"run_uid": "u1"}')
+    primary.put_bytes("runs/r/pins/step-100-gen-1.json", done.encode())
+    primary.put_bytes("datasets/new/MANIFEST.json", b'{"splits": {}}')  # no time in it
     clock = Clock(COMMITTED + timedelta(seconds=3))
 
     status = Replicator(primary, twin, tmp_path / "scratch", clock).run_once()
@@ -67,8 +72,11 @@ def test_committed_units_and_run_records_replicate_manifest_last(tmp_path: Path)
     assert twin.exists("datasets/abc/shards/train-00000.bin")
     assert not twin.exists("datasets/abc/work/scan/part-0")
     assert twin.get_bytes("runs/r/generations/gen-1.json") == b'{"generation": 1}'
+    assert twin.get_bytes("runs/r/identity.json") == b'{"run_uid": "u1"}'
+    assert twin.get_bytes("runs/r/pins/step-100-gen-1.json") == done.encode()
     lags = {entry.manifest_key: entry.lag_s for entry in status.recent}
     assert lags[done] == 3.0 and lags["datasets/abc/MANIFEST.json"] == 3603.0
+    assert lags["datasets/new/MANIFEST.json"] == 0.0  # from the pass's start: a lower bound
     assert status.pending == [] and status.primary_reachable
     # The status lives on the twin, readable while the primary is down.
     assert ReplicationStatus.read(twin) == status and twin.exists(STATUS_KEY)
