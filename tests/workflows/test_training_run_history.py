@@ -138,7 +138,7 @@ async def _status(handle: WorkflowHandle) -> RunStatus:
     return await handle.query(TrainingRun.status, result_type=RunStatus)
 
 
-async def _preempt_many_times(client: Client, task_queue: str) -> tuple[RunStatus, list[str]]:
+async def _preempt_many_times(client: Client, task_queue: str) -> tuple[RunStatus, list[str], str]:
     spec = load_spec(REPO / "examples" / "tiny.toml")
     spec = spec.model_copy(update={
         "name": "flapping",
@@ -192,7 +192,7 @@ async def _preempt_many_times(client: Client, task_queue: str) -> tuple[RunStatu
             again = await _status(client.get_workflow_handle(spec.name))
             assert again.continued == again.preemptions_total == again.attempts == 0, again
             assert again.gang_attempts == [] and again.phase == Phase.PREPARING
-            return final, [e.run_id for e in executions]
+            return final, [e.run_id for e in executions], cluster.first_execution_run_id or ""
         finally:
             for handle in (client.get_workflow_handle(spec.name), cluster):
                 with contextlib.suppress(RPCError):
@@ -204,7 +204,7 @@ def test_a_run_preempted_three_dozen_times_continues_as_new_and_keeps_a_bounded_
 ) -> None:
     async def main() -> tuple[RunStatus, list[str], list[tuple[int, int]]]:
         client = await Client.connect(temporal_address, data_converter=pydantic_data_converter)
-        final, runs = await _preempt_many_times(client, task_queue)
+        final, runs, cluster_run = await _preempt_many_times(client, task_queue)
         shapes = []  # (events, status) of each execution of the run's workflow id
         record = os.environ.get(RECORD_TO)
         for n, run_id in enumerate(runs):
@@ -213,6 +213,10 @@ def test_a_run_preempted_three_dozen_times_continues_as_new_and_keeps_a_bounded_
             shapes.append((len(history.events), (await handle.describe()).status))
             if record and n in (0, len(runs) - 1):  # the first history, and a continuation
                 write_history(history, Path(record) / f"{LABEL}_TrainingRun_flapping_{n}")
+        if record:  # the Cluster workflow's first run: nodes joining with the bounded-cached patch
+            cluster = client.get_workflow_handle(CLUSTER_WORKFLOW_ID, run_id=cluster_run)
+            history = await cluster.fetch_history()
+            write_history(history, Path(record) / f"{LABEL}_Cluster_{CLUSTER_WORKFLOW_ID}")
         return final, runs, shapes
 
     final, _, shapes = asyncio.run(main())
