@@ -432,6 +432,16 @@ class RunSpec(_Strict):
     def model_name(self) -> str:
         return self.registry.model_name or self.name
 
+    def after_swaps(self, swaps: int) -> RunSpec:
+        """The spec the nodes train by once the run has swapped out `swaps` stragglers: past
+        `recovery.max_swaps` a slow node is reported and kept, so a fleet of stragglers cannot
+        keep the run re-queueing for ever."""
+        recovery = self.recovery
+        if recovery.straggler_policy != "swap" or swaps < recovery.max_swaps:
+            return self
+        kept = recovery.model_copy(update={"straggler_policy": "report"})
+        return self.model_copy(update={"recovery": kept})
+
     @model_validator(mode="after")
     def _layout_fits_the_gang(self) -> RunSpec:
         world = self.resources.world_size

@@ -77,7 +77,6 @@ with workflow.unsafe.imports_passed_through():
         add_skipped,
         newest,
     )
-    from workflows.spec import RunSpec
 
 # Activities that only talk to the store or MLflow retry until they succeed: an outage of the
 # tracking server or a bug fixed by redeploying the worker costs time, never the trained model.
@@ -413,7 +412,7 @@ class TrainingRun(RunEnd):
                 "train_on_node",
                 NodeTrainInput(
                     run_id=self._spec.name,
-                    spec=self._spec_for_nodes(),
+                    spec=self._spec.after_swaps(self._status.swaps),
                     dataset=dataset,
                     allocation=allocation,
                     node_id=node.node_id,
@@ -517,16 +516,6 @@ class TrainingRun(RunEnd):
             slow = [(event.node_id, f"straggler: {event.evidence}", "straggler")]
             await report_nodes(self._spec.name, allocation.generation, slow)
         await self._release_gang()
-
-    def _spec_for_nodes(self) -> RunSpec:
-        """The spec the nodes train by: once the run has swapped out `recovery.max_swaps`
-        stragglers, a slow node is reported and kept rather than swapped, so a fleet of
-        stragglers cannot keep the run re-queueing for ever."""
-        recovery = self._spec.recovery
-        if recovery.straggler_policy != "swap" or self._status.swaps < recovery.max_swaps:
-            return self._spec
-        kept = recovery.model_copy(update={"straggler_policy": "report"})
-        return self._spec.model_copy(update={"recovery": kept})
 
     def _continue_as_new_if_due(self) -> None:
         """Between gang attempts (no gang held, no request queued), start a fresh history

@@ -17,6 +17,7 @@ from workflows.run_records import (
     add_preemption,
     add_skipped,
 )
+from workflows.spec import RunSpec
 
 
 def _status() -> RunStatus:
@@ -66,3 +67,14 @@ def test_failures_preemptions_and_skipped_checkpoints_keep_the_newest_and_a_tota
     assert [p.generation for p in status.preemptions] == list(range(2 * KEPT + 1, 3 * KEPT + 1))
     assert len(status.skipped_checkpoints) == KEPT
     assert len(set(status.skipped_checkpoints)) == KEPT  # each reason once
+
+
+def test_past_max_swaps_a_straggler_is_reported_and_kept() -> None:
+    spec = RunSpec.model_validate({
+        "name": "r", "data": {"sources": ["c.txt"]},
+        "recovery": {"straggler_policy": "swap", "max_swaps": 2},
+    })  # fmt: skip
+    assert spec.after_swaps(1).recovery.straggler_policy == "swap"
+    assert spec.after_swaps(2).recovery.straggler_policy == "report"
+    assert spec.after_swaps(2).recovery.straggler_settings()["policy"] == "report"
+    assert spec.recovery.straggler_policy == "swap"  # the run's own spec is unchanged
