@@ -129,10 +129,12 @@ class Sampler:
     def global_indices(self, cursor: int) -> np.ndarray:
         """The samples of the global batch that starts at `cursor` (all ranks together)."""
         first, last = cursor // ORDER_BLOCK, (cursor + self.global_batch - 1) // ORDER_BLOCK
-        blocks = {k: self._blocks.get(k) for k in range(first, last + 1)}
+        # The blocks this batch needs, reusing those already computed; the others are dropped.
         self._blocks = {
-            k: found if found is not None else self._order_of(k) for k, found in blocks.items()
+            k: self._blocks[k] if k in self._blocks else self._order_of(k)
+            for k in range(first, last + 1)
         }
+        # A copy, never a view of a kept block: a caller that changes it cannot change the order.
         joined = np.concatenate(list(self._blocks.values()))
         start = cursor - first * ORDER_BLOCK
         return joined[start : start + self.global_batch]
