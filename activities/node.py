@@ -60,9 +60,11 @@ class NodeActivities:
         node_id: str,
         on_cache_changed: Callable[[list[str]], Awaitable[None]] | None = None,
         fabric: Fabric = LOOPBACK,
+        incarnation: str = "",
     ) -> None:
         self.settings = settings
         self.node_id = node_id
+        self.incarnation = incarnation  # this agent process's, as it registered (NodeInfo)
         self.fabric = fabric  # the address this node advertises and its interface
         # Called with the dataset snapshots this node holds (NodeCache.held_snapshots) after
         # each job's fetch, which may have brought one in or evicted others.
@@ -141,6 +143,13 @@ class NodeActivities:
             stopped=tail.stopped,
             stop_reason=last.get("stop_reason"),
         )
+
+    @activity.defn(name="node_alive")
+    async def node_alive(self) -> str:
+        """The liveness probe a run sends when a gang fails: answered at once by a live agent,
+        with its incarnation (a restarted agent's differs: the old one's work died with it).
+        A dead or partitioned node never answers, and the run stops waiting for it."""
+        return self.incarnation
 
     @activity.defn(name="stop_training")
     async def stop_training(self, inp: NodeStopInput) -> None:

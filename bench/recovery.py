@@ -85,6 +85,7 @@ def spec_file(folder: Path, name: str, steps: int, every: int, heartbeat_s: int,
         ("checkpoint_every", every),
         ("heartbeat_timeout_s", heartbeat_s),
         ("max_restarts", kills + 2),
+        ("log_every", 1),  # every step on record: the step a kill interrupted is exact
     ):
         text = re.sub(rf"^{key} = .*$", f"{key} = {value}", text, flags=re.M)
     path = folder / f"{name}.toml"

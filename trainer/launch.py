@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import json
 import os
 import re
@@ -19,13 +18,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from infra.host_network import is_loopback
+from infra.parent_death import die_with_parent
 from infra.redact import API_KEY_ENV, API_KEY_FILE_ENV
 from trainer.errors import RanksFailed, RanksHung, UserCodeFailed
 from trainer.hang import HangWatch
 from trainer.job import TrainJob
 from trainer.start_watch import StartWatch, Verdict
 
-_PR_SET_PDEATHSIG = 1
 # What torchrun starts on every rank (it runs the built-in trainer or the user's script); the
 # chaos commands and the stop path find rank processes by it.
 RANK_MODULE = "trainer.entry"
@@ -36,18 +35,6 @@ _STEP_FIELDS = ("step", "loss", "lr", "tokens_per_s", "mfu", "checkpoint_step", 
 # Health lines an attempt keeps in memory and returns: a node that flaps for a month writes
 # thousands; the progress file on the node keeps them all.
 HEALTH_KEPT = 20
-
-
-# Loaded here, not in the child: dlopen between fork and exec can deadlock on a lock that
-# another thread of the parent held at fork time.
-_LIBC = ctypes.CDLL("libc.so.6", use_errno=True)
-
-
-def _die_with_parent() -> None:
-    """Runs in the child between fork and exec: kill torchrun when the node agent dies, and its
-    ranks follow (they exit when orphaned, trainer.runtime). A dead agent is a failed node, not
-    a preemption: SIGTERM would have the ranks checkpoint with peers whose node is gone."""
-    _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 @dataclass
@@ -223,7 +210,10 @@ async def run_ranks(
             stderr=asyncio.subprocess.STDOUT,
             env=env,
             cwd=workdir,
-            preexec_fn=_die_with_parent,
+            # torchrun dies with the agent, and its ranks with it (trainer.runtime): a dead agent
+            # is a failed node, not a preemption, so nothing gets a SIGTERM to checkpoint with
+            # peers whose node is gone.
+            preexec_fn=die_with_parent,
         )
     finished_at: float | None = None
     start = StartWatch(start_limit_s, time.monotonic()) if start_limit_s else None

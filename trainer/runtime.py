@@ -8,13 +8,13 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import threading
-import time
 from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+from infra.parent_death import die_with_parent_from_now
 
 
 def seed(device: torch.device, seed: int) -> None:
@@ -25,20 +25,6 @@ def seed(device: torch.device, seed: int) -> None:
         torch.default_generator.manual_seed(seed)
     else:
         torch.manual_seed(seed)
-
-
-def exit_with_parent(poll_s: float = 0.5) -> None:
-    """A rank never outlives its launcher: when torchrun dies (and the agent above it), this
-    rank is re-parented, notices, and exits instead of holding a GPU as an orphan."""
-    parent = os.getppid()
-
-    def watch() -> None:
-        while True:
-            time.sleep(poll_s)
-            if os.getppid() != parent:
-                os._exit(1)
-
-    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 
 
 class TermSignal:
@@ -78,7 +64,9 @@ def start(node_index: int, collective_timeout_s: int) -> Runtime:
     would become rank 0. The rank here is node index × ranks per node + local rank instead, so
     rank order (and with it tensor-parallel groups and data slices) never depends on timing.
     """
-    exit_with_parent()
+    # A rank never outlives its launcher: when torchrun dies (its node agent died), the rank is
+    # killed at once, before it trains another step with peers that still answer.
+    die_with_parent_from_now()
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     world = int(os.environ.get("WORLD_SIZE", "1"))

@@ -141,7 +141,7 @@ async def run_node_agent(
             await join(client, node_dir, info, previous)
 
     node_health.repaired(node_dir)  # a new incarnation runs on a repaired node
-    activities = NodeActivities(settings, node_id, on_cache_changed, fabric)
+    activities = NodeActivities(settings, node_id, on_cache_changed, fabric, info.incarnation)
     info = info.model_copy(update={"cached": activities.cache.held_snapshots()})
     # No writer of this node's spool is alive yet: what a crashed predecessor left open is
     # sealed, so it is deleted once shipped. The shipper lives as long as the agent.
@@ -150,7 +150,7 @@ async def run_node_agent(
     worker = Worker(
         client,
         task_queue=node_task_queue(node_id),
-        activities=[activities.train_on_node, activities.stop_training],
+        activities=[activities.train_on_node, activities.stop_training, activities.node_alive],
         # Send every heartbeat within a second: progress shows live and cancellation
         # reaches the ranks fast (the default throttle is 0.8 × the heartbeat timeout).
         max_heartbeat_throttle_interval=timedelta(seconds=1),

@@ -6,9 +6,10 @@ the workflow.
 from __future__ import annotations
 
 import asyncio
-from datetime import datetime
+from datetime import datetime, timedelta
 
 from temporalio import workflow
+from temporalio.common import RetryPolicy
 from temporalio.exceptions import (
     ActivityError,
     ApplicationError,
@@ -19,6 +20,12 @@ from temporalio.exceptions import (
 
 from workflows.cluster_models import Allocation, PreemptNotice
 from workflows.models import Failure, HealthEvent, NodeTrainResult
+from workflows.names import node_task_queue
+
+# How long a live node agent takes at most to answer the liveness probe: the task waits in its
+# queue for one of the agent's idle pollers (milliseconds), the answer is a constant. A node
+# that says nothing within this long is dead or cut off.
+PROBE_TIMEOUT = timedelta(seconds=2)
 
 
 class Preempted(Exception):
@@ -59,12 +66,28 @@ def straggler_swap(results: list[NodeTrainResult]) -> StragglerSwap | None:
 
 
 def failures_of(
-    allocation: Allocation, handles: list[workflow.ActivityHandle], now: datetime
+    allocation: Allocation,
+    handles: list[workflow.ActivityHandle],
+    now: datetime,
+    silent: frozenset[str] = frozenset(),
 ) -> list[Failure]:
     """One failure per node whose activity failed (cancellations are our own doing); a node
-    that went silent is named as suspect so the cluster drains it."""
+    that went silent (no heartbeat, or no answer to the probe of `tear_down`) is named as
+    suspect so the cluster drains it."""
     failures = []
     for node, handle in zip(allocation.nodes, handles, strict=True):
+        if node.node_id in silent:
+            failures.append(
+                Failure(
+                    generation=allocation.generation,
+                    node_id=node.node_id,
+                    reason=f"{node.node_id}: its agent did not answer a liveness probe within "
+                    f"{PROBE_TIMEOUT.total_seconds():g} s after its peers failed (presumed dead)",
+                    at=now,
+                    kind="fail-stop",
+                )
+            )
+            continue
         err = handle.exception()
         if err is None or _is_cancel(err):
             continue
@@ -111,6 +134,63 @@ async def cancel_all(handles: list[workflow.ActivityHandle]) -> None:
         if not handle.done():
             handle.cancel()
     await asyncio.gather(*handles, return_exceptions=True)
+
+
+async def tear_down(
+    allocation: Allocation, handles: list[workflow.ActivityHandle]
+) -> frozenset[str]:
+    """Cancel a failed gang's activities without waiting on the dead: the nodes that did not
+    answer a liveness probe.
+
+    A live agent acknowledges the cancellation once its ranks are stopped (a second or two:
+    it heartbeats every second). A dead one never does; its activity ends only at its heartbeat
+    timeout, which is what the run used to wait for. So every node still running is probed: one
+    that answers as the incarnation it was granted as is waited for, as before (its nodes are
+    not given back while its ranks may run); one that does not, or that answers as a restarted
+    agent (the old one's ranks died with it), is left behind and returned, to be drained. Its
+    activity's late end is observed and dropped."""
+    for handle in handles:
+        if not handle.done():
+            handle.cancel()
+    running = [(n, h) for n, h in zip(allocation.nodes, handles, strict=True) if not h.done()]
+    answers = await asyncio.gather(*(_probe(node.node_id) for node, _ in running))
+    silent = frozenset(
+        node.node_id
+        for (node, _), answer in zip(running, answers, strict=True)
+        if answer is _NO_ANSWER or (answer and answer != node.incarnation)
+    )
+    for node, handle in running:
+        if node.node_id in silent:
+            handle.add_done_callback(_observe)
+    await asyncio.gather(
+        *(h for n, h in running if n.node_id not in silent), return_exceptions=True
+    )
+    return silent
+
+
+_NO_ANSWER = object()
+
+
+async def _probe(node_id: str) -> object:
+    """The incarnation the node's agent answers with, or _NO_ANSWER. Any other failure of the
+    probe (an agent of a release without it) came from a live agent: ""."""
+    try:
+        return await workflow.execute_activity(
+            "node_alive",
+            task_queue=node_task_queue(node_id),
+            result_type=str,
+            schedule_to_start_timeout=PROBE_TIMEOUT,
+            start_to_close_timeout=PROBE_TIMEOUT,
+            retry_policy=RetryPolicy(maximum_attempts=1),
+        )
+    except ActivityError as err:
+        return _NO_ANSWER if isinstance(err.cause, TimeoutError) else ""
+
+
+def _observe(handle: asyncio.Future) -> None:
+    """Retrieve an abandoned activity's outcome, so it is not reported as never retrieved."""
+    if not handle.cancelled():
+        handle.exception()
 
 
 # The node agent's error type for a rank script that failed before its first step

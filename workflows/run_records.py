@@ -54,3 +54,14 @@ def add_attempt(status: RunStatus, attempt: AttemptRecord) -> None:
     status.goodput = combine(
         status.earlier_goodput, account(attempts, waited_from=status.earlier_ended_at)
     )
+
+
+def failed_in_a_row(status: RunStatus) -> int:
+    """How many of the newest gang attempts failed, one after another: the first failure of a
+    run that was training retries at once; only a failure that follows a failure backs off."""
+    count = 0
+    for attempt in reversed(status.gang_attempts):
+        if attempt.outcome != "failed":
+            break
+        count += 1
+    return count

@@ -37,6 +37,7 @@ with workflow.unsafe.imports_passed_through():
         failures_of,
         stopped_early,
         straggler_swap,
+        tear_down,
         user_code_failure,
     )
     from workflows.models import (
@@ -75,6 +76,7 @@ with workflow.unsafe.imports_passed_through():
         add_failures,
         add_preemption,
         add_skipped,
+        failed_in_a_row,
         newest,
     )
 
@@ -459,12 +461,16 @@ class TrainingRun(RunEnd):
             if early:
                 raise GangFailed(early)
             return results
-        await cancel_all(handles)
+        silent: frozenset[str] = frozenset()
+        if workflow.patched("probe-silent-nodes"):  # a dead node is not waited for
+            silent = await tear_down(allocation, handles)
+        else:
+            await cancel_all(handles)
         if mistake := user_code_failure(handles):
             # The script's own error: another attempt would fail the same way, and no node is
             # to blame. The run fails now, with the user's traceback, spending no restart.
             raise mistake
-        raise GangFailed(failures_of(allocation, handles, workflow.now()))
+        raise GangFailed(failures_of(allocation, handles, workflow.now(), silent))
 
     async def _stop_gracefully(
         self, allocation: Allocation, handles: list, notice: PreemptNotice
@@ -487,7 +493,7 @@ class TrainingRun(RunEnd):
             raise Preempted(notice, None) from None
 
     async def _recover(self, allocation: Allocation, failures: list[Failure]) -> None:
-        """Drain the nodes at fault, give the gang back, and back off before the next attempt."""
+        """Drain the nodes at fault, give the gang back, and back off if failures repeat."""
         self._set_phase(Phase.RECOVERING)
         self._after = "failure"
         add_failures(self._status, failures)
@@ -503,7 +509,13 @@ class TrainingRun(RunEnd):
                 f"last failure: {failures[-1].reason}",
                 non_retryable=True,
             )
-        await workflow.sleep(timedelta(seconds=min(2 ** (self._status.attempts - 1), 30)))
+        if workflow.patched("first-retry-at-once"):
+            # A node died: the run queues again at once (a spare or a free node is granted
+            # within the second). Failures one after another back off: 1 s, 2 s, ... 30 s.
+            if (in_a_row := failed_in_a_row(self._status)) > 1:
+                await workflow.sleep(timedelta(seconds=min(2 ** (in_a_row - 2), 30)))
+        else:
+            await workflow.sleep(timedelta(seconds=min(2 ** (self._status.attempts - 1), 30)))
 
     async def _swap(self, allocation: Allocation, swap: StragglerSwap) -> None:
         """Cordon the straggler's node (the cluster keeps its evidence as the reason), give the

@@ -16,6 +16,7 @@ from workflows.run_records import (
     add_failures,
     add_preemption,
     add_skipped,
+    failed_in_a_row,
 )
 from workflows.spec import RunSpec
 
@@ -78,3 +79,16 @@ def test_past_max_swaps_a_straggler_is_reported_and_kept() -> None:
     assert spec.after_swaps(2).recovery.straggler_policy == "report"
     assert spec.after_swaps(2).recovery.straggler_settings()["policy"] == "report"
     assert spec.recovery.straggler_policy == "swap"  # the run's own spec is unchanged
+
+
+def test_only_failures_one_after_another_count_as_repeated() -> None:
+    """The backoff before a restart grows with the failures in a row, not with the run's
+    total: a run whose first failure comes after a completed or preempted attempt retries at
+    once (TrainingRun._recover)."""
+    status = _status()
+    assert failed_in_a_row(status) == 0
+    outcomes = ["preempted", "failed", "failed", "swapped", "failed"]
+    expected = [0, 1, 2, 0, 1]
+    for outcome, want in zip(outcomes, expected, strict=True):
+        add_attempt(status, _attempts(1)[0].model_copy(update={"outcome": outcome}))
+        assert failed_in_a_row(status) == want, (outcome, status.gang_attempts)

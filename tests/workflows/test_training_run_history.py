@@ -50,6 +50,7 @@ from workflows.models import (
 )
 from workflows.names import CLUSTER_WORKFLOW_ID, CONTROL_TASK_QUEUE, PREEMPT_SIGNAL, node_task_queue
 from workflows.run_records import ATTEMPTS_KEPT, KEPT
+from workflows.spec import RunSpec
 from workflows.training_run import TrainingRun
 
 REPO = Path(__file__).resolve().parents[2]
@@ -138,6 +139,29 @@ async def _status(handle: WorkflowHandle) -> RunStatus:
     return await handle.query(TrainingRun.status, result_type=RunStatus)
 
 
+async def start_cluster_and_run(
+    stack: contextlib.AsyncExitStack,
+    client: Client,
+    workers: list[Worker],
+    task_queue: str,
+    spec: RunSpec,
+) -> tuple[WorkflowHandle, WorkflowHandle]:
+    """Start the workers (they stop with `stack`), the Cluster workflow on `task_queue` and the
+    run on the control queue, as `forgeline up` and `forgeline run` would."""
+    for worker in workers:
+        await stack.enter_async_context(worker)
+    cluster = await client.start_workflow(
+        ClusterWorkflow.run, ClusterState(), id=CLUSTER_WORKFLOW_ID, task_queue=task_queue
+    )
+    run = await client.start_workflow(
+        TrainingRun.run,
+        TrainingRunInput(spec=spec, spec_sha256="0" * 64),
+        id=spec.name,
+        task_queue=CONTROL_TASK_QUEUE,
+    )
+    return cluster, run
+
+
 async def _preempt_many_times(client: Client, task_queue: str) -> tuple[RunStatus, list[str], str]:
     spec = load_spec(REPO / "examples" / "tiny.toml")
     spec = spec.model_copy(update={
@@ -156,17 +180,7 @@ async def _preempt_many_times(client: Client, task_queue: str) -> tuple[RunStatu
                activities=[agent.train_on_node, agent.stop_training]),
     ]  # fmt: skip
     async with contextlib.AsyncExitStack() as stack:
-        for worker in workers:
-            await stack.enter_async_context(worker)
-        cluster = await client.start_workflow(
-            ClusterWorkflow.run, ClusterState(), id=CLUSTER_WORKFLOW_ID, task_queue=task_queue
-        )
-        run = await client.start_workflow(
-            TrainingRun.run,
-            TrainingRunInput(spec=spec, spec_sha256="0" * 64),
-            id=spec.name,
-            task_queue=CONTROL_TASK_QUEUE,
-        )
+        cluster, run = await start_cluster_and_run(stack, client, workers, task_queue, spec)
         try:
             await cluster.signal(ClusterWorkflow.register_node, node("n0"))
             for generation in range(1, PREEMPTIONS + 1):

@@ -1,0 +1,148 @@
+"""A node that dies mid-attempt costs the run seconds, not its heartbeat timeout.
+
+The real TrainingRun and Cluster workflows on the dev server. Node n1's agent is a process of
+its own (tests/workflows/doomed_agent.py) that the test SIGKILLs while it trains; n0's agent
+answers as a survivor does: its ranks' collectives failed, so its activity fails at once. n2
+joins after the kill, the node the run recovers onto. The heartbeat timeout is a minute: a
+run that waited for it would still be recovering when the test gives up.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from temporalio import activity
+from temporalio.api.enums.v1 import EventType
+from temporalio.client import Client
+from temporalio.contrib.pydantic import pydantic_data_converter
+from temporalio.exceptions import ApplicationError
+from temporalio.service import RPCError
+from temporalio.worker import Worker
+
+from tests.workflows.prepared_dataset import PreparedDataset
+from tests.workflows.replaying import write_history
+from tests.workflows.test_cluster_workflow import eventually, node
+from tests.workflows.test_training_run_history import (
+    RECORD_TO,
+    STEPS,
+    Control,
+    _status,
+    start_cluster_and_run,
+)
+from worker.specfile import load_spec
+from workflows.cluster import ClusterWorkflow
+from workflows.models import NodeTrainInput, NodeTrainResult, Phase
+from workflows.names import CONTROL_TASK_QUEUE, node_task_queue
+from workflows.training_run import TrainingRun
+
+REPO = Path(__file__).resolve().parents[2]
+HEARTBEAT_TIMEOUT_S = 60
+LABEL = "2026-12-02-probe"
+
+
+class Survivors:
+    """n0 and n2's agents: generation 1 fails once n1 is dead (as ranks whose peer vanished
+    do); later generations train to the end."""
+
+    def __init__(self) -> None:
+        self.peer_dead = asyncio.Event()
+        self.step = 0  # what Control's latest_checkpoint reports
+
+    @activity.defn(name="train_on_node")
+    async def train_on_node(self, inp: NodeTrainInput) -> NodeTrainResult:
+        if inp.allocation.generation == 1:
+            while not self.peer_dead.is_set():
+                activity.heartbeat()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self.peer_dead.wait(), 0.2)
+            raise ApplicationError(
+                f"ranks on node {inp.node_id}: Connection closed by peer", type="RanksFailed"
+            )
+        self.step = STEPS
+        return NodeTrainResult(node_id=inp.node_id, generation=inp.allocation.generation,
+                               final_step=STEPS, final_loss=1.0)  # fmt: skip
+
+    @activity.defn(name="node_alive")
+    async def node_alive(self) -> str:
+        return "a"
+
+
+def test_a_dead_node_is_left_behind_without_waiting_for_its_heartbeat_timeout(
+    temporal_address: str, task_queue: str, tmp_path: Path
+) -> None:
+    spec = load_spec(REPO / "examples" / "tiny.toml")
+    spec = spec.model_copy(update={
+        "name": "dead-node",
+        "recovery": spec.recovery.model_copy(update={"heartbeat_timeout_s": HEARTBEAT_TIMEOUT_S}),
+    })  # fmt: skip
+    started = tmp_path / "n1-started"
+    doomed = subprocess.Popen(
+        [sys.executable, "-m", "tests.workflows.doomed_agent", temporal_address, "n1", "a",
+         str(started)], cwd=REPO,
+    )  # fmt: skip
+
+    async def main() -> tuple[float, dict]:
+        client = await Client.connect(temporal_address, data_converter=pydantic_data_converter)
+        survivors = Survivors()
+        control = Control(survivors)  # type: ignore[arg-type]  # it reads .step alone
+        workers = [
+            Worker(client, task_queue=task_queue, workflows=[ClusterWorkflow]),
+            Worker(client, task_queue=CONTROL_TASK_QUEUE, workflows=[TrainingRun, PreparedDataset],
+                   activities=control.all()),
+            *(Worker(client, task_queue=node_task_queue(n),
+                     activities=[survivors.train_on_node, survivors.node_alive])
+              for n in ("n0", "n2")),
+        ]  # fmt: skip
+        async with contextlib.AsyncExitStack() as stack:
+            cluster, handle = await start_cluster_and_run(stack, client, workers, task_queue, spec)
+            try:
+                for n in ("n0", "n1"):
+                    await cluster.signal(ClusterWorkflow.register_node, node(n))
+                await eventually(lambda: asyncio.to_thread(started.exists), bool, timeout=60)
+                doomed.send_signal(signal.SIGKILL)
+                doomed.wait()
+                killed_at = time.time()
+                survivors.peer_dead.set()
+                await cluster.signal(ClusterWorkflow.register_node, node("n2"))
+                final = await eventually(
+                    lambda: _status(handle),
+                    lambda s: s.phase == Phase.AWAITING_APPROVAL,
+                    timeout=HEARTBEAT_TIMEOUT_S - 20,
+                )
+                history = await handle.fetch_history()
+                if record := os.environ.get(RECORD_TO):
+                    write_history(history, Path(record) / f"{LABEL}_TrainingRun_{spec.name}")
+                timers = [
+                    e.timer_started_event_attributes.start_to_fire_timeout.ToSeconds()
+                    for e in history.events
+                    if e.event_type == EventType.EVENT_TYPE_TIMER_STARTED
+                ]
+                return killed_at, {"status": final, "timers": timers}
+            finally:
+                for wf in (handle, cluster):
+                    with contextlib.suppress(RPCError):
+                        await wf.terminate("test over")
+
+    try:
+        killed_at, seen = asyncio.run(main())
+    finally:
+        doomed.kill()
+    status = seen["status"]
+    assert status.phase == Phase.AWAITING_APPROVAL, status
+    first, second = status.gang_attempts
+    assert first.outcome == "failed" and second.outcome == "completed"
+    assert second.generation == 2
+    # Left behind as dead, by name, and drained: the second gang is n0 and the spare n2.
+    dead = [f for f in status.failures if f.node_id == "n1"]
+    assert dead and "did not answer a liveness probe" in dead[0].reason, status.failures
+    assert any(f.node_id is None and "Connection closed" in f.reason for f in status.failures)
+    assert second.granted_at.timestamp() < killed_at + HEARTBEAT_TIMEOUT_S / 2, (second, killed_at)
+    # The first failure retries at once: no backoff timer.
+    assert 1.0 not in seen["timers"], seen["timers"]
