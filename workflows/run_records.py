@@ -57,11 +57,16 @@ def add_attempt(status: RunStatus, attempt: AttemptRecord) -> None:
 
 
 def failed_in_a_row(status: RunStatus) -> int:
-    """How many of the newest gang attempts failed, one after another: the first failure of a
-    run that was training retries at once; only a failure that follows a failure backs off."""
+    """How many of the newest gang attempts failed one after another without progress between
+    them: the first failure of a run that was training retries at once; only a failure that
+    follows a failure backs off. An attempt that committed a checkpoint of its own before it
+    failed made progress: the failures before it do not count."""
     count = 0
     for attempt in reversed(status.gang_attempts):
         if attempt.outcome != "failed":
             break
         count += 1
+        ledger = attempt.ledger
+        if ledger is not None and ledger.kept is not None and ledger.kept.step > ledger.resume_step:
+            break
     return count

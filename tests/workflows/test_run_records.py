@@ -83,12 +83,17 @@ def test_past_max_swaps_a_straggler_is_reported_and_kept() -> None:
 
 def test_only_failures_one_after_another_count_as_repeated() -> None:
     """The backoff before a restart grows with the failures in a row, not with the run's
-    total: a run whose first failure comes after a completed or preempted attempt retries at
-    once (TrainingRun._recover)."""
+    total: a run whose first failure comes after a completed or preempted attempt, or after an
+    attempt that committed a checkpoint of its own, retries at once (TrainingRun._recover)."""
     status = _status()
     assert failed_in_a_row(status) == 0
-    outcomes = ["preempted", "failed", "failed", "swapped", "failed"]
-    expected = [0, 1, 2, 0, 1]
-    for outcome, want in zip(outcomes, expected, strict=True):
-        add_attempt(status, _attempts(1)[0].model_copy(update={"outcome": outcome}))
+    template = _attempts(1)[0]
+    assert template.ledger is not None and template.ledger.kept is not None
+    no_commit = template.ledger.model_copy(update={"kept": None})
+    committed = template.ledger.model_copy(update={"resume_step": template.ledger.kept.step - 1})
+    story = [("preempted", no_commit, 0), ("failed", no_commit, 1), ("failed", no_commit, 2),
+             ("swapped", no_commit, 0), ("failed", no_commit, 1), ("failed", committed, 1),
+             ("failed", no_commit, 2)]  # fmt: skip
+    for outcome, ledger, want in story:
+        add_attempt(status, template.model_copy(update={"outcome": outcome, "ledger": ledger}))
         assert failed_in_a_row(status) == want, (outcome, status.gang_attempts)
