@@ -18,7 +18,7 @@ from temporalio.exceptions import (
     TimeoutType,
 )
 
-from workflows.cluster_models import Allocation, PreemptNotice
+from workflows.cluster_models import Allocation, NodeInfo, PreemptNotice
 from workflows.models import Failure, HealthEvent, NodeTrainResult
 from workflows.names import node_task_queue
 
@@ -129,10 +129,14 @@ def stopped_early(
     ]
 
 
-async def cancel_all(handles: list[workflow.ActivityHandle]) -> None:
+def _request_cancel(handles: list[workflow.ActivityHandle]) -> None:
     for handle in handles:
         if not handle.done():
             handle.cancel()
+
+
+async def cancel_all(handles: list[workflow.ActivityHandle]) -> None:
+    _request_cancel(handles)
     await asyncio.gather(*handles, return_exceptions=True)
 
 
@@ -149,16 +153,10 @@ async def tear_down(
     not given back while its ranks may run); one that does not, or that answers as a restarted
     agent (the old one's ranks died with it), is left behind and returned, to be drained. Its
     activity's late end is observed and dropped."""
-    for handle in handles:
-        if not handle.done():
-            handle.cancel()
+    _request_cancel(handles)
     running = [(n, h) for n, h in zip(allocation.nodes, handles, strict=True) if not h.done()]
-    answers = await asyncio.gather(*(_probe(node.node_id) for node, _ in running))
-    silent = frozenset(
-        node.node_id
-        for (node, _), answer in zip(running, answers, strict=True)
-        if answer is _NO_ANSWER or (answer and answer != node.incarnation)
-    )
+    alive = await asyncio.gather(*(_answers_as_granted(node) for node, _ in running))
+    silent = frozenset(node.node_id for (node, _), ok in zip(running, alive, strict=True) if not ok)
     for node, handle in running:
         if node.node_id in silent:
             handle.add_done_callback(_observe)
@@ -168,23 +166,22 @@ async def tear_down(
     return silent
 
 
-_NO_ANSWER = object()
-
-
-async def _probe(node_id: str) -> object:
-    """The incarnation the node's agent answers with, or _NO_ANSWER. Any other failure of the
-    probe (an agent of a release without it) came from a live agent: ""."""
+async def _answers_as_granted(node: NodeInfo) -> bool:
+    """Whether the node's agent answers the probe as the incarnation it was granted as. An
+    agent of a release without the probe fails it at once, which a live agent alone can do;
+    one that answers without an incarnation (a test's) is taken at its word."""
     try:
-        return await workflow.execute_activity(
+        answer = await workflow.execute_activity(
             "node_alive",
-            task_queue=node_task_queue(node_id),
+            task_queue=node_task_queue(node.node_id),
             result_type=str,
             schedule_to_start_timeout=PROBE_TIMEOUT,
             start_to_close_timeout=PROBE_TIMEOUT,
             retry_policy=RetryPolicy(maximum_attempts=1),
         )
     except ActivityError as err:
-        return _NO_ANSWER if isinstance(err.cause, TimeoutError) else ""
+        return not isinstance(err.cause, TimeoutError)
+    return answer in ("", node.incarnation)
 
 
 def _observe(handle: asyncio.Future) -> None:
