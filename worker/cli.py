@@ -128,12 +128,27 @@ def up(
     data_workers: Annotated[
         int, typer.Option(min=1, max=64, help="data-preparation workers (more = faster)")
     ] = 1,
+    spares: Annotated[
+        int | None,
+        typer.Option(
+            min=0,
+            max=64,
+            help="that many more node agents, held back (any healthy idle ones) for gangs "
+            "recovering from a failure; 0 frees the pool; default: as the cluster has it",
+        ),
+    ] = None,
 ) -> None:
     """Start the local stack (idempotent): Temporal, MLflow, workers, node agents."""
     ports = stack.Ports(temporal=temporal_port, ui=ui_port, mlflow=mlflow_port, api=api_port)
     try:
         settings = stack.up(
-            state_home(), nodes, gpus_per_node, ports, data_workers, say=console.print
+            state_home(),
+            nodes,
+            gpus_per_node,
+            ports,
+            data_workers,
+            say=console.print,
+            spares=spares,
         )
     except StackError as err:  # a process that would not start, a server that does not answer
         raise CliError(str(err), ExitCode.DOWN) from None

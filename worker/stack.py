@@ -39,8 +39,9 @@ from infra.settings import (
 )
 from infra.tokens import LOCAL_TOKEN_FILE, ensure_local_admin
 from worker.cli_common import get_client
+from worker.cluster_actions import apply_config
 from worker.temporal_client import ensure_cluster, ensure_search_attributes
-from workflows.cluster_models import ClusterState, Health, Node
+from workflows.cluster_models import ClusterConfig, ClusterState, Health, Node
 from workflows.names import CLUSTER_WORKFLOW_ID
 from workflows.search_attributes import SEARCH_ATTRIBUTE_TYPES
 
@@ -109,10 +110,13 @@ def up(
     ports: Ports,
     data_workers: int = 1,
     say: Callable[[str], None] = print,
+    spares: int | None = None,
 ) -> Settings:
+    """`spares`: that many more node agents, and the cluster told to hold that many healthy idle
+    nodes back for recovering gangs (None: the spare pool stays as the cluster has it)."""
     # One event loop for the whole command: the Temporal client's core runtime is not meant
     # to hop between loops.
-    return asyncio.run(_up(home, nodes, gpus_per_node, ports, data_workers, say))
+    return asyncio.run(_up(home, nodes, gpus_per_node, ports, data_workers, say, spares))
 
 
 async def _up(
@@ -122,6 +126,7 @@ async def _up(
     ports: Ports,
     data_workers: int,
     say: Callable[[str], None],
+    spares: int | None,
 ) -> Settings:
     # The whole stack on one machine: Temporal's and MLflow's servers (control), data workers
     # (data). Checked before anything starts, so a host's lean install fails in one line.
@@ -233,7 +238,7 @@ async def _up(
             say(f"{name:<13} started (pid {worker.pid()})")
 
     expected: dict[str, str | None] = {}
-    for index in range(nodes):
+    for index in range(nodes + (spares or 0)):
         agent = ManagedProcess(home, node_name(index))
         if agent.running():
             expected[node_name(index)] = None
@@ -260,7 +265,19 @@ async def _up(
                 f"({node.down_reason}): it gets no work until its agent restarts "
                 f"(`kill {ManagedProcess(home, node.info.node_id).pid()}`, then `forgeline up`)"
             )
+    if spares is not None:
+        await _hold_spares(client, state.config, spares, say)
     return settings
+
+
+async def _hold_spares(
+    client: Client, config: ClusterConfig, spares: int, say: Callable[[str], None]
+) -> None:
+    """Set the cluster's spare pool, keeping the rest of its configuration (pods, queues) as
+    `forgeline cluster apply` left it. The Cluster workflow picks which idle nodes are held."""
+    if config.spare_nodes != spares:
+        await apply_config(client, config.model_copy(update={"spare_nodes": spares}))
+    say(f"spares        {spares} healthy idle node(s) held back for recovering gangs")
 
 
 def _ready(node: Node, expected: dict[str, str | None]) -> bool:

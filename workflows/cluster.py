@@ -144,6 +144,9 @@ class ClusterWorkflow:
             # The run asked again (e.g. its workflow task was retried): resend what it holds.
             self._outbox.append((held.run_id, GANG_GRANTED_SIGNAL, held))
             return
+        self._enqueue(request)
+
+    def _enqueue(self, request: GangRequest) -> None:
         if all(r.run_id != request.run_id for r in self._state.queue):
             if request.submitted_at is None:
                 request = request.model_copy(update={"submitted_at": workflow.now()})
@@ -156,6 +159,8 @@ class ClusterWorkflow:
         held = self._allocation(release.run_id)
         if held is not None and held.generation == release.generation:
             self._free(held)
+        if release.requeue is not None:
+            self._enqueue(release.requeue)
         self._dirty = True
 
     @workflow.signal

@@ -281,6 +281,10 @@ class NodeAdmin(BaseModel):
 class Release(BaseModel):
     run_id: str
     generation: int
+    # The run's next request, queued in the same step as the release: a gang recovering from a
+    # failure keeps its survivors from the queue (a pass between a release and a later request
+    # would grant them to the next run in line).
+    requeue: GangRequest | None = None
 
 
 class GrantCheck(BaseModel):

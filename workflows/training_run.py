@@ -24,6 +24,7 @@ with workflow.unsafe.imports_passed_through():
     from workflows.cluster_calls import gang_request, nodes_at_fault, report_nodes
     from workflows.cluster_models import (
         Allocation,
+        GangRequest,
         GrantCheck,
         PreemptNotice,
         Release,
@@ -126,6 +127,7 @@ class TrainingRun(RunEnd):
         self._attempt: AttemptRecord | None = None  # the gang attempt under way
         # What the next attempt follows: start, failure, preemption, swap.
         self._after = carried.after if carried else "start"
+        self._queued_with_release = False  # the last release queued the next attempt
 
     @workflow.run
     async def run(self, inp: TrainingRunInput) -> RunStatus:
@@ -292,19 +294,24 @@ class TrainingRun(RunEnd):
             self._status.mfu = head.mfu
             return final, results
 
-    async def _acquire_gang(self) -> Allocation:
+    def _gang_request(self) -> GangRequest:
         dataset = self._status.dataset
-        request = gang_request(
+        return gang_request(
             self._spec,
             dataset.snapshot_id if dataset else None,
             recovering=self._after in ("failure", "swap"),
             submitted_at=self._submitted_at,
         )
+
+    async def _acquire_gang(self) -> Allocation:
         self._grant = None
         self._preempt = None
         requested_at = workflow.now()
-        cluster = workflow.get_external_workflow_handle(CLUSTER_WORKFLOW_ID)
-        await cluster.signal("request_gang", request)
+        if self._queued_with_release:
+            self._queued_with_release = False  # the release carried the request (_release_gang)
+        else:
+            cluster = workflow.get_external_workflow_handle(CLUSTER_WORKFLOW_ID)
+            await cluster.signal("request_gang", self._gang_request())
         if workflow.patched("grants-confirmed"):  # runs started before take grants unchecked
             self._grant = await self._confirmed_grant()
         else:
@@ -365,13 +372,20 @@ class TrainingRun(RunEnd):
             )
         add_attempt(self._status, attempt)
 
-    async def _release_gang(self) -> None:
+    async def _release_gang(self, requeue: bool = False) -> None:
         """Give back the gang, and withdraw a request still waiting in the queue (generation 0
-        matches no allocation, so it only withdraws)."""
+        matches no allocation, so it only withdraws). `requeue`: the release carries the next
+        attempt's request, so the cluster frees the nodes and queues the run in one step and no
+        pass in between hands the survivors to the queue (patch requeue-with-release)."""
         generation = self._allocation.generation if self._allocation else 0
         self._allocation = None
         self._status.nodes = []
-        release = Release(run_id=self._spec.name, generation=generation)
+        self._queued_with_release = requeue
+        release = Release(
+            run_id=self._spec.name,
+            generation=generation,
+            requeue=self._gang_request() if requeue else None,
+        )
         await workflow.get_external_workflow_handle(CLUSTER_WORKFLOW_ID).signal("release", release)
 
     async def _resolve_init_from(self, dataset: DatasetRef) -> CheckpointRef:
@@ -500,9 +514,13 @@ class TrainingRun(RunEnd):
         generation = allocation.generation
         blamed = nodes_at_fault(failures, self._status.health, generation)
         await report_nodes(self._spec.name, generation, blamed)
-        await self._release_gang()
+        in_a_row = failed_in_a_row(self._status)
+        gives_up = self._status.attempts + 1 > self._spec.recovery.max_restarts
+        # Queued again in the release itself unless it gives up or backs off first.
+        requeue = in_a_row <= 1 and not gives_up and workflow.patched("requeue-with-release")
+        await self._release_gang(requeue=requeue)
         self._status.attempts += 1
-        if self._status.attempts > self._spec.recovery.max_restarts:
+        if gives_up:
             raise ApplicationError(
                 f"gave up after {self._status.attempts} failed attempts "
                 f"(recovery.max_restarts = {self._spec.recovery.max_restarts}); "
@@ -512,7 +530,7 @@ class TrainingRun(RunEnd):
         if workflow.patched("first-retry-at-once"):
             # A node died: the run queues again at once (a spare or a free node is granted
             # within the second). Failures one after another back off: 1 s, 2 s, ... 30 s.
-            if (in_a_row := failed_in_a_row(self._status)) > 1:
+            if in_a_row > 1:
                 await workflow.sleep(timedelta(seconds=min(2 ** (in_a_row - 2), 30)))
         else:
             await workflow.sleep(timedelta(seconds=min(2 ** (self._status.attempts - 1), 30)))
@@ -527,7 +545,7 @@ class TrainingRun(RunEnd):
         if event.node_id is not None:
             slow = [(event.node_id, f"straggler: {event.evidence}", "straggler")]
             await report_nodes(self._spec.name, allocation.generation, slow)
-        await self._release_gang()
+        await self._release_gang(requeue=workflow.patched("requeue-with-release"))
 
     def _continue_as_new_if_due(self) -> None:
         """Between gang attempts (no gang held, no request queued), start a fresh history

@@ -38,13 +38,14 @@ from tests.workflows.test_training_run_history import (
 )
 from worker.specfile import load_spec
 from workflows.cluster import ClusterWorkflow
+from workflows.cluster_models import ClusterConfig
 from workflows.models import NodeTrainInput, NodeTrainResult, Phase
-from workflows.names import CONTROL_TASK_QUEUE, node_task_queue
+from workflows.names import CLUSTER_WORKFLOW_ID, CONTROL_TASK_QUEUE, node_task_queue
 from workflows.training_run import TrainingRun
 
 REPO = Path(__file__).resolve().parents[2]
 HEARTBEAT_TIMEOUT_S = 60
-LABEL = "2026-12-02-probe"
+LABEL = "2026-12-03-requeue"
 
 
 class Survivors:
@@ -103,14 +104,17 @@ def test_a_dead_node_is_left_behind_without_waiting_for_its_heartbeat_timeout(
         async with contextlib.AsyncExitStack() as stack:
             cluster, handle = await start_cluster_and_run(stack, client, workers, task_queue, spec)
             try:
-                for n in ("n0", "n1"):
+                # n2 is the spare: held back from the queue, taken by the recovering gang.
+                await cluster.execute_update(
+                    ClusterWorkflow.apply_config, ClusterConfig(spare_nodes=1)
+                )
+                for n in ("n2", "n0", "n1"):  # n2 first: the spare from the start
                     await cluster.signal(ClusterWorkflow.register_node, node(n))
                 await eventually(lambda: asyncio.to_thread(started.exists), bool, timeout=60)
                 doomed.send_signal(signal.SIGKILL)
                 doomed.wait()
                 killed_at = time.time()
                 survivors.peer_dead.set()
-                await cluster.signal(ClusterWorkflow.register_node, node("n2"))
                 final = await eventually(
                     lambda: _status(handle),
                     lambda s: s.phase == Phase.AWAITING_APPROVAL,
@@ -119,6 +123,10 @@ def test_a_dead_node_is_left_behind_without_waiting_for_its_heartbeat_timeout(
                 history = await handle.fetch_history()
                 if record := os.environ.get(RECORD_TO):
                     write_history(history, Path(record) / f"{LABEL}_TrainingRun_{spec.name}")
+                    write_history(
+                        await cluster.fetch_history(),
+                        Path(record) / f"{LABEL}_Cluster_{CLUSTER_WORKFLOW_ID}",
+                    )
                 timers = [
                     e.timer_started_event_attributes.start_to_fire_timeout.ToSeconds()
                     for e in history.events
