@@ -31,6 +31,7 @@ from trainer.job import CHAOS_FILE, ResumePoint, TrainJob
 from trainer.launch import LOOPBACK, Fabric, Rendezvous, run_ranks
 from trainer.model import laid_out_as
 from trainer.rank_logs import LogShipper, shipped_while_running
+from trainer.warm_launch import WarmLauncher
 from workflows.cluster_models import CheckpointCommitted
 from workflows.gang_outcome import USER_CODE_ERROR
 from workflows.models import (
@@ -74,6 +75,11 @@ class NodeActivities:
         # The spool the agent's MetricShipper sends to MLflow (worker.processes_main).
         self.metrics_dir = self.workdir / "metrics"
         self.cache = NodeCache(self.workdir / "cache", self.store, settings.node_cache_bytes())
+        # A torchrun with its imports done, for this node's next job (trainer.warm_launch);
+        # the agent makes the first at start-up (worker.processes_main).
+        self.launcher = (
+            WarmLauncher(self.workdir / "standby") if settings.node_warm_standby else None
+        )
 
     @activity.defn(name="train_on_node")
     async def train_on_node(self, inp: NodeTrainInput) -> NodeTrainResult:
@@ -121,6 +127,7 @@ class NodeActivities:
                     hang=HangWatch(inp.spec.recovery.hang_factor, inp.spec.recovery.hang_min_s),
                     start_limit_s=inp.spec.recovery.start_limit_s,
                     fabric=self.fabric,
+                    launcher=self.launcher,
                 )
         except UserCodeFailed as err:  # the same on every attempt and node: fail the run now
             raise ApplicationError(str(err), type=USER_CODE_ERROR, non_retryable=True) from err

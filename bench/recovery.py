@@ -3,11 +3,13 @@
     python -m bench.recovery [--kills 3] [--steps 600] [--checkpoint-every 100]
                              [--heartbeat-timeout 10] [--seed 6]
 
-Starts a private stack (Temporal dev server, MLflow, control worker, three node agents), runs a
+Twice, once with node agents that start torchrun cold (as before warm restarts) and once with
+their warm standby (trainer/warm_launch.py), the table of each and the two side by side:
+starts a private stack (Temporal dev server, MLflow, control worker, 2 + kills node agents), runs a
 fault-free two-node run of examples/tiny.toml for the baseline, then the same spec under
-another name with `--kills` node agents SIGKILLed at random steps (each brought back with
-`forgeline up`, as a repaired node would be). For every kill, from the run's own records (the
-workflow's attempt timeline, the ranks' ledgers and progress files):
+another name with `--kills` node agents SIGKILLed at random steps (each recovery takes a node
+that has not failed). For every kill, from the run's own records (the workflow's attempt
+timeline, the ranks' ledgers and progress files):
 
     detection     SIGKILL → the failed gang torn down (the survivors' collectives fail at
                   once; the dead node's activity is given up on at its heartbeat timeout)
@@ -47,9 +49,9 @@ FORGELINE = str(Path(sys.executable).parent / "forgeline")
 
 
 class LocalStack:
-    def __init__(self, home: Path) -> None:
+    def __init__(self, home: Path, settings: dict[str, str]) -> None:
         self.home = home
-        self.env = {**os.environ, "FORGELINE_HOME": str(home)}
+        self.env = {**os.environ, "FORGELINE_HOME": str(home), **settings}
 
     def cli(self, *args: str, timeout: float = 600) -> str:
         done = subprocess.run(
@@ -124,7 +126,6 @@ def kill_once(stack: LocalStack, run: str, after: int, chance: random.Random) ->
     killed_at = time.time()
     os.kill(pid, 9)
     wait_for(lambda: not trainer_processes(stack.home, victim, run), 60, "the ranks to die")
-    stack.cli("up", "--nodes", "3")
     return generation, killed_at
 
 
@@ -153,6 +154,13 @@ def phases(stack: LocalStack, run: str, killed_at: float, failed: AttemptRecord,
     }
 
 
+# The ways of restarting compared, each on a stack of its own, one after the other in one run.
+VARIANTS = {
+    "cold torchrun (before)": {"FORGELINE_NODE_WARM_STANDBY": "false"},
+    "warm standby": {"FORGELINE_NODE_WARM_STANDBY": "true"},
+}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--kills", type=int, default=3)
@@ -161,9 +169,27 @@ def main() -> None:
     parser.add_argument("--heartbeat-timeout", type=int, default=10)
     parser.add_argument("--seed", type=int, default=6)
     args = parser.parse_args()
+    means = {}
+    for label, settings in VARIANTS.items():
+        rows, fresh_start = measure(args, settings)
+        print(f"\n== {label}")
+        report(rows, fresh_start, args)
+        means[label] = {name: sum(r[name] for r in rows) / len(rows) for name in rows[0]}
+    before, after = means.values()
+    print(f"\n{'mean of the kills':<24}" + "".join(f"{label:>24}" for label in means) + "   ratio")
+    for name in before:
+        unit = "" if name == "steps lost" else " s"
+        ratio = after[name] / before[name] if before[name] else float("nan")
+        print(f"{name:<24}{before[name]:>22.1f}{unit:<2}{after[name]:>22.1f}{unit:<2}{ratio:>8.2f}")
+
+
+def measure(args: argparse.Namespace, settings: dict[str, str]) -> tuple[list[dict], float]:
+    """One stack with `settings`: the fresh run's start, then every kill's phases."""
     home = Path(tempfile.mkdtemp(prefix="forgeline-bench-recovery-"))
-    stack = LocalStack(home)
-    stack.cli("up", "--nodes", "3", "--gpus-per-node", "1", *free_port_flags())
+    stack = LocalStack(home, settings)
+    # A node for every kill beyond the gang's two: dead nodes stay dead, and no repaired agent's
+    # start-up (seconds of CPU on this one machine) competes with a restart it is not part of.
+    stack.cli("up", "--nodes", str(2 + args.kills), "--gpus-per-node", "1", *free_port_flags())
     try:
         folder = home / "specs"
         folder.mkdir()
@@ -187,10 +213,10 @@ def main() -> None:
             failed = by_generation[failed_generation]
             resumed = next(a for a in status.gang_attempts if a.generation > failed_generation)
             rows.append(phases(stack, run, killed_at, failed, resumed))
-        report(rows, fresh_start, args)
         if status.goodput is not None:
             print(f"\ngoodput of the run with {args.kills} SIGKILLs ({args.steps} steps):")
             print("\n".join(goodput_lines(status.goodput)))
+        return rows, fresh_start
     finally:
         stack.cli("down")
 

@@ -47,6 +47,7 @@ _ENV = {
     "twin_store_url": "FORGELINE_TWIN_STORE",
     "data_roots": "FORGELINE_DATA_ROOTS",
     "node_cache_gb": "FORGELINE_NODE_CACHE_GB",
+    "node_warm_standby": "FORGELINE_NODE_WARM_STANDBY",
     "temporal_tls": "FORGELINE_TEMPORAL_TLS",
     "temporal_tls_ca": "FORGELINE_TEMPORAL_TLS_CA",
     "temporal_tls_cert": "FORGELINE_TEMPORAL_TLS_CERT",
@@ -102,6 +103,9 @@ class Settings:
     # The byte budget of each node-local cache (a node agent's datasets, checkpoints and code;
     # the control worker's), in GB (10^9 bytes). None: a quarter of the disk it is on.
     node_cache_gb: float | None = None
+    # A node agent keeps a torchrun with torch imported for its next job (trainer.warm_launch):
+    # a restart skips those seconds, for the ~300 MB of memory the waiting process holds.
+    node_warm_standby: bool = True
 
     def __post_init__(self) -> None:
         self._check_no_credentials_in_urls()
@@ -250,7 +254,7 @@ def load_settings(home: Path | None = None) -> Settings:
         value = os.environ.get(env_name) or recorded.get(name)
         if value is None or value == "":
             continue
-        if name == "temporal_tls" and isinstance(value, str):
+        if name in ("temporal_tls", "node_warm_standby") and isinstance(value, str):
             value = _parse_bool(env_name, value)
         if name == "node_cache_gb":
             value = _parse_gb(env_name, value)

@@ -19,11 +19,12 @@ from pathlib import Path
 
 from infra.host_network import is_loopback
 from infra.parent_death import die_with_parent
-from infra.redact import API_KEY_ENV, API_KEY_FILE_ENV
 from trainer.errors import RanksFailed, RanksHung, UserCodeFailed
 from trainer.hang import HangWatch
 from trainer.job import TrainJob
+from trainer.rank_env import rank_environment
 from trainer.start_watch import StartWatch, Verdict
+from trainer.warm_launch import LaunchOrder, WarmLauncher
 
 # What torchrun starts on every rank (it runs the built-in trainer or the user's script); the
 # chaos commands and the stop path find rank processes by it.
@@ -75,6 +76,11 @@ LOOPBACK = Fabric()  # the local stack: every node on this machine
 
 
 def torchrun_argv(job_file: Path, rdzv: Rendezvous, fabric: Fabric = LOOPBACK) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", *torchrun_args(job_file, rdzv, fabric)]
+
+
+def torchrun_args(job_file: Path, rdzv: Rendezvous, fabric: Fabric = LOOPBACK) -> list[str]:
+    """torchrun's arguments: the same for a cold start and for a standby (trainer.warm_launch)."""
     placement = []
     if not fabric.loopback:
         # The head serves the store, the others wait for it (up to the rendezvous' read
@@ -85,7 +91,6 @@ def torchrun_argv(job_file: Path, rdzv: Rendezvous, fabric: Fabric = LOOPBACK) -
             "--local-addr", fabric.address,
         ]  # fmt: skip
     return [
-        sys.executable, "-m", "torch.distributed.run",
         "--nnodes", str(rdzv.nnodes),
         "--nproc-per-node", str(rdzv.nproc_per_node),
         "--rdzv-backend", "c10d",
@@ -159,21 +164,6 @@ class ProgressTail:
         return self.latest.get("state") in ("done", "stopped")
 
 
-# What the agent holds for itself: its Temporal key and certificate, its MLflow login, a
-# person's API token. A rank (and the user's script in it) needs none of them: it reads the
-# store (the AWS_* it keeps), reports to its agent through files, and talks to nobody else.
-AGENT_ONLY_ENV = frozenset({
-    API_KEY_ENV, API_KEY_FILE_ENV, "FORGELINE_TEMPORAL_TLS_KEY", "FORGELINE_TEMPORAL_TLS_CERT",
-    "MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD", "MLFLOW_TRACKING_TOKEN",
-    "FORGELINE_TOKEN",
-})  # fmt: skip
-
-
-def rank_environment(environ: Mapping[str, str]) -> dict[str, str]:
-    """The agent's environment less what only the agent may hold (AGENT_ONLY_ENV)."""
-    return {name: value for name, value in environ.items() if name not in AGENT_ONLY_ENV}
-
-
 async def run_ranks(
     job: TrainJob,
     workdir: Path,
@@ -185,11 +175,14 @@ async def run_ranks(
     hang: HangWatch | None = None,
     start_limit_s: float | None = None,
     fabric: Fabric = LOOPBACK,
+    launcher: WarmLauncher | None = None,
 ) -> ProgressTail:
     """Run torchrun to completion; report progress every `report_every_s` (also when idle, so
     the caller can heartbeat); raise RanksFailed with the log tail if the ranks fail, or if
     `hang` sees them make no progress (their stacks then go to their stacks files); raise
-    UserCodeFailed if the script's own set-up runs past `start_limit_s` (trainer.start_watch)."""
+    UserCodeFailed if the script's own set-up runs past `start_limit_s` (trainer.start_watch).
+    With a `launcher`, its standby becomes torchrun if it has one, and it makes the next once
+    the ranks train."""
     workdir.mkdir(parents=True, exist_ok=True)
     job_file = job.write(workdir / "job.json")
     log_file = workdir / "torchrun.log"
@@ -202,19 +195,22 @@ async def run_ranks(
         "FORGELINE_JOB": str(job_file),  # what forgeline.init() reads in a rank script
         **fabric.environment(os.environ),
     }
-    with open(log_file, "ab") as log:
-        proc = await asyncio.create_subprocess_exec(
-            *torchrun_argv(job_file, rdzv, fabric),
-            stdin=asyncio.subprocess.DEVNULL,
-            stdout=log,
-            stderr=asyncio.subprocess.STDOUT,
-            env=env,
-            cwd=workdir,
-            # torchrun dies with the agent, and its ranks with it (trainer.runtime): a dead agent
-            # is a failed node, not a preemption, so nothing gets a SIGTERM to checkpoint with
-            # peers whose node is gone.
-            preexec_fn=die_with_parent,
-        )
+    order = LaunchOrder(torchrun_args(job_file, rdzv, fabric), env, str(workdir), str(log_file))
+    proc = await launcher.start(order) if launcher is not None else None
+    if proc is None:
+        with open(log_file, "ab") as log:
+            proc = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "torch.distributed.run", *order.args,
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=log,
+                stderr=asyncio.subprocess.STDOUT,
+                env=env,
+                cwd=workdir,
+                # torchrun dies with the agent, and its ranks with it (trainer.runtime): a dead
+                # agent is a failed node, not a preemption, so nothing gets a SIGTERM to
+                # checkpoint with peers whose node is gone.
+                preexec_fn=die_with_parent,
+            )  # fmt: skip
     finished_at: float | None = None
     start = StartWatch(start_limit_s, time.monotonic()) if start_limit_s else None
     try:
@@ -225,6 +221,8 @@ async def run_ranks(
             on_progress(dict(tail.latest))
             if proc.returncode is not None:
                 break
+            if launcher is not None and tail.stepped:
+                await launcher.prepare()  # for the next generation, now that this one trains
             if start is not None and not tail.stepped:
                 start.observe(tail.sdk, time.monotonic())
                 if (verdict := start.verdict(time.monotonic())) is not None:

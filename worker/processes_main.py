@@ -165,10 +165,15 @@ async def run_node_agent(
         fabric.interface, hardware.describe(), node_task_queue(node_id),
     )  # fmt: skip
     watch = asyncio.ensure_future(_watch_health(client, info, node_dir))
+    # Registered first: a standby's imports (seconds of CPU) never hold up joining the cluster.
+    if activities.launcher is not None:
+        await activities.launcher.prepare()
     try:
         await _run_until_signalled(worker)
     finally:
         watch.cancel()
+        if activities.launcher is not None:
+            await activities.launcher.close()
         # A short last try: what is left waits in the spool for the next agent.
         await asyncio.to_thread(shipper.stop, 3.0)
     await client.get_workflow_handle(CLUSTER_WORKFLOW_ID).signal("node_stopped", info)

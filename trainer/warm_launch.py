@@ -1,0 +1,139 @@
+"""torchrun started ahead of its job, so a node's next generation skips torchrun's imports.
+
+Importing torch takes about 3 s of a restart (2.8 s on the 2-core CI machine), and a restart
+pays it twice in a row: in torchrun, then in every rank it starts. A node agent therefore keeps
+one standby: a Python process that has already imported `torch.distributed.run` and waits on its
+stdin for one job (torchrun's arguments, the environment, the folder and the log file). Given
+one, it becomes that job's torchrun; the process tree is the one a cold start makes (agent →
+torchrun → ranks), so stopping, stack dumps and parent-death work as before. The agent makes
+the next standby once the ranks it launched are training, so the imports never compete with a
+restart for the CPU.
+
+    python -m trainer.warm_launch     # the standby; the agent writes one JSON line to its stdin
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from infra.parent_death import die_with_parent
+from trainer.rank_env import rank_environment
+
+STANDBY_MODULE = "trainer.warm_launch"
+
+
+@dataclass(frozen=True)
+class LaunchOrder:
+    """What the standby needs to become a job's torchrun: what a cold start gives its process."""
+
+    args: list[str]  # torchrun's arguments, after `python -m torch.distributed.run`
+    env: dict[str, str]
+    cwd: str
+    log_file: str  # stdout and stderr of torchrun and its ranks (appended)
+
+    def line(self) -> bytes:
+        return (json.dumps(asdict(self)) + "\n").encode()
+
+
+class WarmLauncher:
+    """The node agent's standby torchrun: at most one, made by `prepare`, used by `start`."""
+
+    def __init__(self, cwd: Path) -> None:
+        self._cwd = cwd
+        self._standby: asyncio.subprocess.Process | None = None
+        # Jobs sharing a node each make one when their ranks train: only the first may.
+        self._making = asyncio.Lock()
+
+    @property
+    def ready(self) -> bool:
+        return self._standby is not None and self._standby.returncode is None
+
+    @property
+    def pid(self) -> int | None:
+        """The waiting standby's process id (None: none waits)."""
+        return self._standby.pid if self._standby is not None and self.ready else None
+
+    async def prepare(self) -> None:
+        """Start a standby unless one waits already (it imports torch in the background)."""
+        async with self._making:
+            if not self.ready:
+                self._standby = await self._spawn()
+
+    async def _spawn(self) -> asyncio.subprocess.Process:
+        self._cwd.mkdir(parents=True, exist_ok=True)
+        return await asyncio.create_subprocess_exec(
+            sys.executable, "-m", STANDBY_MODULE,
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.DEVNULL,
+            stderr=asyncio.subprocess.DEVNULL,
+            # Never the agent's secrets, even before a job replaces the environment.
+            env={**rank_environment(os.environ), "PYTHONUNBUFFERED": "1"},
+            cwd=self._cwd,
+            # As a cold torchrun: it dies with the agent, and its ranks with it.
+            preexec_fn=die_with_parent,
+        )  # fmt: skip
+
+    async def start(self, order: LaunchOrder) -> asyncio.subprocess.Process | None:
+        """Hand `order` to the standby and return it as the job's torchrun; None when there is
+        no live standby (the caller starts torchrun cold)."""
+        standby, self._standby = self._standby, None
+        if standby is None:
+            return None
+        if standby.returncode is None and standby.stdin is not None:
+            try:
+                standby.stdin.write(order.line())
+                await standby.stdin.drain()
+                standby.stdin.close()
+                return standby
+            except (BrokenPipeError, ConnectionResetError):  # it died since it was made
+                pass
+        await _discard(standby)
+        return None
+
+    async def close(self) -> None:
+        """Stop an unused standby (it would die with the agent anyway)."""
+        standby, self._standby = self._standby, None
+        if standby is not None:
+            await _discard(standby)
+
+
+async def _discard(standby: asyncio.subprocess.Process) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        standby.kill()
+    await standby.wait()
+
+
+def _become(order: LaunchOrder) -> None:
+    """Take on the job's folder, environment and output, as a cold start's process has them."""
+    os.chdir(order.cwd)
+    os.environ.clear()
+    os.environ.update(order.env)
+    log = os.open(order.log_file, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    for fd in (1, 2):
+        os.dup2(log, fd)
+    os.close(log)
+    nothing = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(nothing, 0)  # the ranks inherit an empty stdin, not the agent's pipe
+    os.close(nothing)
+
+
+def main() -> None:
+    from torch.distributed import run as torchrun  # what this process is for: the ~3 s import
+
+    line = sys.stdin.buffer.readline()
+    if not line:  # the agent closed the pipe without a job: it is shutting down
+        return
+    order = LaunchOrder(**json.loads(line))
+    _become(order)
+    sys.argv = ["torchrun", *order.args]
+    torchrun.main(order.args)
+
+
+if __name__ == "__main__":
+    main()
