@@ -548,10 +548,12 @@ class TrainingRun(RunEnd):
         await self._release_gang(requeue=workflow.patched("requeue-with-release"))
 
     def _continue_as_new_if_due(self) -> None:
-        """Between gang attempts (no gang held, no request queued), start a fresh history
-        once the server suggests it: every attempt adds activities, signals and timers, and a
-        run preempted or restarted often enough would reach Temporal's history limit. The
-        status, already bounded (workflows.run_records), travels whole."""
+        """Between gang attempts (no gang held), start a fresh history once the server
+        suggests it: every attempt adds activities, signals and timers, and a run preempted or
+        restarted often enough would reach Temporal's history limit. The status, already
+        bounded (workflows.run_records), travels whole. A request its last release queued
+        (requeue-with-release) is asked for again by the fresh run: the cluster keeps one
+        request per run and resends a grant it already made."""
         if not self._status.gang_attempts or not workflow.patched("continue-as-new"):
             return
         if not workflow.info().is_continue_as_new_suggested():

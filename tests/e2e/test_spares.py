@@ -4,7 +4,6 @@ waiting in line."""
 
 from __future__ import annotations
 
-import json
 import random
 from pathlib import Path
 
@@ -12,6 +11,7 @@ import pytest
 
 from tests.e2e.conftest import Stack, variant, wait_for
 from tests.e2e.faults import gang_of, kill_a_node_of
+from workflows.api_models import RunView
 from workflows.cluster_models import ClusterState, Health
 from workflows.models import Phase, RunStatus
 
@@ -23,7 +23,7 @@ def cluster(stack: Stack) -> ClusterState:
 
 
 def status(stack: Stack, run: str) -> RunStatus:
-    return RunStatus.model_validate(json.loads(stack.cli("status", run, "--json").stdout)["status"])
+    return RunView.model_validate_json(stack.cli("status", run, "--json").stdout).status
 
 
 def the_spare(stack: Stack) -> str | None:
