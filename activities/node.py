@@ -24,7 +24,7 @@ from activities.fetch import NodeCache, NodeCacheLease
 from infra import node_health
 from infra.requirements import unmet
 from infra.settings import Settings
-from registry.metric_stream import MetricSpool
+from registry.metric_stream import MetricShipper, MetricSpool
 from trainer.errors import RanksFailed, UserCodeFailed
 from trainer.hang import HangWatch
 from trainer.job import CHAOS_FILE, ResumePoint, TrainJob
@@ -48,6 +48,9 @@ HEALTH_SIGNALS = 10
 
 T = TypeVar("T")
 STOP_FILE = "STOP"
+# How long a finished attempt waits for its metrics to reach MLflow (a healthy MLflow takes
+# well under a second for a run's backlog); longer, and the run moves on without them.
+METRICS_DELIVERY_S = 5.0
 
 
 class NodeUnhealthy(Exception):
@@ -72,8 +75,10 @@ class NodeActivities:
         self.on_cache_changed = on_cache_changed
         self.store = settings.open_store()
         self.workdir = settings.home / "nodes" / node_id
-        # The spool the agent's MetricShipper sends to MLflow (worker.processes_main).
+        # The spool this shipper sends to MLflow; the agent starts and stops it
+        # (worker.processes_main), for as long as it lives.
         self.metrics_dir = self.workdir / "metrics"
+        self.shipper = MetricShipper(self.metrics_dir, settings.mlflow_uri)
         self.cache = NodeCache(self.workdir / "cache", self.store, settings.node_cache_bytes())
         # A torchrun with its imports done, for this node's next job (trainer.warm_launch);
         # the agent makes the first at start-up (worker.processes_main).
@@ -138,6 +143,7 @@ class NodeActivities:
         finally:
             reporter.close_metrics()
             await reporter.flush()
+        await _heartbeating(self._deliver_metrics(), lambda: reporter.beat("shipping metrics"))
         last = tail.latest
         return NodeTrainResult(
             health=[reporter.health_event(e) for e in last.get("health", [])],
@@ -150,6 +156,13 @@ class NodeActivities:
             stopped=tail.stopped,
             stop_reason=last.get("stop_reason"),
         )
+
+    async def _deliver_metrics(self) -> None:
+        """Before the run moves on to evaluate and register: the attempt's last metrics in
+        MLflow, so the model's run shows its whole curve. Bounded, and skipped while MLflow is
+        down: they stay spooled and the shipper sends them when it is back."""
+        if self.shipper.running:
+            await asyncio.to_thread(self.shipper.deliver, METRICS_DELIVERY_S)
 
     @activity.defn(name="node_alive")
     async def node_alive(self) -> str:

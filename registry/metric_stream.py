@@ -180,6 +180,18 @@ class MetricShipper:
         self._thread.start()
         return self
 
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def deliver(self, timeout_s: float) -> bool:
+        """Ship what is spooled now, waiting at most `timeout_s`, unless MLflow is known to be
+        down (the last pass failed): then nothing waits, and the backlog ships when it is back.
+        True if everything spooled is acknowledged."""
+        if self.failures:
+            return False
+        return self.flush(timeout_s)
+
     def stop(self, flush_timeout_s: float = 3.0) -> bool:
         """Stop the thread, then try once more to ship within the time given; True if nothing
         is left unshipped (whatever is left waits on disk for the next shipper)."""

@@ -22,7 +22,7 @@ from infra import node_health
 from infra.node_hardware import NodeHardware
 from infra.processes import free_port
 from infra.settings import Settings
-from registry.metric_stream import MetricShipper, seal_abandoned
+from registry.metric_stream import seal_abandoned
 from trainer.launch import LOOPBACK, Fabric
 from worker.node_claim import join, previous_incarnation
 from worker.preflight import reach_temporal
@@ -146,7 +146,7 @@ async def run_node_agent(
     # No writer of this node's spool is alive yet: what a crashed predecessor left open is
     # sealed, so it is deleted once shipped. The shipper lives as long as the agent.
     seal_abandoned(activities.metrics_dir)
-    shipper = MetricShipper(activities.metrics_dir, settings.mlflow_uri).start()
+    shipper = activities.shipper.start()
     worker = Worker(
         client,
         task_queue=node_task_queue(node_id),

@@ -125,12 +125,19 @@ def test_metrics_buffer_while_mlflow_is_down_and_arrive_after_it_restarts(
         assert (tmp_path / f"{run_id}__g0a1.jsonl").exists()
 
         server.start()
+        # Known down: delivering waits for nothing; the thread's next try ships the backlog.
+        assert not shipper.deliver(15)
         assert shipper.flush(15), "everything spooled was acknowledged"
+        # Back up: what the next attempt spools is delivered when asked, not on the back-off.
+        with MetricSpool(tmp_path, run_id, "g0a2") as again:
+            again.log("train/loss", 0.5, 507, 1_507)
+        assert shipper.deliver(15)
+        assert steps_of(server.history(run_id, "train/loss"))[507] == 1
     finally:
         shipper.stop(flush_timeout_s=1)
 
     loss = server.history(run_id, "train/loss")
-    assert steps_of(loss) == Counter(range(1, 507)), "every step exactly once"
+    assert steps_of(loss) == Counter(range(1, 508)), "every step exactly once"
     by_step = {int(p["step"]): p["value"] for p in loss}
     assert by_step[3] == pytest.approx(7.0)
     assert by_step[400] == pytest.approx(6.0)
@@ -215,6 +222,10 @@ def test_spool_keeps_everything_while_mlflow_is_unreachable(tmp_path: Path) -> N
     shipper = MetricShipper(tmp_path, dead, request_timeout_s=0.5)
     assert not shipper.flush(0.3)
     assert shipper.failures >= 1
+    # A finished attempt does not wait on an MLflow known to be down (a flush would take 30 s).
+    began = time.perf_counter()
+    assert not shipper.deliver(30)
+    assert time.perf_counter() - began < 0.1
     assert not spool.path.with_name(spool.path.name + ".offset").exists()  # nothing acknowledged
 
     # A writer that dies mid-line leaves a torn line; the next writer of the stream ends it.
