@@ -121,8 +121,9 @@ class ControlActivities:
             claim(self.store, inp.run_id, inp.run_uid)
         vet = functools.partial(vet_metadata, self.store)
         found = find_latest(
-            self.store, inp.run_id, inp.max_generation, skip, vet, run_uid=inp.run_uid
-        )
+            self.store, inp.run_id, inp.max_generation, skip, vet,
+            run_uid=inp.run_uid, at_most_step=inp.at_most_step,
+        )  # fmt: skip
         if inp.fence:
             record_generation(
                 self.store, inp.run_id, inp.max_generation, found.step if found else 0,

@@ -150,9 +150,14 @@ class Client:
         path = f"/v1/runs/{_segment(name)}/cancel?wait_s={wait_s:g}"
         return self._call("POST", path, answer=wire.RunView)
 
-    def resume(self, name: str) -> wire.RunView:
-        """A FAILED or CANCELLED run trains on from its last committed checkpoint."""
-        return self._call("POST", f"/v1/runs/{_segment(name)}/resume", answer=wire.RunView)
+    def resume(
+        self, name: str, from_step: int | None = None, nodes: int | None = None
+    ) -> wire.RunView:
+        """A FAILED or CANCELLED run trains on from its last committed checkpoint; with
+        `from_step`, any run that has ended trains on from the checkpoint it keeps at that
+        step; with `nodes`, on that many nodes."""
+        body = wire.ResumeRequest(from_step=from_step, nodes=nodes)
+        return self._call("POST", f"/v1/runs/{_segment(name)}/resume", body, wire.RunView)
 
     def approve(self, name: str, note: str = "", override_gate: bool = False) -> wire.RunView:
         body = wire.ApproveRequest(note=note, override_gate=override_gate)

@@ -200,13 +200,17 @@ def find_latest(
     on_skip: Callable[[str], None] = lambda _: None,
     vet: Callable[[dict], None] = lambda _: None,
     run_uid: str = "",
+    at_most_step: int | None = None,
 ) -> CommittedCheckpoint | None:
     """The newest checkpoint of the run (with `run_uid`: of that run alone) that verifies and
-    was committed by generation ≤ max_generation; `vet` may refuse one more (raising
+    was committed by generation ≤ max_generation (with `at_most_step`: at that step or
+    before, as `forgeline resume --from` asks); `vet` may refuse one more (raising
     CheckpointError), and the search goes on past it."""
     fences = Fences.read(store, run_id, run_uid)
     for commit in commits(store, run_id):
         key, step = commit.key, commit.step
+        if at_most_step is not None and step > at_most_step:
+            continue  # not faulty, only later than asked: nothing to report
         try:
             manifest = read_manifest(store, key)
             if not belongs(manifest, run_uid):

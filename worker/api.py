@@ -69,6 +69,7 @@ from workflows.api_models import (
     MetricPoint,
     Metrics,
     RejectRequest,
+    ResumeRequest,
     RunList,
     RunLogs,
     RunView,
@@ -317,11 +318,17 @@ def make_app(settings: Settings) -> FastAPI:
         return await run_view(name)
 
     @app.post(f"/{API_VERSION}/runs/{{name}}/resume", responses={409: {"model": ErrorBody}})
-    async def resume_run(name: str, who: Caller) -> RunView:
+    async def resume_run(name: str, who: Caller, body: ResumeRequest | None = None) -> RunView:
         """A FAILED or CANCELLED run trains on from its last committed checkpoint, with what it
-        was submitted with and a fresh restart budget."""
+        was submitted with and a fresh restart budget; `from_step` resumes any run that has
+        ended from a checkpoint it keeps, `nodes` changes its size."""
+        asked = body or ResumeRequest()
         await owner_or_operator(name, who, "resume")
-        await _act(run_actions.resume(await temporal(), name))
+        await _act(
+            run_actions.resume(
+                await temporal(), settings.open_store(), name, asked.from_step, asked.nodes
+            )
+        )
         return await run_view(name)
 
     async def decide(name: str, who: Identity, decision: Decision) -> RunView:

@@ -330,15 +330,31 @@ def reject(
 @app.command()
 def resume(
     name: Annotated[str, typer.Argument(help="run name")],
+    from_step: Annotated[
+        int | None,
+        typer.Option(
+            "--from",
+            min=0,
+            help="a step the run keeps a checkpoint of (see `forgeline status`): resume there, "
+            "also a run that finished; later checkpoints stop counting",
+        ),
+    ] = None,
+    nodes: Annotated[
+        int | None,
+        typer.Option(min=1, help="run on this many nodes from now on (the checkpoint reshards)"),
+    ] = None,
     detach: Annotated[bool, typer.Option(help="resume and return at once")] = False,
 ) -> None:
-    """Run a FAILED or CANCELLED run again from its last committed checkpoint (yours, or
-    anyone's as an operator), and follow it to approval."""
+    """Run a FAILED or CANCELLED run again from its last committed checkpoint, or any run that
+    has ended from a checkpoint it keeps (--from), on as many nodes as asked (--nodes); yours,
+    or anyone's as an operator; then follow it to approval."""
     check_name(name)
     settings = get_settings()
     client = api_client(settings)
-    call(lambda: client.resume(name))
-    console.print(f"resumed run {name}: it trains on from its last committed checkpoint")
+    call(lambda: client.resume(name, from_step, nodes))
+    where = "its last committed checkpoint" if from_step is None else f"step {from_step}"
+    size = f" on {nodes} node{'s' * (nodes != 1)}" if nodes is not None else ""
+    console.print(f"resumed run {name}: it trains on from {where}{size}")
     if detach:
         return
     _follow_to_a_decision(client, settings, name)

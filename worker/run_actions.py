@@ -5,14 +5,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import time
 
 from temporalio.client import Client, WorkflowExecutionStatus, WorkflowUpdateFailedError
 from temporalio.exceptions import WorkflowAlreadyStartedError
 
+from infra.store import ObjectStore
+from trainer.manifest import counted
 from worker import runs
 from worker.runs import view
+from worker.specfile import SpecError, parse_spec
 from workflows.models import MAX_REASON_CHARS, Decision, Phase, RunStatus
+from workflows.spec import RunSpec
 
 
 class RunActionError(Exception):
@@ -62,17 +67,54 @@ async def decide(client: Client, name: str, decision: Decision) -> RunStatus:
 RESUMABLE = (Phase.FAILED, Phase.CANCELLED)
 
 
-async def resume(client: Client, name: str) -> RunStatus:
-    """Run a FAILED or CANCELLED run again from its last committed checkpoint."""
+class NoSuchCheckpoint(RunActionError):
+    """`resume --from` named a step the store keeps no checkpoint of (HTTP 422)."""
+
+
+async def resume(
+    client: Client,
+    store: ObjectStore,
+    name: str,
+    from_step: int | None = None,
+    nodes: int | None = None,
+) -> RunStatus:
+    """Run a FAILED or CANCELLED run again from its last committed checkpoint; with
+    `from_step`, any run that has ended (a finished one too) from its checkpoint at that step;
+    with `nodes`, on that many nodes (the checkpoint reshards to the new world size)."""
     current = await view(client, name)
-    if current.status.phase not in RESUMABLE or current.execution == "RUNNING":
+    phase = current.status.phase
+    if current.execution == "RUNNING" or not (
+        phase in RESUMABLE or (from_step is not None and phase.final)
+    ):
         raise WrongPhase(
-            f"run {name} is {current.status.phase.value}: only a FAILED or CANCELLED run can be "
-            "resumed"
+            f"run {name} is {phase.value}: only a FAILED or CANCELLED run can be resumed from "
+            "its last checkpoint, and a run that has ended (APPROVED, REJECTED or EXPIRED too) "
+            "from a step it keeps (--from STEP)"
         )
+    if from_step is not None:
+        kept = await asyncio.to_thread(lambda: sorted(c.step for c in counted(store, name)))
+        if from_step not in kept:
+            steps = ", ".join(map(str, kept)) or "none"
+            raise NoSuchCheckpoint(
+                f"run {name} keeps no checkpoint at step {from_step}: it keeps {steps} "
+                "(train.keep_checkpoints says how many are kept)"
+            )
+    # Applied before the new execution starts: a layout the new size breaks is refused first.
+    change = functools.partial(_on_nodes, nodes) if nodes is not None else None
     with contextlib.suppress(WorkflowAlreadyStartedError):  # resumed by someone just now
-        await runs.resume(client, name)
+        await runs.resume(client, name, from_step, change)
     return (await view(client, name)).status
+
+
+def _on_nodes(nodes: int, spec: RunSpec) -> RunSpec:
+    """The spec on `nodes` nodes, checked as a submitted one is (the parallel layout must
+    still divide the new world size)."""
+    data = spec.model_dump(mode="json")
+    data["resources"] = {**data["resources"], "nodes": nodes}
+    try:
+        return parse_spec(data, spec_dir=None)
+    except SpecError as err:
+        raise RunActionError(f"--nodes {nodes}: {err}") from None
 
 
 async def cancel(client: Client, name: str, wait_s: float) -> RunStatus:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import uuid
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 
@@ -14,6 +15,7 @@ from temporalio.service import RPCError, RPCStatusCode
 from infra import code_snapshot
 from infra.settings import Settings
 from worker.cli_common import CliError
+from worker.specfile import spec_sha256
 from workflows import api_models as wire
 from workflows.cluster_models import ClusterState
 from workflows.models import (
@@ -161,18 +163,32 @@ async def submitted_spec(client: Client, name: str) -> RunSpec | None:
     return started.spec if started is not None else None
 
 
-async def resume(client: Client, name: str) -> None:
+async def resume(
+    client: Client,
+    name: str,
+    from_step: int | None = None,
+    change: Callable[[RunSpec], RunSpec] | None = None,
+) -> None:
     """Start the run again, under its name, with what it was first started with: a new
     execution of its workflow, which resumes from the run's last committed checkpoint (the
-    store's, found by the run's name) with a fresh restart budget."""
+    store's, found by the run's name; with `from_step`, the one at that step) with a fresh
+    restart budget; `change` may alter the spec it runs by (forgeline resume --nodes)."""
     started = await submitted_input(client, name)
     if started is None:
         raise RunNotFound(f"run {name}'s history is gone (past the namespace's retention)")
+    spec = change(started.spec) if change is not None else started.spec
     await client.start_workflow(
         "TrainingRun",
         # As submitted: a latest execution that continued as new carries the old status,
         # which a resumed run (a fresh restart budget, its own phases) starts without.
-        started.model_copy(update={"carried": None}),
+        started.model_copy(
+            update={
+                "carried": None,
+                "resume_from_step": from_step,
+                "spec": spec,
+                "spec_sha256": spec_sha256(spec) if spec != started.spec else started.spec_sha256,
+            }
+        ),
         id=name,
         task_queue=CONTROL_TASK_QUEUE,
         # Only here: a submit never starts a name twice (it attaches instead).

@@ -117,6 +117,19 @@ class ApproveRequest(BaseModel):
     )
 
 
+class ResumeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    from_step: int | None = Field(
+        None,
+        ge=0,
+        description="resume from the checkpoint kept at this step (any run that has ended, "
+        "finished ones too); by default the last one (a FAILED or CANCELLED run)",
+    )
+    nodes: int | None = Field(
+        None, ge=1, le=4096, description="run on this many nodes from now on (resources.nodes)"
+    )
+
+
 class RejectRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     reason: str = Field(min_length=1, max_length=5000, description="recorded on the version")

@@ -126,6 +126,9 @@ class LatestCheckpointInput(BaseModel):
         description="the run's identity: claim runs/<run>/ for it (refused when another run "
         "of the name holds it) and read only its checkpoints; empty for runs from before",
     )
+    at_most_step: int | None = Field(
+        None, description="only checkpoints at this step or before (forgeline resume --from)"
+    )
 
 
 class NodeTrainInput(BaseModel):
@@ -366,6 +369,10 @@ class TrainingRunInput(BaseModel):
     # Made at submission, kept by `forgeline resume`: what the run's checkpoints belong to
     # (trainer.run_identity). Empty for runs submitted before identities existed.
     run_uid: str = ""
+    # `forgeline resume --from STEP`: the execution's first gang starts from the checkpoint at
+    # this step, and its fence makes the older generations' later commits stale, so the later
+    # gangs continue this new lineage. Never carried across continue-as-new.
+    resume_from_step: int | None = None
 
 
 class Failure(BaseModel):

@@ -128,6 +128,9 @@ class TrainingRun(RunEnd):
         # What the next attempt follows: start, failure, preemption, swap.
         self._after = carried.after if carried else "start"
         self._queued_with_release = False  # the last release queued the next attempt
+        # Where the first gang starts, when a person asked (forgeline resume --from); None
+        # once it has been fenced there, and the newest checkpoint is this lineage's again.
+        self._resume_from = inp.resume_from_step
 
     @workflow.run
     async def run(self, inp: TrainingRunInput) -> RunStatus:
@@ -246,8 +249,12 @@ class TrainingRun(RunEnd):
             self._continue_as_new_if_due()
             self._set_phase(Phase.QUEUED if self._status.attempts == 0 else Phase.RECOVERING)
             allocation = await self._acquire_gang()
-            # Fenced: from here on, older generations' late commits do not count.
-            resume = await self._latest_checkpoint(allocation.generation, fence=True)
+            # Fenced: from here on, older generations' late commits do not count (nor, after
+            # a resume --from, their commits past the step it resumed from).
+            resume = await self._latest_checkpoint(
+                allocation.generation, fence=True, at_most_step=self._resume_from
+            )
+            self._resume_from = None
             self._status.last_checkpoint = resume
             self._set_phase(Phase.TRAINING)
             try:
@@ -402,7 +409,7 @@ class TrainingRun(RunEnd):
         )
 
     async def _latest_checkpoint(
-        self, generation: int, fence: bool = False
+        self, generation: int, fence: bool = False, at_most_step: int | None = None
     ) -> CheckpointRef | None:
         found = await self._control(
             "latest_checkpoint",
@@ -411,6 +418,7 @@ class TrainingRun(RunEnd):
                 max_generation=generation,
                 fence=fence,
                 run_uid=self._input.run_uid,
+                at_most_step=at_most_step,
             ),
             CheckpointRef | None,
             timeout=timedelta(minutes=10),
@@ -566,7 +574,10 @@ class TrainingRun(RunEnd):
             newest_confirmed=self._newest_confirmed,
             after=self._after,
         )
-        workflow.continue_as_new(self._input.model_copy(update={"carried": carry}))
+        # resume_from_step was spent on the first gang (there has been one: gang_attempts).
+        workflow.continue_as_new(
+            self._input.model_copy(update={"carried": carry, "resume_from_step": None})
+        )
 
     def _set_phase(self, phase: Phase) -> None:
         self._status.phase = phase

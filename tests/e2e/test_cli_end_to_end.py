@@ -26,6 +26,7 @@ from tests.e2e.conftest import (
     variant,
     wait_for,
 )
+from trainer.attempt_clock import read_ledger
 from trainer.manifest import committed_steps, find_latest
 from worker.cli_common import ExitCode
 
@@ -241,6 +242,37 @@ def test_a_cancelled_run_resumes_from_its_last_checkpoint(stack: Stack, tmp_path
     # One loss curve across both executions: the second began where the first's checkpoint was.
     steps = [s for s, _ in final.manifest["loss_history"]]
     assert steps == sorted(set(steps)) and steps[-1] == 1200 and steps[0] <= kept, steps[:3]
+
+    # A finished run goes back to a step it keeps (keep_checkpoints = 2: 1100 and 1200) and
+    # trains on from there, exactly: the same weights at step 1200 again.
+    stack.cli("reject", "tiny-resume", "--reason", "to train it again from step 1100")
+    finished = final_weights(stack, "tiny-resume", tmp_path / "finished")
+    plain = stack.cli("resume", "tiny-resume", check=False)
+    assert plain.returncode == REFUSED and "from a step it keeps (--from STEP)" in plain.stdout
+    missing = stack.cli("resume", "tiny-resume", "--from", "1150", check=False)
+    assert missing.returncode == BAD_INPUT, missing.stdout
+    assert "keeps no checkpoint at step 1150: it keeps 1100, 1200" in missing.stdout
+    again = stack.cli("resume", "tiny-resume", "--from", "1100", timeout=300)
+    assert "trains on from step 1100" in again.stdout and "AWAITING_APPROVAL" in again.stdout
+    retrained = final_weights(stack, "tiny-resume", tmp_path / "retrained")
+    assert all(torch.equal(retrained[k], finished[k]) for k in finished)
+    newest = find_latest(store, "tiny-resume", max_generation=10**9)
+    assert newest is not None and newest.generation > final.generation  # trained again...
+    ledger = read_ledger(store, "tiny-resume", newest.generation)
+    assert ledger is not None and ledger.resume_step == 1100  # ...from step 1100
+    # On fewer nodes: the checkpoint reshards from two ranks to one.
+    stack.cli("reject", "tiny-resume", "--reason", "once more, on one node")
+    smaller = stack.cli("resume", "tiny-resume", "--from", "1100", "--nodes", "1", timeout=300)
+    assert "from step 1100 on 1 node" in smaller.stdout, smaller.stdout
+    assert "AWAITING_APPROVAL" in smaller.stdout, smaller.stdout
+    status = stack.cli("status", "tiny-resume").stdout
+    assert re.search(r"checkpoint +step 1200 \(generation \d+,", status), status
+    resized = find_latest(store, "tiny-resume", max_generation=10**9)
+    assert resized is not None and resized.manifest["world_size"] == 1, resized
+    # The same global batch (batch_size is all ranks together's): the curve goes on.
+    loss = dict(resized.manifest["loss_history"])
+    before = dict(final.manifest["loss_history"])
+    assert abs(loss[1200] - before[1200]) < 0.05 * before[1200], (loss[1200], before[1200])
 
 
 def test_cancel_while_queued_withdraws_the_request(stack: Stack, tmp_path: Path) -> None:

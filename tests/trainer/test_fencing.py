@@ -22,6 +22,7 @@ from trainer.manifest import (
     checkpoint_prefix,
     commits,
     committed_steps,
+    counted,
     find_latest,
     generation_key,
     manifest_key,
@@ -66,6 +67,24 @@ def test_a_late_commit_of_an_old_generation_is_never_used(tmp_path: Path) -> Non
     commit(store, "r", 30, generation=2)  # generation 2's own commits count
     found = find_latest(store, "r", max_generation=2)
     assert found is not None and (found.step, found.generation) == (30, 2)
+
+
+def test_a_run_resumed_from_an_earlier_step_continues_a_new_lineage(tmp_path: Path) -> None:
+    """`forgeline resume --from 20` on a run that finished at step 60: its first gang starts
+    at step 20, and once fenced there, the old lineage's later commits never count again."""
+    store = LocalStore(tmp_path)
+    for step in (20, 40, 60):
+        commit(store, "r", step, generation=1)
+    found = find_latest(store, "r", max_generation=4, at_most_step=20)
+    assert found is not None and (found.step, found.generation) == (20, 1)
+    assert find_latest(store, "r", max_generation=4, at_most_step=39).step == 20
+    record_generation(store, "r", 4, resume_step=found.step)  # what the fenced look records
+    found = find_latest(store, "r", max_generation=5)  # the next gang, after a failure
+    assert found is not None and (found.step, found.generation) == (20, 1)
+    commit(store, "r", 40, generation=4)  # the new lineage's own commit at an old step
+    found = find_latest(store, "r", max_generation=5)
+    assert found is not None and (found.step, found.generation) == (40, 4)
+    assert [c.generation for c in counted(store, "r")] == [4, 1]  # step 60 of gen 1 is stale
 
 
 def test_fences_say_when_a_generation_is_superseded(tmp_path: Path) -> None:

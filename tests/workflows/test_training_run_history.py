@@ -95,6 +95,7 @@ class Control:
 
     def __init__(self, node: Node) -> None:
         self.node = node
+        self.fenced_at_most: list[int | None] = []  # at_most_step of each gang's fenced look
 
     @activity.defn(name="open_tracking_run")
     async def open_tracking_run(self, inp: TrackingInput) -> str:
@@ -106,6 +107,8 @@ class Control:
 
     @activity.defn(name="latest_checkpoint")
     async def latest_checkpoint(self, inp: LatestCheckpointInput) -> CheckpointRef | None:
+        if inp.fence:
+            self.fenced_at_most.append(inp.at_most_step)
         step = self.node.step
         return CheckpointRef(
             manifest_key=f"runs/{inp.run_id}/checkpoints/step-{step}/MANIFEST.json",
@@ -145,6 +148,7 @@ async def start_cluster_and_run(
     workers: list[Worker],
     task_queue: str,
     spec: RunSpec,
+    resume_from_step: int | None = None,
 ) -> tuple[WorkflowHandle, WorkflowHandle]:
     """Start the workers (they stop with `stack`), the Cluster workflow on `task_queue` and the
     run on the control queue, as `forgeline up` and `forgeline run` would."""
@@ -155,7 +159,7 @@ async def start_cluster_and_run(
     )
     run = await client.start_workflow(
         TrainingRun.run,
-        TrainingRunInput(spec=spec, spec_sha256="0" * 64),
+        TrainingRunInput(spec=spec, spec_sha256="0" * 64, resume_from_step=resume_from_step),
         id=spec.name,
         task_queue=CONTROL_TASK_QUEUE,
     )
@@ -180,7 +184,11 @@ async def _preempt_many_times(client: Client, task_queue: str) -> tuple[RunStatu
                activities=[agent.train_on_node, agent.stop_training]),
     ]  # fmt: skip
     async with contextlib.AsyncExitStack() as stack:
-        cluster, run = await start_cluster_and_run(stack, client, workers, task_queue, spec)
+        # As `forgeline resume --from 0` starts it: only the first gang looks no later than
+        # that step; continuing as new does not carry it to the fresh executions' first gangs.
+        cluster, run = await start_cluster_and_run(
+            stack, client, workers, task_queue, spec, resume_from_step=0
+        )
         try:
             await cluster.signal(ClusterWorkflow.register_node, node("n0"))
             for generation in range(1, PREEMPTIONS + 1):
@@ -196,6 +204,7 @@ async def _preempt_many_times(client: Client, task_queue: str) -> tuple[RunStatu
                 lambda s: s.phase == Phase.AWAITING_APPROVAL,
                 timeout=60,
             )
+            assert control.fenced_at_most == [0] + [None] * PREEMPTIONS, control.fenced_at_most
             executions = [e async for e in client.list_workflows(f"WorkflowId = '{spec.name}'")]
             executions.sort(key=lambda e: e.start_time)
             assert executions[0].id == run.id and executions[0].run_id == run.first_execution_run_id
