@@ -2,20 +2,22 @@
 
 from __future__ import annotations
 
-import re
+import logging
 from pathlib import Path
 
 from dataprep.dataset_manifest import load_manifest
 from infra import code_snapshot
 from infra.cache_budget import CacheBudget, CacheLease, default_budget
+from infra.digest import is_sha256_hex
 from infra.errors import IntegrityError
 from infra.store import ObjectStore, fetch_verified
 from trainer.checkpoint import fetch_checkpoint
+from trainer.local_copies import LocalCopies
 from trainer.manifest import read_manifest
 from workflows.cluster_models import MAX_ADVERTISED_CACHED
 from workflows.models import CheckpointRef, CodeRef, DatasetRef
 
-_SHA256 = re.compile(r"[0-9a-f]{64}")
+log = logging.getLogger(__name__)
 
 
 class NodeCache:
@@ -26,9 +28,17 @@ class NodeCache:
     used longest ago first. A job fetches through a `lease()`, which pins what it fetched until
     the job ends; the methods here take a lease of their own for the one call."""
 
-    def __init__(self, root: Path, store: ObjectStore, budget_bytes: int | None = None) -> None:
+    def __init__(
+        self,
+        root: Path,
+        store: ObjectStore,
+        budget_bytes: int | None = None,
+        local_copies: LocalCopies | None = None,
+    ) -> None:
         self.root = root
         self.store = store
+        # A node agent's: the checkpoint its own ranks committed last, read before the store.
+        self.local_copies = local_copies
         self.budget = CacheBudget(
             root, default_budget(root) if budget_bytes is None else budget_bytes
         )
@@ -103,10 +113,23 @@ class NodeCacheLease:
         folder = self.cache.root / rel
         size = sum(int(entry.get("bytes", 0)) for entry in manifest["files"])
         try:
-            self.pins.admit(rel, size, lambda: fetch_checkpoint(self.cache.store, manifest, folder))
+            self.pins.admit(rel, size, lambda: self._fetch_checkpoint(manifest, folder, size))
         finally:
             self.cache.budget.save()
         return folder, manifest
+
+    def _fetch_checkpoint(self, manifest: dict, folder: Path, size: int) -> Path:
+        copies = self.cache.local_copies
+        if copies is None:
+            return fetch_checkpoint(self.cache.store, manifest, folder)
+        before = copies.served_bytes
+        fetch_checkpoint(self.cache.store, manifest, folder, copies)
+        # What a recovery saved: the on-call reads it in the agent's log.
+        log.info(
+            "checkpoint step %s: %s of %s bytes from this node's own copies, the rest from "
+            "the store", manifest.get("step"), f"{copies.served_bytes - before:,}", f"{size:,}",
+        )  # fmt: skip
+        return folder
 
     def code(self, ref: CodeRef) -> Path:
         """The user's code snapshot, each file checked against the manifest the run carries."""
@@ -126,7 +149,7 @@ class NodeCacheLease:
         sha256 = entry["sha256"]
         # The name of the cached file comes from a manifest read from the store: only a hex
         # digest may become a path here, never "../" or a name a crafted manifest chose.
-        if not isinstance(sha256, str) or not _SHA256.fullmatch(sha256):
+        if not is_sha256_hex(sha256):
             raise IntegrityError(
                 f"{entry.get('key')!r}: manifest sha256 {sha256!r} is not a hex digest"
             )

@@ -29,6 +29,7 @@ from trainer.errors import RanksFailed, UserCodeFailed
 from trainer.hang import HangWatch
 from trainer.job import CHAOS_FILE, ResumePoint, TrainJob
 from trainer.launch import LOOPBACK, Fabric, Rendezvous, run_ranks
+from trainer.local_copies import LocalCopies
 from trainer.model import laid_out_as
 from trainer.rank_logs import LogShipper, shipped_while_running
 from trainer.warm_launch import WarmLauncher
@@ -79,7 +80,12 @@ class NodeActivities:
         # (worker.processes_main), for as long as it lives.
         self.metrics_dir = self.workdir / "metrics"
         self.shipper = MetricShipper(self.metrics_dir, settings.mlflow_uri)
-        self.cache = NodeCache(self.workdir / "cache", self.store, settings.node_cache_bytes())
+        # The files of the checkpoint this node's ranks committed last (trainer.local_copies):
+        # a recovering gang's survivors read their own shards from here, not from the store.
+        self.local_copies = LocalCopies(self.workdir / "checkpoint-copies")
+        self.cache = NodeCache(
+            self.workdir / "cache", self.store, settings.node_cache_bytes(), self.local_copies
+        )
         # A torchrun with its imports done, for this node's next job (trainer.warm_launch);
         # the agent makes the first at start-up (worker.processes_main).
         self.launcher = (
@@ -241,6 +247,7 @@ class NodeActivities:
             store_url=self.store.url,
             twin_store_url=self.settings.twin_store_url,
             staging_dir=str(gen_dir / "staging"),
+            local_copies=str(self.local_copies.folder),
             progress_file=str(gen_dir / "progress.jsonl"),
             stop_file=str(gen_dir / STOP_FILE),
             chaos_file=str(gen_dir / CHAOS_FILE),

@@ -48,6 +48,7 @@ from trainer.data import RankSlice, Sampler, TokenStream
 from trainer.entry import mark_began
 from trainer.grad_watch import PreReduceNorms, chaos_asks_to_corrupt
 from trainer.job import TrainJob
+from trainer.local_copies import LocalCopies
 from trainer.metrics import mfu
 from trainer.parallel import Layout, Placement, build_mesh
 from trainer.progress import ProgressFile
@@ -222,6 +223,10 @@ class Run:
             layout=self.layout.to_dict(),
             asynchronous=self.settings.async_checkpoint,
             run_uid=self.job.run_uid,
+            local_copies=LocalCopies(Path(self.job.local_copies))
+            if self.job.local_copies
+            else None,
+            prunes_local_copies=self.local_rank == 0,
         )
         self._progress.write(
             event="started", step=self.step, rank=self.rank, world=self.world,

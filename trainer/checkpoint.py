@@ -43,6 +43,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from infra.digest import sha256_file
 from infra.store import ObjectStore, fetch_verified
 from trainer import safe_load
+from trainer.local_copies import LocalCopies
 from trainer.manifest import (
     MANIFEST_FORMAT,
     Fences,
@@ -126,8 +127,14 @@ class Checkpointer:
         layout: dict,
         asynchronous: bool = True,
         run_uid: str = "",
+        local_copies: LocalCopies | None = None,
+        prunes_local_copies: bool = False,
     ) -> None:
         self.store = store
+        # Where this rank keeps the files of its last commit for the node's next generation
+        # (None: deleted after the upload); one rank a node prunes the older ones.
+        self.local_copies = local_copies
+        self.prunes_local_copies = prunes_local_copies
         self.staging_dir = staging_dir
         self.run_id = run_id
         self.run_uid = run_uid  # in every manifest; fences and pruning see only this run's
@@ -240,6 +247,11 @@ class Checkpointer:
         if fenced:  # what this rank uploaded will never be named by a manifest
             for entry in mine:
                 self.store.delete(entry["key"])
+        elif key is not None and self.local_copies is not None:
+            self.local_copies.keep([(folder / entry["name"], entry["sha256"]) for entry in mine])
+            if self.prunes_local_copies:
+                wanted = {e["sha256"] for part in gathered if part for e in part[1]}
+                self.local_copies.prune(wanted)
         shutil.rmtree(folder, ignore_errors=True)
         self.fenced = self.fenced or fenced
         return SaveReport(step, key, 0.0, time.perf_counter() - started, fenced, lost)
@@ -284,11 +296,16 @@ class Checkpointer:
         return Fences.read(self.store, self.run_id, self.run_uid).superseded(self.generation)
 
 
-def fetch_checkpoint(store: ObjectStore, manifest: dict, dest: Path) -> Path:
-    """Download every file of a committed checkpoint into `dest`, each checked by sha256."""
+def fetch_checkpoint(
+    store: ObjectStore, manifest: dict, dest: Path, local_copies: LocalCopies | None = None
+) -> Path:
+    """Every file of a committed checkpoint in `dest`, each checked by sha256: this node's own
+    copy where it has one (`local_copies`), else downloaded."""
     dest.mkdir(parents=True, exist_ok=True)
     for entry in manifest["files"]:
         local = _local_path(dest, entry["name"])
+        if local_copies is not None and local_copies.place(entry, local):
+            continue
         fetch_verified(store, entry["key"], local, entry["sha256"], entry["bytes"])
     return dest
 

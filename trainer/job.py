@@ -48,6 +48,8 @@ class TrainJob:
     stragglers: dict = field(default_factory=dict)
     code_dir: str = ""  # the user's code snapshot on this node, verified; "": built-in trainer
     run_uid: str = ""  # the run's identity (trainer.run_identity); "": a run from before them
+    # The node's folder of checkpoint copies (trainer.local_copies): "" keeps none
+    local_copies: str = ""
 
     def stacks_file(self, local_rank: int) -> Path | None:
         """Where a rank of this node prints its threads' stacks when asked (SIGUSR1): one file

@@ -99,6 +99,15 @@ def test_three_sigkills_and_a_flipped_byte_change_no_weight(
     assert re.search(rf"skipped +{re.escape(corrupted)}: checkpoint file .* is corrupt", status)
     # No manifest, no checkpoint: the generation after the tear resumed from the one before.
     assert first_step_of_generation_after(stack, "tiny-kill", torn_at) == torn[1], torn
+    # The survivors loaded their own shards of the checkpoint they had committed last
+    # (trainer.local_copies); the store served the dead node's.
+    served = [
+        int(found.group(1).replace(",", ""))
+        for log in (stack.home / "logs").glob("*.log")
+        for found in re.finditer(r"checkpoint step \d+: ([\d,]+) of [\d,]+ bytes from this "
+                                 r"node's own copies", log.read_text(errors="replace"))
+    ]  # fmt: skip
+    assert any(served), served
 
     final = find_latest(store, "tiny-kill", max_generation=10**9)
     expected = find_latest(store, reference, max_generation=10**9)

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+import torch.distributed as dist
 
 from dataprep.filters import FilterSettings
 from dataprep.settings import SnapshotSettings
@@ -112,3 +114,15 @@ def trainer(tmp_path_factory: pytest.TempPathFactory) -> Trainer:
     settings = SnapshotSettings(filters=FilterSettings(min_words=1))  # speeches are short
     snapshot = prepare_snapshot([str(corpus)], settings, store, root / "dataprep")
     return Trainer(root, store, snapshot)
+
+
+@pytest.fixture
+def one_rank(tmp_path: Path) -> Iterator[None]:
+    """This test process as a gang of one rank (gloo): what a Checkpointer needs to save."""
+    dist.init_process_group(
+        "gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1
+    )
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from infra.digest import sha256_bytes
 from infra.store import LocalStore
@@ -149,17 +148,6 @@ class ResumedDuringTheCommit(LocalStore):
         if key.endswith("/MANIFEST.json") and not self.exists(generation_key("r", 2)):
             record_generation(self, "r", 2, resume_step=0)
         return super().put_if_absent(key, data)
-
-
-@pytest.fixture
-def one_rank(tmp_path: Path) -> Iterator[None]:
-    dist.init_process_group(
-        "gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1
-    )
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.usefixtures("one_rank")
