@@ -335,8 +335,8 @@ def resume(
         typer.Option(
             "--from",
             min=0,
-            help="a step the run keeps a checkpoint of (see `forgeline status`): resume there, "
-            "also a run that finished; later checkpoints stop counting",
+            help="resume there, also a run that finished; a step the run keeps no checkpoint "
+            "of is refused, naming those it keeps; its later checkpoints stop counting",
         ),
     ] = None,
     nodes: Annotated[

@@ -83,6 +83,11 @@ async def resume(
     with `nodes`, on that many nodes (the checkpoint reshards to the new world size)."""
     current = await view(client, name)
     phase = current.status.phase
+    if current.execution == "RUNNING" and phase == Phase.AWAITING_APPROVAL:
+        raise WrongPhase(
+            f"run {name} is AWAITING_APPROVAL: reject (or approve) its model first, then "
+            "resume it --from a step it keeps"
+        )
     if current.execution == "RUNNING" or not (
         phase in RESUMABLE or (from_step is not None and phase.final)
     ):

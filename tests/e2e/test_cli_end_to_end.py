@@ -236,7 +236,7 @@ def test_a_cancelled_run_resumes_from_its_last_checkpoint(stack: Stack, tmp_path
     assert re.search(rf"TRAINING +step {kept}/1200 .* ckpt {kept}", resumed.stdout), resumed.stdout
     assert "AWAITING_APPROVAL" in resumed.stdout, resumed.stdout
     again = stack.cli("resume", "tiny-resume", check=False)
-    assert again.returncode == REFUSED and "only a FAILED or CANCELLED run" in again.stdout
+    assert again.returncode == REFUSED and "reject (or approve) its model first" in again.stdout
     final = find_latest(store, "tiny-resume", max_generation=10**9)
     assert final is not None and final.step == 1200
     # One loss curve across both executions: the second began where the first's checkpoint was.
