@@ -22,9 +22,19 @@ from infra.errors import StackError
 
 def free_port() -> int:
     """A TCP port that the OS reports free on loopback right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    return free_ports(1)[0]
+
+
+def free_ports(count: int) -> list[int]:
+    """`count` distinct TCP ports that the OS reports free on loopback right now. They are held
+    open together while chosen: asked for one at a time, the OS may hand out the same port
+    twice (it did in CI: `forgeline up --mlflow-port 33969 --api-port 33969`)."""
+    with contextlib.ExitStack() as held:
+        socks = [held.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
+                 for _ in range(count)]  # fmt: skip
+        for sock in socks:
+            sock.bind(("127.0.0.1", 0))
+        return [sock.getsockname()[1] for sock in socks]
 
 
 def port_is_open(host: str, port: int) -> bool:

@@ -29,7 +29,13 @@ from infra.local_servers import (
     mlflow_server_argv,
     temporal_dev_server_argv,
 )
-from infra.processes import ManagedProcess, free_port, http_ok, port_is_open, wait_until
+from infra.processes import (
+    ManagedProcess,
+    free_ports,
+    http_ok,
+    port_is_open,
+    wait_until,
+)
 from infra.settings import (
     Settings,
     default_data_roots,
@@ -63,22 +69,26 @@ class Ports:
 def free_port_flags() -> list[str]:
     """`forgeline up` options that put every server of the stack on a free port: for tests
     and benchmarks, which must not take the conventional ones from a person's own stack."""
-    return [flag for name in ("temporal", "ui", "mlflow", "api")
-            for flag in (f"--{name}-port", str(free_port()))]  # fmt: skip
+    names = ("temporal", "ui", "mlflow", "api")
+    return [flag for name, port in zip(names, free_ports(len(names)), strict=True)
+            for flag in (f"--{name}-port", str(port))]  # fmt: skip
 
 
-def _port(requested: int | None, recorded: int | None, default: int) -> int:
+def _port(
+    requested: int | None, recorded: int | None, default: int, other: int | None = None
+) -> int:
     """The requested port; else the one this stack used last time (links stay the same across
-    down / up); else the conventional one; else any free port. Only a requested port that is
-    taken is an error."""
+    down / up); else the conventional one; else any free port; never `other`, the port of a
+    server chosen alongside but not yet listening. Only a requested port that is taken is an
+    error."""
     if requested:
-        if port_is_open("127.0.0.1", requested):
+        if port_is_open("127.0.0.1", requested) or requested == other:
             raise StackError(f"port {requested} is already in use: choose another or omit it")
         return requested
     for candidate in (recorded, default):
-        if candidate and not port_is_open("127.0.0.1", candidate):
+        if candidate and candidate != other and not port_is_open("127.0.0.1", candidate):
             return candidate
-    return free_port()
+    return next(port for port in free_ports(2) if port != other)
 
 
 def _port_of(url: str) -> int | None:
@@ -145,7 +155,7 @@ async def _up(
         say(f"temporal      running (pid {temporal.pid()}) at {temporal_address}")
     else:
         port = _port(ports.temporal, _port_of(recorded.temporal_address), DEFAULT_PORTS["temporal"])
-        ui_port = _port(ports.ui, _port_of(recorded.temporal_ui_url), DEFAULT_PORTS["ui"])
+        ui_port = _port(ports.ui, _port_of(recorded.temporal_ui_url), DEFAULT_PORTS["ui"], port)
         argv = temporal_dev_server_argv(
             home / "temporal.db", port, ui_port, search_attributes=SEARCH_ATTRIBUTE_TYPES
         )

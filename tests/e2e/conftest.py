@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from infra.mlflow_login import use_local_login
-from infra.processes import free_port, port_is_open
+from infra.processes import free_ports, port_is_open
 from infra.s3_store import S3Store, client_config
 from infra.settings import load_settings
 from infra.store import ObjectStore, fetch_verified
@@ -269,7 +269,7 @@ def s3_sites(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Sites]:
     """Two S3-compatible servers over HTTP (moto), each in its own process with its bucket: the
     primary (behind a forwarder) and the twin."""
     logs = tmp_path_factory.mktemp("s3")
-    ports = {bucket: free_port() for bucket in (BUCKET, TWIN_BUCKET)}
+    ports = dict(zip((BUCKET, TWIN_BUCKET), free_ports(2), strict=True))
     servers = [_s3_server(port, logs / f"{bucket}.log") for bucket, port in ports.items()]
     partition = Partition(ports[BUCKET])
     env = {

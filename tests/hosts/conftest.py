@@ -20,7 +20,7 @@ import pytest
 from moto.server import ThreadedMotoServer
 
 from infra.local_servers import MLFLOW_SERVER_ENV, mlflow_server_argv, temporal_dev_server_argv
-from infra.processes import free_port, http_ok, port_is_open
+from infra.processes import free_port, free_ports, http_ok, port_is_open
 from infra.s3_store import S3Store
 from tests.conftest import REPO
 from tests.e2e.conftest import FORGELINE, s3_client, wait_for
@@ -123,7 +123,7 @@ def _network_or_skip() -> Network:
 
 
 def _start_servers(cluster: Cluster, gateway: str) -> None:
-    temporal_port, mlflow_port = free_port(), free_port()
+    temporal_port, mlflow_port = free_ports(2)
     cluster.start(
         "temporal",
         temporal_dev_server_argv(

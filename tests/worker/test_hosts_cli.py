@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from infra.processes import free_port
+from infra.processes import free_port, free_ports
 from tests.e2e.conftest import FORGELINE
 from tests.http_server import serving
 from worker.cli_common import ExitCode
@@ -88,7 +88,7 @@ def test_a_control_worker_whose_temporal_does_not_answer_refuses_to_start(
 
 
 def test_up_starts_no_local_server_behind_settings_that_point_elsewhere(tmp_path: Path) -> None:
-    temporal, mlflow = free_port(), free_port()
+    temporal, mlflow = free_ports(2)
     done = forgeline(
         tmp_path, "up", "--nodes", "1",
         FORGELINE_TEMPORAL_ADDRESS=f"127.0.0.1:{temporal}",

@@ -4,7 +4,7 @@ from collections.abc import Iterator
 import pytest
 
 from infra.errors import StackError
-from infra.processes import free_port
+from infra.processes import free_port, free_ports
 from worker.stack import _port, _port_of
 
 
@@ -24,7 +24,7 @@ def test_requested_port_wins_and_must_be_free(busy_port: int) -> None:
 
 
 def test_recorded_port_is_reused_so_links_survive_down_and_up(busy_port: int) -> None:
-    recorded, default = free_port(), free_port()
+    recorded, default = free_ports(2)
     assert _port(None, recorded, default) == recorded
     # Taken since: the conventional port, then any free one.
     assert _port(None, busy_port, default) == default
@@ -36,3 +36,17 @@ def test_port_of() -> None:
     assert _port_of("127.0.0.1:7233") == 7233
     assert _port_of("http://127.0.0.1:8233") == 8233
     assert _port_of("http://example.org/path") is None
+
+
+def test_ports_chosen_together_are_distinct(busy_port: int) -> None:
+    """One at a time, the OS handed CI the same free port twice (`--mlflow-port 33969
+    --api-port 33969`): ports chosen together are held open together while chosen."""
+    for _ in range(50):
+        ports = free_ports(4)
+        assert len(set(ports)) == 4, ports
+    # The Temporal UI's port is chosen before Temporal listens on its own: never the same one.
+    temporal = free_port()
+    assert _port(None, temporal, temporal, temporal) != temporal
+    assert _port(None, None, busy_port, temporal) not in (busy_port, temporal)
+    with pytest.raises(StackError, match=f"port {temporal} is already in use"):
+        _port(temporal, None, busy_port, temporal)
