@@ -148,6 +148,8 @@ class ControlActivities:
             resume_step=ledger.resume_step,
             ready_at=ledger.ready_at,
             load_s=ledger.load_s,
+            spawned_at=ledger.spawned_at,
+            init_at=ledger.process_started_at,
             kept=_ledger_mark(kept),
             last=_ledger_mark(ledger.last),
             ended=ledger.ended,

@@ -15,7 +15,11 @@ timeline, the ranks' ledgers and progress files):
                   once; the dead node's activity is given up on at its heartbeat timeout)
     reallocation  torn down → the next gang granted (backoff, release, grant)
     restart       granted → ranks ready, less the checkpoint load (fetch into the node cache,
-                  torchrun, rendezvous, model build)
+                  torchrun, rendezvous, model build), split below into
+      to spawn    granted → rank 0's process started (the activity reaching the agent, the
+                  fetch into the node cache, torchrun or its standby, the rendezvous)
+      imports     → rank 0 calls forgeline.init() (the interpreter, `import torch`)
+      set-up      → ready, less the load (process group, model, optimizer)
     load          the ranks reading the checkpoint
     first step    ready → the first step after resume
     work lost     steps trained after the checkpoint resumed from, against the interval
@@ -28,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
 import random
@@ -147,11 +152,25 @@ def phases(stack: LocalStack, run: str, killed_at: float, failed: AttemptRecord,
         "detection": failed.ended_at.timestamp() - killed_at,
         "reallocation": (resumed.granted_at - failed.ended_at).total_seconds(),
         "restart": ready - resumed.granted_at.timestamp() - resumed.ledger.load_s,
+        **start_split(resumed),
         "load": resumed.ledger.load_s,
         "first step": first - ready,
         "SIGKILL → first step": first - killed_at,
         "steps lost": max(before_kill, default=0) - resumed.ledger.resume_step,
     }
+
+
+def start_split(attempt: AttemptRecord) -> dict[str, float]:
+    """An attempt's start, granted → ready less the load, in three: until rank 0's process
+    exists, its imports, its set-up (NaN where the ledger lacks a mark)."""
+    ledger = attempt.ledger
+    assert ledger is not None
+    nan = float("nan")
+    marks = [attempt.granted_at.timestamp(), ledger.spawned_at, ledger.init_at,
+             (ledger.ready_at or nan) - ledger.load_s]  # fmt: skip
+    spans = [b - a if a is not None and b is not None else nan
+             for a, b in itertools.pairwise(marks)]  # fmt: skip
+    return dict(zip(("  to spawn", "  imports", "  set-up"), spans, strict=True))
 
 
 # The ways of restarting compared, each on a stack of its own, one after the other in one run.
@@ -197,6 +216,8 @@ def measure(args: argparse.Namespace, settings: dict[str, str]) -> tuple[list[di
         stack.cli("run", spec_file(folder, "fresh", *shape))
         fresh = stack.status("fresh").gang_attempts[0]
         fresh_start = first_step_at(stack, "fresh", fresh.generation) - fresh.granted_at.timestamp()
+        split = ", ".join(f"{k.strip()} {v:.1f} s" for k, v in start_split(fresh).items())
+        print(f"fresh start: {fresh_start:.1f} s to the first step ({split})")
 
         run = "faulty"
         stack.cli("run", spec_file(folder, run, *shape), "--detach")

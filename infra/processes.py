@@ -56,6 +56,20 @@ def _start_time(pid: int) -> str | None:
     return fields[19]
 
 
+def started_at(pid: int) -> float | None:
+    """When `pid` started, in epoch seconds (to the kernel's clock tick, 10 ms), or None if it
+    is gone or this is not Linux: now, less the time since boot, plus the process's start in
+    ticks since boot (the boot time /proc/stat gives is whole seconds)."""
+    ticks = _start_time(pid)
+    try:
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    if ticks is None:
+        return None
+    return time.time() - uptime + int(ticks) / os.sysconf("SC_CLK_TCK")
+
+
 class ManagedProcess:
     """A named background process with its pid file and log under the state folder."""
 

@@ -15,10 +15,12 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import threading
 import time
 from dataclasses import asdict, dataclass, field
 
+from infra.processes import started_at
 from infra.store import ObjectStore
 
 FLUSH_EVERY_S = 1.0
@@ -62,6 +64,9 @@ class Ledger:
     commits: list[Mark] = field(default_factory=list)  # committed steps of this generation
     last: Mark | None = None  # the newest step finished
     ended: str | None = None  # done, stopped (why), failed (why); None while it runs
+    # When the rank's process started, before its imports (None off Linux): what a restart
+    # spends in the interpreter's start and `import torch` is process_started_at - spawned_at.
+    spawned_at: float | None = None
 
 
 class AttemptClock:
@@ -77,7 +82,8 @@ class AttemptClock:
         enabled: bool,
     ) -> None:
         self.enabled = enabled
-        self.ledger = Ledger(run_id, generation, resume_step, process_started_at)
+        self.ledger = Ledger(run_id, generation, resume_step, process_started_at,
+                             spawned_at=started_at(os.getpid()))  # fmt: skip
         self.totals = Totals()
         self._pending: dict[int, Mark] = {}  # saves issued, not yet committed
         self._writer = _NewestWins(store, ledger_key(run_id, generation)) if enabled else None

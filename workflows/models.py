@@ -204,6 +204,8 @@ class AttemptLedger(BaseModel):
     resume_step: int
     ready_at: float | None  # ranks up, checkpoint loaded: training starts
     load_s: float = 0.0
+    spawned_at: float | None = None  # rank 0's process started (before its imports)
+    init_at: float | None = None  # rank 0 called forgeline.init() (imports done)
     kept: LedgerMark | None = None  # at the step of this attempt's checkpoint the run kept
     last: LedgerMark | None = None  # at the last step the ledger heard of
     ended: str | None = None

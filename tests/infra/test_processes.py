@@ -1,8 +1,9 @@
+import subprocess
 import sys
 import time
 from pathlib import Path
 
-from infra.processes import ManagedProcess, free_port, port_is_open
+from infra.processes import ManagedProcess, free_port, port_is_open, started_at
 
 
 def test_start_find_and_stop_a_process_group(tmp_path: Path) -> None:
@@ -38,3 +39,17 @@ def _group_member(proc: Path, pgid: int) -> bool:
     except OSError:
         return False
     return fields[0] != "Z" and int(fields[2]) == pgid
+
+
+def test_a_process_start_time_is_when_it_began_not_when_asked() -> None:
+    before = time.time()
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        time.sleep(1.0)
+        asked, began = time.time(), started_at(child.pid)
+        # To the clock tick (10 ms), and long before it was asked.
+        assert began is not None and before - 0.05 <= began < asked - 0.5, (before, began, asked)
+    finally:
+        child.kill()
+        child.wait()
+    assert started_at(child.pid) is None  # gone
