@@ -116,6 +116,8 @@ def _on_nodes(nodes: int, spec: RunSpec) -> RunSpec:
     still divide the new world size)."""
     data = spec.model_dump(mode="json")
     data["resources"] = {**data["resources"], "nodes": nodes}
+    if (floor := spec.resources.min_nodes) is not None:  # an elastic run stays within --nodes
+        data["resources"]["min_nodes"] = min(floor, nodes)
     try:
         return parse_spec(data, spec_dir=None)
     except SpecError as err:

@@ -30,13 +30,26 @@ def reserve(
         return Reservation(run_id=request.run_id, nodes=placed, start=now)
     for allocation in sorted(allocations, key=lambda a: (a.expected_end or datetime.max, a.run_id)):
         give_back(future, allocation)
-        if future.total_free(request.gpu_type) < gpus:
+        if future.total_free(request.gpu_type) < gpus or not _enough_whole(request, future):
             continue  # cheaper than a placement attempt that cannot succeed
         placed = place(request, future)
         if placed is not None:
             start = max(now, allocation.expected_end or now)
             return Reservation(run_id=request.run_id, nodes=placed, start=start)
     return None
+
+
+def _enough_whole(request: GangRequest, capacity: Capacity) -> bool:
+    """A gang takes whole idle nodes: with fewer of them than it asks for, `place` must fail
+    (a long-waiting gang is reserved for every pass, at a placement attempt per running gang)."""
+    if request.nodes == 1:
+        return True
+    whole = sum(
+        len(ids)
+        for (gpu_type, _), ids in capacity.whole.items()
+        if request.gpu_type in (None, gpu_type)
+    )
+    return whole >= request.nodes
 
 
 def fits_before(

@@ -254,7 +254,10 @@ class ClusterWorkflow:
         ops.free(self._state, allocation, workflow.now())
 
     def _pass(self, now: datetime) -> None:
-        revoked, _, messages = ops.run_pass(self._state, now)
+        # Patched: the starvation guard changes what a pass grants, reserves and preempts, so a
+        # history recorded before it replays only under the policy it was recorded with.
+        guard = workflow.patched("starvation-guard")
+        revoked, _, messages = ops.run_pass(self._state, now, starvation_guard=guard)
         for allocation in revoked:
             # Its generation is retired, so anything it still sends is ignored.
             workflow.logger.warning("revoked %s: grace period over", allocation.run_id)

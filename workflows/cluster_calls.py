@@ -30,6 +30,7 @@ def gang_request(
         allow_multi_pod=resources.allow_multi_pod,
         # After a failure or a swap the gang may take a spare instead of waiting.
         recovery=recovering,
+        min_nodes=resources.min_nodes,
         # Requeued after a failure or a preemption, the run keeps its place by age.
         submitted_at=submitted_at,
     )

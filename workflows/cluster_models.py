@@ -153,6 +153,20 @@ class ClusterConfig(BaseModel):
     fair_share_half_life_h: float = Field(24.0, gt=0)
     default_max_runtime_h: float = Field(24.0 * 7, gt=0, description="for requests without one")
     aging_s: float = Field(3600.0, gt=0, description="waiting this long adds one priority level")
+    # The starvation guard (`schedule(starvation_guard=True)`, the default policy). Found in
+    # simulation: with one reservation, the head's, a burst of 1,024-GPU gangs was served one at
+    # a time while every node freed outside that reservation went to younger small jobs, and
+    # gangs waited 45 h; 85 % of the preempted gangs had run less than an hour, just granted
+    # and so the cheapest victims, then granted and preempted again (one 133 times).
+    reserve_after_s: float = Field(
+        6 * 3600.0, gt=0, description="a request waiting this long gets a reservation of its own"
+    )
+    preemption_shield_s: float = Field(
+        3600.0, ge=0, description="a gang granted less than this long ago is not preempted"
+    )
+    preemption_restart_s: float = Field(
+        600.0, ge=0, description="what a preempted gang loses beyond its unsaved work, per GPU"
+    )
 
     @model_validator(mode="after")
     def _tree_is_sound(self) -> ClusterConfig:
@@ -213,6 +227,8 @@ class GangRequest(BaseModel):
     cache_items: list[str] = []  # prefer nodes that hold these (dataset snapshots)
     allow_multi_pod: bool = True
     recovery: bool = False  # after a failure: may take a spare node
+    # Elastic: a recovering gang that cannot have `nodes` may be granted as few as this.
+    min_nodes: int | None = None
     submitted_at: datetime | None = None  # first submission: a requeued run keeps its age
 
     @property
@@ -224,6 +240,7 @@ class Preemption(BaseModel):
     for_run: str
     reason: str
     deadline: datetime
+    grow_to: int | None = None  # not a victim: a shrunk gang stops to grow back to this many
 
 
 class Allocation(BaseModel):
@@ -241,6 +258,8 @@ class Allocation(BaseModel):
     # The fleet's record when granted (ClusterState.node_seconds, fail_stops).
     fleet_node_seconds: float = 0.0
     fleet_fail_stops: int = 0
+    # A gang granted smaller than it asked (elastic): the full request it grows back to.
+    wanted: GangRequest | None = None
 
     def held_on(self, node: NodeInfo) -> int:
         """A multi-node gang holds its nodes whole; a single-node job what it asked for."""
@@ -328,6 +347,8 @@ class PreemptNotice(BaseModel):
     generation: int
     grace_s: int
     reason: str
+    # Not a preemption: the run's shrunk gang checkpoints and is granted this many nodes.
+    grow_to: int | None = None
 
 
 class Reservation(BaseModel):
@@ -360,6 +381,9 @@ class ClusterState(BaseModel):
     usage: dict[str, float] = {}  # team -> decayed GPU-seconds
     usage_at: datetime | None = None
     reservation: Reservation | None = None
+    # Every reservation of the last pass (the head's first): the starvation guard keeps those of
+    # requests waiting past `reserve_after_s`.
+    reservations: list[Reservation] = []
     waiting: list[Waiting] = []
     claims: list[Claim] = []
     # The fleet's failure record, for the runs' checkpoint intervals (checkpoint_every = auto).

@@ -17,6 +17,7 @@ from workflows.cluster_models import (
     NodeInfo,
     PreemptNotice,
 )
+from workflows.elastic import claim_holders
 from workflows.names import GANG_GRANTED_SIGNAL, PREEMPT_SIGNAL
 from workflows.quotas import decay_usage
 from workflows.scheduler import Decisions, expected_end, schedule
@@ -96,17 +97,17 @@ def prepare(state: ClusterState, now: datetime) -> list[Allocation]:
     """Before a pass: revoke overdue victims, account usage, drop stale claims."""
     revoked = revoke_overdue(state, now)
     account(state, now)
-    queued = {r.run_id for r in state.queue}
-    state.claims = [c for c in state.claims if c.until > now and c.run_id in queued]
+    holders = claim_holders(state)
+    state.claims = [c for c in state.claims if c.until > now and c.run_id in holders]
     return revoked
 
 
 def run_pass(
-    state: ClusterState, now: datetime
+    state: ClusterState, now: datetime, *, starvation_guard: bool = True
 ) -> tuple[list[Allocation], Decisions, list[Message]]:
-    """One scheduling pass: prepare, schedule, apply."""
+    """One scheduling pass: prepare, schedule, apply (`starvation_guard` as in `schedule`)."""
     revoked = prepare(state, now)
-    decisions = schedule(state, now)
+    decisions = schedule(state, now, starvation_guard=starvation_guard)
     return revoked, decisions, apply(state, decisions, now)
 
 
@@ -132,6 +133,7 @@ def apply(state: ClusterState, decisions: Decisions, now: datetime) -> list[Mess
             expected_end=expected_end(request, now, default_runtime_s),
             fleet_node_seconds=state.node_seconds,
             fleet_fail_stops=state.fail_stops,
+            wanted=decisions.shrunk.get(request.run_id),
         )
         for granted in nodes:
             assert granted is not None
@@ -150,9 +152,11 @@ def apply(state: ClusterState, decisions: Decisions, now: datetime) -> list[Mess
             generation=victim.generation,
             grace_s=state.config.preemption_grace_s,
             reason=preemption.reason,
+            grow_to=preemption.grow_to,
         )
         messages.append((run_id, PREEMPT_SIGNAL, notice))
     state.claims.extend(decisions.claims)
     state.reservation = decisions.reservation
+    state.reservations = decisions.reservations
     state.waiting = decisions.waiting
     return messages

@@ -10,7 +10,8 @@ ranks' own ledger splits the time into productive steps, `checkpoint stall`, `ev
 follows that step is `rework` (steps whose checkpoint never came) and `failure detection` (the
 silence until the gang was torn down) when the attempt failed, else `checkpoint stall` for the
 final save and `teardown` for the exit. The wait for a new gang after swapping out a straggler
-is put down to `straggler`; after a preemption, to `queue`.
+is put down to `straggler`; after a preemption, to `queue`; growing back a gang that a failure
+shrank (elastic runs), to `restart`.
 
 Everything is multiplied by the GPUs the run holds, so `productive / gpu_s` is the run's
 goodput and `productive / allocated` what it made of the GPUs it was given.
@@ -37,8 +38,10 @@ CAUSES = (
 
 
 # What the wait for a gang is put down to, by what came before it: after a preemption the run
-# queues like any other; a swap's wait is the straggler's cost.
-_WAIT_CAUSE = {"start": "queue", "failure": "restart", "preemption": "queue", "swap": "straggler"}
+# queues like any other; a swap's wait is the straggler's cost; growing back a gang that a
+# failure shrank is part of recovering from that failure.
+_WAIT_CAUSE = {"start": "queue", "failure": "restart", "preemption": "queue", "swap": "straggler",
+               "grow": "restart"}  # fmt: skip
 
 
 def account(attempts: list[AttemptRecord], waited_from: datetime | None = None) -> Goodput | None:

@@ -228,7 +228,7 @@ class AttemptRecord(BaseModel):
     granted_at: datetime
     ended_at: datetime | None = None
     outcome: str = "running"  # completed | failed | preempted | swapped
-    after: str = "start"  # what came before it: start | failure | preemption | swap
+    after: str = "start"  # what came before it: start | failure | preemption | swap | grow
     ledger: AttemptLedger | None = None
 
 
@@ -404,6 +404,8 @@ class RunStatus(BaseModel):
     attempts: int = 0
     generation: int | None = None
     nodes: list[str] = []
+    # Elastic: the gang holds fewer than `resources.nodes` after a failure (None: all of them).
+    shrunk_from: int | None = None
     dataset: DatasetRef | None = None
     last_checkpoint: CheckpointRef | None = None
     init_from: CheckpointRef | None = None  # the weights fine-tuning started from

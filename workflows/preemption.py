@@ -14,9 +14,12 @@ from workflows.cluster_models import Allocation, GangRequest
 from workflows.placement import Capacity, place
 
 
-def loss(allocation: Allocation, now: datetime) -> float:
+def loss(allocation: Allocation, now: datetime, restart_s: float = 0.0) -> float:
+    """GPU-seconds thrown away: the work since its last save, and (`restart_s`) the restart it
+    repeats. Without the restart a gang just granted looks free to preempt, whatever its size:
+    in simulation 1,024-GPU gangs were stopped for 16-GPU requests, hundreds of times."""
     since = allocation.last_checkpoint_at or allocation.granted_at or now
-    return allocation.gpus * max(0.0, (now - since).total_seconds())
+    return allocation.gpus * (max(0.0, (now - since).total_seconds()) + restart_s)
 
 
 def give_back(capacity: Capacity, allocation: Allocation) -> None:
@@ -38,8 +41,10 @@ def choose_victims(
     allocations: list[Allocation],
     borrowed: set[str],
     now: datetime,
+    restart_s: float = 0.0,
 ) -> tuple[list[Allocation], list[str]] | None:
-    """The victims, and where the request will go once they are gone."""
+    """The victims, and where the request will go once they are gone; `restart_s` as in
+    `loss`."""
     candidates = sorted(
         (
             a
@@ -49,7 +54,7 @@ def choose_victims(
             and a.preempting is None
             and a.team != request.team
         ),
-        key=lambda a: (loss(a, now), a.run_id),
+        key=lambda a: (loss(a, now, restart_s), a.run_id),
     )
     chosen: list[Allocation] = []
     freed = capacity.copy()  # one copy, grown victim by victim
@@ -63,7 +68,7 @@ def choose_victims(
     else:
         return None
     # A cheaper victim taken early may be unnecessary once a bigger one is in: drop it.
-    for victim in sorted(chosen, key=lambda a: -loss(a, now)):
+    for victim in sorted(chosen, key=lambda a: -loss(a, now, restart_s)):
         rest = [v for v in chosen if v is not victim]
         if rest and place(request, _freed(capacity, rest)) is not None:
             chosen = rest

@@ -6,10 +6,19 @@ quota check, placement (outside the head-of-line reservation, or inside it if th
 before the reservation starts), else reclaim the team's guarantee by preemption, else the first
 such request becomes the head of the line and gets a reservation. Spare nodes are held back for
 recovery requests. The `Cluster` workflow applies the decisions; nothing here mutates its input.
+
+The starvation guard (on by default; off is the policy before it, which histories recorded
+under it replay with): every request that has waited `reserve_after_s` gets a reservation of
+its own, not only the head of the line, and keeps it on the same nodes from pass to pass; a gang
+granted less than `preemption_shield_s` ago is no victim, and a victim's loss counts the restart
+it repeats (`preemption_restart_s`). Without it, aging decides only who is first in line, and
+a big gang that is not first waits while every node freed outside the head's reservation goes
+to younger small jobs.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
@@ -28,6 +37,7 @@ from workflows.cluster_models import (
     Reservation,
     Waiting,
 )
+from workflows.elastic import claim_holders, grow_back, grow_claim, largest_fit
 from workflows.placement import Capacity, place
 from workflows.preemption import choose_victims
 from workflows.quotas import borrowed, check, fair_share_key, in_use
@@ -37,10 +47,13 @@ from workflows.quotas import borrowed, check, fair_share_key, in_use
 class Decisions:
     grants: list[tuple[GangRequest, list[str]]] = field(default_factory=list)
     preemptions: list[tuple[str, Preemption]] = field(default_factory=list)
-    reservation: Reservation | None = None
+    reservation: Reservation | None = None  # the head of the line's
+    reservations: list[Reservation] = field(default_factory=list)  # every one, the head's first
     waiting: list[Waiting] = field(default_factory=list)
     spares: set[str] = field(default_factory=set)
     claims: list[Claim] = field(default_factory=list)
+    # Gangs granted smaller than asked (elastic), by run: the full request each grows back to.
+    shrunk: dict[str, GangRequest] = field(default_factory=dict)
 
 
 def effective_priority(request: GangRequest, now: datetime, aging_s: float) -> float:
@@ -128,19 +141,22 @@ def schedule(
     arrival_order: bool = False,
     backfill: bool = True,
     preemption: bool = True,
+    starvation_guard: bool = True,
 ) -> Decisions:
     """The switches exist to compare weaker policies in simulation; the cluster uses the
     defaults: `arrival_order` ignores priority and fair share, `backfill=False` starts nothing
-    behind the head of the line, `preemption=False` never reclaims a guarantee."""
+    behind the head of the line, `preemption=False` never reclaims a guarantee,
+    `starvation_guard=False` is the policy before the guard (module docstring)."""
     config = state.config
     default_runtime_s = config.default_max_runtime_h * 3600
     sweep = _sweep(state.nodes)
     decisions = Decisions(spares=choose_spares(sweep.idle, config.spare_nodes))
     queued = {r.run_id for r in state.queue}
+    holders = claim_holders(state)
     # Claimed nodes are held for their claimant (the first claim on a node wins).
     owner: dict[str, str] = {}
     for claim in state.claims:
-        if claim.until > now and claim.run_id in queued:
+        if claim.until > now and claim.run_id in holders:
             for node_id in claim.nodes:
                 if node_id not in decisions.spares:
                     owner.setdefault(node_id, claim.run_id)
@@ -152,11 +168,30 @@ def schedule(
     granted_now: list[Allocation] = []  # this pass's grants: they free up too, for `reserve`
     being_preempted = {a.run_id for a in state.allocations if a.preempting}
     reclaiming = {a.preempting.for_run for a in state.allocations if a.preempting}
-    reserved = Capacity(())
-    reservation: Reservation | None = None
+    # Each reservation with the nodes it holds back: only requests that end before its start
+    # may use them. The head of the line's is the first; the guard adds the long-waiting ones'.
+    reservations: list[tuple[Reservation, Capacity]] = []
+    reserved_ids: set[str] = set()
+    # What reservations are made on: built again only after a grant or a reservation (a claim
+    # moves nodes from `general` to `all_claimed`, which leaves the union as it was); with the
+    # guard a pass may make dozens, and copying 2,500 nodes for each was most of a pass.
+    free_later, built_at = Capacity(()), (-1, -1)
 
     decisions.preemptions += _drain_preemptions(state, sweep.draining, now)
     being_preempted |= {victim for victim, _ in decisions.preemptions}
+    # The guard keeps last pass's reservations where they still stand, before any other is
+    # made: remade every pass, a reservation went to whoever came first in line that pass (a
+    # requeued victim, a failed gang), and a 1,024-GPU gang's start slipped 25 times, by 28 h.
+    mine: dict[str, tuple[Reservation, Capacity]] = {}  # run id -> its kept reservation
+    if starvation_guard:
+        for kept, pool in _keep_reservations(state, general, queued, now):
+            reservations.append((kept, pool))
+            reserved_ids.update(kept.nodes)
+            decisions.reservations.append(kept)
+            mine[kept.run_id] = (kept, pool)
+            overdue = _overdue(state, kept, now, being_preempted)
+            decisions.preemptions += overdue
+            being_preempted |= {victim for victim, _ in overdue}
 
     def wait(position: int, request: GangRequest, reason: str) -> None:
         decisions.waiting.append(Waiting(run_id=request.run_id, position=position, reason=reason))
@@ -166,8 +201,8 @@ def schedule(
         if not quota.allowed:
             wait(position, request, quota.reason)
             continue
-        if reservation is not None and not backfill:
-            wait(position, request, f"no backfill: behind {reservation.run_id}")
+        if decisions.reservation is not None and not backfill:
+            wait(position, request, f"no backfill: behind {decisions.reservation.run_id}")
             continue
         if request.run_id in reclaiming:
             wait(
@@ -177,10 +212,19 @@ def schedule(
                 "and release",
             )
             continue
-        own = held_for.get(request.run_id, Capacity(()))
-        found = _find_place(
-            request, general, own, reserved, spare_capacity, reservation, now, default_runtime_s
+        kept = mine.get(request.run_id)
+        own = [p for p in (held_for.get(request.run_id), kept and kept[1]) if p and p.free]
+        fit = functools.partial(
+            _find_place,
+            general=general,
+            own=own,
+            reservations=reservations,
+            spares=spare_capacity,
+            now=now,
+            default_runtime_s=default_runtime_s,
         )
+        asked = request
+        request, found = largest_fit(request, fit)
         if found is not None:
             placed, pools = found
             held = _held(request, pools, placed)
@@ -189,10 +233,7 @@ def schedule(
             booked = check(config, used, request, held)
             if not booked.allowed and request.nodes > 1:
                 exact = [_exact_size(pool, request.gpus_per_node) for pool in pools]
-                view = exact[0]
-                for extra in exact[1:]:
-                    view = view.merged(extra)
-                fitted = place(request, view)
+                fitted = place(request, _merged(exact))
                 if fitted is not None:
                     placed, held = fitted, request.gpus
                     booked = check(config, used, request, held)
@@ -205,14 +246,27 @@ def schedule(
                 continue
             _take(request, pools, placed)
             decisions.grants.append((request, placed))
+            if request.nodes < asked.nodes:
+                decisions.shrunk[request.run_id] = asked
             for queue in config.ancestry(request.team):
                 used[queue.name] = used.get(queue.name, 0) + held
             decisions.spares -= set(placed)
             granted_now.append(_as_allocation(request, pools, placed, now, default_runtime_s))
             continue
         if preemption and not quota.borrowing:
-            candidates = [a for a in running if a.run_id not in being_preempted]
-            chosen = choose_victims(request, general.merged(own), candidates, lenders, now)
+            candidates = [
+                a
+                for a in running
+                if a.run_id not in being_preempted
+                and not (starvation_guard and _shielded(a, now, config))
+            ]
+            restart_s, around = 0.0, _merged([general, *own])
+            if starvation_guard:  # what a victim frees on reserved nodes is not this request's
+                restart_s = config.preemption_restart_s
+                around = _without(
+                    [general, *own], reserved_ids - set(kept[0].nodes if kept else ())
+                )
+            chosen = choose_victims(request, around, candidates, lenders, now, restart_s)
             if chosen and not _books_within_quota(config, used, request, chosen[1], state.nodes):
                 chosen = None  # the nodes it would get hold more than its quota allows
             if chosen:
@@ -235,13 +289,24 @@ def schedule(
                 names = ", ".join(v.run_id for v in victims)
                 wait(position, request, f"reclaiming its team's guarantee: preempting {names}")
                 continue
-        if reservation is None:
+        head = decisions.reservation is None
+        if kept is not None:  # kept from the last pass: it stands as it was
+            decisions.reservation = kept[0] if head else decisions.reservation
+            wait(position, request, "its reservation holds: " + _described(kept[0]))
+            continue
+        reservation: Reservation | None = None
+        if head or (starvation_guard and _long_waiting(request, now, config)):
             # Every gang frees its nodes some day, those being preempted too; claimed nodes
-            # count as free (their claimant takes them now and frees them later).
-            reservation = reserve(
-                request, general.merged(all_claimed), state.allocations + granted_now, now
-            )
-            if reservation is None:
+            # count as free (their claimant takes them now and frees them later), reserved ones
+            # do not (an earlier reservation has them).
+            if built_at != (len(granted_now), len(reserved_ids)):
+                free_later = _without([general, all_claimed], reserved_ids)
+                built_at = (len(granted_now), len(reserved_ids))
+            reservation = reserve(request, free_later, state.allocations + granted_now, now)
+            if reservation is None and head and reserved_ids:
+                wait(position, request, "no capacity: the nodes it needs are reserved")
+                continue
+            if reservation is None and head:
                 wait(
                     position,
                     request,
@@ -250,19 +315,128 @@ def schedule(
                     + ": more than the cluster's schedulable nodes can ever give",
                 )
                 continue
+        if reservation is not None:
             # The reserved nodes leave the general pool: only short jobs may borrow them.
-            reserved = general.split(reservation.nodes)
-            decisions.reservation = reservation
-            decisions.preemptions += _overdue(state, reservation, now, being_preempted)
+            reservations.append((reservation, general.split(reservation.nodes)))
+            reserved_ids.update(reservation.nodes)
+            decisions.reservations.append(reservation)
+            if head:
+                decisions.reservation = reservation
+            overdue = _overdue(state, reservation, now, being_preempted)
+            decisions.preemptions += overdue
+            if starvation_guard:  # a later reservation must not stop the same gang again
+                being_preempted |= {victim for victim, _ in overdue}
             wait(
                 position,
                 request,
-                f"head of the line: {len(reservation.nodes)} node(s) reserved from "
-                f"{reservation.start:%Y-%m-%d %H:%M:%S} UTC",
+                ("head of the line" if head else "waited past the guard's limit")
+                + ": "
+                + _described(reservation),
             )
             continue
-        wait(position, request, f"no capacity: behind {reservation.run_id}'s reservation")
+        behind = decisions.reservation.run_id if decisions.reservation else "the reservations"
+        wait(position, request, f"no capacity: behind {behind}'s reservation")
+    if preemption:
+        _grow_shrunk_gangs(state, decisions, general, used, being_preempted, now)
     return decisions
+
+
+def _grow_shrunk_gangs(
+    state: ClusterState,
+    decisions: Decisions,
+    general: Capacity,
+    used: dict[str, int],
+    being_preempted: set[str],
+    now: datetime,
+) -> None:
+    """What the queue left free grows shrunk gangs back: each stops at a checkpoint (a
+    notice with `grow_to`) while its full gang's nodes are claimed for it."""
+    grace_s = state.config.preemption_grace_s
+    deadline = now + timedelta(seconds=grace_s)
+    for allocation, target in grow_back(
+        state.config, state.allocations, general, used, being_preempted, now
+    ):
+        assert allocation.wanted is not None
+        nodes = allocation.wanted.nodes
+        notice = Preemption(
+            for_run=allocation.run_id,
+            reason=f"grows back to {nodes} nodes",
+            deadline=deadline,
+            grow_to=nodes,
+        )
+        decisions.preemptions.append((allocation.run_id, notice))
+        decisions.claims.append(grow_claim(allocation.run_id, target, deadline, grace_s))
+
+
+def _keep_reservations(
+    state: ClusterState, general: Capacity, queued: set[str], now: datetime
+) -> list[tuple[Reservation, Capacity]]:
+    """Last pass's reservations of requests still queued and waiting past `reserve_after_s`
+    whose nodes are all still schedulable and in the general pool (not down, drained, claimed
+    or spare) and hold the request once free: their nodes leave `general`, their start is when
+    those nodes free (by the expected ends, as `reserve` estimates it). A younger request's
+    reservation is remade as before: an older one (a gang recovering its survivors) goes first."""
+    requests = {r.run_id: r for r in state.queue}
+    kept: list[tuple[Reservation, Capacity]] = []
+    taken: set[str] = set()
+    for old in state.reservations:
+        nodes = set(old.nodes)
+        if old.run_id not in queued or nodes & taken or not nodes <= general.free.keys():
+            continue
+        if not _long_waiting(requests[old.run_id], now, state.config):
+            continue
+        whole = Capacity((general.info[i], general.info[i].gpus) for i in old.nodes)
+        if place(requests[old.run_id], whole) is None:
+            continue  # it asks for something else now (another size or GPU type)
+        ends = [
+            a.expected_end or now
+            for a in state.allocations
+            if any(n.node_id in nodes for n in a.nodes)
+        ]
+        start = max([now, *ends])
+        reservation = Reservation(run_id=old.run_id, nodes=old.nodes, start=start)
+        kept.append((reservation, general.split(old.nodes)))
+        taken |= nodes
+    return kept
+
+
+def _without(pools: list[Capacity], node_ids: set[str]) -> Capacity:
+    """The pools' nodes but `node_ids`. Not `split`: a node split off stays behind with no
+    free GPU, and the running gangs that `reserve` and `choose_victims` give back would free
+    it again, so a second reservation or a reclaim could take a reserved node."""
+    return Capacity(
+        (pool.info[i], free) for pool in pools for i, free in pool.free.items() if i not in node_ids
+    )
+
+
+def _merged(pools: list[Capacity]) -> Capacity:
+    """One view of several pools' nodes (disjoint sets of nodes)."""
+    view = pools[0]
+    for pool in pools[1:]:
+        view = view.merged(pool)
+    return view
+
+
+def _described(reservation: Reservation) -> str:
+    return (
+        f"{len(reservation.nodes)} node(s) reserved from {reservation.start:%Y-%m-%d %H:%M:%S} UTC"
+    )
+
+
+def _long_waiting(request: GangRequest, now: datetime, config: ClusterConfig) -> bool:
+    """Waited long enough that aging alone will not save it: it gets its own reservation."""
+    if request.submitted_at is None:
+        return False
+    return (now - request.submitted_at).total_seconds() >= config.reserve_after_s
+
+
+def _shielded(allocation: Allocation, now: datetime, config: ClusterConfig) -> bool:
+    """Just granted, so the cheapest victim there is (little work since its start to lose), yet
+    preempting it throws away its restart and sends it back to the queue, where its age puts it
+    first again: granted and preempted over and over."""
+    if allocation.granted_at is None:
+        return False
+    return (now - allocation.granted_at).total_seconds() < config.preemption_shield_s
 
 
 def _books_within_quota(
@@ -319,25 +493,23 @@ def _as_allocation(
 def _find_place(
     request: GangRequest,
     general: Capacity,
-    own: Capacity,
-    reserved: Capacity,
+    own: list[Capacity],
+    reservations: list[tuple[Reservation, Capacity]],
     spares: Capacity,
-    reservation: Reservation | None,
     now: datetime,
     default_runtime_s: float,
 ) -> tuple[list[str], list[Capacity]] | None:
-    """Where the request fits, and the pools its nodes come from (nothing is booked yet)."""
-    options: list[list[Capacity]] = [[general, own] if own.free else [general]]
-    if reservation is not None and fits_before(request, reservation, now, default_runtime_s):
-        options.append([reserved])
+    """Where the request fits, and the pools its nodes come from (nothing is booked yet):
+    `own` holds what is held for it alone (nodes it claimed, its kept reservation)."""
+    options: list[list[Capacity]] = [[general, *own]]
+    for reservation, reserved in reservations:
+        if fits_before(request, reservation, now, default_runtime_s):
+            options.append([reserved])
     if request.recovery and spares.free:
         # A gang recovering from a failure may swap spares in beside ordinary free nodes.
-        options.append([general, own, spares])
+        options.append([general, *own, spares])
     for pools in options:
-        view = pools[0]
-        for extra in pools[1:]:
-            view = view.merged(extra)
-        placed = place(request, view)
+        placed = place(request, _merged(pools))
         if placed is not None:
             return placed, pools
     return None

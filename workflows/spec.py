@@ -9,6 +9,7 @@ and a run could not read its own input back) and must stay far under Temporal's 
 from __future__ import annotations
 
 import json
+import math
 import re
 from typing import Annotated, Literal
 
@@ -297,10 +298,26 @@ class ResourcesSpec(_Strict):
         None, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$", description="e.g. h100; None: any"
     )
     allow_multi_pod: bool = True
+    min_nodes: int | None = Field(
+        None,
+        ge=1,
+        le=4096,
+        description="elastic: when a failed node cannot be replaced (no spare, no free node), "
+        "train on as few as this many nodes and grow back at a checkpoint; None: always `nodes`",
+    )
 
     @property
     def world_size(self) -> int:
         return self.nodes * self.gpus_per_node
+
+    @model_validator(mode="after")
+    def _min_nodes_at_most_nodes(self) -> ResourcesSpec:
+        if self.min_nodes is not None and self.min_nodes > self.nodes:
+            raise ValueError(
+                f"min_nodes ({self.min_nodes}) must be at most nodes ({self.nodes}): a run "
+                "shrinks to min_nodes and grows back to nodes"
+            )
+        return self
 
 
 class ParallelSpec(_Strict):
@@ -442,6 +459,39 @@ class RunSpec(_Strict):
         kept = recovery.model_copy(update={"straggler_policy": "report"})
         return self.model_copy(update={"recovery": kept})
 
+    def on_nodes(self, nodes: int) -> RunSpec:
+        """The spec a gang of `nodes` trains by: this one on `resources.nodes`, or, on fewer
+        nodes after an elastic shrink, the same global batch (`train.batch_size`, so the loss
+        curve is the full gang's) with more gradient accumulation, so no rank's micro-batch is
+        larger than on the full gang (the memory the run was sized for). ValueError if the
+        layout cannot be laid out on that many nodes."""
+        if nodes == self.resources.nodes:
+            return self
+        resources = self.resources.model_copy(update={"nodes": nodes})
+        train = self.train.model_copy(update={"grad_accum_steps": self._accumulation_on(nodes)})
+        return self.model_copy(update={"resources": resources, "train": train})
+
+    def _accumulation_on(self, nodes: int) -> int:
+        batch = self.train.batch_size
+        full_replicate, full_shard, _ = self.parallel.degrees(self.resources.world_size)
+        replicate, shard, _ = self.parallel.degrees(nodes * self.resources.gpus_per_node)
+        full_split = full_replicate * full_shard * self.train.grad_accum_steps
+        ranks = replicate * shard
+        # The smallest accumulation that splits the batch evenly (a divisor of each rank's
+        # share) with micro-batches no larger than on the full gang.
+        if batch % ranks == 0:
+            share = batch // ranks
+            least = -(-full_split // ranks)
+            divisors = (d for i in range(1, math.isqrt(share) + 1) if share % i == 0
+                        for d in (i, share // i))  # fmt: skip
+            fitting = [d for d in divisors if d >= least]
+            if fitting:
+                return min(fitting)
+        raise ValueError(
+            f"train.batch_size ({batch}) cannot be split evenly over {ranks} data-parallel "
+            f"ranks in micro-batches no larger than on the full gang ({batch // full_split})"
+        )
+
     @model_validator(mode="after")
     def _layout_fits_the_gang(self) -> RunSpec:
         world = self.resources.world_size
@@ -461,4 +511,20 @@ class RunSpec(_Strict):
                 f"({self.train.grad_accum_steps}) = {split}; the data-parallel ranks are "
                 f"resources.nodes × resources.gpus_per_node ({world}) / parallel.tensor ({tensor})"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _shrinks_to_min_nodes(self) -> RunSpec:
+        """Every gang size an elastic run may be granted must lay out: refused at submission,
+        not discovered after a failure."""
+        resources = self.resources
+        for nodes in range(resources.min_nodes or resources.nodes, resources.nodes):
+            try:
+                self.on_nodes(nodes)
+            except ValueError as err:
+                raise ValueError(
+                    f"resources.min_nodes ({resources.min_nodes}): on {nodes} node(s) {err}; "
+                    "raise min_nodes, or choose a batch size and layout that every size from "
+                    "min_nodes to nodes divides"
+                ) from None
         return self

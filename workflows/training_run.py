@@ -270,6 +270,13 @@ class TrainingRun(RunEnd):
                 await self._swap(allocation, swap)
                 continue
             except Preempted as preempted:
+                if preempted.notice.grow_to is not None:
+                    # A shrunk gang checkpointed to grow back: the cluster holds the full
+                    # gang's nodes for the request the release carries.
+                    await self._close_attempt("regrown", kept_step=preempted.step)
+                    self._after = "grow"
+                    await self._release_gang(requeue=True)
+                    continue
                 # Not a failure: no attempt is spent and no backoff; the run queues again with
                 # its original age and resumes from the checkpoint it just committed.
                 await self._close_attempt("preempted", kept_step=preempted.step)
@@ -306,7 +313,9 @@ class TrainingRun(RunEnd):
         return gang_request(
             self._spec,
             dataset.snapshot_id if dataset else None,
-            recovering=self._after in ("failure", "swap"),
+            # After a failure or a swap the gang may take a spare or (elastic) shrink; growing
+            # back too, should the nodes held for it be gone (a node died meanwhile).
+            recovering=self._after in ("failure", "swap", "grow"),
             submitted_at=self._submitted_at,
         )
 
@@ -334,6 +343,8 @@ class TrainingRun(RunEnd):
         )
         self._status.generation = self._grant.generation
         self._status.nodes = [n.node_id for n in self._grant.nodes]
+        wanted = self._spec.resources.nodes
+        self._status.shrunk_from = wanted if len(self._grant.nodes) < wanted else None
         return self._grant
 
     async def _confirmed_grant(self) -> Allocation:
@@ -436,7 +447,8 @@ class TrainingRun(RunEnd):
                 "train_on_node",
                 NodeTrainInput(
                     run_id=self._spec.name,
-                    spec=self._spec.after_swaps(self._status.swaps),
+                    # Elastic: a gang granted fewer nodes trains the same global batch.
+                    spec=self._spec.after_swaps(self._status.swaps).on_nodes(len(allocation.nodes)),
                     dataset=dataset,
                     allocation=allocation,
                     node_id=node.node_id,

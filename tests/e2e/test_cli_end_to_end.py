@@ -306,7 +306,13 @@ def test_a_team_reclaims_its_guarantee_and_the_victim_resumes_exactly(
 ) -> None:
     """vision borrows two of the three nodes; nlp (guaranteed 2) needs two: the borrower
     checkpoints, gives them back, waits, and later finishes with the losses it would have had."""
-    stack.cli("cluster", "apply", str(REPO / "examples" / "cluster.toml"))
+    # The example's teams, without its preemption shield: the borrower is granted seconds
+    # before the owner asks, and a shielded gang is no victim for its first hour.
+    teams = tmp_path / "cluster.toml"
+    example = (REPO / "examples" / "cluster.toml").read_text()
+    teams.write_text(re.sub(r"(?m)^preemption_shield_s = \d+", "preemption_shield_s = 0", example))
+    assert "preemption_shield_s = 0" in teams.read_text()
+    stack.cli("cluster", "apply", str(teams))
     try:
         store = stack.store()
         borrower = variant(tmp_path, "borrower", team="vision", steps=300, checkpoint_every=100)

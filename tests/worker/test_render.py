@@ -78,3 +78,14 @@ def test_an_evaluation_says_what_it_was_measured_on() -> None:
     text = status_text(view, SETTINGS)
     assert "the last training loss, step 600: the script reports no held-out loss" in text
     assert "on 0 tokens" not in text and "sample " not in text  # no empty sample line
+
+
+def test_status_says_when_an_elastic_run_trains_on_fewer_nodes() -> None:
+    view = training_view()
+    assert "elastic" not in status_text(view, SETTINGS)
+    view.status.shrunk_from = 3
+    lines = status_text(view, SETTINGS).splitlines()
+    at = next(i for i, line in enumerate(lines) if line.startswith("allocation"))
+    assert lines[at + 1] == (
+        "elastic        on 2 of 3 nodes since a failure; grows back when the cluster has nodes free"
+    )

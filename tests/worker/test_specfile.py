@@ -1,9 +1,11 @@
+import re
 from pathlib import Path
 
 import pytest
 
 from infra.processes import free_port
 from tests.conftest import REPO
+from worker.run_actions import RunActionError, _on_nodes
 from worker.specfile import SpecError, load_spec, parse_spec, spec_sha256
 
 VALID = {"name": "r1", "data": {"sources": ["corpus.txt"]}}
@@ -240,3 +242,48 @@ def test_store_sources_are_listed_in_the_configured_store(
         f"  data.sources: store:web/*.jsonl (in the store s3://{bucket}/store): source pattern "
         f"s3://{bucket}/store/web/*.jsonl matches no objects: check data.sources"
     )
+
+
+@pytest.mark.parametrize(
+    ("resources", "batch_size", "message"),
+    [
+        ({"nodes": 2, "min_nodes": 3}, 12, "resources: min_nodes (3) must be at most nodes (2)"),
+        (
+            {"nodes": 4, "min_nodes": 2},
+            20,
+            "resources.min_nodes (2): on 3 node(s) train.batch_size (20) cannot be split evenly "
+            "over 3 data-parallel ranks",
+        ),
+    ],
+)
+def test_an_elastic_run_must_lay_out_at_every_size_it_may_shrink_to(
+    tmp_path: Path, resources: dict, batch_size: int, message: str
+) -> None:
+    with pytest.raises(SpecError, match=re.escape(message)):
+        parse_spec({**VALID, "resources": resources, "train": {"batch_size": batch_size}}, tmp_path)
+
+
+def test_a_shrunk_gang_keeps_the_global_batch_and_no_larger_micro_batches(tmp_path: Path) -> None:
+    spec = parse_spec(
+        {**VALID, "resources": {"nodes": 4, "min_nodes": 1}, "train": {"batch_size": 12}}, tmp_path
+    )
+    assert spec.on_nodes(4) is spec
+    laid_out = {n: spec.on_nodes(n) for n in (1, 2, 3)}
+    assert {n: s.train.grad_accum_steps for n, s in laid_out.items()} == {1: 4, 2: 2, 3: 2}
+    for nodes, shrunk in laid_out.items():
+        assert shrunk.resources.nodes == nodes and shrunk.train.batch_size == 12
+        assert 12 // (nodes * shrunk.train.grad_accum_steps) <= 12 // 4
+
+
+def test_resume_on_fewer_nodes_keeps_an_elastic_floor_within_them(tmp_path: Path) -> None:
+    elastic = parse_spec(
+        {**VALID, "resources": {"nodes": 4, "min_nodes": 3}, "train": {"batch_size": 12}}, tmp_path
+    )
+    assert _on_nodes(2, elastic).resources.model_dump(include={"nodes", "min_nodes"}) == {
+        "nodes": 2,
+        "min_nodes": 2,
+    }
+    assert _on_nodes(3, elastic).resources.min_nodes == 3
+    # More nodes than before: every size down to the floor must still lay out.
+    with pytest.raises(RunActionError, match=r"(?s)--nodes 6: .*min_nodes \(3\): on 5 node"):
+        _on_nodes(6, elastic)

@@ -404,6 +404,7 @@ def test_a_team_reclaims_its_guarantee_from_a_borrower(
         config = ClusterConfig(
             queues=[QueueConfig(name="nlp", guaranteed_gpus=2), QueueConfig(name="vision")],
             preemption_grace_s=60,
+            preemption_shield_s=0,  # the borrower was granted just now: reclaim it at once
         )
         await h.cluster.execute_update(ClusterWorkflow.apply_config, config)
         for n in ("n0", "n1"):
@@ -486,6 +487,7 @@ def test_a_victim_that_never_releases_is_revoked_after_the_grace(task_queue: str
         config = ClusterConfig(
             queues=[QueueConfig(name="nlp", guaranteed_gpus=1), QueueConfig(name="vision")],
             preemption_grace_s=120,
+            preemption_shield_s=0,  # the squatter was granted just now: reclaim it at once
         )
         await h.cluster.execute_update(ClusterWorkflow.apply_config, config)
         await h.cluster.signal(ClusterWorkflow.register_node, node("n0"))

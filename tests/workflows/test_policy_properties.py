@@ -15,7 +15,7 @@ from datetime import datetime, timedelta
 from hypothesis import assume, example, given, settings
 from hypothesis import strategies as st
 
-from tests.workflows.policy_fixtures import NOW, node, request, teams
+from tests.workflows.policy_fixtures import NOW, node, request, running, teams
 from tests.workflows.policy_scenarios import (
     GPU_COUNTS,
     REGRESSION_SETTINGS,
@@ -36,9 +36,10 @@ from workflows.cluster_models import (
     GangRequest,
     QueueConfig,
 )
+from workflows.cluster_ops import apply
 from workflows.placement import Capacity, place
 from workflows.quotas import borrowed, check, in_use
-from workflows.scheduler import Decisions, choose_spares
+from workflows.scheduler import Decisions, choose_spares, schedule
 
 
 def holders(state: ClusterState) -> dict[str, set[str]]:
@@ -265,10 +266,17 @@ class Reclaim:
     wanted: GangRequest
 
     def bound(self) -> datetime:
-        # Victims release within the grace period or are revoked at the first pass after
+        # A borrower granted less than the shield ago is no victim until the shield is over;
+        # victims release within the grace period or are revoked at the first pass after
         # deadline + 30 s; a pass follows every release, at most a tick follows the margin.
-        grace = timedelta(seconds=self.scenario.state.config.preemption_grace_s)
-        return NOW + grace + REVOKE_MARGIN + TICK
+        config = self.scenario.state.config
+        shielded = [
+            a.granted_at + timedelta(seconds=config.preemption_shield_s)
+            for a in self.scenario.state.allocations
+            if a.granted_at is not None
+        ]
+        start = max([NOW, *shielded])
+        return start + timedelta(seconds=config.preemption_grace_s) + REVOKE_MARGIN + TICK
 
     def granted_at(self, **options: object) -> datetime | None:
         sim = self.scenario.simulator(on_decisions=assert_safe_preemptions, **options)
@@ -476,3 +484,43 @@ def test_a_big_low_priority_gang_starts_within_the_aging_bound(stream: Stream) -
     sim.run(until=submitted + stream.bound, stop=lambda s: s.granted_at("big") is not None)
     granted = sim.granted_at("big")
     assert granted is not None and granted - submitted <= stream.bound, (granted, stream.bound)
+
+
+@st.composite
+def held_reservations(draw: st.DrawFn) -> tuple[ClusterState, GangRequest]:
+    """A full cluster of one-node gangs ending at drawn times; `old` has waited past the
+    guard's limit and asks for some of the nodes; `newcomer`, higher in priority, the same."""
+    count = draw(st.integers(2, 12))
+    state = ClusterState(config=teams(a=(0, None)), nodes=[node(f"n{i:02d}") for i in range(count)])
+    for i in range(count):
+        running(state, f"r{i:02d}", [f"n{i:02d}"], team="a", hours_left=draw(st.floats(0.1, 9)))
+    size = draw(st.integers(1, count // 2))
+    old = request("old", nodes=size, team="a", submitted_at=NOW - timedelta(hours=7))
+    state.queue = [old]
+    # Above `old`, whose 7 h of aging are worth 7 priority levels: the newcomer is first in line.
+    newcomer = request("newcomer", nodes=size, team="a", priority=draw(st.integers(8, 20)))
+    return state, newcomer
+
+
+@settings(SETTINGS, max_examples=60)
+@given(held_reservations())
+def test_a_reservation_holds_when_a_more_urgent_request_arrives(
+    case: tuple[ClusterState, GangRequest],
+) -> None:
+    """Remade every pass, a reservation went to whoever was first in line that pass, and a
+    long-waiting gang's start slipped pass after pass (the starvation guard keeps it)."""
+    state, newcomer = case
+    first = schedule(state, NOW)
+    apply(state, first, NOW)
+    (made,) = first.reservations
+    state.queue.append(newcomer)
+    later = NOW + TICK
+    second = schedule(state, later)
+    kept = {r.run_id: r for r in second.reservations}
+    assert sorted(kept["old"].nodes) == sorted(made.nodes) and kept["old"].start == made.start
+    assert not set(kept["old"].nodes) & set(kept["newcomer"].nodes)
+    for granted, nodes in second.grants:  # nothing starts on them that would outlast the start
+        assert (
+            not set(nodes) & set(made.nodes)
+            or later + timedelta(seconds=granted.max_runtime_s or 0) <= made.start
+        )

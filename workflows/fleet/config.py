@@ -20,7 +20,8 @@ class PolicyName(StrEnum):
     FIFO = "fifo"  # strict arrival order, no backfill, no borrowing, no preemption, no spares
     BACKFILL = "backfill"  # priority + fair share order, EASY backfill
     PREEMPTION = "preemption"  # + borrowing beyond guarantees, reclaimed by preemption
-    SPARES = "spares"  # + a spare pool for failed gangs: the platform's default
+    UNGUARDED = "spares-unguarded"  # + a spare pool for failed gangs: the default until the guard
+    SPARES = "spares"  # + the starvation guard (workflows.scheduler): the platform's default
 
 
 class Policy(BaseModel):
@@ -29,6 +30,7 @@ class Policy(BaseModel):
     borrowing: bool
     preemption: bool
     spares: bool
+    starvation_guard: bool = False
 
 
 POLICIES: dict[PolicyName, Policy] = {
@@ -41,8 +43,16 @@ POLICIES: dict[PolicyName, Policy] = {
     PolicyName.PREEMPTION: Policy(
         arrival_order=False, backfill=True, borrowing=True, preemption=True, spares=False
     ),
-    PolicyName.SPARES: Policy(
+    PolicyName.UNGUARDED: Policy(
         arrival_order=False, backfill=True, borrowing=True, preemption=True, spares=True
+    ),
+    PolicyName.SPARES: Policy(
+        arrival_order=False,
+        backfill=True,
+        borrowing=True,
+        preemption=True,
+        spares=True,
+        starvation_guard=True,
     ),
 }
 

@@ -277,6 +277,7 @@ class Simulation:
             arrival_order=self.policy.arrival_order,
             backfill=self.policy.backfill,
             preemption=self.policy.preemption,
+            starvation_guard=self.policy.starvation_guard,
         )
         for run_id, signal, argument in ops.apply(state, decisions, now):
             if signal == GANG_GRANTED_SIGNAL:
