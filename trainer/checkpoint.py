@@ -51,6 +51,7 @@ from trainer.manifest import (
     manifest_key,
     prune,
 )
+from trainer.peer_tier import PeerTier, send_to_peer, write_peer_manifest
 from trainer.safe_load import METADATA_FILE, UnsafeCheckpoint
 
 
@@ -111,6 +112,7 @@ class SaveReport:
     total_s: float  # from the save call to the commit
     fenced: bool = False  # a later generation has started: nothing was committed
     lost: str | None = None  # why this generation's own key at this step held another manifest
+    peer: bool = False  # a peer-tier checkpoint (trainer.peer_tier), not the store's
 
 
 class Checkpointer:
@@ -129,8 +131,10 @@ class Checkpointer:
         run_uid: str = "",
         local_copies: LocalCopies | None = None,
         prunes_local_copies: bool = False,
+        peer: PeerTier | None = None,
     ) -> None:
         self.store = store
+        self.peer = peer  # None: this run takes no peer-tier checkpoints
         # Where this rank keeps the files of its last commit for the node's next generation
         # (None: deleted after the upload); one rank a node prunes the older ones.
         self.local_copies = local_copies
@@ -153,10 +157,19 @@ class Checkpointer:
         self._stall_s = 0.0
 
     def save(
-        self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: int, meta: dict
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        step: int,
+        meta: dict,
+        *,
+        peer: bool = False,
     ) -> SaveReport | None:
         """Start a checkpoint of the current state once the previous one has committed (one
-        save in flight); returns that previous save's report if it had to wait for it."""
+        save in flight); returns that previous save's report if it had to wait for it. With
+        `peer`, a peer-tier checkpoint: to the node and its peer, not the store."""
+        if peer and self.peer is None:
+            raise ValueError("a peer-tier save needs the Checkpointer's `peer`")
         started = time.perf_counter()
         previous = self.wait()
         folder = self.staging_dir / f"step-{step}"
@@ -179,9 +192,8 @@ class Checkpointer:
         self._stall_s = time.perf_counter() - started
         # The manifest is written later, in the background: freeze what it says about now.
         frozen = copy.deepcopy(meta)
-        self._in_flight = self._committer.submit(
-            self._commit, written, folder, step, frozen, started
-        )
+        commit = self._commit_peer if peer else self._commit
+        self._in_flight = self._committer.submit(commit, written, folder, step, frozen, started)
         return previous
 
     def before_weights_change(self) -> None:
@@ -263,18 +275,8 @@ class Checkpointer:
         key and None; or None and why another manifest already held the key (only a writer of
         this same generation can have put one there: the store's copy stands); or None, None
         when the commit was taken back because a newer generation had resumed meanwhile."""
-        manifest = {
-            "format": MANIFEST_FORMAT,
-            "run_id": self.run_id,
-            **({"run_uid": self.run_uid} if self.run_uid else {}),
-            "step": step,
-            "world_size": self.world,
-            "layout": self.layout,
-            "committed_at": datetime.now(UTC).isoformat(),
-            **meta,
-            "generation": self.generation,
-            "files": [entry for part in gathered for entry in (part[1] if part else [])],
-        }
+        files = [entry for part in gathered for entry in (part[1] if part else [])]
+        manifest = self._manifest(step, meta, files)
         key = manifest_key(self.run_id, step, self.generation)
         if not self.store.put_if_absent(
             key, json.dumps(manifest, indent=2, sort_keys=True).encode()
@@ -292,6 +294,54 @@ class Checkpointer:
         prune(self.store, self.run_id, self.keep, self._verified, self.run_uid)
         return key, None
 
+    def _manifest(self, step: int, meta: dict, files: list[dict]) -> dict:
+        """What a manifest of either tier says: the run, the step, the layout, the loop's
+        state (`meta`: tokens, data cursor, losses), the generation, every file."""
+        return {
+            "format": MANIFEST_FORMAT,
+            "run_id": self.run_id,
+            **({"run_uid": self.run_uid} if self.run_uid else {}),
+            "step": step,
+            "world_size": self.world,
+            "layout": self.layout,
+            "committed_at": datetime.now(UTC).isoformat(),
+            **meta,
+            "generation": self.generation,
+            "files": files,
+        }
+
+    def _commit_peer(
+        self, written: Future, folder: Path, step: int, meta: dict, started: float
+    ) -> SaveReport:
+        """A peer-tier commit: every rank sends its files to its counterpart on the node's peer
+        (trainer.peer_tier), then rank 0 writes the peer manifest. Nothing goes to the store
+        but that manifest."""
+        assert self.peer is not None
+        written.result()
+        flags: list[bool | None] = [None] * self.world
+        dist.all_gather_object(flags, self._superseded(), group=self._group)
+        fenced = any(flags)
+        key: str | None = None
+        if not fenced:
+            mine = [(path, {"name": path.name, "bytes": path.stat().st_size,
+                            "sha256": sha256_file(path)})
+                    for path in _files_written_by(folder, self.rank)]  # fmt: skip
+            files = send_to_peer(self.peer, mine, self._group)
+            if self.rank == 0:
+                key = write_peer_manifest(
+                    self.store, self._manifest(step, meta, files), self.run_id, step,
+                    self.generation, self.run_uid,
+                )  # fmt: skip
+                fenced = key is None
+            outcome = [(key, fenced)]
+            dist.broadcast_object_list(outcome, src=0, group=self._group)
+            key, fenced = outcome[0]
+            if key is not None and self.peer.local_rank == 0:
+                self.peer.holdings.prune({entry["sha256"] for entry in files})
+        shutil.rmtree(folder, ignore_errors=True)
+        self.fenced = self.fenced or fenced
+        return SaveReport(step, key, 0.0, time.perf_counter() - started, fenced, peer=True)
+
     def _superseded(self) -> bool:
         return Fences.read(self.store, self.run_id, self.run_uid).superseded(self.generation)
 
@@ -303,7 +353,7 @@ def fetch_checkpoint(
     copy where it has one (`local_copies`), else downloaded."""
     dest.mkdir(parents=True, exist_ok=True)
     for entry in manifest["files"]:
-        local = _local_path(dest, entry["name"])
+        local = local_path(dest, entry["name"])
         if local_copies is not None and local_copies.place(entry, local):
             continue
         fetch_verified(store, entry["key"], local, entry["sha256"], entry["bytes"])
@@ -319,7 +369,7 @@ def vet_metadata(store: ObjectStore, manifest: dict) -> None:
             safe_load.check_metadata(store.get_bytes(entry["key"]), entry["key"])
 
 
-def _local_path(dest: Path, name: object) -> Path:
+def local_path(dest: Path, name: object) -> Path:
     """Where a manifest's file lands: a plain name inside `dest`, never a path out of it (the
     manifest is read from the store, and a crafted one could name ../../.bashrc)."""
     if not isinstance(name, str) or not safe_load.is_plain_file_name(name):

@@ -39,6 +39,22 @@ class LocalCopies:
             if kept is not None:
                 os.replace(path, kept)
 
+    def hold(self, sha256: str, data: bytes) -> None:
+        """Keep a copy another node sent (the caller has checked its sha256): written aside,
+        then renamed, so a half-written copy never carries the name."""
+        kept = self._path(sha256)
+        if kept is None:
+            raise ValueError(f"not a sha256: {sha256!r}")
+        self.folder.mkdir(parents=True, exist_ok=True)
+        partial = kept.with_name(f"{sha256}.partial")
+        partial.write_bytes(data)
+        os.replace(partial, kept)
+
+    def holds(self, entry: dict) -> bool:
+        """A copy of the entry is here (not yet verified: `place` does that)."""
+        kept = self._path(entry.get("sha256"))
+        return kept is not None and kept.is_file()
+
     def prune(self, wanted: set[str]) -> None:
         """Delete every copy that is not one of `wanted` (the newest commit's files)."""
         if not self.folder.is_dir():
