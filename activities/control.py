@@ -42,6 +42,7 @@ from trainer.manifest import (
     newest_commit_of,
     record_generation,
 )
+from trainer.peer_tier import find_peer, peer_steps_of
 from trainer.reported_eval import reported_evaluation
 from trainer.run_identity import claim, pin
 from workflows.models import (
@@ -124,14 +125,22 @@ class ControlActivities:
             self.store, inp.run_id, inp.max_generation, skip, vet,
             run_uid=inp.run_uid, at_most_step=inp.at_most_step,
         )  # fmt: skip
+        stored = None if found is None else _reference(found)
+        resume = stored
+        # A new gang may resume from a newer peer-tier checkpoint (its files on the nodes),
+        # the store's as the fallback; `resume --from` asks for a store checkpoint.
+        if inp.fence and inp.at_most_step is None:
+            peer = find_peer(self.store, inp.run_id, inp.max_generation, inp.run_uid, skip)
+            if peer is not None and (stored is None or peer.step > stored.step):
+                resume = _reference(peer).model_copy(update={"tier": "peer", "fallback": stored})
         if inp.fence:
             record_generation(
-                self.store, inp.run_id, inp.max_generation, found.step if found else 0,
+                self.store, inp.run_id, inp.max_generation, resume.step if resume else 0,
                 run_uid=inp.run_uid,
             )  # fmt: skip
-        if found is None:
+        if resume is None:
             return None
-        return _reference(found).model_copy(update={"skipped": skipped})
+        return resume.model_copy(update={"skipped": skipped})
 
     @activity.defn(name="attempt_ledger")
     def attempt_ledger(self, inp: AttemptLedgerInput) -> AttemptLedger | None:
@@ -141,8 +150,10 @@ class ControlActivities:
         if ledger is None:  # the ranks never got as far as their first step
             return None
         kept_step = inp.kept_step
-        if kept_step is None:
-            kept_step = newest_commit_of(self.store, inp.run_id, inp.generation)
+        if kept_step is None:  # the newest step of this generation either tier holds
+            stored = newest_commit_of(self.store, inp.run_id, inp.generation)
+            peer = peer_steps_of(self.store, inp.run_id, inp.generation)
+            kept_step = max([s for s in (stored, *peer) if s is not None], default=None)
         kept = next((m for m in ledger.commits if m.step == kept_step), None)
         return AttemptLedger(
             resume_step=ledger.resume_step,

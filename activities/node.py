@@ -30,12 +30,14 @@ from trainer.hang import HangWatch
 from trainer.job import CHAOS_FILE, ResumePoint, TrainJob
 from trainer.launch import LOOPBACK, Fabric, Rendezvous, run_ranks
 from trainer.local_copies import LocalCopies
+from trainer.manifest import read_manifest
 from trainer.model import laid_out_as
 from trainer.rank_logs import LogShipper, shipped_while_running
 from trainer.warm_launch import WarmLauncher
 from workflows.cluster_models import CheckpointCommitted
 from workflows.gang_outcome import USER_CODE_ERROR
 from workflows.models import (
+    CheckpointRef,
     HealthEvent,
     NodeStopInput,
     NodeTrainInput,
@@ -199,24 +201,27 @@ class NodeActivities:
         # The built-in GPT is built as the weights it starts from are laid out: a run begun
         # (or a base model trained) before the fused layout resumes in the layout it has.
         stored: dict = {}
-        if inp.resume is not None:
+        gen_dir = self._generation_dir(inp.run_id, inp.allocation.generation)
+        if inp.resume is not None and inp.resume.tier == "peer":
+            # The ranks gather the files from the gang's nodes, or fetch the fallback.
+            manifest = json.loads(self.store.get_bytes(inp.resume.manifest_key))
+            stored = manifest.get("model_config") or {}
+            resume = _resume_point(inp.resume, gen_dir / "peer-checkpoint", manifest)
+            if (fallback := inp.resume.fallback) is not None:
+                resume.fallback = _resume_point(
+                    fallback, gen_dir / "store-checkpoint",
+                    read_manifest(self.store, fallback.manifest_key),
+                )  # fmt: skip
+        elif inp.resume is not None:
             folder, manifest = cache.checkpoint(inp.resume)
             stored = manifest.get("model_config") or {}
-            resume = ResumePoint(
-                folder=str(folder),
-                step=inp.resume.step,
-                tokens_seen=inp.resume.tokens_seen,
-                manifest_key=inp.resume.manifest_key,
-                loss_history=manifest.get("loss_history", []),
-                samples_seen=manifest.get("samples_seen"),
-            )
+            resume = _resume_point(inp.resume, folder, manifest)
         code_dir = self._user_code(inp, cache)
         init_weights = ""
         if inp.init_from is not None and inp.resume is None:
             folder, base = cache.checkpoint(inp.init_from)
             init_weights = str(folder)
             stored = base.get("model_config") or {}
-        gen_dir = self._generation_dir(inp.run_id, inp.allocation.generation)
         spec = inp.spec
         replicate, shard, tensor = spec.parallel.degrees(spec.resources.world_size)
         node_ids = [node.node_id for node in inp.allocation.nodes]
@@ -248,6 +253,8 @@ class NodeActivities:
             twin_store_url=self.settings.twin_store_url,
             staging_dir=str(gen_dir / "staging"),
             local_copies=str(self.local_copies.folder),
+            peer_copies=str(self.workdir / "peer-copies") if spec.train.peer_every else "",
+            node_domain=next(n.pod for n in inp.allocation.nodes if n.node_id == self.node_id),
             progress_file=str(gen_dir / "progress.jsonl"),
             stop_file=str(gen_dir / STOP_FILE),
             chaos_file=str(gen_dir / CHAOS_FILE),
@@ -484,3 +491,16 @@ async def _heartbeating(work: Awaitable[T], beat: Callable[[], None], every_s: f
     except asyncio.CancelledError:
         task.cancel()
         raise
+
+
+def _resume_point(ref: CheckpointRef, folder: Path, manifest: dict) -> ResumePoint:
+    """Where the ranks resume: the checkpoint's step and the loop's state its manifest keeps."""
+    return ResumePoint(
+        folder=str(folder),
+        step=ref.step,
+        tokens_seen=ref.tokens_seen,
+        manifest_key=ref.manifest_key,
+        loss_history=manifest.get("loss_history", []),
+        samples_seen=manifest.get("samples_seen"),
+        tier=ref.tier,
+    )

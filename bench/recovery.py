@@ -3,8 +3,10 @@
     python -m bench.recovery [--kills 3] [--steps 600] [--checkpoint-every 100]
                              [--heartbeat-timeout 10] [--seed 6]
 
-Twice, once with node agents that start torchrun cold (as before warm restarts) and once with
-their warm standby (trainer/warm_launch.py), the table of each and the two side by side:
+Three times: node agents that start torchrun cold (as before warm restarts), with their warm
+standby (trainer/warm_launch.py), and warm with the peer tier (`peer_every = 10`: a failure
+loses the steps since the last peer checkpoint, not the store's); the table of each and all
+side by side:
 starts a private stack (Temporal dev server, MLflow, control worker, 2 + kills node agents), runs a
 fault-free two-node run of examples/tiny.toml for the baseline, then the same spec under
 another name with `--kills` node agents SIGKILLed at random steps (each recovery takes a node
@@ -83,8 +85,13 @@ async def _query_status(home: Path, run: str) -> RunStatus:
     return await client.get_workflow_handle(run).query("status", result_type=RunStatus)
 
 
-def spec_file(folder: Path, name: str, steps: int, every: int, heartbeat_s: int, kills: int) -> str:
+def spec_file(
+    folder: Path, name: str, steps: int, every: int, heartbeat_s: int, kills: int,
+    extra: dict[str, int],
+) -> str:  # fmt: skip
     text = (REPO / "examples" / "tiny.toml").read_text()
+    for key, value in extra.items():  # keys the example leaves at their defaults
+        text = text.replace("[train]\n", f"[train]\n{key} = {value}\n")
     text = text.replace('name = "tiny"', f'name = "{name}"')
     text = text.replace('"data/tinyshakespeare.txt"', f'"{REPO}/examples/data/tinyshakespeare.txt"')
     for key, value in (
@@ -174,9 +181,11 @@ def start_split(attempt: AttemptRecord) -> dict[str, float]:
 
 
 # The ways of restarting compared, each on a stack of its own, one after the other in one run.
-VARIANTS = {
-    "cold torchrun (before)": {"FORGELINE_NODE_WARM_STANDBY": "false"},
-    "warm standby": {"FORGELINE_NODE_WARM_STANDBY": "true"},
+# Each variant: the node agents' settings, and [train] keys the runs add to the spec.
+VARIANTS: dict[str, tuple[dict[str, str], dict[str, int]]] = {
+    "cold torchrun (before)": ({"FORGELINE_NODE_WARM_STANDBY": "false"}, {}),
+    "warm standby": ({"FORGELINE_NODE_WARM_STANDBY": "true"}, {}),
+    "warm + peer tier": ({"FORGELINE_NODE_WARM_STANDBY": "true"}, {"peer_every": 10}),
 }
 
 
@@ -189,21 +198,27 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=6)
     args = parser.parse_args()
     means = {}
-    for label, settings in VARIANTS.items():
-        rows, fresh_start = measure(args, settings)
+    for label, (settings, extra) in VARIANTS.items():
+        rows, fresh_start = measure(args, settings, extra)
         print(f"\n== {label}")
-        report(rows, fresh_start, args)
+        report(rows, fresh_start, args, extra.get("peer_every", args.checkpoint_every))
         means[label] = {name: sum(r[name] for r in rows) / len(rows) for name in rows[0]}
-    before, after = means.values()
-    print(f"\n{'mean of the kills':<24}" + "".join(f"{label:>24}" for label in means) + "   ratio")
+    columns = list(means.values())
+    before, after = columns[0], columns[-1]
+    print(f"\n{'mean of the kills':<24}" + "".join(f"{label:>24}" for label in means)
+          + "   ratio last/first")  # fmt: skip
     for name in before:
         unit = "" if name == "steps lost" else " s"
         ratio = after[name] / before[name] if before[name] else float("nan")
-        print(f"{name:<24}{before[name]:>22.1f}{unit:<2}{after[name]:>22.1f}{unit:<2}{ratio:>8.2f}")
+        cells = "".join(f"{column[name]:>22.1f}{unit:<2}" for column in columns)
+        print(f"{name:<24}{cells}{ratio:>8.2f}")
 
 
-def measure(args: argparse.Namespace, settings: dict[str, str]) -> tuple[list[dict], float]:
-    """One stack with `settings`: the fresh run's start, then every kill's phases."""
+def measure(
+    args: argparse.Namespace, settings: dict[str, str], extra: dict[str, int]
+) -> tuple[list[dict], float]:
+    """One stack with `settings`, runs with the `extra` [train] keys: the fresh run's start,
+    then every kill's phases."""
     home = Path(tempfile.mkdtemp(prefix="forgeline-bench-recovery-"))
     stack = LocalStack(home, settings)
     # A node for every kill beyond the gang's two: dead nodes stay dead, and no repaired agent's
@@ -212,7 +227,7 @@ def measure(args: argparse.Namespace, settings: dict[str, str]) -> tuple[list[di
     try:
         folder = home / "specs"
         folder.mkdir()
-        shape = (args.steps, args.checkpoint_every, args.heartbeat_timeout, args.kills)
+        shape = (args.steps, args.checkpoint_every, args.heartbeat_timeout, args.kills, extra)
         stack.cli("run", spec_file(folder, "fresh", *shape))
         fresh = stack.status("fresh").gang_attempts[0]
         fresh_start = first_step_at(stack, "fresh", fresh.generation) - fresh.granted_at.timestamp()
@@ -242,7 +257,11 @@ def measure(args: argparse.Namespace, settings: dict[str, str]) -> tuple[list[di
         stack.cli("down")
 
 
-def report(rows: list[dict[str, float]], fresh_start: float, args: argparse.Namespace) -> None:
+def report(
+    rows: list[dict[str, float]], fresh_start: float, args: argparse.Namespace, interval: int
+) -> None:
+    """One variant's table; `interval`: the steps between the checkpoints a failure falls back
+    to (the peer tier's where there is one)."""
     names = list(rows[0])
     width = max(map(len, names)) + 2
     header = f"{'':<{width}}" + "".join(f"{f'kill {i + 1}':>10}" for i in range(len(rows)))
@@ -263,8 +282,8 @@ def report(rows: list[dict[str, float]], fresh_start: float, args: argparse.Name
           f"{mean_total / 20:>8.2f}")  # fmt: skip
     print(f"{'restart+load+step vs fresh start':<38}{mean_restart:>9.1f}s{fresh_start:>9.1f}s"
           f"{mean_restart / fresh_start:>8.2f}")  # fmt: skip
-    print(f"{'steps lost vs checkpoint interval':<38}{lost:>10.0f}{args.checkpoint_every:>10}"
-          f"{lost / args.checkpoint_every:>8.2f}")  # fmt: skip
+    print(f"{'steps lost vs checkpoint interval':<38}{lost:>10.0f}{interval:>10}"
+          f"{lost / interval:>8.2f}")  # fmt: skip
 
 
 if __name__ == "__main__":

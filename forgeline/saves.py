@@ -34,13 +34,23 @@ class Saves:
         return self.checkpointer.fenced
 
     def save(
-        self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: int, meta: dict
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        step: int,
+        meta: dict,
+        *,
+        peer: bool = False,
     ) -> None:
-        """Start a save of this step; returns once the state is being copied."""
-        self.last_save_at = time.monotonic()
+        """Start a save of this step (`peer`: of the peer tier); returns once the state is
+        being copied."""
+        if not peer:  # the interval policy times the store's checkpoints
+            self.last_save_at = time.monotonic()
+        started = time.monotonic()
         self.clock.save_issued(step)
-        self._report(self.checkpointer.save(model, optimizer, step, meta))  # the one before
-        self.clock.add(stall_s=time.monotonic() - self.last_save_at)
+        previous = self.checkpointer.save(model, optimizer, step, meta, peer=peer)
+        self._report(previous)  # the one before
+        self.clock.add(stall_s=time.monotonic() - started)
 
     def poll(self) -> None:
         """Report a save that committed since the last look, without waiting."""
@@ -57,6 +67,13 @@ class Saves:
 
     def _report(self, report: SaveReport | None) -> None:
         if report is None:
+            return
+        if report.peer:  # work kept, but not a store checkpoint the workflows resume from
+            if report.manifest_key is not None:
+                self.clock.committed(report.step)
+            self.progress.write(event="peer_checkpoint", step=report.step,
+                                manifest_key=report.manifest_key, seconds=report.total_s,
+                                stall_s=report.stall_s)  # fmt: skip
             return
         self.costs = (report.stall_s, report.total_s)
         if report.manifest_key is not None:

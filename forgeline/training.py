@@ -42,17 +42,26 @@ from forgeline.stops import StopRules
 from infra.store import open_store
 from trainer import runtime
 from trainer.attempt_clock import AttemptClock
-from trainer.checkpoint import Checkpointer, load_training_state
+from trainer.checkpoint import load_training_state
 from trainer.checkpoint_policy import CheckpointPolicy
 from trainer.data import RankSlice, Sampler, TokenStream
 from trainer.entry import mark_began
 from trainer.grad_watch import PreReduceNorms, chaos_asks_to_corrupt
 from trainer.job import TrainJob
-from trainer.local_copies import LocalCopies
+from trainer.job_checkpoints import checkpointer_for, resolve
 from trainer.metrics import mfu
 from trainer.parallel import Layout, Placement, build_mesh
 from trainer.progress import ProgressFile
-from trainer.step_share import EXIT_NON_FINITE, FENCED, NON_FINITE, StepShare, share_step
+from trainer.step_share import (
+    EXIT_NON_FINITE,
+    FENCED,
+    NO_SAVE,
+    NON_FINITE,
+    PEER_SAVE,
+    STORE_SAVE,
+    StepShare,
+    share_step,
+)
 from workflows.spec import TrainSpec
 
 SERVING_MODULE = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*")
@@ -201,8 +210,16 @@ class Run:
                 self.placement.mesh.get_group("replicate"),
                 poison_now=lambda: chaos_asks_to_corrupt(self._corrupt_next, self.step + 1),
             )
+        checkpointer = checkpointer_for(
+            self.job, self.store, self.layout.to_dict(), keep=self.settings.keep_checkpoints,
+            asynchronous=self.settings.async_checkpoint, local_rank=self.local_rank,
+        )  # fmt: skip
         load_started = time.perf_counter()
-        resume = self.job.resume
+        resume, skipped = resolve(self.job, self.store, self.local_rank, checkpointer.group,
+                                  self._say)  # fmt: skip
+        if skipped is not None:
+            self._progress.write(event="peer_skipped", why=skipped)
+            self.job.resume = resume  # `resuming` tells the truth from here on
         if resume is not None:
             load_training_state(model, optimizer, Path(resume.folder))
             self.step, self.tokens_seen = resume.step, resume.tokens_seen
@@ -214,20 +231,6 @@ class Run:
         # The weights change in optimizer.step(): a checkpoint being staged must have its copy
         # by then. A hook, so no script has to remember it.
         optimizer.register_step_pre_hook(self._before_weights_change)
-        checkpointer = Checkpointer(
-            store=self.store,
-            staging_dir=Path(self.job.staging_dir),
-            run_id=self.job.run_id,
-            generation=self.job.generation,
-            keep=self.settings.keep_checkpoints,
-            layout=self.layout.to_dict(),
-            asynchronous=self.settings.async_checkpoint,
-            run_uid=self.job.run_uid,
-            local_copies=LocalCopies(Path(self.job.local_copies))
-            if self.job.local_copies
-            else None,
-            prunes_local_copies=self.local_rank == 0,
-        )
         self._progress.write(
             event="started", step=self.step, rank=self.rank, world=self.world,
             layout=self.layout.to_dict(),
@@ -362,9 +365,18 @@ class Run:
             stall_s=saves.costs[0],
             commit_s=saves.costs[1],
         )
+        # A peer-tier save only when no save is on its way: it must never make the loop wait.
+        peer_due = (
+            self.rank == 0
+            and saves.checkpointer.peer is not None
+            and cfg.peer_every > 0
+            and self.step % cfg.peer_every == 0
+            and not saves.checkpointer.busy
+        )
         step_s = time.perf_counter() - step.started
         grad_norm = step.grad_norm if step.grad_norm is not None else 0.0
-        shared = share_step(asked, save_due, step_s, grad_norm, step.forward_s)
+        call = STORE_SAVE if save_due else PEER_SAVE if peer_due else NO_SAVE
+        shared = share_step(asked, call, step_s, grad_norm, step.forward_s)
         stop, straggler_s = rules.judge(self.step, shared, step_s - self._stall_s, shared.stop)
         self._clock.step_done(
             self.step,
@@ -387,6 +399,8 @@ class Run:
             return True
         if stop or shared.save or self.step == cfg.steps:
             self.checkpoint()
+        elif shared.peer:
+            self._save(peer=True)
         if stop:
             # After the commit landed: only then is it safe.
             self._stop_here(rules.reason(stop, fenced=saves.fenced))
@@ -451,6 +465,9 @@ class Run:
         calls it; the loop does so by the spec's policy, and on every stop). It returns once
         the state is being copied; the files upload and the manifest commits in the
         background."""
+        self._save(peer=False)
+
+    def _save(self, peer: bool) -> None:
         assert self._saves is not None
         assert self._model is not None and self._optimizer is not None
         sampler = self.sampler
@@ -458,6 +475,7 @@ class Run:
             self._model,
             self._optimizer,
             self.step,
+            peer=peer,
             meta={
                 "tokens_seen": self.tokens_seen,
                 "samples_seen": self.samples_seen,

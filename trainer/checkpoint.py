@@ -196,6 +196,16 @@ class Checkpointer:
         self._in_flight = self._committer.submit(commit, written, folder, step, frozen, started)
         return previous
 
+    @property
+    def busy(self) -> bool:
+        """A save is still on its way to its commit."""
+        return self._in_flight is not None and not self._in_flight.done()
+
+    @property
+    def group(self) -> dist.ProcessGroup:
+        """The gloo group checkpoints use (the peer tier's restore uses it too)."""
+        return self._group
+
     def before_weights_change(self) -> None:
         """Call before optimizer.step(): the staged copy must be complete by then."""
         if self._staged is not None:

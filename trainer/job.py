@@ -18,6 +18,12 @@ class ResumePoint:
     manifest_key: str
     loss_history: list[list[float]] = field(default_factory=list)  # [step, loss] so far
     samples_seen: int | None = None  # the data cursor; None: step × batch_size (older manifests)
+    # "peer": a peer-tier checkpoint (trainer.peer_tier), whose files the ranks gather from
+    # the gang's nodes into `folder`; "store": fetched into `folder` before the ranks start.
+    tier: str = "store"
+    # For a peer-tier resume: the store checkpoint to fall back to when the gang does not hold
+    # the peer tier whole; its `folder` is fetched by the ranks only then.
+    fallback: ResumePoint | None = None
 
 
 @dataclass
@@ -50,6 +56,9 @@ class TrainJob:
     run_uid: str = ""  # the run's identity (trainer.run_identity); "": a run from before them
     # The node's folder of checkpoint copies (trainer.local_copies): "" keeps none
     local_copies: str = ""
+    # The node's folder of peer-tier copies and its failure domain (pod): "" takes none
+    peer_copies: str = ""
+    node_domain: str = ""
 
     def stacks_file(self, local_rank: int) -> Path | None:
         """Where a rank of this node prints its threads' stacks when asked (SIGUSR1): one file
@@ -65,5 +74,11 @@ class TrainJob:
     @classmethod
     def read(cls, path: Path) -> TrainJob:
         data = json.loads(path.read_text())
-        resume = data.pop("resume")
-        return cls(**data, resume=ResumePoint(**resume) if resume else None)
+        resume = _resume_point(data.pop("resume"))
+        return cls(**data, resume=resume)
+
+
+def _resume_point(data: dict | None) -> ResumePoint | None:
+    if not data:
+        return None
+    return ResumePoint(**{**data, "fallback": _resume_point(data.get("fallback"))})

@@ -194,3 +194,13 @@ def find_peer(
             continue
         return CommittedCheckpoint(key, manifest)
     return None
+
+
+def peer_steps_of(store: ObjectStore, run_id: str, generation: int) -> list[int]:
+    """The steps of the peer manifests `generation` committed that are still in the store
+    (for accounting: at most one, the run's newest)."""
+    return [
+        int(match.group(1))
+        for key in store.list(f"runs/{run_id}/peer/")
+        if (match := _PEER_KEY.search(key)) and int(match.group(2)) == generation
+    ]

@@ -20,27 +20,32 @@ STRAGGLER = ASKED_TO_STOP
 # from the last committed checkpoint, which holds none of them.
 EXIT_NON_FINITE = 3
 STOP_REASONS = {ASKED_TO_STOP: "asked to stop", PREEMPTED: "preempted", FENCED: "fenced"}
+# Rank 0's call on a checkpoint at this step: none, the store's, or the peer tier's.
+NO_SAVE, STORE_SAVE, PEER_SAVE = 0, 1, 2
 
 
 @dataclass(frozen=True)
 class StepShare:
     stop: int  # the strongest stop request of any rank
     save: bool  # rank 0's call on a time- or epoch-based checkpoint, the same on every rank
+    peer: bool  # rank 0's call on a peer-tier checkpoint (trainer.peer_tier)
     step_s: list[float]  # every rank's step time
     grad_norm: list[float]  # every rank's local gradient norm
     forward_s: list[float]  # every rank's forward time: its own speed (trainer.stragglers)
 
 
 def share_step(
-    stop: int, save: bool, step_s: float, grad_norm: float, forward_s: float
+    stop: int, save: int, step_s: float, grad_norm: float, forward_s: float
 ) -> StepShare:
-    """One all-gather of five numbers per rank, for what the ranks must agree on and what the
+    """`save` is NO_SAVE, STORE_SAVE or PEER_SAVE (rank 0's counts). One all-gather of five
+    numbers per rank, for what the ranks must agree on and what the
     health checks compare across ranks. A gang of one rank agrees with itself: it gets the
     same table without the collective."""
     if dist.get_world_size() == 1:
         return StepShare(
             stop=int(stop),
-            save=bool(save),
+            save=save == STORE_SAVE,
+            peer=save == PEER_SAVE,
             step_s=[float(step_s)],
             grad_norm=[float(grad_norm)],
             forward_s=[float(forward_s)],
@@ -53,7 +58,8 @@ def share_step(
     table = torch.stack(everyone)  # (world, 5)
     return StepShare(
         stop=int(table[:, 0].max()),
-        save=bool(table[0, 1]),
+        save=int(table[0, 1]) == STORE_SAVE,
+        peer=int(table[0, 1]) == PEER_SAVE,
         step_s=table[:, 2].tolist(),
         grad_norm=table[:, 3].tolist(),
         forward_s=table[:, 4].tolist(),

@@ -106,6 +106,10 @@ class CheckpointRef(BaseModel):
     tokens_seen: int
     # Newer manifests passed over to find this one, and why (corrupt, torn, fenced out).
     skipped: list[str] = []
+    # "peer": a peer-tier checkpoint (trainer.peer_tier): its files are on the gang's nodes,
+    # and `fallback` is the store checkpoint to resume from if the new gang lacks some.
+    tier: str = "store"
+    fallback: CheckpointRef | None = None
 
 
 class InitFromInput(BaseModel):

@@ -223,6 +223,13 @@ class TrainSpec(_Strict):
     )
     checkpoint_each_epoch: bool = Field(False, description="also when an epoch ends")
     keep_checkpoints: int = Field(2, ge=1, le=100)
+    peer_every: int = Field(
+        0,
+        ge=0,
+        le=MAX_STEPS,
+        description="steps between peer-tier checkpoints (node-local disk and one peer node, "
+        "nothing to the store): a failure loses at most this many steps; 0: none",
+    )
     eval_batches: int = Field(20, ge=1, le=10_000)
     threads_per_rank: int = Field(1, ge=1, le=256, description="CPU threads per rank")
     peak_flops_per_gpu: float | None = Field(
@@ -257,6 +264,12 @@ class TrainSpec(_Strict):
         if self.min_lr > self.learning_rate:
             raise ValueError(
                 f"min_lr ({self.min_lr}) must not exceed learning_rate ({self.learning_rate})"
+            )
+        every = self.checkpoint_every
+        if self.peer_every and isinstance(every, int) and self.peer_every >= every:
+            raise ValueError(
+                f"peer_every ({self.peer_every}) must be below checkpoint_every ({every}): the "
+                "peer tier is the cheap checkpoint between the store's (or set peer_every = 0)"
             )
         return self
 

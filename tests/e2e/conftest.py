@@ -138,8 +138,8 @@ def variant(
     registry: dict[str, object] | None = None,
     **train: int,
 ) -> Path:
-    """examples/tiny.toml under another name, with other [train] values (any key it has), a
-    team, and more [recovery] and [registry] settings."""
+    """examples/tiny.toml under another name, with other [train] values (any of its keys, or
+    another [train] key), a team, and more [recovery] and [registry] settings."""
     text = TINY.read_text().replace('name = "tiny"', f'name = "{name}"')
     if team is not None:
         text = text.replace("[resources]\n", f'[resources]\nteam = "{team}"\n')
@@ -151,7 +151,10 @@ def variant(
         '"data/tinyshakespeare.txt"', f'"{REPO / "examples" / "data" / "tinyshakespeare.txt"}"'
     )
     for key, value in train.items():
-        text = re.sub(rf"^{key} = .*$", f"{key} = {value}", text, flags=re.M)
+        if re.search(rf"^{key} = ", text, flags=re.M):
+            text = re.sub(rf"^{key} = .*$", f"{key} = {value}", text, flags=re.M)
+        else:  # a [train] key the example leaves at its default
+            text = text.replace("[train]\n", f"[train]\n{key} = {value}\n")
     path = tmp_path / f"{name}.toml"
     path.write_text(text)
     return path

@@ -6,6 +6,7 @@ import os
 import random
 import re
 import signal
+from collections.abc import Callable
 from subprocess import CompletedProcess
 from typing import Protocol
 
@@ -46,17 +47,24 @@ def own_commit(stack: Stack, run: str, generation: int) -> int | None:
     return min(commits_of(stack, run, generation), default=None)
 
 
-def kill_a_node_of(stack: Stack, run: str, after_generation: int, chance: random.Random) -> int:
-    """Wait for the run's next generation to commit a checkpoint and train a random number of
-    steps more, then SIGKILL the agent of a random node of its gang; return the generation
-    once all its ranks are gone. (The signal is sent from here, as `forgeline chaos kill-node`
-    sends it: a command's start-up would let the tiny model train on for dozens of steps.)"""
+def kill_a_node_of(
+    stack: Stack,
+    run: str,
+    after_generation: int,
+    chance: random.Random,
+    committed_by: Callable[[Stack, str, int], int | None] = own_commit,
+) -> int:
+    """Wait for the run's next generation to commit a checkpoint (`committed_by`: the step
+    of the one to wait for) and train a random number of steps more, then SIGKILL the agent of
+    a random node of its gang; return the generation once all its ranks are gone. (The signal
+    is sent from here, as `forgeline chaos kill-node` sends it: a command's start-up would let
+    the tiny model train on for dozens of steps.)"""
     generation, nodes = wait_for(
         lambda: (gang := gang_of(stack, run))[0] > after_generation and gang, 120, "a new gang"
     )
     victim = chance.choice(nodes)
     agent = int((stack.home / "run" / f"{victim}.pid").read_text().split()[0])
-    committed = wait_for(lambda: own_commit(stack, run, generation), 120, "a commit", poll=0.05)
+    committed = wait_for(lambda: committed_by(stack, run, generation), 120, "a commit", poll=0.05)
     past = committed + chance.randint(5, 40)
     wait_for(
         lambda: latest_step(stack, run, generation) >= past,

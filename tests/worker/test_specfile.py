@@ -78,6 +78,10 @@ def test_sources_resolve_against_the_spec_folder(tmp_path: Path) -> None:
             "data.filters.max_top_ngram_char_fraction.0.1: Input should be less than or equal to 1",
         ),
         ({"train": {"learning_rate": 1e-4, "min_lr": 1e-3}}, "min_lr (0.001) must not exceed"),
+        (
+            {"train": {"checkpoint_every": 50, "peer_every": 50}},
+            "peer_every (50) must be below checkpoint_every (50)",
+        ),
         ({"train": {"entrypoint": "train.py"}}, "train.code and train.entrypoint go together"),
         ({"train": {"code": "src"}}, "train.code and train.entrypoint go together"),
         (
