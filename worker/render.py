@@ -103,8 +103,9 @@ def status_text(view: RunView, settings: Settings) -> str:
     reported = beat.checkpoint_step if beat else None
     if s.last_checkpoint and (reported is None or reported <= s.last_checkpoint.step):
         c = s.last_checkpoint
+        tier = "peer tier, " if c.tier == "peer" else ""  # its files are on the nodes
         lines.append(
-            f"checkpoint     step {c.step} (generation {c.generation}, "
+            f"checkpoint     step {c.step} ({tier}generation {c.generation}, "
             f"{c.tokens_seen:,} tokens)  {c.manifest_key}"
         )
     elif reported is not None:

@@ -89,3 +89,17 @@ def test_status_says_when_an_elastic_run_trains_on_fewer_nodes() -> None:
     assert lines[at + 1] == (
         "elastic        on 2 of 3 nodes since a failure; grows back when the cluster has nodes free"
     )
+
+
+def test_status_says_when_the_gang_resumed_from_the_peer_tier() -> None:
+    view = training_view()
+    view.progress = None
+    assert "peer tier" not in status_text(view, SETTINGS)
+    view.status.last_checkpoint = CheckpointRef(
+        manifest_key="runs/r1/peer/step-120/gen-3/MANIFEST.json", step=120, generation=3,
+        tokens_seen=491520, tier="peer",
+    )  # fmt: skip
+    assert (
+        "checkpoint     step 120 (peer tier, generation 3, 491,520 tokens)  "
+        "runs/r1/peer/step-120/gen-3/MANIFEST.json"
+    ) in status_text(view, SETTINGS).splitlines()
