@@ -1,5 +1,6 @@
-"""Across real network interfaces: a gang of two hosts trains over the bridge, survives one
-host's cable being pulled, and its logs are read from elsewhere."""
+"""Across real network interfaces: a gang of two hosts trains over the bridge (its peer-tier
+checkpoints too), survives one host's cable being pulled, and its logs are read from
+elsewhere."""
 
 from __future__ import annotations
 
@@ -22,14 +23,15 @@ from trainer.manifest import Fences, commits, committed_steps, find_latest
 from worker.chaos import trainer_processes
 from worker.cli_common import ExitCode
 
-STEPS, CHECKPOINT_EVERY = 300, 50
+STEPS, CHECKPOINT_EVERY, PEER_EVERY = 300, 50, 10
 
 
 def spec(tmp_path: Path, name: str) -> Path:
-    """examples/tiny.toml under another name, long enough to be cut mid-run; a silent host is
+    """examples/tiny.toml under another name, long enough to be cut mid-run, with peer-tier
+    checkpoints between the store's (sent host to host over the bridge); a silent host is
     given up on at its activity's heartbeat timeout, 5 s."""
     return variant(tmp_path, name, steps=STEPS, checkpoint_every=CHECKPOINT_EVERY,
-                   heartbeat_timeout_s=5)  # fmt: skip
+                   peer_every=PEER_EVERY, heartbeat_timeout_s=5)  # fmt: skip
 
 
 def weights(store: ObjectStore, run: str, scratch: Path) -> dict[str, torch.Tensor]:
@@ -44,6 +46,12 @@ def progress(cluster: Cluster, run: str) -> list[dict]:
         for path in cluster.home_of(host).glob(f"nodes/*/runs/{run}/gen-*/progress.jsonl"):
             lines += [json.loads(line) for line in path.read_text().splitlines()]
     return lines
+
+
+def peer_step(store: ObjectStore, run: str) -> int:
+    """The step of the run's peer checkpoint in the store (0: none)."""
+    steps = [int(k.split("/step-")[1].split("/")[0]) for k in store.list(f"runs/{run}/peer/")]
+    return max(steps, default=0)
 
 
 def ranks_on(cluster: Cluster, host: Host, run: str) -> list[int]:
@@ -74,6 +82,18 @@ def test_a_gang_of_two_hosts_trains_across_the_bridge(cluster: Cluster, clean: s
         assert interface.startswith("flp") and interface.endswith(host), head
         assert store_at in addresses.values(), head  # the head's bridge address, not loopback
         assert re.search(rf"\[rank {rank}/2 gen \d+\] step {STEPS}/{STEPS} loss", logs), logs
+    # The newest peer checkpoint: each host holds its own shards and the other's, sent over the
+    # bridge, and nothing older.
+    store = cluster.store()
+    (key,) = store.list(f"runs/{clean}/peer/")
+    files = json.loads(store.get_bytes(key))["files"]
+    assert all(len(set(f["holders"])) == 2 for f in files), files
+    gang = {holder for f in files for holder in f["holders"]}
+    for host in (h for h in cluster.network.hosts if h.name in gang):
+        folder = cluster.home_of(host) / "nodes" / host.name / "peer-copies"
+        held = {f["sha256"] for f in files if host.name in f["holders"]}
+        assert {p.name for p in folder.iterdir()} == held and held, (host.name, files)
+    assert len(gang) == 2, files
 
 
 def test_a_gpu_type_no_agent_reports_is_refused_before_the_run_starts(
@@ -97,7 +117,8 @@ def test_a_partitioned_host_is_replaced_and_its_ranks_commit_nothing(
     cluster: Cluster, clean: str, tmp_path: Path
 ) -> None:
     """One training host's link goes down mid-run (not a SIGKILL: its processes live on). The
-    run notices, resumes on the third host from the last committed manifest; when the link is
+    run notices, resumes on the third host from the newest peer checkpoint (the survivor sends
+    the third host the cut-off host's shards over the bridge); when the link is
     back the cut-off ranks are fenced and commit nothing, and the final weights are those of a
     fault-free run. The cut-off host's log lines are read from the root namespace."""
     path = spec(tmp_path, "cut")
@@ -105,6 +126,10 @@ def test_a_partitioned_host_is_replaced_and_its_ranks_commit_nothing(
     store = cluster.store()
     generation, nodes = wait_for(lambda: (g := gang_of(cluster, "cut"))[0] and g, 120, "a gang")
     wait_for(lambda: committed_steps(store, "cut"), 120, "the first checkpoint", 0.05)
+    # And a peer checkpoint after it: the new gang resumes from that one, its missing shards
+    # sent over the bridge by the host that kept them.
+    peer = wait_for(lambda: (p := peer_step(store, "cut")) > CHECKPOINT_EVERY and p, 120,
+                    "a peer checkpoint", 0.05)  # fmt: skip
     victim = next(h for h in cluster.network.hosts if h.name == nodes[1])
     cut_at = time.monotonic()
     victim.cut()
@@ -137,6 +162,11 @@ def test_a_partitioned_host_is_replaced_and_its_ranks_commit_nothing(
     mine, theirs = weights(store, "cut", tmp_path), weights(store, clean, tmp_path)
     assert all(torch.equal(mine[k], theirs[k]) for k in theirs)
 
+    resumed = cluster.cli("logs", "cut", "--attempt", str(regrouped[0])).stdout
+    said = set(re.findall(r"\[rank (\d)/2 gen \d+\] resuming from the peer tier at step (\d+)",
+                          resumed))  # fmt: skip
+    (step,) = {int(step) for _, step in said}
+    assert {rank for rank, _ in said} == {"0", "1"} and step >= peer, resumed[-3000:]
     cut_off = cluster.cli("logs", "cut", "--node", victim.name, "--attempt", str(generation))
     assert re.search(rf"\[rank \d/2 gen {generation}\] step \d+/{STEPS} loss", cut_off.stdout), (
         cut_off.stdout[-3000:]
