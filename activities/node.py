@@ -253,7 +253,12 @@ class NodeActivities:
             twin_store_url=self.settings.twin_store_url,
             staging_dir=str(gen_dir / "staging"),
             local_copies=str(self.local_copies.folder),
-            peer_copies=str(self.workdir / "peer-copies") if spec.train.peer_every else "",
+            # A multi-node run (or an elastic one, shrunk) holds its nodes whole, so one run at
+            # a time prunes the folder; a single-node run has no peer to send to.
+            peer_copies=str(self.workdir / "peer-copies")
+            if spec.train.peer_every
+            and (spec.resources.nodes > 1 or spec.resources.min_nodes is not None)
+            else "",
             node_domain=next(n.pod for n in inp.allocation.nodes if n.node_id == self.node_id),
             progress_file=str(gen_dir / "progress.jsonl"),
             stop_file=str(gen_dir / STOP_FILE),
