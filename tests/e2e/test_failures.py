@@ -376,9 +376,9 @@ def test_a_node_failing_its_health_check_is_left_behind(stack: Stack, tmp_path: 
     """The node's own checker reports ECC errors mid-training: its agent stops the attempt at
     once (no heartbeat timeout to wait for), the run reports the node and continues on another;
     when the check passes again the node is back in service."""
-    # Long enough that the check fails mid-training: 300 tiny steps end in about a second,
-    # before the two CLI calls below have started.
-    spec = variant(tmp_path, "tiny-sick", steps=3000, checkpoint_every=100)
+    # Long enough that the check fails mid-training: 300 tiny steps can end before the two CLI
+    # calls below have started; 1,500 leave half a minute (3,000 cost CI a minute more).
+    spec = variant(tmp_path, "tiny-sick", steps=1500, checkpoint_every=100)
     stack.cli("run", str(spec), "--detach")
     store = stack.store()
     wait_for(lambda: committed_steps(store, "tiny-sick"), 120, "the first checkpoint", 0.25)
