@@ -16,6 +16,7 @@ import os
 from collections import defaultdict
 from pathlib import Path
 
+import pytest
 from temporalio import activity
 from temporalio.client import Client, WorkflowExecutionStatus, WorkflowHandle
 from temporalio.contrib.pydantic import pydantic_data_converter
@@ -222,6 +223,10 @@ async def _preempt_many_times(client: Client, task_queue: str) -> tuple[RunStatu
                     await handle.terminate("test over")
 
 
+# With the slow tests, to keep `make test` within 15 minutes (25 s of it): make test replays
+# this test's recorded histories (2026-12-02-continue_TrainingRun_flapping_0 and _5, a first
+# execution and a continuation) against the current code.
+@pytest.mark.slow
 def test_a_run_preempted_three_dozen_times_continues_as_new_and_keeps_a_bounded_status(
     temporal_address: str, task_queue: str
 ) -> None:
