@@ -9,8 +9,10 @@ passed in from here because `workflows/` may not import `infra`.
 from __future__ import annotations
 
 import math
+import os
 import time
 from collections.abc import Iterator
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Annotated
 
@@ -22,8 +24,8 @@ from infra.capacity_plan import daly_interval_s
 from infra.extras import require_extra
 from infra.toml_files import read_toml
 from worker.cli_common import CliError, console
-from workflows.fleet.config import SimConfig
-from workflows.fleet.report import Report, compare, run
+from workflows.fleet.config import Recovery, SimConfig
+from workflows.fleet.report import Report, compare, recovery_steps, run
 
 DEFAULT_OUT = Path("reports/simulate")
 
@@ -96,12 +98,14 @@ def _classes(r: Report) -> Table:
 
 def _big_runs(r: Report) -> Table:
     table = Table(title="The biggest runs")
-    for name in ("run", "submitted", "waited", "progress", "goodput", "attempts", "failures"):
+    for name in ("run", "submitted", "waited", "progress", "goodput", "… waits counted",
+                 "attempts", "failures", "waits to recover"):  # fmt: skip
         table.add_column(name, justify="left" if name == "run" else "right")
     for b in r.big_runs:
         table.add_row(
             b.run_id, f"day {b.submitted_h / 24:.1f}", f"{b.waited_h:.1f} h", _pct(b.progress),
-            _pct(b.goodput), str(b.attempts), str(b.failures),
+            _pct(b.goodput), _pct(b.goodput_with_waits), str(b.attempts), str(b.failures),
+            f"{b.recovery_wait_h:.1f} h",
         )  # fmt: skip
     return table
 
@@ -117,6 +121,46 @@ def _comparison(reports: list[Report]) -> Table:
         table.add_row(r.policy, _pct(r.allocation), _pct(r.useful), f"{r.preemptions:,}",
                       f"{r.spare_hits:,}", f"{r.still_waiting:,}", *waits)  # fmt: skip
     return table
+
+
+def _big_goodput(r: Report, *, with_waits: bool = False) -> str:
+    if not r.big_runs:
+        return "-"
+    values = sorted(b.goodput_with_waits if with_waits else b.goodput for b in r.big_runs)
+    return _pct(values[0]) if len(values) == 1 else f"{_pct(values[0])} – {_pct(values[-1])}"
+
+
+def _recovery_comparison(steps: list[tuple[str, Report]], simulated: Recovery) -> Table:
+    table = Table(title="Recovery as it was, then each gain of the stack in turn (same seed)")
+    first = steps[0][1]
+    columns = ["recovery", "allocation", "useful", "preemptions"]
+    columns += [f"goodput {c.name}" for c in first.classes]
+    columns += ["biggest runs' goodput", "… waits to recover counted", "wait to recover (mean)",
+                "shrunk"]  # fmt: skip
+    for name in columns:
+        table.add_column(name, justify="left" if name == "recovery" else "right")
+    for name, r in steps:
+        name += " (the model)" if r.recovery == simulated else ""
+        waited_h = sum(c.recovery_wait_h * c.failures for c in r.classes)
+        failures = sum(c.failures for c in r.classes)
+        table.add_row(
+            name, _pct(r.allocation), _pct(r.useful), f"{r.preemptions:,}",
+            *[_pct(c.goodput) for c in r.classes], _big_goodput(r),
+            _big_goodput(r, with_waits=True),
+            f"{60 * waited_h / failures if failures else 0:.1f} min",
+            f"{sum(c.shrunk for c in r.classes):,}",
+        )  # fmt: skip
+    return table
+
+
+def _run_steps(settings: SimConfig) -> list[tuple[str, Report]]:
+    """Every step of the recovery model on the same seed, in parallel (each is minutes)."""
+    steps = recovery_steps(settings.recovery)
+    configs = [settings.model_copy(update={"recovery": model}) for _, model in steps]
+    workers = max(1, min(len(configs), os.cpu_count() or 1))
+    with ProcessPoolExecutor(workers) as pool:
+        reports = list(pool.map(run, configs, [daly_interval_s] * len(configs)))
+    return [(name, r) for (name, _), r in zip(steps, reports, strict=True)]
 
 
 def plot(reports: list[Report], warmup_days: float, path: Path) -> None:
@@ -152,6 +196,10 @@ def simulate(
     compare_policies: Annotated[
         bool, typer.Option("--compare", help="FIFO vs backfill vs preemption vs spares")
     ] = False,
+    compare_recovery: Annotated[
+        bool,
+        typer.Option("--recovery", help="recovery as it was, then each gain of the stack"),
+    ] = False,
     out: Annotated[Path, typer.Option(help="where the PNG goes")] = DEFAULT_OUT,
 ) -> None:
     """Simulate the datacenter through the real scheduling policy: utilisation, goodput, waits."""
@@ -164,7 +212,16 @@ def simulate(
         settings = SimConfig.model_validate(settings.model_dump() | updates)
     except ValidationError as err:
         raise CliError(f"--days/--seed: {err.errors()[0]['msg']}") from err
+    if compare_policies and compare_recovery:
+        raise CliError("--compare and --recovery: choose one comparison")
     started = time.perf_counter()
+    if compare_recovery:
+        steps = _run_steps(settings)
+        console.print(_recovery_comparison(steps, settings.recovery))
+        console.print(f"{len(steps)} recovery models in {time.perf_counter() - started:.1f} s")
+        model = next(r for _, r in steps if r.recovery == settings.recovery)
+        console.print(_big_runs(model))
+        return
     if compare_policies:
         reports = compare(settings, daly_interval_s)
         seconds = time.perf_counter() - started

@@ -76,7 +76,51 @@ class Failures(_Strict):
     # about one per 6,300 node-hours.
     node_mtbf_h: float = Field(6_000.0, gt=0, description="0 < MTBF; per node")
     repair_h: float = Field(8.0, ge=0, description="mean time a failed node stays down")
-    recovery_backoff_s: float = Field(30.0, ge=0, description="failure noticed → asks again")
+    recovery_backoff_s: float = Field(
+        30.0, ge=0, description="a failure in a row noticed → the run asks again"
+    )
+
+
+class Recovery(_Strict):
+    """How runs save and recover: what the stack does now. The ratios were measured here on the
+    local stack (README, Benchmarks); the rest are stated assumptions. `BEFORE` is the model
+    the simulator used until then: a node failure noticed at once and followed by the backoff,
+    every save blocking for its whole duration, every restart cold, no peer tier."""
+
+    # bench/recovery: the survivors' collectives fail and their agents report at once; the dead
+    # node also misses its 2 s probe (3.3-3.9 s from SIGKILL to the run recovering).
+    detect_s: float = Field(4.0, ge=0, description="a node's death noticed, by its survivors")
+    # Assumed: failures no survivor sees (a frozen host, a partition) wait for the heartbeat
+    # timeout (the spec's default, 15 s).
+    silent_fraction: float = Field(0.1, ge=0, le=1, description="of failures: noticed late")
+    heartbeat_timeout_s: float = Field(15.0, ge=0)
+    first_backoff: bool = Field(False, description="back off before the first retry too")
+    # bench/recovery: a warm agent's restart took 4.4 s where a cold torchrun took 5.9 s.
+    warm_restart: float = Field(0.75, gt=0, le=1, description="a recovery's restart ÷ a cold one")
+    # bench/trainer: a save of 63 M parameters + AdamW stalled the loop 0.013 s, 1/69 of a
+    # synchronous dcp.save (0.868 s); the rest of the save runs behind the training.
+    async_stall: float = Field(1 / 69, gt=0, le=1, description="a save's stall ÷ its duration")
+    store_every: int = Field(10, ge=1, description="one save in n to the store; 1: no peer tier")
+    # bench/recovery: peer saves every 10 steps added 1.1 GPU-s of stall over about 54 of them
+    # (10 ms a rank), where a store save stalled 17 ms a rank: about 0.6.
+    peer_stall: float = Field(0.6, gt=0, description="a peer save's stall ÷ a store save's")
+    # Assumed: a node sends its own shards to one peer over its own NICs, where a store save
+    # puts every node's through the shared storage: a tenth of the store save's duration.
+    peer_lag: float = Field(0.1, ge=0, description="a peer copy's commit ÷ a store save")
+    # Elastic runs (`[resources] min_nodes`, a run's choice, so off by default): after a
+    # failure with no spare and no free node a gang of more than one node goes on with as few
+    # as this share of its nodes, and grows back when they are free.
+    min_nodes: float = Field(1.0, gt=0, le=1, description="share of nodes; 1: never shrink")
+
+
+BEFORE = Recovery(
+    detect_s=0.0,
+    silent_fraction=0.0,
+    first_backoff=True,
+    warm_restart=1.0,
+    async_stall=1.0,
+    store_every=1,
+)
 
 
 class JobClass(_Strict):
@@ -175,6 +219,7 @@ class SimConfig(_Strict):
     policy: PolicyName = PolicyName.SPARES
     fleet: Fleet = Fleet()
     failures: Failures = Failures()
+    recovery: Recovery = Recovery()
     checkpoint_interval_s: float = Field(
         1_800.0, gt=0, description="used when no interval rule (Young/Daly) is passed in"
     )

@@ -13,20 +13,19 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Callable
+import math
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 
 from workflows import cluster_ops as ops
 from workflows.cluster_models import Allocation, ClusterState, GangRequest, Health, Node, NodeInfo
 from workflows.fleet.config import POLICIES, SimConfig
-from workflows.fleet.progress import Attempt
+from workflows.fleet.progress import Attempt, IntervalRule, SavePlan, save_plan
 from workflows.fleet.workload import DAY, Job, Outage
 from workflows.names import GANG_GRANTED_SIGNAL, PREEMPT_SIGNAL
 from workflows.scheduler import schedule
 
 START = datetime(2026, 1, 5, tzinfo=UTC)  # a Monday; only differences matter
-IntervalRule = Callable[[float, float], float]  # (save s, gang MTBF s) -> checkpoint interval s
 
 
 @dataclass
@@ -42,7 +41,12 @@ class JobRecord:
     failures: int = 0
     preemptions: int = 0
     spare_hits: int = 0
-    interval_s: float = 0.0
+    failed_in_row: int = 0  # failed attempts since the last that committed anything
+    asked_again_s: float | None = None  # when it last asked for a gang to recover on
+    recovery_wait_s: float = 0.0  # from asking again after a failure to the new gang
+    shrunk: int = 0  # attempts on fewer nodes than asked (elastic)
+    regrown: int = 0  # of those, stopped to grow back
+    plan: SavePlan | None = None
 
 
 @dataclass
@@ -103,6 +107,8 @@ class Simulation:
         self.out = Outcome(config, {j.run_id: JobRecord(j) for j in jobs}, self.trace)
         self.attempts: dict[str, tuple[Attempt, int]] = {}  # run id -> (attempt, generation)
         self.recovering: set[str] = set()  # failed, asking again: a spare may serve them
+        self.failing: set[tuple[str, int]] = set()  # (run, generation): dead node not noticed
+        self.growing: set[str] = set()  # shrunk gangs that stopped to have their full size back
         self.now_s = 0.0
         self.dirty = False
         self._events: list[tuple[float, int, str, object]] = []
@@ -163,11 +169,20 @@ class Simulation:
             self._request(self.out.records[run_id], recovery, at)
         elif kind == "end":
             run_id, generation = payload  # type: ignore[misc]
-            self._end(run_id, generation, at, finished=True)
-        elif kind == "release":  # after a preemption notice: saved (or not), gives back
+            if (run_id, generation) not in self.failing:
+                self._end(run_id, generation, at, finished=True)
+        elif kind == "noticed":  # a node of the gang died `detect` ago: the run recovers
             run_id, generation, kept = payload  # type: ignore[misc]
+            self.failing.discard((run_id, generation))
+            self._recover(run_id, generation, at, kept)
+        elif kind == "release":  # after a preemption notice: saved (or not), gives back
+            run_id, generation, kept, grow = payload  # type: ignore[misc]
             if self._end(run_id, generation, at, kept=kept):
-                self._request(self.out.records[run_id], False, at)
+                # A shrunk gang that stopped to grow back asks as a recovery, as the run does,
+                # and restarts warm on its survivors' agents.
+                if grow:
+                    self.growing.add(run_id)
+                self._request(self.out.records[run_id], grow, at)
         elif kind == "down":
             self._down(payload, at)  # type: ignore[arg-type]
         elif kind == "up":
@@ -183,6 +198,7 @@ class Simulation:
         nodes, per_node = self._shape(job.gpus)
         attempt = self._attempt(record, at)
         expected = attempt.end - attempt.granted
+        elastic = self.config.recovery.min_nodes
         self.state.queue.append(
             GangRequest(
                 run_id=job.run_id,
@@ -192,6 +208,7 @@ class Simulation:
                 priority=job.priority,
                 max_runtime_s=expected * self.config.runtime_estimate,
                 recovery=recovery,
+                min_nodes=math.ceil(nodes * elastic) if nodes > 1 and elastic < 1 else None,
                 submitted_at=self._at(job.submit_s),
             )
         )
@@ -202,18 +219,18 @@ class Simulation:
         per_node = self.config.fleet.gpus_per_node
         return (1, gpus) if gpus <= per_node else (-(-gpus // per_node), per_node)
 
-    def _attempt(self, record: JobRecord, granted: float) -> Attempt:
+    def _attempt(
+        self, record: JobRecord, granted: float, *, warm: bool = False, rate: float = 1.0
+    ) -> Attempt:
         job = record.job
-        if not record.interval_s:
+        if record.plan is None:
             nodes, _ = self._shape(job.gpus)
             mtbf_s = self.config.failures.node_mtbf_h * 3600 / nodes
-            record.interval_s = (
-                self.interval(job.save_s, mtbf_s)
-                if self.interval is not None
-                else self.config.checkpoint_interval_s
-            )
-        return Attempt(granted, job.restart_s, record.interval_s, job.save_s,
-                       job.work_s - record.kept_s)  # fmt: skip
+            rule = self.interval or (lambda _stall, _mtbf: self.config.checkpoint_interval_s)
+            record.plan = save_plan(job.save_s, mtbf_s, self.config.recovery, rule)
+        # A recovering gang's agents have the run's interpreter, data and code ready.
+        restart = job.restart_s * (self.config.recovery.warm_restart if warm else 1.0)
+        return Attempt(granted, restart, record.plan, job.work_s - record.kept_s, rate)
 
     def _end(
         self, run_id: str, generation: int, at: float, *, finished: bool = False, kept=None
@@ -227,6 +244,8 @@ class Simulation:
         record = self.out.records[run_id]
         kept = attempt.remaining if finished else kept
         self._charge(record, attempt, at, kept)
+        if kept > 0:
+            record.failed_in_row = 0
         if finished:
             record.finished_s = at
         allocation = ops.allocation_of(self.state, run_id)
@@ -237,9 +256,10 @@ class Simulation:
 
     def _charge(self, record: JobRecord, attempt: Attempt, at: float, kept: float) -> None:
         gpus = record.job.gpus
+        held = gpus * attempt.rate * (at - attempt.granted)  # a shrunk gang holds fewer GPUs
         record.kept_s += kept
-        record.allocated_gpu_s += gpus * (at - attempt.granted)
-        self.trace.spread(self.trace.allocated, attempt.granted, at, gpus * (at - attempt.granted))
+        record.allocated_gpu_s += held
+        self.trace.spread(self.trace.allocated, attempt.granted, at, held)
         work_end = attempt.work_start + attempt.wall(kept)
         self.trace.spread(self.trace.useful, attempt.work_start, work_end, gpus * kept)
 
@@ -253,12 +273,35 @@ class Simulation:
             self.out.failures_under_jobs += 1
         for run_id in victims:
             attempt, generation = self.attempts[run_id]
+            if (run_id, generation) in self.failing:
+                continue  # a second node of a gang that is already failing
             self.out.records[run_id].failures += 1
-            self._end(run_id, generation, at, kept=attempt.committed(at))
-            backoff = self.config.failures.recovery_backoff_s
-            self.recovering.add(run_id)
-            self._push(at + backoff, "arrive", (run_id, True))
+            self.failing.add((run_id, generation))
+            # The gang holds its nodes, stalled, until the failure is noticed.
+            self._push(
+                at + self._detection(), "noticed", (run_id, generation, attempt.committed(at))
+            )
         self.dirty = True
+
+    def _detection(self) -> float:
+        """Mean seconds from a node's death to the run noticing: at once by its survivors,
+        at the heartbeat timeout for the share of failures none of them sees."""
+        recovery = self.config.recovery
+        silent = recovery.silent_fraction
+        return (1 - silent) * recovery.detect_s + silent * recovery.heartbeat_timeout_s
+
+    def _recover(self, run_id: str, generation: int, at: float, kept: float) -> None:
+        """Give the gang back, keeping the newest committed save, and ask again (after a
+        backoff only for a failure in a row, unless the model backs off every time)."""
+        record = self.out.records[run_id]
+        if not self._end(run_id, generation, at, kept=kept):
+            return
+        record.failed_in_row += 1
+        record.asked_again_s = at
+        repeated = record.failed_in_row > 1 or self.config.recovery.first_backoff
+        backoff = self.config.failures.recovery_backoff_s if repeated else 0.0
+        self.recovering.add(run_id)
+        self._push(at + backoff, "arrive", (run_id, True))
 
     # --- the Cluster workflow's side ---------------------------------------------------------
 
@@ -289,14 +332,21 @@ class Simulation:
         """The runs' `checkpoint_committed` signals: preemption prefers the freshest saves."""
         for allocation in self.state.allocations:
             attempt, _ = self.attempts[allocation.run_id]
-            period = attempt.interval + attempt.save
-            saves = int(max(0.0, self.now_s - attempt.work_start) // period)
-            if saves:
-                allocation.last_checkpoint_at = self._at(attempt.work_start + saves * period)
+            last = attempt.last_commit(self.now_s)
+            if last is not None:
+                allocation.last_checkpoint_at = self._at(last[0])
 
     def _granted(self, allocation: Allocation, spares: set[str]) -> None:
         record = self.out.records[allocation.run_id]
-        if allocation.run_id in self.recovering:
+        recovery = allocation.run_id in self.recovering
+        if record.asked_again_s is not None:
+            record.recovery_wait_s += self.now_s - record.asked_again_s
+            record.asked_again_s = None
+        wanted = allocation.wanted.nodes if allocation.wanted is not None else None
+        rate = len(allocation.nodes) / wanted if wanted else 1.0
+        if rate < 1:
+            record.shrunk += 1
+        if recovery:
             self.recovering.discard(allocation.run_id)
             self.out.recoveries += 1
             if any(n.node_id in spares for n in allocation.nodes):
@@ -305,7 +355,9 @@ class Simulation:
         record.attempts += 1
         if record.first_grant_s is None:
             record.first_grant_s = self.now_s
-        attempt = self._attempt(record, self.now_s)
+        warm = recovery or allocation.run_id in self.growing
+        self.growing.discard(allocation.run_id)
+        attempt = self._attempt(record, self.now_s, warm=warm, rate=rate)
         self.attempts[allocation.run_id] = (attempt, allocation.generation)
         self._push(attempt.end, "end", (allocation.run_id, allocation.generation))
 
@@ -315,9 +367,18 @@ class Simulation:
         release_s, kept = attempt.preempted(self.now_s, self.config.fleet.preemption_grace_s)
         if release_s >= attempt.end:
             return  # it finishes first; its normal release answers the notice
-        record.preemptions += 1
-        self.out.preemptions += 1
-        self._push(release_s, "release", (run_id, generation, kept))
+        allocation = ops.allocation_of(self.state, run_id)
+        grow = (
+            allocation is not None
+            and allocation.preempting is not None
+            and (allocation.preempting.grow_to is not None)
+        )
+        if grow:
+            record.regrown += 1
+        else:
+            record.preemptions += 1
+            self.out.preemptions += 1
+        self._push(release_s, "release", (run_id, generation, kept, grow))
 
     def _close(self) -> None:
         """At the horizon: running attempts are charged so far (work done counts as kept)."""

@@ -13,8 +13,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from workflows.fleet.config import PolicyName, SimConfig
-from workflows.fleet.engine import IntervalRule, JobRecord, Outcome, simulate
+from workflows.fleet.config import BEFORE, PolicyName, Recovery, SimConfig
+from workflows.fleet.engine import JobRecord, Outcome, simulate
+from workflows.fleet.progress import IntervalRule
 from workflows.fleet.workload import DAY, jobs, outages
 
 
@@ -30,6 +31,8 @@ class ClassFigures:
     starved: int
     preemptions: int
     failures: int
+    recovery_wait_h: float  # mean, per recovery: failure noticed → the new gang
+    shrunk: int  # attempts on fewer nodes than asked (elastic)
 
 
 @dataclass(frozen=True)
@@ -39,13 +42,18 @@ class BigRun:
     waited_h: float
     progress: float  # of its work, kept
     goodput: float
+    # The run's own view (its goodput ledger): the full gang's GPU-time while it waited to
+    # recover counts as lost too.
+    goodput_with_waits: float
     attempts: int
     failures: int
+    recovery_wait_h: float  # in all
 
 
 @dataclass(frozen=True)
 class Report:
     policy: str
+    recovery: Recovery
     days: float
     gpus: int
     offered: float  # work submitted after warm-up / healthy GPU-time
@@ -94,6 +102,7 @@ def report(outcome: Outcome) -> Report:
     big = [r for r in records if r.job.gpus >= biggest and biggest >= 1_024]
     return Report(
         policy=config.policy.value,
+        recovery=config.recovery,
         days=config.days,
         gpus=config.gpus,
         offered=_ratio(offered, healthy),
@@ -141,7 +150,10 @@ def _class(
         starved=sum(1 for w in waits_h if w > starvation_h),
         preemptions=sum(r.preemptions for r in records),
         failures=sum(r.failures for r in records),
-    )
+        recovery_wait_h=_ratio(sum(r.recovery_wait_s for r in records) / 3600,
+                               sum(r.failures for r in records)),
+        shrunk=sum(r.shrunk for r in records),
+    )  # fmt: skip
 
 
 def _big(record: JobRecord, end_s: float) -> BigRun:
@@ -151,8 +163,13 @@ def _big(record: JobRecord, end_s: float) -> BigRun:
         waited_h=_wait_s(record, end_s) / 3600,
         progress=_ratio(record.kept_s, record.job.work_s),
         goodput=_ratio(record.job.gpus * record.kept_s, record.allocated_gpu_s),
+        goodput_with_waits=_ratio(
+            record.job.gpus * record.kept_s,
+            record.allocated_gpu_s + record.job.gpus * record.recovery_wait_s,
+        ),
         attempts=record.attempts,
         failures=record.failures,
+        recovery_wait_h=record.recovery_wait_s / 3600,
     )
 
 
@@ -164,3 +181,32 @@ def run(config: SimConfig, interval: IntervalRule | None = None) -> Report:
 def compare(config: SimConfig, interval: IntervalRule | None = None) -> list[Report]:
     """Every policy on the same seed, so the same jobs and the same failures."""
     return [run(config.model_copy(update={"policy": name}), interval) for name in PolicyName]
+
+
+# What the stack gained, one step at a time: each step takes these fields of the recovery model
+# being simulated on top of the step before, starting from the model before.
+RECOVERY_STEPS: list[tuple[str, tuple[str, ...]]] = [
+    ("before", ()),
+    ("+ asynchronous store saves", ("async_stall",)),
+    ("+ detection by the survivors", ("detect_s", "silent_fraction", "heartbeat_timeout_s",
+                                      "first_backoff")),
+    ("+ warm restarts", ("warm_restart",)),
+    ("+ peer tier", ("store_every", "peer_stall", "peer_lag")),
+]  # fmt: skip
+# Elastic gangs are a run's choice (`[resources] min_nodes`), off in the default model; the
+# comparison shows what they would change at this share when the model does not set one.
+ELASTIC_SHARE = 0.75
+
+
+def recovery_steps(recovery: Recovery) -> list[tuple[str, Recovery]]:
+    """The models from `BEFORE` to `recovery`, adding one of the stack's gains at a time, and
+    then elastic gangs (at `recovery.min_nodes`, or at `ELASTIC_SHARE` if it never shrinks)."""
+    steps: list[tuple[str, Recovery]] = []
+    taken: dict[str, object] = {}
+    for name, fields in RECOVERY_STEPS:
+        taken |= {f: getattr(recovery, f) for f in fields}
+        steps.append((name, BEFORE.model_copy(update=taken)))
+    share = recovery.min_nodes if recovery.min_nodes < 1 else ELASTIC_SHARE
+    steps.append((f"+ elastic: min_nodes {share:.0%} of nodes", recovery.model_copy(
+        update={"min_nodes": share})))  # fmt: skip
+    return steps
