@@ -163,6 +163,7 @@ class NodeActivities:
             mfu=last.get("mfu"),
             stopped=tail.stopped,
             stop_reason=last.get("stop_reason"),
+            skipped=[last["peer_skipped"]] if "peer_skipped" in last else [],
         )
 
     async def _deliver_metrics(self) -> None:

@@ -135,6 +135,8 @@ class ProgressTail:
                 self.latest["val_loss"] = event["val_loss"]
             elif event["event"] == "failed":
                 self.latest["failure"] = event["reason"]
+            elif event["event"] == "peer_skipped":  # every rank says the same
+                self.latest.setdefault("peer_skipped", event["why"])
             elif event["event"] == "user_error":  # the first rank to say it is enough
                 self.latest.setdefault("user_error", event)
             elif event["event"] == "health":  # the newest few, and how many in all

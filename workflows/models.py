@@ -188,6 +188,8 @@ class NodeTrainResult(BaseModel):
     stopped: bool = False  # asked to stop early: checkpointed at final_step and exited
     stop_reason: str | None = None  # "asked to stop" (preemption, drain) or "preempted" (SIGTERM)
     health: list[HealthEvent] = []  # what the gang's health checks found in this attempt
+    # A peer-tier checkpoint its ranks passed over for the store's, and why (trainer.peer_restore)
+    skipped: list[str] = []
 
 
 class LedgerMark(BaseModel):

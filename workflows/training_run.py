@@ -485,6 +485,8 @@ class TrainingRun(RunEnd):
             await self._stop_gracefully(allocation, handles, self._preempt)
         if all(h.done() and h.exception() is None for h in handles):
             results = [h.result() for h in handles]
+            # A peer-tier checkpoint the gang could not assemble, and why (the ranks said).
+            add_skipped(self._status, [why for r in results for why in r.skipped])
             if self._preempt is not None and results[0].final_step < self._spec.train.steps:
                 raise Preempted(self._preempt, results[0].final_step)
             if swap := straggler_swap(results):

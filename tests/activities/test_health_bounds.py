@@ -45,3 +45,13 @@ def test_a_flapping_node_keeps_and_signals_a_bounded_number_of_health_events(
     assert kinds.count("straggler") == HEALTH_SIGNALS
     assert kinds.count("corruption") == 1  # a rarer kind is not crowded out by a frequent one
     assert [e["step"] for e in signalled[:3]] == [1, 2, 3]  # in order, none twice
+
+
+def test_a_peer_checkpoint_the_ranks_passed_over_is_kept_once_with_why(tmp_path: Path) -> None:
+    progress = tmp_path / "progress.jsonl"
+    tail = ProgressTail(progress)
+    why = "peer checkpoint step 20 (generation 1) skipped: __1_0.distcp: n1 is not in this gang"
+    _append(progress, [{"event": "peer_skipped", "why": why}] * 2)  # every rank says it
+    _append(progress, [{"event": "peer_skipped", "why": "a later line"}])
+    tail.poll()
+    assert tail.latest["peer_skipped"] == why

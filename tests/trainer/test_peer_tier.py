@@ -14,6 +14,8 @@ import torch.multiprocessing as mp
 from infra.processes import free_port
 from infra.store import LocalStore
 from trainer.checkpoint import Checkpointer, load_training_state
+from trainer.job import ResumePoint, TrainJob
+from trainer.job_checkpoints import resolve
 from trainer.local_copies import LocalCopies
 from trainer.manifest import record_generation
 from trainer.peer_restore import gather_peer_checkpoint
@@ -44,6 +46,14 @@ def tier(root: Path, node: str, rank: int) -> PeerTier:
     return PeerTier(LocalCopies(root / node / "peer"), node, DOMAINS[rank], local_rank=0)
 
 
+def job_on(root: Path, node: str, rank: int, resume: ResumePoint) -> TrainJob:
+    """The parts of a node's job that choosing the checkpoint reads."""
+    return TrainJob(run_id="r", node_id=node, generation=2, model={}, train={}, train_shards=[],
+                    dtype="float32", store_url="", staging_dir=str(root / "staging-new"),
+                    progress_file="", resume=resume, peer_copies=str(root / node / "peer"),
+                    node_domain=DOMAINS[rank])  # fmt: skip
+
+
 def _rank_main(rank: int, root: Path, port: int) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=NODES)  # fmt: skip
@@ -60,6 +70,12 @@ def _scenarios(rank: int, root: Path) -> None:
     saver = Checkpointer(store=store, staging_dir=root / f"staging-{rank}", run_id="r",
                          generation=1, keep=2, layout={}, asynchronous=False,
                          peer=tier(root, f"n{rank}", rank))  # fmt: skip
+    # A store checkpoint at step 5 first: the tier a peer-tier resume falls back to.
+    model(torch.ones(2, 16)).sum().backward()
+    optimizer.step()
+    saver.save(model, optimizer, 5, {"tokens_seen": 5})
+    store_save = saver.wait()
+    at_5 = {k: v.clone() for k, v in model.state_dict().items()}
     reports = []
     for step in (10, 20):
         model(torch.ones(2, 16)).sum().backward()
@@ -97,6 +113,21 @@ def _scenarios(rank: int, root: Path) -> None:
     dest = root / "restore-c" / replaced
     outcome["flipped"] = gather_peer_checkpoint(manifest, tier(root, replaced, rank), dest, group)
 
+    # The same, as a new gang's ranks meet it: they fall back to the store tier, saying why.
+    assert store_save is not None and store_save.manifest_key is not None
+    fallback = ResumePoint(folder=str(root / "fallback" / replaced), step=5, tokens_seen=5,
+                           manifest_key=store_save.manifest_key)  # fmt: skip
+    peer_point = ResumePoint(folder=str(root / "restore-d" / replaced), step=20, tokens_seen=20,
+                             manifest_key=found.key, tier="peer", fallback=fallback)  # fmt: skip
+    said: list[str] = []
+    chosen, why = resolve(job_on(root, replaced, rank, peer_point), store, 0, group, said.append)
+    fresh, fresh_optimizer = model_and_optimizer(seed=7)
+    load_training_state(fresh, fresh_optimizer, Path(chosen.folder))
+    outcome["fallback"] = [chosen.step, why, said]
+    outcome["fallback_weights_equal"] = all(
+        torch.equal(at_5[k], v) for k, v in fresh.state_dict().items()
+    )
+
     # Generation 2 has started: generation 1's next peer save commits nothing.
     if rank == 0:
         record_generation(store, "r", 2, resume_step=20)
@@ -116,9 +147,11 @@ def test_a_peer_checkpoint_survives_one_dead_node_and_says_why_when_it_cannot(
                        start_method="spawn")  # fmt: skip
     outcomes = [json.loads((tmp_path / f"outcome-{r}.json").read_text()) for r in range(NODES)]
     store = LocalStore(tmp_path / "store")
-    # Only the newest peer manifest is kept, and no shard went to the store.
+    # Only the newest peer manifest is kept, and no peer shard went to the store.
     assert store.list("runs/r/peer/") == ["runs/r/peer/step-20/gen-1/MANIFEST.json"]
-    assert not store.list("runs/r/checkpoints/")
+    in_store = store.list("runs/r/checkpoints/")
+    assert "runs/r/checkpoints/step-5/gen-1/MANIFEST.json" in in_store
+    assert all(key.startswith("runs/r/checkpoints/step-5/") for key in in_store)
     manifest = json.loads(store.get_bytes("runs/r/peer/step-20/gen-1/MANIFEST.json"))
     holders = {f["name"]: f["holders"] for f in manifest["files"]}
     assert holders["__1_0.distcp"] == ["n1", "n2"] and holders["__2_0.distcp"] == ["n0", "n2"]
@@ -141,6 +174,14 @@ def test_a_peer_checkpoint_survives_one_dead_node_and_says_why_when_it_cannot(
             "gang, n2's copy does not verify (size or sha256)"
         )
         assert outcome["fenced"]
+        # n2's corrupt copy was deleted when it did not verify: now it has none.
+        skipped = (
+            "peer checkpoint step 20 (generation 1) skipped: __1_0.distcp: n1 is not in this "
+            "gang, n2 has no copy"
+        )
+        said = [f"{skipped}; resuming from the store at step 5"]
+        assert outcome["fallback"] == [5, skipped, said]
+        assert outcome["fallback_weights_equal"]
     assert outcomes[0]["keys"] == [
         "runs/r/peer/step-10/gen-1/MANIFEST.json",
         "runs/r/peer/step-20/gen-1/MANIFEST.json",
