@@ -24,7 +24,6 @@ by anything that could run code.
 from __future__ import annotations
 
 import copy
-import json
 import shutil
 import time
 import warnings
@@ -46,8 +45,10 @@ from trainer import safe_load
 from trainer.local_copies import LocalCopies
 from trainer.manifest import (
     MANIFEST_FORMAT,
+    CommitOutcome,
     Fences,
     checkpoint_prefix,
+    commit_fenced,
     manifest_key,
     prune,
 )
@@ -288,16 +289,12 @@ class Checkpointer:
         files = [entry for part in gathered for entry in (part[1] if part else [])]
         manifest = self._manifest(step, meta, files)
         key = manifest_key(self.run_id, step, self.generation)
-        if not self.store.put_if_absent(
-            key, json.dumps(manifest, indent=2, sort_keys=True).encode()
-        ):
+        outcome = commit_fenced(
+            self.store, key, manifest, self.run_id, self.run_uid, self.generation, step
+        )
+        if outcome is CommitOutcome.ALREADY_THERE:
             return None, f"{key} was already there (another writer of generation {self.generation})"
-        # The fence is read before the commit, not with it: a generation paused between the
-        # two (SIGSTOP, a frozen host) commits after a newer one resumed from an earlier step.
-        # Every reader passes over such a manifest (and the newer generation commits at keys
-        # of its own); taking it back, files too, leaves nothing stale for anyone to read.
-        if Fences.read(self.store, self.run_id, self.run_uid).why_stale(self.generation, step):
-            self.store.delete(key)
+        if outcome is CommitOutcome.TAKEN_BACK:  # its files go too: nothing stale stays
             for entry in manifest["files"]:
                 self.store.delete(entry["key"])
             return None, None

@@ -149,6 +149,30 @@ class Fences:
         return None
 
 
+class CommitOutcome(Enum):
+    """What a fenced manifest put came to."""
+
+    COMMITTED = "committed"
+    ALREADY_THERE = "already there"  # another writer of the same generation put it first
+    TAKEN_BACK = "taken back"  # a later generation resumed from an earlier step meanwhile
+
+
+def commit_fenced(
+    store: ObjectStore, key: str, body: dict, run_id: str, run_uid: str, generation: int, step: int
+) -> CommitOutcome:
+    """Put a manifest create-if-absent at `key`, then read the fences and delete it again if a
+    later generation resumed from an earlier step. The fence is read after the put, not before:
+    a generation paused between the two (SIGSTOP, a frozen host) would otherwise commit after
+    a newer one resumed; readers pass over such a manifest anyway, and taking it back leaves
+    nothing stale for anyone to read. Both tiers commit this way."""
+    if not store.put_if_absent(key, json.dumps(body, indent=2, sort_keys=True).encode()):
+        return CommitOutcome.ALREADY_THERE
+    if Fences.read(store, run_id, run_uid).why_stale(generation, step):
+        store.delete(key)
+        return CommitOutcome.TAKEN_BACK
+    return CommitOutcome.COMMITTED
+
+
 def committed_steps(store: ObjectStore, run_id: str) -> list[int]:
     """Steps that have a manifest, newest first."""
     return sorted({c.step for c in commits(store, run_id)}, reverse=True)

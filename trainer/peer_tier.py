@@ -32,7 +32,7 @@ from infra.digest import sha256_bytes
 from infra.errors import IntegrityError, ObjectNotFound
 from infra.store import ObjectStore
 from trainer.local_copies import LocalCopies
-from trainer.manifest import CommittedCheckpoint, Fences
+from trainer.manifest import CommitOutcome, CommittedCheckpoint, Fences, commit_fenced
 from trainer.run_identity import belongs
 
 PEER_FORMAT = "forgeline.peer-checkpoint/1"
@@ -151,10 +151,8 @@ def write_peer_manifest(
     every older peer manifest of the run goes. Its key, or None if taken back."""
     key = peer_manifest_key(run_id, step, generation)
     body = {**manifest, "format": PEER_FORMAT, "tier": "peer"}
-    if not store.put_if_absent(key, json.dumps(body, indent=2, sort_keys=True).encode()):
-        return None
-    if Fences.read(store, run_id, run_uid).why_stale(generation, step):
-        store.delete(key)
+    outcome = commit_fenced(store, key, body, run_id, run_uid, generation, step)
+    if outcome is not CommitOutcome.COMMITTED:
         return None
     for older in store.list(f"runs/{run_id}/peer/"):
         if older != key and _PEER_KEY.search(older):
