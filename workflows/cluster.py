@@ -257,7 +257,10 @@ class ClusterWorkflow:
         # Patched: the starvation guard changes what a pass grants, reserves and preempts, so a
         # history recorded before it replays only under the policy it was recorded with.
         guard = workflow.patched("starvation-guard")
-        revoked, _, messages = ops.run_pass(self._state, now, starvation_guard=guard)
+        deadline = guard and workflow.patched("start-deadline")
+        revoked, _, messages = ops.run_pass(
+            self._state, now, starvation_guard=guard, start_deadline=deadline
+        )
         for allocation in revoked:
             # Its generation is retired, so anything it still sends is ignored.
             workflow.logger.warning("revoked %s: grace period over", allocation.run_id)

@@ -14,7 +14,11 @@ from workflows.spec import RunSpec
 
 
 def gang_request(
-    spec: RunSpec, snapshot_id: str | None, recovering: bool, submitted_at: datetime
+    spec: RunSpec,
+    snapshot_id: str | None,
+    recovering: bool,
+    submitted_at: datetime,
+    started_before: bool = False,
 ) -> GangRequest:
     resources = spec.resources
     return GangRequest(
@@ -33,6 +37,7 @@ def gang_request(
         min_nodes=resources.min_nodes,
         # Requeued after a failure or a preemption, the run keeps its place by age.
         submitted_at=submitted_at,
+        started_before=started_before,
     )
 
 

@@ -103,11 +103,17 @@ def prepare(state: ClusterState, now: datetime) -> list[Allocation]:
 
 
 def run_pass(
-    state: ClusterState, now: datetime, *, starvation_guard: bool = True
+    state: ClusterState,
+    now: datetime,
+    *,
+    starvation_guard: bool = True,
+    start_deadline: bool = True,
 ) -> tuple[list[Allocation], Decisions, list[Message]]:
-    """One scheduling pass: prepare, schedule, apply (`starvation_guard` as in `schedule`)."""
+    """One scheduling pass: prepare, schedule, apply (the switches as in `schedule`)."""
     revoked = prepare(state, now)
-    decisions = schedule(state, now, starvation_guard=starvation_guard)
+    decisions = schedule(
+        state, now, starvation_guard=starvation_guard, start_deadline=start_deadline
+    )
     return revoked, decisions, apply(state, decisions, now)
 
 

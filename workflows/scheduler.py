@@ -14,6 +14,12 @@ granted less than `preemption_shield_s` ago is no victim, and a victim's loss co
 it repeats (`preemption_restart_s`). Without it, aging decides only who is first in line, and
 a big gang that is not first waits while every node freed outside the head's reservation goes
 to younger small jobs.
+
+The start deadline (with the guard, on by default; `start_deadline=False` for histories before
+it): a long-waiting request that has never run starts by `start_within_s` after its
+submission. Its reservation starts no later than that, and then the gangs still on its nodes
+are preempted unless they outrank it. Without it a reservation started when the running gangs'
+declared max runtimes said, and in a burst of 1,024-GPU gangs that was a day and more away.
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ from workflows.cluster_models import (
     Reservation,
     Waiting,
 )
+from workflows.deadline import due, held_by_deadline
 from workflows.elastic import claim_holders, grow_back, grow_claim, largest_fit
 from workflows.placement import Capacity, place
 from workflows.preemption import choose_victims
@@ -142,11 +149,13 @@ def schedule(
     backfill: bool = True,
     preemption: bool = True,
     starvation_guard: bool = True,
+    start_deadline: bool = True,
 ) -> Decisions:
     """The switches exist to compare weaker policies in simulation; the cluster uses the
     defaults: `arrival_order` ignores priority and fair share, `backfill=False` starts nothing
     behind the head of the line, `preemption=False` never reclaims a guarantee,
-    `starvation_guard=False` is the policy before the guard (module docstring)."""
+    `starvation_guard=False` is the policy before the guard (module docstring), and
+    `start_deadline=False` the guard before its reservations held by `start_within_s`."""
     config = state.config
     default_runtime_s = config.default_max_runtime_h * 3600
     sweep = _sweep(state.nodes)
@@ -183,13 +192,17 @@ def schedule(
     # made: remade every pass, a reservation went to whoever came first in line that pass (a
     # requeued victim, a failed gang), and a 1,024-GPU gang's start slipped 25 times, by 28 h.
     mine: dict[str, tuple[Reservation, Capacity]] = {}  # run id -> its kept reservation
+    deadline = starvation_guard and start_deadline
+    requests = {r.run_id: r for r in state.queue}
     if starvation_guard:
-        for kept, pool in _keep_reservations(state, general, queued, now):
+        for kept, pool in _keep_reservations(state, general, queued, now, deadline):
             reservations.append((kept, pool))
             reserved_ids.update(kept.nodes)
             decisions.reservations.append(kept)
             mine[kept.run_id] = (kept, pool)
             overdue = _overdue(state, kept, now, being_preempted)
+            if deadline:
+                overdue += due(state, kept, requests[kept.run_id], now, being_preempted)
             decisions.preemptions += overdue
             being_preempted |= {victim for victim, _ in overdue}
 
@@ -303,6 +316,8 @@ def schedule(
                 free_later = _without([general, all_claimed], reserved_ids)
                 built_at = (len(granted_now), len(reserved_ids))
             reservation = reserve(request, free_later, state.allocations + granted_now, now)
+            if reservation is not None and deadline and _long_waiting(request, now, config):
+                reservation = held_by_deadline(reservation, request, config, now)
             if reservation is None and head and reserved_ids:
                 wait(position, request, "no capacity: the nodes it needs are reserved")
                 continue
@@ -323,6 +338,8 @@ def schedule(
             if head:
                 decisions.reservation = reservation
             overdue = _overdue(state, reservation, now, being_preempted)
+            if deadline and _long_waiting(request, now, config):
+                overdue += due(state, reservation, request, now, being_preempted)
             decisions.preemptions += overdue
             if starvation_guard:  # a later reservation must not stop the same gang again
                 being_preempted |= {victim for victim, _ in overdue}
@@ -369,7 +386,7 @@ def _grow_shrunk_gangs(
 
 
 def _keep_reservations(
-    state: ClusterState, general: Capacity, queued: set[str], now: datetime
+    state: ClusterState, general: Capacity, queued: set[str], now: datetime, deadline: bool
 ) -> list[tuple[Reservation, Capacity]]:
     """Last pass's reservations of requests still queued and waiting past `reserve_after_s`
     whose nodes are all still schedulable and in the general pool (not down, drained, claimed
@@ -393,8 +410,9 @@ def _keep_reservations(
             for a in state.allocations
             if any(n.node_id in nodes for n in a.nodes)
         ]
-        start = max([now, *ends])
-        reservation = Reservation(run_id=old.run_id, nodes=old.nodes, start=start)
+        reservation = Reservation(run_id=old.run_id, nodes=old.nodes, start=max([now, *ends]))
+        if deadline:
+            reservation = held_by_deadline(reservation, requests[old.run_id], state.config, now)
         kept.append((reservation, general.split(old.nodes)))
         taken |= nodes
     return kept

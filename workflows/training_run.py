@@ -317,6 +317,7 @@ class TrainingRun(RunEnd):
             # back too, should the nodes held for it be gone (a node died meanwhile).
             recovering=self._after in ("failure", "swap", "grow"),
             submitted_at=self._submitted_at,
+            started_before=bool(self._status.gang_attempts),
         )
 
     async def _acquire_gang(self) -> Allocation:

@@ -164,7 +164,7 @@ class Simulator:
                 return  # this attempt of the run is already over (revoked, failed, done)
             self._release(held, "preempted" if requeue else "done")
             if requeue and self.requeue_preempted:
-                self._request(self.requests[run_id])  # straight back, with its original age
+                self._request(self._again(run_id))  # straight back, with its original age
         elif kind == "node":
             assert isinstance(payload, NodeEvent)
             self._node_event(payload)
@@ -179,6 +179,14 @@ class Simulator:
         self.requests[request.run_id] = request
         state.queue.append(request)
         self._record("submit", request.run_id)
+
+    def _again(self, run_id: str, recovery: bool = False) -> GangRequest:
+        """The run's request once it has run: requeued, as the training run asks again."""
+        update: dict[str, bool] = {"started_before": True}
+        if recovery:
+            update["recovery"] = True
+        self.requests[run_id] = self.requests[run_id].model_copy(update=update)
+        return self.requests[run_id]
 
     def _release(self, allocation: Allocation, why: str) -> None:
         """As the `release` signal of the allocation's own generation."""
@@ -195,8 +203,7 @@ class Simulator:
             # again as a recovery request (which may take a spare).
             for held in [a for a in self.state.allocations if event.node_id in _ids(a)]:
                 self._release(held, f"node {event.node_id} failed")
-                retry = self.requests[held.run_id].model_copy(update={"recovery": True})
-                self.requests[held.run_id] = retry
+                retry = self._again(held.run_id, recovery=True)
                 self._push(self.now + timedelta(seconds=self.rng.uniform(1, 30)), "arrive", retry)
         elif event.change == "up":
             node.health = Health.HEALTHY
@@ -224,8 +231,7 @@ class Simulator:
             self._record("revoke", allocation.run_id, allocation.generation)
             # The run learns it lost its gang later and asks again, keeping its age.
             if self.requeue_preempted:
-                retry = self.requests[allocation.run_id]
-                self._push(now + timedelta(seconds=1), "arrive", retry)
+                self._push(now + timedelta(seconds=1), "arrive", self._again(allocation.run_id))
         decisions = schedule(state, now)
         self.last_decisions = decisions
         if self.on_decisions is not None:

@@ -127,6 +127,12 @@ def assert_safe_preemptions(state: ClusterState, decisions: Decisions, now: date
             assert victim.expected_end is not None and victim.expected_end < now
             continue
         assert victim.preemptible, f"non-preemptible {victim_id} preempted"
+        if notice.reason.startswith("holds nodes reserved for"):  # a first start's deadline
+            requester = queued[notice.for_run]
+            waited = now - (requester.submitted_at or now)
+            assert not requester.started_before and victim.priority <= requester.priority
+            assert waited.total_seconds() >= state.config.start_within_s
+            continue
         assert victim_id in lenders, f"{victim_id} is within its team's guarantee"
         requester = queued[notice.for_run]
         assert victim.team != requester.team, f"{victim_id} preempted for its own team"

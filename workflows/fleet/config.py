@@ -21,7 +21,7 @@ class PolicyName(StrEnum):
     BACKFILL = "backfill"  # priority + fair share order, EASY backfill
     PREEMPTION = "preemption"  # + borrowing beyond guarantees, reclaimed by preemption
     UNGUARDED = "spares-unguarded"  # + a spare pool for failed gangs: the default until the guard
-    SPARES = "spares"  # + the starvation guard (workflows.scheduler): the platform's default
+    SPARES = "spares"  # + the starvation guard and start deadline (workflows.scheduler)
 
 
 class Policy(BaseModel):
@@ -31,6 +31,7 @@ class Policy(BaseModel):
     preemption: bool
     spares: bool
     starvation_guard: bool = False
+    start_deadline: bool = False
 
 
 POLICIES: dict[PolicyName, Policy] = {
@@ -53,6 +54,7 @@ POLICIES: dict[PolicyName, Policy] = {
         preemption=True,
         spares=True,
         starvation_guard=True,
+        start_deadline=True,
     ),
 }
 

@@ -210,6 +210,7 @@ class Simulation:
                 recovery=recovery,
                 min_nodes=math.ceil(nodes * elastic) if nodes > 1 and elastic < 1 else None,
                 submitted_at=self._at(job.submit_s),
+                started_before=record.first_grant_s is not None,
             )
         )
         self.out.max_queue = max(self.out.max_queue, len(self.state.queue))
@@ -321,6 +322,7 @@ class Simulation:
             backfill=self.policy.backfill,
             preemption=self.policy.preemption,
             starvation_guard=self.policy.starvation_guard,
+            start_deadline=self.policy.start_deadline,
         )
         for run_id, signal, argument in ops.apply(state, decisions, now):
             if signal == GANG_GRANTED_SIGNAL:
