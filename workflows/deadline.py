@@ -38,6 +38,11 @@ def held_by_deadline(
     return reservation.model_copy(update={"start": max(now, start_by)})
 
 
+def _duration(span: timedelta) -> str:
+    seconds = span.total_seconds()
+    return f"{seconds // 3600:.0f} h" if seconds >= 3600 else f"{seconds // 60:.0f} min"
+
+
 def due(
     state: ClusterState,
     reservation: Reservation,
@@ -52,9 +57,9 @@ def due(
     if start_by is None or now < start_by:
         return []
     nodes = set(reservation.nodes)
-    waited_h = (now - request.submitted_at).total_seconds() / 3600 if request.submitted_at else 0
     deadline = now + timedelta(seconds=state.config.preemption_grace_s)
-    reason = f"holds nodes reserved for {request.run_id}, waiting {waited_h:.0f} h"
+    waited = now - start_by + timedelta(seconds=state.config.start_within_s)
+    reason = f"holds nodes reserved for {request.run_id}, waiting {_duration(waited)}"
     return [
         (a.run_id, Preemption(for_run=request.run_id, reason=reason, deadline=deadline))
         for a in state.allocations
