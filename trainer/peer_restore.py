@@ -9,7 +9,10 @@ node's, so after one failure the gang holds the whole checkpoint.
 
 A file that no node of the gang holds (a node and its peer both died), or that none holds a
 verified copy of, makes the tier unusable: every rank reaches the same verdict from the same
-gathered inventory, and the caller resumes from the store tier, saying what was skipped.
+gathered inventory, and the caller resumes from the store tier, saying what was skipped. So does
+a file that arrives corrupt from its holder: the receiving node does not write it, and the ranks
+gather who received what corrupt before any of them decides, so that one bad transfer costs the
+tier, not the attempt (a rank that raised alone would leave the others in the next collective).
 """
 
 from __future__ import annotations
@@ -21,7 +24,6 @@ import torch
 import torch.distributed as dist
 
 from infra.digest import sha256_bytes
-from infra.errors import IntegrityError
 from trainer.checkpoint import local_path
 from trainer.peer_tier import PeerTier
 
@@ -62,12 +64,22 @@ def gather_peer_checkpoint(
             f"peer checkpoint step {manifest['step']} (generation {manifest['generation']}) "
             f"skipped: " + "; ".join(unusable[:3]) + more
         )
+    corrupt: list[str] = []
     for entry in files:
         lacking = [rank for rank, inv in nodes.items() if entry["name"] not in inv.placed]
         if lacking:
             source = min(rank for rank, inv in nodes.items() if entry["name"] in inv.placed)
-            _broadcast_file(entry, source, dist.get_rank(group) in lacking, dest, group)
-    dist.barrier(group=group)  # the node's other ranks read `dest` only once it is whole
+            if not _broadcast_file(entry, source, dist.get_rank(group) in lacking, dest, group):
+                corrupt.append(f"{entry['name']} arrived from {nodes[source].node_id} corrupt")
+    # Also the barrier: the node's other ranks read `dest` only once it is whole.
+    verdicts: list[list[str] | None] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(verdicts, corrupt, group=group)
+    arrived_corrupt = sorted({why for said in verdicts for why in said or []})
+    if arrived_corrupt:
+        return (
+            f"peer checkpoint step {manifest['step']} (generation {manifest['generation']}) "
+            f"skipped: " + "; ".join(arrived_corrupt) + " (sha256)"
+        )
     return None
 
 
@@ -89,23 +101,23 @@ def _why_missing(entry: dict, nodes: dict[int, Inventory]) -> str | None:
 
 def _broadcast_file(
     entry: dict, source: int, write: bool, dest: Path, group: dist.ProcessGroup
-) -> None:
+) -> bool:
+    """False when this rank was to write the file and what arrived does not verify."""
     size = int(entry["bytes"])
     path = local_path(dest, entry["name"])
     if size == 0:  # gloo broadcasts no empty tensor; there is nothing to send
         if write:
             path.write_bytes(b"")
-        return
+        return True
     if dist.get_rank(group) == source:
         data = torch.frombuffer(bytearray(path.read_bytes()), dtype=torch.uint8)
     else:
         data = torch.empty(size, dtype=torch.uint8)
     dist.broadcast(data, src=source, group=group)
-    if write:
-        received = data.numpy().tobytes()
-        if sha256_bytes(received) != entry["sha256"]:
-            raise IntegrityError(
-                f"{entry['name']} arrived from a peer corrupt: expected sha256 "
-                f"{entry['sha256'][:12]}…, got {sha256_bytes(received)[:12]}…"
-            )
-        path.write_bytes(received)
+    if not write:
+        return True
+    received = data.numpy().tobytes()
+    if sha256_bytes(received) != entry["sha256"]:
+        return False
+    path.write_bytes(received)
+    return True

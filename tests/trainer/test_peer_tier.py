@@ -63,6 +63,16 @@ def _rank_main(rank: int, root: Path, port: int) -> None:
         dist.destroy_process_group()
 
 
+def _flipping_what_it_sends(send, me: int):
+    def flipping(tensor: torch.Tensor, src: int, group=None) -> None:
+        if src == me and tensor.numel() > 1:
+            tensor = tensor.clone()
+            tensor[tensor.numel() // 2] ^= 0xFF
+        send(tensor, src=src, group=group)
+
+    return flipping
+
+
 def _scenarios(rank: int, root: Path) -> None:
     store = LocalStore(root / "store")
     group = dist.new_group(backend="gloo")
@@ -95,6 +105,18 @@ def _scenarios(rank: int, root: Path) -> None:
     fresh, fresh_optimizer = model_and_optimizer(seed=7)
     load_training_state(fresh, fresh_optimizer, dest)
     outcome["weights_equal"] = all(torch.equal(saved[k], v) for k, v in fresh.state_dict().items())
+
+    # The same, but n1's shard is corrupted on its way from n2 (a bit flipped on the wire, the
+    # one fault here that only a stand-in can cause): no rank raises, every rank skips the tier.
+    send = dist.broadcast
+    if rank == 2:
+        dist.broadcast = _flipping_what_it_sends(send, rank)
+    try:
+        dest = root / "restore-w" / replaced
+        wire = gather_peer_checkpoint(manifest, tier(root, replaced, rank), dest, group)
+    finally:
+        dist.broadcast = send
+    outcome["wire"] = [wire, (dest / "__1_0.distcp").exists()]
 
     # n1 and its peer n2 both die: n1's shards are held nowhere.
     both = ["n0", "n3", "n4"][rank]
@@ -162,7 +184,7 @@ def test_a_peer_checkpoint_survives_one_dead_node_and_says_why_when_it_cannot(
     assert n2 == {f["sha256"] for f in manifest["files"] if "n2" in f["holders"]} - {flipped}
     n0 = {p.name for p in (tmp_path / "n0" / "peer").iterdir()}
     assert n0 == {f["sha256"] for f in manifest["files"] if "n0" in f["holders"]}
-    for outcome in outcomes:
+    for rank, outcome in enumerate(outcomes):
         assert outcome["replaced"] is None and outcome["weights_equal"], outcome
         assert outcome["n1_files"] == ["__1_0.distcp"]
         assert outcome["both_dead"] == (
@@ -174,6 +196,11 @@ def test_a_peer_checkpoint_survives_one_dead_node_and_says_why_when_it_cannot(
             "gang, n2's copy does not verify (size or sha256)"
         )
         assert outcome["fenced"]
+        assert outcome["wire"] == [
+            "peer checkpoint step 20 (generation 1) skipped: __1_0.distcp arrived from n2 "
+            "corrupt (sha256)",
+            rank == 2,  # n2's own verified copy; n0 and n3 wrote nothing of what arrived
+        ]
         # n2's corrupt copy was deleted when it did not verify: now it has none.
         skipped = (
             "peer checkpoint step 20 (generation 1) skipped: __1_0.distcp: n1 is not in this "
