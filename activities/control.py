@@ -154,7 +154,11 @@ class ControlActivities:
             stored = newest_commit_of(self.store, inp.run_id, inp.generation)
             peer = peer_steps_of(self.store, inp.run_id, inp.generation)
             kept_step = max([s for s in (stored, *peer) if s is not None], default=None)
-        kept = next((m for m in ledger.commits if m.step == kept_step), None)
+        if inp.kept_at_most and kept_step is not None:
+            older = [m for m in ledger.commits if m.step <= kept_step]
+            kept = max(older, key=lambda m: m.step, default=None)
+        else:
+            kept = next((m for m in ledger.commits if m.step == kept_step), None)
         return AttemptLedger(
             resume_step=ledger.resume_step,
             ready_at=ledger.ready_at,

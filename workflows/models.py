@@ -223,6 +223,9 @@ class AttemptLedgerInput(BaseModel):
     # The step of the checkpoint the run kept from this attempt, when the workflow knows it (the
     # final or stop commit); otherwise the newest commit of the generation that is not fenced.
     kept_step: int | None = None
+    # The newest commit at or before `kept_step` rather than that step's: a later gang resumed
+    # from an older checkpoint than this attempt's newest (its peer copy was skipped).
+    kept_at_most: bool = False
 
 
 class AttemptRecord(BaseModel):

@@ -56,6 +56,17 @@ def add_attempt(status: RunStatus, attempt: AttemptRecord) -> None:
     )
 
 
+def rewound(status: RunStatus, resume_step: int) -> list[AttemptRecord]:
+    """The listed attempts whose kept checkpoint is newer than the step a later gang resumed
+    from: its peer-tier copy was skipped (a node and its peer both died, a copy did not verify)
+    and the gang went back to the store's. Their steps after `resume_step` were not kept."""
+    return [
+        a
+        for a in status.gang_attempts
+        if a.ledger is not None and a.ledger.kept is not None and a.ledger.kept.step > resume_step
+    ]
+
+
 def failed_in_a_row(status: RunStatus) -> int:
     """How many of the newest gang attempts failed one after another without progress between
     them: the first failure of a run that was training retries at once; only a failure that

@@ -79,6 +79,7 @@ with workflow.unsafe.imports_passed_through():
         add_skipped,
         failed_in_a_row,
         newest,
+        rewound,
     )
 
 # Activities that only talk to the store or MLflow retry until they succeed: an outage of the
@@ -389,7 +390,30 @@ class TrainingRun(RunEnd):
                 AttemptLedger | None,
                 timeout=timedelta(minutes=5),
             )
+            await self._recount_rewound(attempt)
         add_attempt(self._status, attempt)
+
+    async def _recount_rewound(self, attempt: AttemptRecord) -> None:
+        """An attempt that resumed from an older checkpoint than an earlier attempt kept (the
+        newer was a peer copy the gang could not assemble): the earlier one's steps since are
+        rework, not productive. Its ledger is read again, kept at most at the resume step."""
+        if attempt.ledger is None:
+            return
+        resume_step = attempt.ledger.resume_step
+        for earlier in rewound(self._status, resume_step):
+            if not workflow.patched("fallback-rework"):  # histories before it never came here
+                return
+            earlier.ledger = await self._control(
+                "attempt_ledger",
+                AttemptLedgerInput(
+                    run_id=self._spec.name,
+                    generation=earlier.generation,
+                    kept_step=resume_step,
+                    kept_at_most=True,
+                ),
+                AttemptLedger | None,
+                timeout=timedelta(minutes=5),
+            )
 
     async def _release_gang(self, requeue: bool = False) -> None:
         """Give back the gang, and withdraw a request still waiting in the queue (generation 0

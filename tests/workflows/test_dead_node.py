@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import signal
 import subprocess
 import sys
@@ -23,25 +22,21 @@ from temporalio.api.enums.v1 import EventType
 from temporalio.client import Client
 from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.exceptions import ApplicationError
-from temporalio.service import RPCError
-from temporalio.worker import Worker
 
-from tests.workflows.prepared_dataset import PreparedDataset
-from tests.workflows.replaying import write_history
 from tests.workflows.test_cluster_workflow import eventually, node
 from tests.workflows.test_training_run_history import (
-    RECORD_TO,
     STEPS,
     Control,
     _status,
+    record_histories,
+    stack_workers,
     start_cluster_and_run,
+    terminated_after,
 )
 from worker.specfile import load_spec
 from workflows.cluster import ClusterWorkflow
 from workflows.cluster_models import ClusterConfig
 from workflows.models import NodeTrainInput, NodeTrainResult, Phase
-from workflows.names import CLUSTER_WORKFLOW_ID, CONTROL_TASK_QUEUE, node_task_queue
-from workflows.training_run import TrainingRun
 
 REPO = Path(__file__).resolve().parents[2]
 HEARTBEAT_TIMEOUT_S = 60
@@ -93,17 +88,13 @@ def test_a_dead_node_is_left_behind_without_waiting_for_its_heartbeat_timeout(
         client = await Client.connect(temporal_address, data_converter=pydantic_data_converter)
         survivors = Survivors()
         control = Control(survivors)  # type: ignore[arg-type]  # it reads .step alone
-        workers = [
-            Worker(client, task_queue=task_queue, workflows=[ClusterWorkflow]),
-            Worker(client, task_queue=CONTROL_TASK_QUEUE, workflows=[TrainingRun, PreparedDataset],
-                   activities=control.all()),
-            *(Worker(client, task_queue=node_task_queue(n),
-                     activities=[survivors.train_on_node, survivors.node_alive])
-              for n in ("n0", "n2")),
-        ]  # fmt: skip
+        node_activities = [survivors.train_on_node, survivors.node_alive]
+        workers = stack_workers(
+            client, task_queue, control, dict.fromkeys(("n0", "n2"), node_activities)
+        )
         async with contextlib.AsyncExitStack() as stack:
             cluster, handle = await start_cluster_and_run(stack, client, workers, task_queue, spec)
-            try:
+            async with terminated_after(handle, cluster):
                 # n2 is the spare: held back from the queue, taken by the recovering gang.
                 await cluster.execute_update(
                     ClusterWorkflow.apply_config, ClusterConfig(spare_nodes=1)
@@ -120,23 +111,14 @@ def test_a_dead_node_is_left_behind_without_waiting_for_its_heartbeat_timeout(
                     lambda s: s.phase == Phase.AWAITING_APPROVAL,
                     timeout=HEARTBEAT_TIMEOUT_S - 20,
                 )
+                await record_histories(LABEL, handle, cluster)
                 history = await handle.fetch_history()
-                if record := os.environ.get(RECORD_TO):
-                    write_history(history, Path(record) / f"{LABEL}_TrainingRun_{spec.name}")
-                    write_history(
-                        await cluster.fetch_history(),
-                        Path(record) / f"{LABEL}_Cluster_{CLUSTER_WORKFLOW_ID}",
-                    )
                 timers = [
                     e.timer_started_event_attributes.start_to_fire_timeout.ToSeconds()
                     for e in history.events
                     if e.event_type == EventType.EVENT_TYPE_TIMER_STARTED
                 ]
                 return killed_at, {"status": final, "timers": timers}
-            finally:
-                for wf in (handle, cluster):
-                    with contextlib.suppress(RPCError):
-                        await wf.terminate("test over")
 
     try:
         killed_at, seen = asyncio.run(main())

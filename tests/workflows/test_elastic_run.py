@@ -10,31 +10,27 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 from pathlib import Path
 
 from temporalio import activity
 from temporalio.client import Client
 from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.exceptions import ApplicationError
-from temporalio.service import RPCError
-from temporalio.worker import Worker
 
-from tests.workflows.prepared_dataset import PreparedDataset
-from tests.workflows.replaying import write_history
 from tests.workflows.test_cluster_workflow import eventually, node
 from tests.workflows.test_training_run_history import (
-    RECORD_TO,
     STEPS,
     Control,
     _status,
+    awaiting_approval,
+    record_histories,
+    stack_workers,
     start_cluster_and_run,
+    terminated_after,
 )
 from worker.specfile import load_spec
 from workflows.cluster import ClusterWorkflow
-from workflows.models import NodeStopInput, NodeTrainInput, NodeTrainResult, Phase, RunStatus
-from workflows.names import CLUSTER_WORKFLOW_ID, CONTROL_TASK_QUEUE, node_task_queue
-from workflows.training_run import TrainingRun
+from workflows.models import NodeStopInput, NodeTrainInput, NodeTrainResult, RunStatus
 
 REPO = Path(__file__).resolve().parents[2]
 LABEL = "2026-12-03-elastic"
@@ -91,17 +87,13 @@ def test_a_run_shrinks_after_a_failure_and_grows_back_when_a_node_joins(
     async def main() -> RunStatus:
         client = await Client.connect(temporal_address, data_converter=pydantic_data_converter)
         control = Control(agents)  # type: ignore[arg-type]  # it reads .step alone
-        workers = [
-            Worker(client, task_queue=task_queue, workflows=[ClusterWorkflow]),
-            Worker(client, task_queue=CONTROL_TASK_QUEUE, workflows=[TrainingRun, PreparedDataset],
-                   activities=control.all()),
-            *(Worker(client, task_queue=node_task_queue(n),
-                     activities=[agents.train_on_node, agents.stop_training, agents.node_alive])
-              for n in ("n0", "n1", "n2")),
-        ]  # fmt: skip
+        node_activities = [agents.train_on_node, agents.stop_training, agents.node_alive]
+        workers = stack_workers(
+            client, task_queue, control, dict.fromkeys(("n0", "n1", "n2"), node_activities)
+        )
         async with contextlib.AsyncExitStack() as stack:
             cluster, handle = await start_cluster_and_run(stack, client, workers, task_queue, spec)
-            try:
+            async with terminated_after(handle, cluster):
                 for n in ("n0", "n1"):
                     await cluster.signal(ClusterWorkflow.register_node, node(n))
                 alone = await eventually(
@@ -109,25 +101,9 @@ def test_a_run_shrinks_after_a_failure_and_grows_back_when_a_node_joins(
                 )
                 assert alone.shrunk_from == 2  # `forgeline status` says so
                 await cluster.signal(ClusterWorkflow.register_node, node("n2"))
-                final = await eventually(
-                    lambda: _status(handle),
-                    lambda s: s.phase == Phase.AWAITING_APPROVAL,
-                    timeout=60,
-                )
-                if record := os.environ.get(RECORD_TO):
-                    write_history(
-                        await handle.fetch_history(),
-                        Path(record) / f"{LABEL}_TrainingRun_{spec.name}",
-                    )
-                    write_history(
-                        await cluster.fetch_history(),
-                        Path(record) / f"{LABEL}_Cluster_{CLUSTER_WORKFLOW_ID}",
-                    )
+                final = await awaiting_approval(handle)
+                await record_histories(LABEL, handle, cluster)
                 return final
-            finally:
-                for wf in (handle, cluster):
-                    with contextlib.suppress(RPCError):
-                        await wf.terminate("test over")
 
     status = asyncio.run(main())
     attempts = status.gang_attempts

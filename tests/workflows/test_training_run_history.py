@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import os
 from collections import defaultdict
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
@@ -143,6 +144,55 @@ async def _status(handle: WorkflowHandle) -> RunStatus:
     return await handle.query(TrainingRun.status, result_type=RunStatus)
 
 
+def stack_workers(
+    client: Client, task_queue: str, control: Control, nodes: dict[str, list]
+) -> list[Worker]:
+    """The workers `forgeline up` starts, with stand-in activities: the Cluster workflow's,
+    the control worker's (runs, their prepared dataset, `control`'s activities) and one per
+    node with that node's activities."""
+    return [
+        Worker(client, task_queue=task_queue, workflows=[ClusterWorkflow]),
+        Worker(client, task_queue=CONTROL_TASK_QUEUE, workflows=[TrainingRun, PreparedDataset],
+               activities=control.all()),
+        *(Worker(client, task_queue=node_task_queue(n), activities=acts)
+          for n, acts in nodes.items()),
+    ]  # fmt: skip
+
+
+async def awaiting_approval(run: WorkflowHandle) -> RunStatus:
+    """The run's status once it awaits approval (or as it is after a minute)."""
+    return await eventually(
+        lambda: _status(run), lambda s: s.phase == Phase.AWAITING_APPROVAL, timeout=60
+    )
+
+
+async def record_histories(
+    label: str, run: WorkflowHandle, cluster: WorkflowHandle | None = None
+) -> None:
+    """With FORGELINE_RECORD_HISTORIES set to a folder: write the run's history (and the
+    Cluster workflow's) there for the replay test, as `<label>_<type>_<id>`."""
+    folder = os.environ.get(RECORD_TO)
+    if not folder:
+        return
+    write_history(await run.fetch_history(), Path(folder) / f"{label}_TrainingRun_{run.id}")
+    if cluster is not None:
+        write_history(
+            await cluster.fetch_history(),
+            Path(folder) / f"{label}_Cluster_{CLUSTER_WORKFLOW_ID}",
+        )
+
+
+@contextlib.asynccontextmanager
+async def terminated_after(*handles: WorkflowHandle) -> AsyncIterator[None]:
+    """Workflow ids repeat across tests: leave none of these running for the next one."""
+    try:
+        yield
+    finally:
+        for handle in handles:
+            with contextlib.suppress(RPCError):
+                await handle.terminate("test over")
+
+
 async def start_cluster_and_run(
     stack: contextlib.AsyncExitStack,
     client: Client,
@@ -176,14 +226,9 @@ async def _preempt_many_times(client: Client, task_queue: str) -> tuple[RunStatu
     })  # fmt: skip
     agent = Node()
     control = Control(agent)
-    workers = [
-        Worker(client, task_queue=task_queue, workflows=[ClusterWorkflow]),
-        # Where the control worker runs runs (`forgeline resume` starts them there).
-        Worker(client, task_queue=CONTROL_TASK_QUEUE, workflows=[TrainingRun, PreparedDataset],
-               activities=control.all()),
-        Worker(client, task_queue=node_task_queue("n0"),
-               activities=[agent.train_on_node, agent.stop_training]),
-    ]  # fmt: skip
+    # The control worker is where runs run (`forgeline resume` starts them there).
+    workers = stack_workers(client, task_queue, control,
+                            {"n0": [agent.train_on_node, agent.stop_training]})  # fmt: skip
     async with contextlib.AsyncExitStack() as stack:
         # As `forgeline resume --from 0` starts it: only the first gang looks no later than
         # that step; continuing as new does not carry it to the fresh executions' first gangs.
