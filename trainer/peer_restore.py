@@ -3,7 +3,9 @@
 Each node's local rank 0 places every file of the peer manifest that its node holds into the
 checkpoint folder, each checked by size and sha256 (a copy that does not verify is deleted);
 the ranks all-gather what each node placed and what it found corrupt; for every file some node
-lacks, its first holder broadcasts it and the others check it again before they write it. The
+lacks, its first holder broadcasts it to the nodes' local ranks 0 (a group of their own: the
+folder is one per node, and an 8-GPU node's other seven ranks would only receive copies to
+drop), and the others check it again before they write it. The
 survivors hold their own shards, and the dead node's successor in the ring holds the dead
 node's, so after one failure the gang holds the whole checkpoint.
 
@@ -65,11 +67,18 @@ def gather_peer_checkpoint(
             f"skipped: " + "; ".join(unusable[:3]) + more
         )
     corrupt: list[str] = []
+    me = dist.get_rank(group)
+    # Every rank makes the group (a collective), from the same gathered inventories.
+    leaders = sorted(nodes)
+    exchange = group
+    if len(leaders) < len(gathered):
+        exchange = dist.new_group([dist.get_global_rank(group, r) for r in leaders], backend="gloo")
     for entry in files:
         lacking = [rank for rank, inv in nodes.items() if entry["name"] not in inv.placed]
-        if lacking:
+        if lacking and me in nodes:
             source = min(rank for rank, inv in nodes.items() if entry["name"] in inv.placed)
-            if not _broadcast_file(entry, source, dist.get_rank(group) in lacking, dest, group):
+            sender = dist.get_global_rank(group, source)
+            if not _broadcast_file(entry, sender, me in lacking, dest, exchange):
                 corrupt.append(f"{entry['name']} arrived from {nodes[source].node_id} corrupt")
     # Also the barrier: the node's other ranks read `dest` only once it is whole.
     verdicts: list[list[str] | None] = [None] * dist.get_world_size(group)
@@ -102,14 +111,15 @@ def _why_missing(entry: dict, nodes: dict[int, Inventory]) -> str | None:
 def _broadcast_file(
     entry: dict, source: int, write: bool, dest: Path, group: dist.ProcessGroup
 ) -> bool:
-    """False when this rank was to write the file and what arrived does not verify."""
+    """`source` is a global rank. False when this rank was to write the file and what
+    arrived does not verify."""
     size = int(entry["bytes"])
     path = local_path(dest, entry["name"])
     if size == 0:  # gloo broadcasts no empty tensor; there is nothing to send
         if write:
             path.write_bytes(b"")
         return True
-    if dist.get_rank(group) == source:
+    if dist.get_rank() == source:
         data = torch.frombuffer(bytearray(path.read_bytes()), dtype=torch.uint8)
     else:
         data = torch.empty(size, dtype=torch.uint8)
