@@ -208,11 +208,13 @@ class NodeActivities:
             manifest = json.loads(self.store.get_bytes(inp.resume.manifest_key))
             stored = manifest.get("model_config") or {}
             resume = _resume_point(inp.resume, gen_dir / "peer-checkpoint", manifest)
+            resume.manifest_file = _keep_beside_job(manifest, gen_dir / "peer-manifest.json")
             if (fallback := inp.resume.fallback) is not None:
-                resume.fallback = _resume_point(
-                    fallback, gen_dir / "store-checkpoint",
-                    read_manifest(self.store, fallback.manifest_key),
-                )  # fmt: skip
+                kept = read_manifest(self.store, fallback.manifest_key)
+                resume.fallback = _resume_point(fallback, gen_dir / "store-checkpoint", kept)
+                resume.fallback.manifest_file = _keep_beside_job(
+                    kept, gen_dir / "store-manifest.json"
+                )
         elif inp.resume is not None:
             folder, manifest = cache.checkpoint(inp.resume)
             stored = manifest.get("model_config") or {}
@@ -497,6 +499,13 @@ async def _heartbeating(work: Awaitable[T], beat: Callable[[], None], every_s: f
     except asyncio.CancelledError:
         task.cancel()
         raise
+
+
+def _keep_beside_job(manifest: dict, path: Path) -> str:
+    """A manifest the ranks read from the node's disk rather than each from the store."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(manifest))
+    return str(path)
 
 
 def _resume_point(ref: CheckpointRef, folder: Path, manifest: dict) -> ResumePoint:

@@ -6,6 +6,9 @@ import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from infra.store import ObjectStore
+from trainer.manifest import read_manifest
+
 # In a job's folder: `forgeline chaos corrupt-grad` writes it, the ranks poison gradients once.
 CHAOS_FILE = "CORRUPT_GRAD"
 
@@ -24,6 +27,17 @@ class ResumePoint:
     # For a peer-tier resume: the store checkpoint to fall back to when the gang does not hold
     # the peer tier whole; its `folder` is fetched by the ranks only then.
     fallback: ResumePoint | None = None
+    # The manifest as the node agent read it from the store, kept beside the job: the ranks
+    # read this copy (every rank of thousands reading the store at once is a burst of GETs).
+    manifest_file: str | None = None
+
+    def manifest(self, store: ObjectStore) -> dict:
+        """The checkpoint's manifest: the agent's copy when there is one, else the store's."""
+        if self.manifest_file is not None:
+            return json.loads(Path(self.manifest_file).read_text())
+        if self.tier == "peer":  # a peer manifest lists holders, not store keys
+            return json.loads(store.get_bytes(self.manifest_key))
+        return read_manifest(store, self.manifest_key)
 
 
 @dataclass

@@ -5,7 +5,6 @@ whole, the store checkpoint it names, fetched by the ranks only then."""
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from pathlib import Path
 
@@ -15,7 +14,6 @@ from infra.store import ObjectStore
 from trainer.checkpoint import Checkpointer, fetch_checkpoint
 from trainer.job import ResumePoint, TrainJob
 from trainer.local_copies import LocalCopies
-from trainer.manifest import read_manifest
 from trainer.peer_restore import gather_peer_checkpoint
 from trainer.peer_tier import PeerTier
 
@@ -60,7 +58,7 @@ def resolve(
     resume = job.resume
     if resume is None or resume.tier != "peer":
         return resume, None
-    manifest = json.loads(store.get_bytes(resume.manifest_key))
+    manifest = resume.manifest(store)
     tier = peer_tier_of(job, local_rank)
     if tier is None:  # every rank of the gang the same: the job has no peer-copies folder
         why = f"peer checkpoint step {resume.step} skipped: this run's nodes keep no peer copies"
@@ -73,8 +71,6 @@ def resolve(
     say(f"{why}; resuming from " + (f"the store at step {fallback.step}" if fallback else "step 0"))
     if fallback is not None and local_rank == 0:
         copies = LocalCopies(Path(job.local_copies)) if job.local_copies else None
-        fetch_checkpoint(
-            store, read_manifest(store, fallback.manifest_key), Path(fallback.folder), copies
-        )
+        fetch_checkpoint(store, fallback.manifest(store), Path(fallback.folder), copies)
     dist.barrier(group=group)  # the node's other ranks read the folder once it is whole
     return fallback, why

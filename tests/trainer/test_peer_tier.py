@@ -136,11 +136,19 @@ def _scenarios(rank: int, root: Path) -> None:
     outcome["flipped"] = gather_peer_checkpoint(manifest, tier(root, replaced, rank), dest, group)
 
     # The same, as a new gang's ranks meet it: they fall back to the store tier, saying why.
+    # They read both manifests from the copies their agent kept beside the job, not the store
+    # (the keys given here name nothing there).
     assert store_save is not None and store_save.manifest_key is not None
+    kept = root / f"kept-{rank}"
+    kept.mkdir()
+    (kept / "peer.json").write_bytes(store.get_bytes(found.key))
+    (kept / "store.json").write_bytes(store.get_bytes(store_save.manifest_key))
     fallback = ResumePoint(folder=str(root / "fallback" / replaced), step=5, tokens_seen=5,
-                           manifest_key=store_save.manifest_key)  # fmt: skip
+                           manifest_key="runs/r/nothing-here/MANIFEST.json",
+                           manifest_file=str(kept / "store.json"))  # fmt: skip
     peer_point = ResumePoint(folder=str(root / "restore-d" / replaced), step=20, tokens_seen=20,
-                             manifest_key=found.key, tier="peer", fallback=fallback)  # fmt: skip
+                             manifest_key="runs/r/nothing-here/MANIFEST.json", tier="peer",
+                             fallback=fallback, manifest_file=str(kept / "peer.json"))  # fmt: skip
     said: list[str] = []
     chosen, why = resolve(job_on(root, replaced, rank, peer_point), store, 0, group, said.append)
     fresh, fresh_optimizer = model_and_optimizer(seed=7)
