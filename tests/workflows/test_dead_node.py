@@ -36,7 +36,7 @@ from tests.workflows.test_training_run_history import (
 from worker.specfile import load_spec
 from workflows.cluster import ClusterWorkflow
 from workflows.cluster_models import ClusterConfig
-from workflows.models import NodeTrainInput, NodeTrainResult, Phase
+from workflows.models import CheckpointRef, NodeTrainInput, NodeTrainResult, Phase
 
 REPO = Path(__file__).resolve().parents[2]
 HEARTBEAT_TIMEOUT_S = 60
@@ -50,9 +50,12 @@ class Survivors:
     def __init__(self) -> None:
         self.peer_dead = asyncio.Event()
         self.step = 0  # what Control's latest_checkpoint reports
+        self.skipped: list[str] = []  # what later generations' ranks say they passed over
+        self.resumes: list[CheckpointRef | None] = []  # what each generation was told
 
     @activity.defn(name="train_on_node")
     async def train_on_node(self, inp: NodeTrainInput) -> NodeTrainResult:
+        self.resumes.append(inp.resume)
         if inp.allocation.generation == 1:
             while not self.peer_dead.is_set():
                 activity.heartbeat()
@@ -63,7 +66,7 @@ class Survivors:
             )
         self.step = STEPS
         return NodeTrainResult(node_id=inp.node_id, generation=inp.allocation.generation,
-                               final_step=STEPS, final_loss=1.0)  # fmt: skip
+                               final_step=STEPS, final_loss=1.0, skipped=self.skipped)  # fmt: skip
 
     @activity.defn(name="node_alive")
     async def node_alive(self) -> str:

@@ -4,7 +4,8 @@ attempt's steps since into rework: the workflow reads its ledger again, kept at 
 step the new gang resumed from, and the run's goodput counts them lost.
 
 The real TrainingRun and Cluster workflows on the dev server; the node's and the control
-worker's activities answer as the agent and the store would.
+worker's activities answer as the agent and the store would: the second gang is sent to the
+peer tier (the store's step as its fallback), and its ranks say why they fell back.
 """
 
 from __future__ import annotations
@@ -35,14 +36,22 @@ from workflows.cluster import ClusterWorkflow
 from workflows.models import (
     AttemptLedger,
     AttemptLedgerInput,
+    CheckpointRef,
+    LatestCheckpointInput,
     LedgerMark,
     Phase,
+    RunStatus,
 )
 
 REPO = Path(__file__).resolve().parents[2]
 LABEL = "2026-12-04-fallback"
 STORE_STEP, PEER_STEP = 40, 60  # the store's newest checkpoint, and the peer tier's after it
 TRAINS_S = 5  # generation 1, before its peer vanishes
+# What the second gang's ranks say when they cannot assemble the peer checkpoint.
+SKIPPED = (
+    f"peer checkpoint step {PEER_STEP} (generation 1) skipped: __0_0.distcp: n0's copy does "
+    "not verify (size or sha256)"
+)
 
 
 def _mark(step: int, at: float, train_s: float) -> LedgerMark:
@@ -57,6 +66,18 @@ class Ledgers(Control):
         super().__init__(agent)  # type: ignore[arg-type]  # it reads .step alone
         self.asked: list[tuple[int, int | None, bool]] = []
         self.first_ended: float | None = None
+
+    @activity.defn(name="latest_checkpoint")
+    async def latest_checkpoint(self, inp: LatestCheckpointInput) -> CheckpointRef | None:
+        """For the second gang: generation 1's peer-tier step, the store's as its fallback."""
+        if not (inp.fence and inp.max_generation == 2):
+            return await super().latest_checkpoint(inp)
+        stored = CheckpointRef(manifest_key=f"runs/{inp.run_id}/checkpoints/step-{STORE_STEP}/"
+                               "gen-1/MANIFEST.json", step=STORE_STEP, generation=1,
+                               tokens_seen=STORE_STEP * 64)  # fmt: skip
+        return CheckpointRef(manifest_key=f"runs/{inp.run_id}/peer/step-{PEER_STEP}/gen-1/"
+                             "MANIFEST.json", step=PEER_STEP, generation=1,
+                             tokens_seen=PEER_STEP * 64, tier="peer", fallback=stored)  # fmt: skip
 
     @activity.defn(name="attempt_ledger")
     async def attempt_ledger(self, inp: AttemptLedgerInput) -> AttemptLedger | None:
@@ -82,11 +103,12 @@ def test_steps_after_a_skipped_peer_checkpoint_count_as_rework(
         "train": spec.train.model_copy(update={"steps": STEPS}),
     })  # fmt: skip
 
-    async def main() -> tuple[Ledgers, object]:
+    async def main() -> tuple[Ledgers, RunStatus, list[CheckpointRef | None]]:
         client = await Client.connect(temporal_address, data_converter=pydantic_data_converter)
         # n0's agent: generation 1 trains a few seconds (the ledger's marks fall within the
         # attempt), then fails as ranks whose peer vanished do; generation 2 trains to the end.
         agent = Survivors()
+        agent.skipped = [SKIPPED]
         control = Ledgers(agent)
         nodes = {"n0": [agent.train_on_node, agent.node_alive]}
         workers = stack_workers(client, task_queue, control, nodes)
@@ -97,13 +119,22 @@ def test_steps_after_a_skipped_peer_checkpoint_count_as_rework(
                 asyncio.get_running_loop().call_later(TRAINS_S, agent.peer_dead.set)
                 final = await awaiting_approval(handle)
                 await record_histories(LABEL, handle)
-                return control, final
+                return control, final, agent.resumes
 
-    control, status = asyncio.run(main())
+    control, status, agent_resumes = asyncio.run(main())
     assert status.phase == Phase.AWAITING_APPROVAL, status
     # Generation 1's ledger is read when it fails, and again, kept at most at the store step,
     # once generation 2 says it resumed from there.
     assert control.asked == [(1, None, False), (2, STEPS, False), (1, STORE_STEP, True)]
+    # The second gang was sent to the peer tier, the store's step as its fallback, and its
+    # ranks said why they fell back: `forgeline status` lists it.
+    told = agent_resumes[1]
+    assert told is not None and (told.tier, told.step, told.fallback.step) == (
+        "peer",
+        PEER_STEP,
+        STORE_STEP,
+    )
+    assert status.skipped_checkpoints == [SKIPPED]
     first, second = status.gang_attempts
     assert first.outcome == "failed" and second.ledger.resume_step == STORE_STEP
     assert first.ledger.kept.step == STORE_STEP
