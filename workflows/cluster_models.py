@@ -179,6 +179,14 @@ class ClusterConfig(BaseModel):
 
     @model_validator(mode="after")
     def _tree_is_sound(self) -> ClusterConfig:
+        if self.start_within_s < self.reserve_after_s:
+            # The deadline acts only on reserved requests: below reserve_after_s it would
+            # evict at that moment, with no reservation held for it first.
+            raise ValueError(
+                f"start_within_s ({self.start_within_s:g}) is shorter than reserve_after_s "
+                f"({self.reserve_after_s:g}): a run gets its reservation first, then its "
+                "deadline; raise start_within_s or lower reserve_after_s"
+            )
         names = [q.name for q in self.queues]
         duplicates = sorted({n for n in names if names.count(n) > 1})
         if duplicates:

@@ -6,6 +6,9 @@ from __future__ import annotations
 
 from datetime import timedelta
 
+import pytest
+from pydantic import ValidationError
+
 from tests.workflows.policy_fixtures import NOW, node, request, running
 from tests.workflows.simulation import TICK, Arrival, Simulator
 from workflows.cluster_models import ClusterConfig, ClusterState
@@ -94,3 +97,8 @@ def test_a_gang_behind_long_runs_starts_by_its_deadline_and_they_resume_after() 
     preempted = sorted(t.run_id for t in sim.log if t.kind == "preempt")
     assert preempted == ["long0", "long1", "long2", "long3"]
     assert all(sim.requests[f"long{i}"].started_before for i in range(4))
+
+
+def test_a_deadline_before_the_reservation_is_refused_with_the_fix() -> None:
+    with pytest.raises(ValidationError, match=r"start_within_s \(3600\) is shorter than reserve_"):
+        ClusterConfig(reserve_after_s=7200, start_within_s=3600)
