@@ -62,10 +62,7 @@ def gather_peer_checkpoint(
     unusable = [why for entry in files if (why := _why_missing(entry, nodes))]
     if unusable:
         more = f" (and {len(unusable) - 3} more)" if len(unusable) > 3 else ""
-        return (
-            f"peer checkpoint step {manifest['step']} (generation {manifest['generation']}) "
-            f"skipped: " + "; ".join(unusable[:3]) + more
-        )
+        return _skipped(manifest, "; ".join(unusable[:3]) + more)
     corrupt: list[str] = []
     me = dist.get_rank(group)
     # Every rank makes the group (a collective), from the same gathered inventories.
@@ -85,11 +82,14 @@ def gather_peer_checkpoint(
     dist.all_gather_object(verdicts, corrupt, group=group)
     arrived_corrupt = sorted({why for said in verdicts for why in said or []})
     if arrived_corrupt:
-        return (
-            f"peer checkpoint step {manifest['step']} (generation {manifest['generation']}) "
-            f"skipped: " + "; ".join(arrived_corrupt) + " (sha256)"
-        )
+        return _skipped(manifest, "; ".join(arrived_corrupt) + " (sha256)")
     return None
+
+
+def _skipped(manifest: dict, why: str) -> str:
+    """The one line every rank says, and `forgeline status` lists, when the tier is unusable."""
+    step, generation = manifest["step"], manifest["generation"]
+    return f"peer checkpoint step {step} (generation {generation}) skipped: {why}"
 
 
 def _why_missing(entry: dict, nodes: dict[int, Inventory]) -> str | None:

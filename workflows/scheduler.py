@@ -16,10 +16,11 @@ a big gang that is not first waits while every node freed outside the head's res
 to younger small jobs.
 
 The start deadline (with the guard, on by default; `start_deadline=False` for histories before
-it): a long-waiting request that has never run starts by `start_within_s` after its
-submission. Its reservation starts no later than that, and then the gangs still on its nodes
-are preempted unless they outrank it. Without it a reservation started when the running gangs'
-declared max runtimes said, and in a burst of 1,024-GPU gangs that was a day and more away.
+it; `workflows.held_reservations` keeps and clears the guard's reservations): a long-waiting
+request that has never run starts by `start_within_s` after its submission. Its reservation
+starts no later than that, and then the gangs still on its nodes are preempted unless they
+outrank it. Without it a reservation started when the running gangs' declared max runtimes
+said, and in a burst of 1,024-GPU gangs that was a day and more away.
 """
 
 from __future__ import annotations
@@ -43,8 +44,8 @@ from workflows.cluster_models import (
     Reservation,
     Waiting,
 )
-from workflows.deadline import due, held_by_deadline
 from workflows.elastic import claim_holders, grow_back, grow_claim, largest_fit
+from workflows.held_reservations import clearing, held_by_deadline, keep_reservations, long_waiting
 from workflows.placement import Capacity, place
 from workflows.preemption import choose_victims
 from workflows.quotas import borrowed, check, fair_share_key, in_use
@@ -160,7 +161,7 @@ def schedule(
     default_runtime_s = config.default_max_runtime_h * 3600
     sweep = _sweep(state.nodes)
     decisions = Decisions(spares=choose_spares(sweep.idle, config.spare_nodes))
-    queued = {r.run_id for r in state.queue}
+    requests = {r.run_id: r for r in state.queue}
     holders = claim_holders(state)
     # Claimed nodes are held for their claimant (the first claim on a node wins).
     owner: dict[str, str] = {}
@@ -193,16 +194,13 @@ def schedule(
     # requeued victim, a failed gang), and a 1,024-GPU gang's start slipped 25 times, by 28 h.
     mine: dict[str, tuple[Reservation, Capacity]] = {}  # run id -> its kept reservation
     deadline = starvation_guard and start_deadline
-    requests = {r.run_id: r for r in state.queue}
     if starvation_guard:
-        for kept, pool in _keep_reservations(state, general, queued, now, deadline):
+        for kept, pool in keep_reservations(state, general, requests, now, deadline):
             reservations.append((kept, pool))
             reserved_ids.update(kept.nodes)
             decisions.reservations.append(kept)
             mine[kept.run_id] = (kept, pool)
-            overdue = _overdue(state, kept, now, being_preempted)
-            if deadline:
-                overdue += due(state, kept, requests[kept.run_id], now, being_preempted)
+            overdue = clearing(state, kept, requests[kept.run_id], now, being_preempted, deadline)
             decisions.preemptions += overdue
             being_preempted |= {victim for victim, _ in overdue}
 
@@ -308,7 +306,7 @@ def schedule(
             wait(position, request, "its reservation holds: " + _described(kept[0]))
             continue
         reservation: Reservation | None = None
-        if head or (starvation_guard and _long_waiting(request, now, config)):
+        if head or (starvation_guard and long_waiting(request, now, config)):
             # Every gang frees its nodes some day, those being preempted too; claimed nodes
             # count as free (their claimant takes them now and frees them later), reserved ones
             # do not (an earlier reservation has them).
@@ -316,7 +314,7 @@ def schedule(
                 free_later = _without([general, all_claimed], reserved_ids)
                 built_at = (len(granted_now), len(reserved_ids))
             reservation = reserve(request, free_later, state.allocations + granted_now, now)
-            if reservation is not None and deadline and _long_waiting(request, now, config):
+            if reservation is not None and deadline and long_waiting(request, now, config):
                 reservation = held_by_deadline(reservation, request, config, now)
             if reservation is None and head and reserved_ids:
                 wait(position, request, "no capacity: the nodes it needs are reserved")
@@ -337,9 +335,7 @@ def schedule(
             decisions.reservations.append(reservation)
             if head:
                 decisions.reservation = reservation
-            overdue = _overdue(state, reservation, now, being_preempted)
-            if deadline and _long_waiting(request, now, config):
-                overdue += due(state, reservation, request, now, being_preempted)
+            overdue = clearing(state, reservation, request, now, being_preempted, deadline)
             decisions.preemptions += overdue
             if starvation_guard:  # a later reservation must not stop the same gang again
                 being_preempted |= {victim for victim, _ in overdue}
@@ -385,39 +381,6 @@ def _grow_shrunk_gangs(
         decisions.claims.append(grow_claim(allocation.run_id, target, deadline, grace_s))
 
 
-def _keep_reservations(
-    state: ClusterState, general: Capacity, queued: set[str], now: datetime, deadline: bool
-) -> list[tuple[Reservation, Capacity]]:
-    """Last pass's reservations of requests still queued and waiting past `reserve_after_s`
-    whose nodes are all still schedulable and in the general pool (not down, drained, claimed
-    or spare) and hold the request once free: their nodes leave `general`, their start is when
-    those nodes free (by the expected ends, as `reserve` estimates it). A younger request's
-    reservation is remade as before: an older one (a gang recovering its survivors) goes first."""
-    requests = {r.run_id: r for r in state.queue}
-    kept: list[tuple[Reservation, Capacity]] = []
-    taken: set[str] = set()
-    for old in state.reservations:
-        nodes = set(old.nodes)
-        if old.run_id not in queued or nodes & taken or not nodes <= general.free.keys():
-            continue
-        if not _long_waiting(requests[old.run_id], now, state.config):
-            continue
-        whole = Capacity((general.info[i], general.info[i].gpus) for i in old.nodes)
-        if place(requests[old.run_id], whole) is None:
-            continue  # it asks for something else now (another size or GPU type)
-        ends = [
-            a.expected_end or now
-            for a in state.allocations
-            if any(n.node_id in nodes for n in a.nodes)
-        ]
-        reservation = Reservation(run_id=old.run_id, nodes=old.nodes, start=max([now, *ends]))
-        if deadline:
-            reservation = held_by_deadline(reservation, requests[old.run_id], state.config, now)
-        kept.append((reservation, general.split(old.nodes)))
-        taken |= nodes
-    return kept
-
-
 def _without(pools: list[Capacity], node_ids: set[str]) -> Capacity:
     """The pools' nodes but `node_ids`. Not `split`: a node split off stays behind with no
     free GPU, and the running gangs that `reserve` and `choose_victims` give back would free
@@ -439,13 +402,6 @@ def _described(reservation: Reservation) -> str:
     return (
         f"{len(reservation.nodes)} node(s) reserved from {reservation.start:%Y-%m-%d %H:%M:%S} UTC"
     )
-
-
-def _long_waiting(request: GangRequest, now: datetime, config: ClusterConfig) -> bool:
-    """Waited long enough that aging alone will not save it: it gets its own reservation."""
-    if request.submitted_at is None:
-        return False
-    return (now - request.submitted_at).total_seconds() >= config.reserve_after_s
 
 
 def _shielded(allocation: Allocation, now: datetime, config: ClusterConfig) -> bool:
@@ -545,28 +501,6 @@ def _drain_preemptions(
         for a in state.allocations
         if a.preempting is None
         for node in sorted({n.node_id for n in a.nodes} & draining)[:1]
-    ]
-
-
-def _overdue(
-    state: ClusterState, reservation: Reservation, now: datetime, excluded: set[str]
-) -> list[tuple[str, Preemption]]:
-    """A gang past its max runtime on reserved nodes is stopped: reservations rely on it."""
-    nodes = set(reservation.nodes)
-    deadline = now + timedelta(seconds=state.config.preemption_grace_s)
-    return [
-        (
-            a.run_id,
-            Preemption(
-                for_run=reservation.run_id, reason="exceeded its max runtime", deadline=deadline
-            ),
-        )
-        for a in state.allocations
-        if a.preempting is None
-        and a.run_id not in excluded
-        and a.expected_end is not None
-        and a.expected_end < now
-        and nodes & {n.node_id for n in a.nodes}
     ]
 
 

@@ -382,14 +382,7 @@ class TrainingRun(RunEnd):
         attempt.ended_at = workflow.now()
         attempt.outcome = outcome
         if workflow.patched("attempt-ledger"):  # runs started before goodput replay without it
-            attempt.ledger = await self._control(
-                "attempt_ledger",
-                AttemptLedgerInput(
-                    run_id=self._spec.name, generation=attempt.generation, kept_step=kept_step
-                ),
-                AttemptLedger | None,
-                timeout=timedelta(minutes=5),
-            )
+            attempt.ledger = await self._ledger(attempt.generation, kept_step)
             await self._recount_rewound(attempt)
         add_attempt(self._status, attempt)
 
@@ -403,17 +396,18 @@ class TrainingRun(RunEnd):
         for earlier in rewound(self._status, resume_step):
             if not workflow.patched("fallback-rework"):  # histories before it never came here
                 return
-            earlier.ledger = await self._control(
-                "attempt_ledger",
-                AttemptLedgerInput(
-                    run_id=self._spec.name,
-                    generation=earlier.generation,
-                    kept_step=resume_step,
-                    kept_at_most=True,
-                ),
-                AttemptLedger | None,
-                timeout=timedelta(minutes=5),
-            )
+            earlier.ledger = await self._ledger(earlier.generation, resume_step, at_most=True)
+
+    async def _ledger(
+        self, generation: int, kept_step: int | None, at_most: bool = False
+    ) -> AttemptLedger | None:
+        """What a generation's ranks recorded of their time (the `attempt_ledger` activity)."""
+        inp = AttemptLedgerInput(
+            run_id=self._spec.name, generation=generation, kept_step=kept_step, kept_at_most=at_most
+        )
+        return await self._control(
+            "attempt_ledger", inp, AttemptLedger | None, timeout=timedelta(minutes=5)
+        )
 
     async def _release_gang(self, requeue: bool = False) -> None:
         """Give back the gang, and withdraw a request still waiting in the queue (generation 0

@@ -4,18 +4,15 @@ test server, so that the deadline and the grace run out in milliseconds."""
 
 from __future__ import annotations
 
-import asyncio
 import os
 import re
-import sys
 from pathlib import Path
 
-from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.testing import WorkflowEnvironment
 
 from tests.workflows.gang_holder import GangHolder
 from tests.workflows.replaying import write_history
-from tests.workflows.test_cluster_workflow import Harness, _scenario, node
+from tests.workflows.test_cluster_workflow import Harness, node, run_time_skipping
 from tests.workflows.test_training_run_history import RECORD_TO
 from workflows.cluster import ClusterWorkflow
 from workflows.cluster_models import Allocation, ClusterConfig
@@ -61,15 +58,4 @@ def test_a_gang_that_never_ran_takes_its_reserved_nodes_back_at_its_deadline(
                 Path(record) / f"{LABEL}_Cluster_{CLUSTER_WORKFLOW_ID}",
             )
 
-    async def main() -> None:
-        server = Path(sys.executable).parent / "temporal-test-server"
-        async with await WorkflowEnvironment.start_time_skipping(
-            data_converter=pydantic_data_converter, test_server_existing_path=str(server)
-        ) as env:
-
-            async def with_env(h: Harness) -> None:
-                await scenario(env, h)
-
-            await _scenario(env.client, task_queue, with_env)
-
-    asyncio.run(main())
+    run_time_skipping(task_queue, scenario)

@@ -500,6 +500,14 @@ def test_a_victim_that_never_releases_is_revoked_after_the_grace(task_queue: str
         (grant,) = await h.grants(owner, 1)
         assert grant.nodes[0].node_id == "n0"
 
+    run_time_skipping(task_queue, scenario)
+
+
+def run_time_skipping(
+    task_queue: str, scenario: Callable[[WorkflowEnvironment, Harness], Awaitable[None]]
+) -> None:
+    """`scenario` on the time-skipping test server, where `env.sleep` runs timers out in ms."""
+
     async def main() -> None:
         server = Path(sys.executable).parent / "temporal-test-server"
         async with await WorkflowEnvironment.start_time_skipping(
