@@ -22,6 +22,12 @@ class StoreUnavailable(StoreError):
     a twin site may serve instead."""
 
 
+class NotOnTwin(StoreUnavailable):
+    """The primary is unreachable and its twin has no copy of the object (not yet copied, or
+    written to the primary just before the outage). An outage to a caller that can wait it out;
+    one that can choose another object (resume, an older checkpoint) may pass this one over."""
+
+
 class IntegrityError(StoreError):
     """A stored object's content does not match its recorded sha256 or size."""
 

@@ -29,7 +29,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
-from infra.errors import ObjectNotFound, StoreUnavailable
+from infra.errors import NotOnTwin, ObjectNotFound, StoreError, StoreUnavailable
 from infra.store import ObjectStore
 
 T = TypeVar("T")
@@ -68,7 +68,7 @@ class TwinStore:
             self._primary_down_until = self._clock() + self._retry_after_s
             raise
 
-    def _read(self, operation: Callable[[ObjectStore], T]) -> T:
+    def _read(self, key: str, operation: Callable[[ObjectStore], T]) -> T:
         presumed_down = self.primary_down
         try:
             return self._on_primary(operation)
@@ -77,16 +77,26 @@ class TwinStore:
                 return operation(self.twin)
             except ObjectNotFound:
                 if not presumed_down:
-                    raise primary_error from None
+                    raise self._neither_has(key, primary_error) from None
             # Only the primary can have it (written there since the outage, or never copied),
             # and the primary was only presumed down: ask it now rather than fail a read that
             # it may answer (an agent's first job after the primary came back, say). But only
             # once a bare connection gets through: during a real outage every absent key (a new
             # run's fence, a manifest not yet written) would otherwise pay botocore's retries.
             if not self._primary_is_back():
-                raise primary_error from None
+                raise self._neither_has(key, primary_error) from None
             self._primary_down_until = 0.0
             return self._on_primary(operation)
+
+    def _neither_has(self, key: str, primary_error: StoreError) -> StoreError:
+        """What a read that neither site answered raises: the primary's ObjectNotFound as it is
+        (the object is nowhere), its outage as NotOnTwin (the object may well exist)."""
+        if isinstance(primary_error, ObjectNotFound):
+            return primary_error
+        return NotOnTwin(
+            f"{key} is not on the twin {self.twin.url} and the primary {self.primary.url} is "
+            "down: it may be copied there, or the primary return, later"
+        )
 
     def _primary_is_back(self) -> bool:
         """A probe of the presumed-down primary, at most one per `probe_every_s` (a black-holed
@@ -132,13 +142,13 @@ class TwinStore:
     # Reads: the primary, then the twin.
 
     def get_bytes(self, key: str) -> bytes:
-        return self._read(lambda store: store.get_bytes(key))
+        return self._read(key, lambda store: store.get_bytes(key))
 
     def get_file(self, key: str, dest: Path) -> None:
-        self._read(lambda store: store.get_file(key, dest))
+        self._read(key, lambda store: store.get_file(key, dest))
 
     def digest(self, key: str) -> tuple[int, str]:
-        return self._read(lambda store: store.digest(key))
+        return self._read(key, lambda store: store.digest(key))
 
     def reachable(self) -> bool:
         return self.primary.reachable() or self.twin.reachable()

@@ -25,7 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
 
-from infra.errors import IntegrityError, ObjectNotFound
+from infra.errors import IntegrityError, NotOnTwin, ObjectNotFound
 from infra.store import ObjectStore
 from trainer.errors import CheckpointError
 from trainer.run_identity import belongs, pinned
@@ -217,6 +217,12 @@ def verify_files(store: ObjectStore, manifest: dict, what: str = "checkpoint fil
             )
 
 
+# Why resume passes a checkpoint over for an older one. NotOnTwin: the primary is down and one of
+# its files is there alone (the outage cut a checkpoint being written); an older checkpoint the
+# twin holds whole beats waiting out the outage.
+PASSED_OVER = (IntegrityError, ObjectNotFound, NotOnTwin, CheckpointError, ValueError, KeyError)
+
+
 def find_latest(
     store: ObjectStore,
     run_id: str,
@@ -248,7 +254,7 @@ def find_latest(
                 continue
             verify_files(store, manifest)
             vet(manifest)
-        except (IntegrityError, ObjectNotFound, CheckpointError, ValueError, KeyError) as err:
+        except PASSED_OVER as err:
             on_skip(f"{key}: {err}")
             continue
         return CommittedCheckpoint(key, manifest)

@@ -21,6 +21,8 @@ from infra.s3_store import S3Store, client_config
 from infra.store import LocalStore, open_store
 from infra.twin_store import TwinStore
 from tests.partition import Partition
+from tests.trainer.test_fencing import commit
+from trainer.manifest import find_latest
 
 COMMITTED = datetime(2026, 11, 29, 12, 0, tzinfo=UTC)
 
@@ -319,3 +321,30 @@ def test_a_copy_that_lands_after_its_checkpoint_was_pruned_is_taken_back(
     Replicator(primary, twin, tmp_path / "scratch").run_once()
     assert primary.pruned and primary.list(folder) == []
     assert twin.list(folder) == []  # neither the object copied after the prune nor a manifest
+
+
+def test_resume_passes_over_a_checkpoint_whose_files_only_the_unreachable_primary_holds(
+    partitioned: Any, tmp_path: Path
+) -> None:
+    """The slow twin e2e stalled in CI: the primary was cut while a checkpoint was being
+    written, so a rank's file went to the primary and the manifest, after it, to the twin. Resume
+    met that file on the primary alone and retried for the whole outage; it takes the newest
+    checkpoint the twin holds whole instead, and says why it passed the newer one over."""
+    partition, primary = partitioned
+    twin = LocalStore(tmp_path / "twin")
+    store = TwinStore(primary, twin, retry_after_s=30)
+    commit(twin, "r", 50, generation=1)  # replicated before the outage
+    split = commit(primary, "r", 100, generation=1)
+    twin.put_bytes(split, primary.get_bytes(split))  # the manifest, written after the cut
+    primary.delete(split)
+    partition.cut()
+    skipped: list[str] = []
+    found = find_latest(store, "r", max_generation=2, on_skip=skipped.append)
+    assert found is not None and found.step == 50
+    file_key = f"{split.rsplit('/', 1)[0]}/__0_0.distcp"
+    assert skipped == [
+        f"{split}: {file_key} is not on the twin {twin.url} and the primary {primary.url} is "
+        "down: it may be copied there, or the primary return, later"
+    ]
+    with pytest.raises(StoreUnavailable):  # NotOnTwin is an outage to those who wait it out
+        store.get_bytes(file_key)
