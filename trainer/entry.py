@@ -1,6 +1,6 @@
 """The torchrun entry of every rank: runs the rank script, the built-in GPT trainer or a user's.
 
-    python -m torch.distributed.run ... -m trainer.entry JOB.json
+    python -m torch.distributed.run ... --start-method fork --run-path .../trainer/entry.py JOB.json
 
 A script that fails before its first step (it cannot be imported, raises while it sets up, or
 returns without training) fails the same way on every attempt and on every node: that is the
@@ -28,6 +28,7 @@ import traceback
 from pathlib import Path
 from typing import TextIO
 
+import setproctitle
 import torch.distributed as dist
 
 from trainer.job import TrainJob
@@ -170,9 +171,39 @@ def fail_user(job: TrainJob, summary: str, detail: str) -> None:
     sys.exit(EXIT_USER_ERROR)
 
 
+def as_a_fresh_rank(job_path: str) -> None:
+    """Undo what a rank forked from torchrun inherits (trainer.launch). Its signal handlers
+    raise torchrun's own exception: a SIGTERM before the SDK takes it over (a preemption during
+    set-up) would read as the script's failure. And its command line: the rank names itself
+    (`ps`, /proc) with this file, the job and its rank, which is how the chaos commands and the
+    stop path tell ranks apart."""
+    for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
+        signal.signal(sig, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    setproctitle.setproctitle(
+        f"{sys.executable} {Path(__file__).resolve()} {job_path} "
+        f"(rank {os.environ.get('RANK', '?')})"
+    )
+
+
+def run_rank(job_path: str) -> None:
+    """A rank, start to end. A forked rank's uncaught exception is not printed by the
+    interpreter (torch's process wrapper keeps it for torchrun's summary): print it here, into
+    the rank's log, as a fresh process's would be."""
+    as_a_fresh_rank(job_path)
+    try:
+        main(job_path)
+    except KeyboardInterrupt:  # torch's wrapper would make it a clean exit
+        traceback.print_exc()
+        raise SystemExit(130) from None
+    except Exception:
+        traceback.print_exc()
+        raise
+
+
 if __name__ == "__main__":
     # Through the imported module, not this `__main__` copy of it: the SDK marks progress on
     # `trainer.entry`, and that is the module whose state main() must read.
     from trainer import entry
 
-    entry.main(sys.argv[1])
+    entry.run_rank(sys.argv[1])

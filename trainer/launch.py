@@ -26,9 +26,13 @@ from trainer.rank_env import rank_environment
 from trainer.start_watch import StartWatch, Verdict
 from trainer.warm_launch import LaunchOrder, WarmLauncher
 
-# What torchrun starts on every rank (it runs the built-in trainer or the user's script); the
-# chaos commands and the stop path find rank processes by it.
-RANK_MODULE = "trainer.entry"
+# What every rank runs (the built-in trainer or the user's script). torchrun forks the ranks
+# from itself and runs this file in them (`--start-method fork --run-path`): they inherit its
+# imports (torch: 2.5 s a rank on a restart's path) instead of starting a fresh interpreter. A
+# forked rank has torchrun's command line until it renames itself (trainer.entry.name_rank)
+# with this path in the name, so the chaos commands and the stop path find ranks, and torchrun,
+# by it.
+RANK_SCRIPT = str(Path(__file__).resolve().with_name("entry.py"))
 # One frame of a stack as faulthandler prints it: `  File "/x/train.py", line 7 in main`.
 _FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+)')
 STACKS_GLOB = "stacks-local-rank-*.txt"  # TrainJob.stacks_file, one a rank
@@ -99,7 +103,8 @@ def torchrun_args(job_file: Path, rdzv: Rendezvous, fabric: Fabric = LOOPBACK) -
         *placement,
         "--max-restarts", "0",
         "--monitor-interval", "0.5",
-        "-m", RANK_MODULE, str(job_file),
+        "--start-method", "fork",
+        "--run-path", RANK_SCRIPT, str(job_file),
     ]  # fmt: skip
 
 
@@ -327,7 +332,7 @@ def rank_pids(launcher_pid: int) -> list[int]:
 
 def _runs_trainer(pid: int) -> bool:
     try:
-        return RANK_MODULE.encode() in Path(f"/proc/{pid}/cmdline").read_bytes()
+        return RANK_SCRIPT.encode() in Path(f"/proc/{pid}/cmdline").read_bytes()
     except OSError:
         return False
 

@@ -1,13 +1,14 @@
-"""torchrun started ahead of its job, so a node's next generation skips torchrun's imports.
+"""torchrun started ahead of its job, so a node's next generation skips the imports.
 
-Importing torch takes about 3 s of a restart (2.8 s on the 2-core CI machine), and a restart
-pays it twice in a row: in torchrun, then in every rank it starts. A node agent therefore keeps
-one standby: a Python process that has already imported `torch.distributed.run` and waits on its
-stdin for one job (torchrun's arguments, the environment, the folder and the log file). Given
-one, it becomes that job's torchrun; the process tree is the one a cold start makes (agent →
-torchrun → ranks), so stopping, stack dumps and parent-death work as before. The agent makes
-the next standby once the ranks it launched are training, so the imports never compete with a
-restart for the CPU.
+Importing torch takes about 3 s of a restart (2.8 s on the 2-core CI machine). torchrun forks
+its ranks from itself (trainer.launch), so they share its imports; a restart would still pay
+them once, in a fresh torchrun. A node agent therefore keeps one standby: a Python process that
+has already imported `torch.distributed.run`, the rank entry and the built-in trainer with the
+SDK, and waits on its stdin for one job (torchrun's arguments, the environment, the folder and
+the log file). Given one, it becomes that job's torchrun; the process tree is the one a cold
+start makes (agent → torchrun → ranks), so stopping, stack dumps and parent-death work as
+before. The agent makes the next standby once the ranks it launched are training, so the
+imports never compete with a restart for the CPU.
 
     python -m trainer.warm_launch     # the standby; the agent writes one JSON line to its stdin
 """
@@ -16,16 +17,20 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib
 import json
 import os
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import setproctitle
+
 from infra.parent_death import die_with_parent
 from trainer.rank_env import rank_environment
 
 STANDBY_MODULE = "trainer.warm_launch"
+RANK_IMPORTS = ("trainer.entry", "trainer.train")  # the rank entry, the built-in trainer, the SDK
 
 
 @dataclass(frozen=True)
@@ -124,7 +129,17 @@ def _become(order: LaunchOrder) -> None:
 
 
 def main() -> None:
-    from torch.distributed import run as torchrun  # what this process is for: the ~3 s import
+    # What this process is for: the imports. torchrun's (~3 s of torch), and the ranks': they
+    # are forked from it (trainer.launch), so the rank entry and the built-in trainer with the
+    # SDK (boto3, tokenizers, safetensors) are imported here, once, not by every rank. Imports
+    # only: a thread started here would not be in the forked ranks.
+    # Named before _become replaces the environment: setproctitle finds the room for a name
+    # (the arguments' and the environment's memory) only while the environment is the original.
+    setproctitle.setproctitle(f"{sys.executable} -m {STANDBY_MODULE} (a standby torchrun)")
+    from torch.distributed import run as torchrun
+
+    for module in RANK_IMPORTS:
+        importlib.import_module(module)
 
     line = sys.stdin.buffer.readline()
     if not line:  # the agent closed the pipe without a job: it is shutting down
@@ -132,6 +147,10 @@ def main() -> None:
     order = LaunchOrder(**json.loads(line))
     _become(order)
     sys.argv = ["torchrun", *order.args]
+    # The command line of a cold torchrun, so that it is found (and its ranks) as one is.
+    setproctitle.setproctitle(
+        " ".join([sys.executable, "-m", "torch.distributed.run", *order.args])
+    )
     torchrun.main(order.args)
 
 

@@ -18,6 +18,7 @@ prove they do).
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -29,12 +30,13 @@ import typer
 from infra import node_health
 from infra.processes import ManagedProcess
 from trainer.job import CHAOS_FILE
-from trainer.launch import RANK_MODULE
+from trainer.launch import RANK_SCRIPT
 from worker.cli_common import CliError, ExitCode, check_name, console, get_settings
 
 chaos_app = typer.Typer(
     help="Inject faults on the local stack: kill, hang, slow down or corrupt a node."
 )
+_JOB_FILE = re.compile(r"[^\0 ]+/job\.json")
 NodeArg = Annotated[str, typer.Argument(help="the node id, as `forgeline nodes` shows it")]
 
 
@@ -51,7 +53,7 @@ def trainer_processes(home: Path, node: str | None = None, run: str | None = Non
             continue
         if (
             state != "Z"
-            and RANK_MODULE.encode() in argv
+            and RANK_SCRIPT.encode() in argv
             and marker.encode() in argv
             and (run is None or f"/runs/{run}/".encode() in argv)
         ):
@@ -60,13 +62,15 @@ def trainer_processes(home: Path, node: str | None = None, run: str | None = Non
 
 
 def _job_folders(pids: list[int]) -> set[Path]:
+    """The job folders these processes run from. The job file is one of torchrun's arguments,
+    and in a rank's name (trainer.entry.as_a_fresh_rank): one string, not separate arguments."""
     folders = set()
     for pid in pids:
         try:
-            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
         except OSError:
             continue
-        folders |= {Path(a.decode()).parent for a in argv if a.endswith(b"/job.json")}
+        folders |= {Path(job).parent for job in _JOB_FILE.findall(cmdline)}
     return folders
 
 

@@ -17,7 +17,7 @@ from trainer.checkpoint import fetch_checkpoint, load_model_weights
 from trainer.errors import CheckpointError, RanksFailed
 from trainer.evaluate import evaluate_checkpoint
 from trainer.job import ResumePoint
-from trainer.launch import RANK_MODULE
+from trainer.launch import RANK_SCRIPT
 from trainer.manifest import (
     committed_steps,
     find_latest,
@@ -194,17 +194,18 @@ def test_fine_tuning_starts_from_a_checkpoint_s_weights(trainer: Trainer, refere
 
 
 def job_processes(job_file: Path, launcher: bool = False) -> list[int]:
-    """The rank processes running `trainer.entry <job_file>`, or with `launcher` its torchrun."""
+    """The rank processes running `trainer/entry.py <job_file>`, or with `launcher` its
+    torchrun (a forked rank's name is one string: trainer.entry.as_a_fresh_rank)."""
     pids = []
     for proc in Path("/proc").iterdir():
         try:
-            argv = (proc / "cmdline").read_bytes().split(b"\0")
+            cmdline = (proc / "cmdline").read_bytes()
         except OSError:
             continue
         if (
-            RANK_MODULE.encode() in argv
-            and str(job_file).encode() in argv
-            and (b"torch.distributed.run" in argv) == launcher
+            RANK_SCRIPT.encode() in cmdline
+            and str(job_file).encode() in cmdline
+            and (b"torch.distributed.run" in cmdline) == launcher
         ):
             pids.append(int(proc.name))
     return pids

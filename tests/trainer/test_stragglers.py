@@ -101,12 +101,11 @@ def rank_pid(workdir: Path, rank: int, timeout: float = 60) -> int:
     while time.monotonic() < deadline:
         for proc in Path("/proc").iterdir():
             try:
-                argv = (proc / "cmdline").read_bytes()
-                env = (proc / "environ").read_bytes().split(b"\0")
+                cmdline = (proc / "cmdline").read_bytes()
             except OSError:
                 continue
-            is_rank = job_file in argv and b"torch.distributed.run" not in argv
-            if is_rank and f"RANK={rank}".encode() in env:
+            # A rank names itself with its job and rank (trainer.entry.as_a_fresh_rank).
+            if job_file in cmdline and f"(rank {rank})".encode() in cmdline:
                 return int(proc.name)
         time.sleep(0.1)
     raise AssertionError(f"no rank {rank} for {workdir}")

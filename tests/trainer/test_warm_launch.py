@@ -14,7 +14,7 @@ from activities.node import NodeActivities
 from infra.processes import free_port
 from infra.settings import SettingsError, load_settings
 from tests.trainer.conftest import Trainer
-from trainer.launch import RANK_MODULE, Rendezvous, run_ranks
+from trainer.launch import RANK_SCRIPT, Rendezvous, run_ranks
 from trainer.warm_launch import WarmLauncher
 from workflows.spec import TrainSpec
 
@@ -29,7 +29,7 @@ def children_running_ranks(parent: int) -> set[int]:
             argv = (proc / "cmdline").read_bytes()
         except OSError:
             continue
-        if int(stat[1]) == parent and RANK_MODULE.encode() in argv:
+        if int(stat[1]) == parent and RANK_SCRIPT.encode() in argv:
             pids.add(int(proc.name))
     return pids
 
