@@ -40,6 +40,7 @@ EXIT_USER_ERROR = 4
 # Words of gloo's, NCCL's and the c10d store's errors when a peer vanishes: a node's fault.
 _FABRIC_WORDS = ("gloo", "nccl", "connection", "peer", "rendezvous", "timed out", "socket")
 _TRACEBACK_CHARS = 3000
+_REASON_CHARS = 500
 
 
 class _Progress:
@@ -72,13 +73,13 @@ def _where(tb: list[traceback.FrameSummary], code_dir: str) -> str:
     return "(no frame)"
 
 
-def _report(job: TrainJob, summary: str, detail: str) -> None:
+def _report(job: TrainJob, event: str, **fields: str) -> None:
     """One progress line, from whichever rank found it (appends of a line are atomic)."""
     if not job.progress_file:
         return
-    event = {"time": time.time(), "event": "user_error", "reason": summary, "detail": detail}
+    line = {"time": time.time(), "event": event, **fields}
     with open(job.progress_file, "a") as handle:
-        handle.write(json.dumps(event) + "\n")
+        handle.write(json.dumps(line) + "\n")
 
 
 def _run_entrypoint(entry: str, code_dir: str) -> None:
@@ -166,7 +167,7 @@ def main(job_path: str) -> None:
 
 
 def fail_user(job: TrainJob, summary: str, detail: str) -> None:
-    _report(job, summary, detail)
+    _report(job, "user_error", reason=summary, detail=detail)
     sys.stderr.write((detail or summary) + "\n")
     sys.exit(EXIT_USER_ERROR)
 
@@ -189,16 +190,26 @@ def as_a_fresh_rank(job_path: str) -> None:
 def run_rank(job_path: str) -> None:
     """A rank, start to end. A forked rank's uncaught exception is not printed by the
     interpreter (torch's process wrapper keeps it for torchrun's summary): print it here, into
-    the rank's log, as a fresh process's would be."""
+    the rank's log, as a fresh process's would be. Then say so in the progress file: the gang
+    is lost (a peer gone from a collective, most often), and the node agent stops torchrun at
+    once instead of waiting seconds for torchrun's own teardown (its monitor's next look, its
+    rendezvous shutdown against a store whose host may be the dead node)."""
     as_a_fresh_rank(job_path)
     try:
         main(job_path)
     except KeyboardInterrupt:  # torch's wrapper would make it a clean exit
         traceback.print_exc()
         raise SystemExit(130) from None
-    except Exception:
+    except Exception as err:
         traceback.print_exc()
+        sys.stderr.flush()  # before the agent, told below, stops this process
+        _report(TrainJob.read(Path(job_path)), "crashed", reason=_one_line(err))
         raise
+
+
+def _one_line(err: BaseException) -> str:
+    first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+    return f"{type(err).__name__}: {first}"[:_REASON_CHARS]
 
 
 if __name__ == "__main__":

@@ -40,6 +40,9 @@ _STEP_FIELDS = ("step", "loss", "lr", "tokens_per_s", "mfu", "checkpoint_step", 
 # Health lines an attempt keeps in memory and returns: a node that flaps for a month writes
 # thousands; the progress file on the node keeps them all.
 HEALTH_KEPT = 20
+# How often the agent reads its ranks' progress file for a crash (reporting stays every
+# report_every_s): the survivors of a dead node say so within milliseconds.
+CRASH_POLL_S = 0.1
 
 
 @dataclass
@@ -117,6 +120,7 @@ class ProgressTail:
         self._offset = 0
         self.latest: dict = {"step": start_step}
         self.sdk = ""  # the SDK call the ranks were last in or back from ("init:entered", ...)
+        self.crash: str | None = None  # the first rank's uncaught exception (trainer.entry)
 
     def poll(self) -> None:
         if not self.path.exists():
@@ -144,6 +148,8 @@ class ProgressTail:
                 self.latest.setdefault("peer_skipped", event["why"])
             elif event["event"] == "user_error":  # the first rank to say it is enough
                 self.latest.setdefault("user_error", event)
+            elif event["event"] == "crashed":
+                self.crash = self.crash or event["reason"]
             elif event["event"] == "health":  # the newest few, and how many in all
                 self.latest["health"] = [*self.latest.get("health", []), event][-HEALTH_KEPT:]
                 self.latest["health_seen"] = self.latest.get("health_seen", 0) + 1
@@ -220,11 +226,20 @@ async def run_ranks(
             )  # fmt: skip
     finished_at: float | None = None
     start = StartWatch(start_limit_s, time.monotonic()) if start_limit_s else None
+    report_at = time.monotonic()
     try:
         while True:
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(proc.wait(), timeout=report_every_s)
+                await asyncio.wait_for(proc.wait(), timeout=CRASH_POLL_S)
             tail.poll()
+            if tail.crash is not None and proc.returncode is None:
+                # A rank died of an exception: the gang is lost. torchrun would take seconds
+                # to say so (its monitor's next look, then its rendezvous shutdown against a
+                # store whose host may be the dead node), and the run's recovery waits on this.
+                await _kill(proc)
+            if proc.returncode is None and time.monotonic() < report_at:
+                continue
+            report_at = time.monotonic() + report_every_s
             on_progress(dict(tail.latest))
             if proc.returncode is not None:
                 break
@@ -265,6 +280,11 @@ async def run_ranks(
             raise UserCodeFailed(f"{mistake['reason']}" + (f"\n{detail}" if detail else ""))
         if "failure" in tail.latest:  # the ranks said why
             raise RanksFailed(f"ranks on node {job.node_id}: {tail.latest['failure']}")
+        if tail.crash is not None:
+            raise RanksFailed(
+                f"a rank on node {job.node_id} failed: {tail.crash}; last lines of {log_file}:"
+                f"\n{_last_lines(log_file)}"
+            )
         raise RanksFailed(
             f"torchrun exited with status {proc.returncode} on node {job.node_id}; "
             f"last lines of {log_file}:\n{_last_lines(log_file)}"
@@ -362,13 +382,20 @@ async def _stop(
     try:
         await asyncio.wait_for(proc.wait(), timeout=grace_s)
     except TimeoutError:
-        with contextlib.suppress(ProcessLookupError):
-            proc.kill()
-        for pid in ranks:
-            if _runs_trainer(pid):  # still the rank, not a process that reused its pid
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
-        await proc.wait()
+        await _kill(proc, ranks)
+
+
+async def _kill(proc: asyncio.subprocess.Process, ranks: list[int] | None = None) -> None:
+    """SIGKILL torchrun and its ranks (a stopped or wedged rank would not notice it was
+    orphaned); `ranks` as they were before torchrun was asked to stop."""
+    ranks = rank_pids(proc.pid) if ranks is None else ranks
+    with contextlib.suppress(ProcessLookupError):
+        proc.kill()
+    for pid in ranks:
+        if _runs_trainer(pid):  # still the rank, not a process that reused its pid
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    await proc.wait()
 
 
 def _last_lines(path: Path, lines: int = 30) -> str:

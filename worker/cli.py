@@ -216,7 +216,8 @@ def _follow(client: Client, name: str, poll_s: float = 1.0) -> RunStatus:
         step = beat.step if beat else None
         key = (current.status.model_dump_json(), step, stages, current.retrying)
         if key != last:
-            console.print(f"{time.strftime('%H:%M:%S')}  {progress_line(current)}")
+            # Plain text: a retry's reason quotes errors (gloo's "[/__w/.../pair.cc:537]").
+            console.print(f"{time.strftime('%H:%M:%S')}  {progress_line(current)}", markup=False)
             last = key
         phase = current.status.phase
         if phase == Phase.AWAITING_APPROVAL:
@@ -227,7 +228,7 @@ def _follow(client: Client, name: str, poll_s: float = 1.0) -> RunStatus:
             return current.status
         if phase.final:
             if current.status.error:
-                console.print(f"[red]{current.status.error}[/red]")
+                console.print(f"[red]{escape(current.status.error)}[/red]")
             return current.status
         if current.execution not in (None, "RUNNING"):
             return current.status
@@ -264,7 +265,7 @@ def status(
     if as_json:
         typer.echo(found.model_dump_json(indent=2))
         return
-    console.print(status_text(found, settings))
+    console.print(status_text(found, settings), markup=False)  # failures quote errors
 
 
 @app.command()

@@ -239,20 +239,27 @@ def test_a_script_that_never_reports_is_the_users_error(
 
 
 def test_a_crash_after_training_began_is_a_crash(trainer: Trainer, tmp_path: Path) -> None:
-    """Restarted from the last checkpoint like a dead node, not failed as a mistake."""
+    """Restarted from the last checkpoint like a dead node, not failed as a mistake. One rank
+    raises: the agent reports it by the rank's own word, with torchrun and every rank gone
+    (stopped at once, not after torchrun's teardown)."""
     text = (
         (GRU / "train.py")
         .read_text()
         .replace(
             "        step.gradients(model)\n",
-            "        step.gradients(model)\n        if step.number == 12:\n"
+            "        step.gradients(model)\n"
+            "        if step.number == 12 and __import__('os').environ['RANK'] == '1':\n"
             "            raise RuntimeError('out of memory at step 12')\n",
         )
     )
     code = broken_script(tmp_path, "late", text)
+    job = user_job(trainer, "late-crash", code, user_train(code))
     with pytest.raises(RanksFailed) as failed:
-        trainer.run(user_job(trainer, "late-crash", code, user_train(code)), ranks=2)
+        trainer.run(job, ranks=2)
     assert not isinstance(failed.value, UserCodeFailed)
+    assert "failed: RuntimeError: out of memory at step 12; last lines of" in str(failed.value)
+    job_file = Path(job.progress_file).parent / "job.json"
+    assert job_processes(job_file) == [] and job_processes(job_file, launcher=True) == []
     assert find_latest(trainer.store, "late-crash", max_generation=1).step == 10
 
 
