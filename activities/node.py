@@ -122,7 +122,7 @@ class NodeActivities:
             run_id=f"{inp.run_id}-g{generation}",
             nnodes=len(allocation.nodes),
             nproc_per_node=inp.spec.resources.gpus_per_node,
-            is_host=allocation.nodes[0].node_id == self.node_id,
+            node_rank=[n.node_id for n in allocation.nodes].index(self.node_id),
         )
         reporter.stream_metrics(
             self.metrics_dir, self._generation_dir(inp.run_id, generation) / "progress.jsonl"

@@ -45,7 +45,7 @@ class NodeInfo(BaseModel):
     gpus: int = 1
     gpu_type: str = "cpu"
     pod: str = "local"
-    rdzv_port: int = Field(description="port this node serves the c10d rendezvous on as head")
+    rdzv_port: int = Field(description="port this node serves the rendezvous store on as head")
     # A grant's rendezvous port is rdzv_port + generation % rdzv_ports: each grant a port of its
     # own, so a fenced gang's torchrun still sitting on the last one never blocks the next.
     rdzv_ports: int = Field(default=1, ge=1, le=4096, description="ports from rdzv_port up")

@@ -17,14 +17,16 @@ def test_the_ranks_bind_the_advertised_interface_unless_the_operator_chose() -> 
     assert LOOPBACK.environment({}) == {"GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "lo"}
 
 
-def test_torchrun_is_told_who_serves_the_rendezvous_off_loopback(tmp_path: Path) -> None:
-    rdzv = Rendezvous("198.18.4.11:29401", "run-g3", 2, 1, is_host=True)
-    argv = torchrun_argv(tmp_path / "job.json", rdzv, Fabric("198.18.4.11", "eth2"))
-    assert argv[argv.index("--rdzv-conf") + 1] == "is_host=true,read_timeout=600"
+def test_torchrun_is_told_its_node_s_place_and_where_peers_reach_it(tmp_path: Path) -> None:
+    head = Rendezvous("198.18.4.11:29401", "run-g3", 2, 1, node_rank=0)
+    argv = torchrun_argv(tmp_path / "job.json", head, Fabric("198.18.4.11", "eth2"))
+    assert argv[argv.index("--rdzv-backend") + 1] == "static"
+    assert argv[argv.index("--node-rank") + 1] == "0"  # the head: it serves the store
     assert argv[argv.index("--local-addr") + 1] == "198.18.4.11"
-    peer = Rendezvous("198.18.4.11:29401", "run-g3", 2, 1, is_host=False)
+    peer = Rendezvous("198.18.4.11:29401", "run-g3", 2, 1, node_rank=1)
     argv = torchrun_argv(tmp_path / "job.json", peer, Fabric("198.18.4.12", "eth2"))
-    assert argv[argv.index("--rdzv-conf") + 1].startswith("is_host=false")
-    # On loopback every node is "the host": whoever binds first serves, as before.
-    local = torchrun_argv(tmp_path / "job.json", rdzv)
-    assert "--rdzv-conf" not in local and "--local-addr" not in local
+    assert argv[argv.index("--node-rank") + 1] == "1"
+    assert argv[argv.index("--rdzv-endpoint") + 1] == "198.18.4.11:29401"
+    assert argv[argv.index("--local-addr") + 1] == "198.18.4.12"
+    # On loopback the peers reach every node at 127.0.0.1: nothing to advertise.
+    assert "--local-addr" not in torchrun_argv(tmp_path / "job.json", head)

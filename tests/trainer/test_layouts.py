@@ -154,14 +154,15 @@ def test_sigterm_finishes_the_step_commits_and_stops(trainer: Trainer) -> None:
 
 def test_rank_order_follows_the_allocation_not_arrival(trainer: Trainer) -> None:
     """Two node agents' torchruns on one rendezvous; the second node in the allocation starts
-    first, and still gets rank 1 (c10d alone would make it rank 0)."""
+    first, and still gets rank 1 (c10d's dynamic rendezvous would make it rank 0)."""
     short = TRAIN.model_copy(update={"steps": 5})
     jobs = [trainer.job("order", short, node_index=i) for i in range(2)]
-    rdzv = Rendezvous(f"127.0.0.1:{free_port()}", "order-1", nnodes=2, nproc_per_node=1)
+    endpoint = f"127.0.0.1:{free_port()}"
 
     async def start(index: int, delay_s: float) -> None:
         await asyncio.sleep(delay_s)
         job = jobs[index]
+        rdzv = Rendezvous(endpoint, "order-1", nnodes=2, nproc_per_node=1, node_rank=index)
         await run_ranks(job, Path(job.progress_file).parent, rdzv, on_progress=lambda _: None)
 
     async def both() -> None:
