@@ -14,13 +14,14 @@ that has not failed). For every kill, from the run's own records (the workflow's
 timeline, the ranks' ledgers and progress files):
 
     detection     SIGKILL → the failed gang torn down (the survivors' collectives fail at
-                  once; the dead node's activity is given up on at its heartbeat timeout)
+                  once and their agents report it; the dead node misses its liveness probe)
     reallocation  torn down → the next gang granted (backoff, release, grant)
     restart       granted → ranks ready, less the checkpoint load (fetch into the node cache,
                   torchrun, rendezvous, model build), split below into
       to spawn    granted → rank 0's process started (the activity reaching the agent, the
                   fetch into the node cache, torchrun or its standby, the rendezvous)
-      imports     → rank 0 calls forgeline.init() (the interpreter, `import torch`)
+      imports     → rank 0 calls forgeline.init() (ranks are forked from torchrun: what it
+                  had not imported; a warm standby has the trainer's modules too)
       set-up      → ready, less the load (process group, model, optimizer)
     load          the ranks reading the checkpoint
     first step    ready → the first step after resume
