@@ -140,8 +140,7 @@ def _mark_the_script_s_start(job: TrainJob) -> None:
     progress.write(event="sdk", call="script", state="entered")
 
 
-def main(job_path: str) -> None:
-    job = TrainJob.read(Path(job_path))
+def main(job: TrainJob) -> None:
     _copy_output_to_rank_log(job)
     _print_stacks_when_asked(job)
     entry = job.train.get("entrypoint") or BUILT_IN
@@ -195,20 +194,21 @@ def run_rank(job_path: str) -> None:
     once instead of waiting seconds for torchrun's own teardown (its monitor's next look, its
     rendezvous shutdown against a store whose host may be the dead node)."""
     as_a_fresh_rank(job_path)
+    job = TrainJob.read(Path(job_path))
     try:
-        main(job_path)
+        main(job)
     except KeyboardInterrupt:  # torch's wrapper would make it a clean exit
         traceback.print_exc()
         raise SystemExit(130) from None
     except Exception as err:
         traceback.print_exc()
         sys.stderr.flush()  # before the agent, told below, stops this process
-        _report(TrainJob.read(Path(job_path)), "crashed", reason=_one_line(err))
+        _report(job, "crashed", reason=_one_line(err))
         raise
 
 
 def _one_line(err: BaseException) -> str:
-    first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+    first = (str(err).strip().splitlines() or [""])[0]
     return f"{type(err).__name__}: {first}"[:_REASON_CHARS]
 
 

@@ -29,7 +29,7 @@ from trainer.warm_launch import LaunchOrder, WarmLauncher
 # What every rank runs (the built-in trainer or the user's script). torchrun forks the ranks
 # from itself and runs this file in them (`--start-method fork --run-path`): they inherit its
 # imports (torch: 2.5 s a rank on a restart's path) instead of starting a fresh interpreter. A
-# forked rank has torchrun's command line until it renames itself (trainer.entry.name_rank)
+# forked rank has torchrun's command line until it renames itself (trainer.entry.as_a_fresh_rank)
 # with this path in the name, so the chaos commands and the stop path find ranks, and torchrun,
 # by it.
 RANK_SCRIPT = str(Path(__file__).resolve().with_name("entry.py"))
