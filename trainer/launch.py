@@ -233,10 +233,12 @@ async def run_ranks(
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(proc.wait(), timeout=CRASH_POLL_S)
             tail.poll()
-            if tail.crash is not None and proc.returncode is None:
-                # A rank died of an exception: the gang is lost. torchrun would take seconds
-                # to say so (its monitor's next look, then its rendezvous shutdown against a
-                # store whose host may be the dead node), and the run's recovery waits on this.
+            if tail.crash is not None and proc.returncode is None and not _ranks_alive(proc):
+                # A rank died of an exception, and every rank has exited (a rank's exit waits
+                # for its checkpoint upload in flight, which may still commit): the gang is
+                # lost. torchrun would take seconds more to say so (its monitor's next look,
+                # then its rendezvous shutdown against a store whose host may be the dead
+                # node), and the run's recovery waits on this.
                 await _kill(proc)
             if proc.returncode is None and time.monotonic() < report_at:
                 continue
@@ -349,6 +351,12 @@ def rank_pids(launcher_pid: int) -> list[int]:
         with contextlib.suppress(OSError):
             pids += [int(p) for p in (task / "children").read_text().split()]
     return pids
+
+
+def _ranks_alive(proc: asyncio.subprocess.Process) -> bool:
+    """Whether any of torchrun's ranks still runs (an exited one is a zombie until torchrun
+    reaps it, with an empty command line)."""
+    return any(_runs_trainer(pid) for pid in rank_pids(proc.pid))
 
 
 def _runs_trainer(pid: int) -> bool:
