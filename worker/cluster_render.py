@@ -82,6 +82,8 @@ def jobs_table(state: ClusterState) -> Table:
             what = f"preempting ({allocation.preempting.reason}) on {where}"
         else:
             what = f"generation {allocation.generation} on {where}"
+            if allocation.yields_to:
+                what += f" (lent: leaves when {allocation.yields_to} can start)"
         table.add_row(
             allocation.run_id,
             allocation.team,

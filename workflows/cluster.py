@@ -258,8 +258,13 @@ class ClusterWorkflow:
         # history recorded before it replays only under the policy it was recorded with.
         guard = workflow.patched("starvation-guard")
         deadline = guard and workflow.patched("start-deadline")
+        yielding = deadline and workflow.patched("yielding-backfill")
         revoked, _, messages = ops.run_pass(
-            self._state, now, starvation_guard=guard, start_deadline=deadline
+            self._state,
+            now,
+            starvation_guard=guard,
+            start_deadline=deadline,
+            yielding_backfill=yielding,
         )
         for allocation in revoked:
             # Its generation is retired, so anything it still sends is ignored.

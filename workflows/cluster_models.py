@@ -280,6 +280,13 @@ class Allocation(BaseModel):
     fleet_fail_stops: int = 0
     # A gang granted smaller than it asked (elastic): the full request it grows back to.
     wanted: GangRequest | None = None
+    # Placed on nodes reserved for this run, on the condition that it leaves (preempted, with
+    # its checkpoint) once the reservation could otherwise start: `workflows.yielding`.
+    yields_to: str | None = Field(
+        None,
+        description="the run whose reserved nodes this gang was lent: it is preempted, with its "
+        "grace, when that reservation can start",
+    )
 
     def held_on(self, node: NodeInfo) -> int:
         """A multi-node gang holds its nodes whole; a single-node job what it asked for."""

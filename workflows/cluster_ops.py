@@ -108,11 +108,16 @@ def run_pass(
     *,
     starvation_guard: bool = True,
     start_deadline: bool = True,
+    yielding_backfill: bool = True,
 ) -> tuple[list[Allocation], Decisions, list[Message]]:
     """One scheduling pass: prepare, schedule, apply (the switches as in `schedule`)."""
     revoked = prepare(state, now)
     decisions = schedule(
-        state, now, starvation_guard=starvation_guard, start_deadline=start_deadline
+        state,
+        now,
+        starvation_guard=starvation_guard,
+        start_deadline=start_deadline,
+        yielding_backfill=yielding_backfill,
     )
     return revoked, decisions, apply(state, decisions, now)
 
@@ -140,6 +145,7 @@ def apply(state: ClusterState, decisions: Decisions, now: datetime) -> list[Mess
             fleet_node_seconds=state.node_seconds,
             fleet_fail_stops=state.fail_stops,
             wanted=decisions.shrunk.get(request.run_id),
+            yields_to=decisions.yielding.get(request.run_id),
         )
         for granted in nodes:
             assert granted is not None

@@ -23,6 +23,7 @@ from workflows.cluster_models import (
     Reservation,
 )
 from workflows.placement import Capacity, place
+from workflows.yielding import planned_without_yielders, yielders_due
 
 
 def _start_by(request: GangRequest, config: ClusterConfig) -> datetime | None:
@@ -102,6 +103,7 @@ def keep_reservations(
             a.expected_end or now
             for a in state.allocations
             if any(n.node_id in nodes for n in a.nodes)
+            and not planned_without_yielders(a, old.run_id)
         ]
         reservation = Reservation(run_id=old.run_id, nodes=old.nodes, start=max([now, *ends]))
         if deadline:
@@ -125,14 +127,19 @@ def clearing(
     now: datetime,
     excluded: set[str],
     deadline: bool,
+    yielding: bool = False,
 ) -> list[tuple[str, Preemption]]:
-    """Who leaves a reservation's nodes now: gangs past their max runtime, and, at a first
-    start's deadline (`workflows.deadline`, which acts only past `reserve_after_s`), the gangs
-    it does not outrank. One notice per gang: an overdue gang is not told twice."""
+    """Who leaves a reservation's nodes now: gangs past their max runtime, at a first start's
+    deadline (which acts only past `reserve_after_s`) the gangs it does not outrank, and, as
+    it is about to start, the gangs that took its nodes as yielders (`workflows.yielding`).
+    One notice per gang: an overdue gang is not told twice."""
     stopped = _overdue(state, reservation, now, excluded)
     if deadline:
         told = excluded | {victim for victim, _ in stopped}
         stopped += _due(state, reservation, request, now, told)
+    if yielding:
+        told = excluded | {victim for victim, _ in stopped}
+        stopped += yielders_due(state, reservation, now, told)
     return stopped
 
 

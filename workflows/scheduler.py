@@ -21,11 +21,17 @@ request that has never run starts by `start_within_s` after its submission. Its 
 starts no later than that, and then the gangs still on its nodes are preempted unless they
 outrank it. Without it a reservation started when the running gangs' declared max runtimes
 said, and in a burst of 1,024-GPU gangs that was a day and more away.
+
+Yielding backfill (with the deadline, on by default; `yielding_backfill=False` for histories
+before it): a preemptible request that fits nowhere else may run on a long-waiting request's
+reserved nodes until that reservation is about to start, then it is preempted with the usual
+grace (`workflows.yielding`).
 """
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
@@ -49,6 +55,7 @@ from workflows.held_reservations import clearing, held_by_deadline, keep_reserva
 from workflows.placement import Capacity, place
 from workflows.preemption import choose_victims
 from workflows.quotas import borrowed, check, fair_share_key, in_use
+from workflows.yielding import may_host_yielders, may_yield
 
 
 @dataclass
@@ -62,6 +69,8 @@ class Decisions:
     claims: list[Claim] = field(default_factory=list)
     # Gangs granted smaller than asked (elastic), by run: the full request each grows back to.
     shrunk: dict[str, GangRequest] = field(default_factory=dict)
+    # Gangs placed on a reservation's nodes as yielders, by run: whose reservation.
+    yielding: dict[str, str] = field(default_factory=dict)
 
 
 def effective_priority(request: GangRequest, now: datetime, aging_s: float) -> float:
@@ -151,12 +160,14 @@ def schedule(
     preemption: bool = True,
     starvation_guard: bool = True,
     start_deadline: bool = True,
+    yielding_backfill: bool = True,
 ) -> Decisions:
     """The switches exist to compare weaker policies in simulation; the cluster uses the
     defaults: `arrival_order` ignores priority and fair share, `backfill=False` starts nothing
     behind the head of the line, `preemption=False` never reclaims a guarantee,
     `starvation_guard=False` is the policy before the guard (module docstring), and
-    `start_deadline=False` the guard before its reservations held by `start_within_s`."""
+    `start_deadline=False` the guard before its reservations held by `start_within_s`, and
+    `yielding_backfill=False` the deadline before yielders (`workflows.yielding`)."""
     config = state.config
     default_runtime_s = config.default_max_runtime_h * 3600
     sweep = _sweep(state.nodes)
@@ -194,13 +205,27 @@ def schedule(
     # requeued victim, a failed gang), and a 1,024-GPU gang's start slipped 25 times, by 28 h.
     mine: dict[str, tuple[Reservation, Capacity]] = {}  # run id -> its kept reservation
     deadline = starvation_guard and start_deadline
+    yielding = deadline and yielding_backfill
+
+    def hosts_yielders(reservation: Reservation) -> bool:
+        """A long-waiting request's reservation (kept from pass to pass) that starts later."""
+        owner = requests.get(reservation.run_id)
+        return (
+            yielding
+            and owner is not None
+            and long_waiting(owner, now, config)
+            and may_host_yielders(reservation, now, config)
+        )
+
     if starvation_guard:
         for kept, pool in keep_reservations(state, general, requests, now, deadline):
             reservations.append((kept, pool))
             reserved_ids.update(kept.nodes)
             decisions.reservations.append(kept)
             mine[kept.run_id] = (kept, pool)
-            overdue = clearing(state, kept, requests[kept.run_id], now, being_preempted, deadline)
+            overdue = clearing(
+                state, kept, requests[kept.run_id], now, being_preempted, deadline, yielding
+            )
             decisions.preemptions += overdue
             being_preempted |= {victim for victim, _ in overdue}
 
@@ -233,11 +258,12 @@ def schedule(
             spares=spare_capacity,
             now=now,
             default_runtime_s=default_runtime_s,
+            hosts_yielders=hosts_yielders,
         )
         asked = request
         request, found = largest_fit(request, fit)
         if found is not None:
-            placed, pools = found
+            placed, pools, yields_to = found
             held = _held(request, pools, placed)
             # Whole nodes may hold more than was asked for: the quota sees what is booked, and
             # nodes of exactly the asked size are tried before giving up.
@@ -255,8 +281,10 @@ def schedule(
                     f"placed on whole nodes it would hold {held} GPUs: {booked.reason}",
                 )
                 continue
-            _take(request, pools, placed)
+            _take(request, pools, placed, where_free=yielding)
             decisions.grants.append((request, placed))
+            if yields_to is not None:
+                decisions.yielding[request.run_id] = yields_to
             if request.nodes < asked.nodes:
                 decisions.shrunk[request.run_id] = asked
             for queue in config.ancestry(request.team):
@@ -335,7 +363,9 @@ def schedule(
             decisions.reservations.append(reservation)
             if head:
                 decisions.reservation = reservation
-            overdue = clearing(state, reservation, request, now, being_preempted, deadline)
+            overdue = clearing(
+                state, reservation, request, now, being_preempted, deadline, yielding
+            )
             decisions.preemptions += overdue
             if starvation_guard:  # a later reservation must not stop the same gang again
                 being_preempted |= {victim for victim, _ in overdue}
@@ -439,9 +469,15 @@ def _held(request: GangRequest, pools: list[Capacity], placed: list[str]) -> int
     )
 
 
-def _take(request: GangRequest, pools: list[Capacity], placed: list[str]) -> None:
+def _take(request: GangRequest, pools: list[Capacity], placed: list[str], where_free: bool) -> None:
+    """Book the placed nodes in the pools they came from. A node split off into a reservation
+    stays in the general pool with nothing free: taken from there (the first pool holding it,
+    as before `where_free`), it stayed free in the reservation's pool, and a backfill on that
+    reservation was put on a node its owner had just been granted (seen in the three-week
+    simulation, with and without yielders). `where_free` takes it where its GPUs are free."""
     for node_id in placed:
-        pool = next(p for p in pools if node_id in p.free)
+        holding = [p for p in pools if node_id in p.free]
+        pool = max(holding, key=lambda p: p.free[node_id]) if where_free else holding[0]
         pool.take(node_id, _per_node(request, pool, node_id))
 
 
@@ -472,20 +508,29 @@ def _find_place(
     spares: Capacity,
     now: datetime,
     default_runtime_s: float,
-) -> tuple[list[str], list[Capacity]] | None:
-    """Where the request fits, and the pools its nodes come from (nothing is booked yet):
-    `own` holds what is held for it alone (nodes it claimed, its kept reservation)."""
-    options: list[list[Capacity]] = [[general, *own]]
+    hosts_yielders: Callable[[Reservation], bool],
+) -> tuple[list[str], list[Capacity], str | None] | None:
+    """Where the request fits, the pools its nodes come from (nothing is booked yet), and whose
+    reservation it yields to if it fits only as a yielder (`workflows.yielding`): `own` holds
+    what is held for it alone (nodes it claimed, its kept reservation)."""
+    options: list[tuple[list[Capacity], str | None]] = [([general, *own], None)]
     for reservation, reserved in reservations:
         if fits_before(request, reservation, now, default_runtime_s):
-            options.append([reserved])
+            options.append(([reserved], None))
     if request.recovery and spares.free:
         # A gang recovering from a failure may swap spares in beside ordinary free nodes.
-        options.append([general, *own, spares])
-    for pools in options:
+        options.append(([general, *own, spares], None))
+    options += [
+        ([reserved], reservation.run_id)
+        for reservation, reserved in reservations
+        if reserved.total_free(request.gpu_type) >= request.gpus
+        and may_yield(request, reservation)
+        and hosts_yielders(reservation)
+    ]
+    for pools, yields_to in options:
         placed = place(request, _merged(pools))
         if placed is not None:
-            return placed, pools
+            return placed, pools, yields_to
     return None
 
 

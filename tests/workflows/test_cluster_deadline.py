@@ -1,6 +1,7 @@
-"""The start deadline in the Cluster workflow: a gang that never ran takes its reserved nodes
-back from a gang whose declared max runtime would hold them far longer. On the time-skipping
-test server, so that the deadline and the grace run out in milliseconds."""
+"""Reservations held by the guard, in the Cluster workflow: at its start deadline a gang that
+never ran takes its reserved nodes back from a gang whose declared max runtime would hold them
+far longer; and a yielder runs on a reserved node until the gang can start. On the
+time-skipping test server, so that deadlines, graces and hours run out in milliseconds."""
 
 from __future__ import annotations
 
@@ -19,9 +20,11 @@ from workflows.cluster_models import Allocation, ClusterConfig
 from workflows.names import CLUSTER_WORKFLOW_ID
 
 LABEL = "2026-12-04-deadline"
+YIELDING_LABEL = "2026-12-04-yielding"
 RESERVE_AFTER_S = 600
 START_WITHIN_S = 1_200
 TICK_S = 61  # the workflow passes at least once a minute while anything waits
+LONG_RUN_S = 3_600
 
 
 def test_a_gang_that_never_ran_takes_its_reserved_nodes_back_at_its_deadline(
@@ -56,6 +59,46 @@ def test_a_gang_that_never_ran_takes_its_reserved_nodes_back_at_its_deadline(
             write_history(
                 await h.cluster.fetch_history(),
                 Path(record) / f"{LABEL}_Cluster_{CLUSTER_WORKFLOW_ID}",
+            )
+
+    run_time_skipping(task_queue, scenario)
+
+
+def test_a_yielder_runs_on_a_reserved_node_and_leaves_when_the_gang_can_start(
+    task_queue: str,
+) -> None:
+    async def scenario(env: WorkflowEnvironment, h: Harness) -> None:
+        config = ClusterConfig(
+            reserve_after_s=RESERVE_AFTER_S, start_within_s=7_200, preemption_grace_s=60
+        )
+        await h.cluster.execute_update(ClusterWorkflow.apply_config, config)
+        for n in ("n0", "n1"):
+            await h.cluster.signal(ClusterWorkflow.register_node, node(n))
+        long_run = await h.hold("long-run", nodes=1, max_runtime_s=LONG_RUN_S)
+        (taken,) = await h.grants(long_run, 1)
+        await long_run.signal(GangHolder.release_when_preempted)
+        waiting = await h.hold("waiting-run", nodes=2, max_runtime_s=600)
+        await env.sleep(RESERVE_AFTER_S + TICK_S)  # long-waiting: it holds both nodes now
+        (held,) = (await h.state()).reservations
+        assert held.run_id == "waiting-run" and sorted(held.nodes) == ["n0", "n1"]
+
+        # Ten hours would end long after the reservation starts: it runs only as a yielder.
+        filler = await h.hold("filler", nodes=1, max_runtime_s=10 * 3600)
+        await filler.signal(GangHolder.release_when_preempted)
+        (lent,) = await h.grants(filler, 1)
+        assert {n.node_id for n in lent.nodes} == {"n0", "n1"} - {taken.nodes[0].node_id}
+        (running,) = [a for a in (await h.state()).allocations if a.run_id == "filler"]
+        assert running.yields_to == "waiting-run"
+
+        await env.sleep(LONG_RUN_S)  # long-run reaches its max runtime; the gang can start
+        (notice,) = await h.notices(filler, 1)
+        assert notice.reason == "yields the nodes reserved for waiting-run, which start now"
+        (grant,) = await h.grants(waiting, 1)
+        assert sorted(n.node_id for n in grant.nodes) == ["n0", "n1"]
+        if record := os.environ.get(RECORD_TO):
+            write_history(
+                await h.cluster.fetch_history(),
+                Path(record) / f"{YIELDING_LABEL}_Cluster_{CLUSTER_WORKFLOW_ID}",
             )
 
     run_time_skipping(task_queue, scenario)

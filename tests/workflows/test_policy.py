@@ -182,8 +182,12 @@ def test_a_long_waiting_gang_keeps_the_nodes_freed_for_it() -> None:
     state = _freed_one_node_at_a_time()
     before = schedule(state, NOW, starvation_guard=False)
     assert [(r.run_id, nodes) for r, nodes in before.grants] == [("young", ["n0"])]
+    # `young` would hold n0 for 10 h, past the reservation's start: it may not backfill there,
+    # only run as a yielder (workflows.yielding) that leaves when `old` can start.
+    assert schedule(state, NOW, yielding_backfill=False).grants == []
     decisions = schedule(state, NOW)
-    assert decisions.grants == []  # `young` would hold n0 for 10 h: past the reservation's start
+    assert [(r.run_id, nodes) for r, nodes in decisions.grants] == [("young", ["n0"])]
+    assert decisions.yielding == {"young": "old"}
     assert decisions.reservation is not None and decisions.reservation.run_id == "first"
     assert [(r.run_id, sorted(r.nodes)) for r in decisions.reservations] == [
         ("first", ["m0", "m1"]),

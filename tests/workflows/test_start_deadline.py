@@ -34,11 +34,14 @@ def test_backfill_on_the_reserved_nodes_must_end_by_the_deadline() -> None:
         request("ends-after", max_runtime_s=14 * 3600),
         request("ends-before", max_runtime_s=12 * 3600),
     ]
-    decisions = schedule(state, NOW)
+    # Backfill that must end first; yielders, which leave when told, are test_yielding_backfill's.
+    decisions = schedule(state, NOW, yielding_backfill=False)
     (held,) = [r for r in decisions.reservations if r.run_id == "big"]
     assert held.start == NOW + timedelta(hours=LIMIT_H - 7)  # not NOW + 30 h
     assert [r.run_id for r, _ in decisions.grants] == ["ends-before"]
     assert not decisions.preemptions  # the deadline has not come
+    # With yielders, the one that would end after the deadline runs too, as a yielder.
+    assert schedule(state, NOW).yielding == {"ends-after": "big"}
 
     # The guard as it was: the reservation waits for the declared ends, and both backfill.
     before = schedule(state, NOW, start_deadline=False)

@@ -1,0 +1,61 @@
+"""Yielding backfill: nodes held idle for a reservation run gangs that agree to leave.
+
+A long-waiting request's reservation (the starvation guard's) holds its nodes from the moment
+they free until the last of them does, which for a 128-node gang is hours. EASY backfill lets
+only requests whose declared max runtime ends before the reservation starts use those nodes,
+and few do, so in the three-week simulation 1.9 % of the fleet's GPU-time sat reserved and
+idle (0.6 % without the guard). A preemptible request that fits there no other way may take
+such nodes as a *yielder*: it runs until the reservation could start without it, then gets a
+preemption notice, saves a checkpoint within the grace period and requeues with its age. The
+reservation's start is planned as if yielders were not there, so it starts no later than it
+would have (one grace period at most, which the notice covers by being sent that much early).
+"""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta
+
+from workflows.cluster_models import (
+    Allocation,
+    ClusterConfig,
+    ClusterState,
+    GangRequest,
+    Preemption,
+    Reservation,
+)
+
+
+def may_host_yielders(reservation: Reservation, now: datetime, config: ClusterConfig) -> bool:
+    """Worth a yielder: it may train longer than its restart and its notice cost (a gang
+    told to leave soon after it starts would spend its time starting and saving)."""
+    cost_s = config.preemption_restart_s + 2 * config.preemption_grace_s
+    return reservation.start > now + timedelta(seconds=cost_s)
+
+
+def may_yield(request: GangRequest, reservation: Reservation) -> bool:
+    return request.preemptible and request.run_id != reservation.run_id
+
+
+def planned_without_yielders(allocation: Allocation, reservation_run: str) -> bool:
+    """Left out of when the reservation's nodes free: its yielders leave when told to."""
+    return allocation.yields_to == reservation_run
+
+
+def yielders_due(
+    state: ClusterState, reservation: Reservation, now: datetime, excluded: set[str]
+) -> list[tuple[str, Preemption]]:
+    """The yielders on a reservation's nodes are told to leave once it starts within a grace
+    period: they are gone, with a checkpoint, when it would have started without them."""
+    grace = timedelta(seconds=state.config.preemption_grace_s)
+    if reservation.start > now + grace:
+        return []
+    nodes = set(reservation.nodes)
+    reason = f"yields the nodes reserved for {reservation.run_id}, which start now"
+    return [
+        (a.run_id, Preemption(for_run=reservation.run_id, reason=reason, deadline=now + grace))
+        for a in state.allocations
+        if a.preempting is None
+        and a.run_id not in excluded
+        and planned_without_yielders(a, reservation.run_id)
+        and nodes & {n.node_id for n in a.nodes}
+    ]
