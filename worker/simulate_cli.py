@@ -70,7 +70,9 @@ def _summary(r: Report, seconds: float) -> Table:
         ("offered work (of healthy GPU-time)", _pct(r.offered)),
         ("allocation (target ≥ 85 %)", _pct(r.allocation)),
         ("useful GPU time (target ≥ 75 %)", _pct(r.useful)),
-        ("preemptions", f"{r.preemptions:,}"),
+        *((f"idle: {cause}", _pct(share)) for cause, share in r.idle.items()),
+        ("idle: between passes", _pct(1 - r.allocation - sum(r.idle.values()))),
+        ("preemptions / of them yielders leaving", f"{r.preemptions:,} / {r.yielded:,}"),
         ("node failures under a gang", f"{r.failures_under_jobs:,}"),
         ("recoveries / of them on a spare", f"{r.recoveries:,} / {r.spare_hits:,}"),
         ("still waiting at the end", f"{r.still_waiting:,}"),
@@ -112,14 +114,18 @@ def _big_runs(r: Report) -> Table:
 
 def _comparison(reports: list[Report]) -> Table:
     table = Table(title="Policies on the same seed (each adds to the one above)")
-    columns = ["policy", "allocation", "useful", "preemptions", "spare hits", "still waiting"]
+    columns = ["policy", "allocation", "useful", "idle: nothing queued", "idle: reserved",
+               "preemptions / yielders", "spare hits", "still waiting"]  # fmt: skip
     columns += [f"wait p50/p99 {c.name}" for c in reports[0].classes]
     for name in columns:
         table.add_column(name, justify="left" if name == "policy" else "right")
     for r in reports:
         waits = [f"{c.wait_p50_h:.1f} / {c.wait_p99_h:.0f} h" for c in r.classes]
-        table.add_row(r.policy, _pct(r.allocation), _pct(r.useful), f"{r.preemptions:,}",
-                      f"{r.spare_hits:,}", f"{r.still_waiting:,}", *waits)  # fmt: skip
+        table.add_row(r.policy, _pct(r.allocation), _pct(r.useful),
+                      _pct(r.idle["nothing queued"]), _pct(r.idle["reserved"]),
+                      f"{r.preemptions:,} / {r.yielded:,}", f"{r.spare_hits:,}",
+                      f"{r.still_waiting:,}",
+                      *waits)  # fmt: skip
     return table
 
 
@@ -133,7 +139,7 @@ def _big_goodput(r: Report, *, with_waits: bool = False) -> str:
 def _recovery_comparison(steps: list[tuple[str, Report]], simulated: Recovery) -> Table:
     table = Table(title="Recovery as it was, then each gain of the stack in turn (same seed)")
     first = steps[0][1]
-    columns = ["recovery", "allocation", "useful", "preemptions"]
+    columns = ["recovery", "allocation", "useful", "preemptions / yielders"]
     columns += [f"goodput {c.name}" for c in first.classes]
     columns += ["biggest runs' goodput", "… waits to recover counted", "wait to recover (mean)",
                 "shrunk"]  # fmt: skip
@@ -144,7 +150,7 @@ def _recovery_comparison(steps: list[tuple[str, Report]], simulated: Recovery) -
         waited_h = sum(c.recovery_wait_h * c.failures for c in r.classes)
         failures = sum(c.failures for c in r.classes)
         table.add_row(
-            name, _pct(r.allocation), _pct(r.useful), f"{r.preemptions:,}",
+            name, _pct(r.allocation), _pct(r.useful), f"{r.preemptions:,} / {r.yielded:,}",
             *[_pct(c.goodput) for c in r.classes], _big_goodput(r),
             _big_goodput(r, with_waits=True),
             f"{60 * waited_h / failures if failures else 0:.1f} min",

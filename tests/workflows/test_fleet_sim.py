@@ -190,6 +190,8 @@ def test_policies_in_order_on_a_contended_fleet() -> None:
     assert reports["preemption"].allocation >= reports["backfill"].allocation
     assert reports["fifo"].preemptions == reports["backfill"].preemptions == 0
     assert reports["fifo"].spare_hits == reports["preemption"].spare_hits == 0
+    assert all(r.yielded == 0 for name, r in reports.items() if name != "spares")
+    assert 0 < reports["spares"].yielded <= reports["spares"].preemptions
 
 
 @pytest.fixture

@@ -20,6 +20,7 @@ from datetime import UTC, datetime, timedelta
 from workflows import cluster_ops as ops
 from workflows.cluster_models import Allocation, ClusterState, GangRequest, Health, Node, NodeInfo
 from workflows.fleet.config import POLICIES, SimConfig
+from workflows.fleet.idle import IdleLedger
 from workflows.fleet.progress import Attempt, IntervalRule, SavePlan, save_plan
 from workflows.fleet.workload import DAY, Job, Outage
 from workflows.names import GANG_GRANTED_SIGNAL, PREEMPT_SIGNAL
@@ -78,11 +79,13 @@ class Outcome:
     trace: Trace
     passes: int = 0
     preemptions: int = 0
+    yielded: int = 0  # of the preemptions, yielders leaving a reservation's nodes as agreed
     failures_under_jobs: int = 0
     recoveries: int = 0
     spare_hits: int = 0
     max_queue: int = 0
     still_waiting: list[str] = field(default_factory=list)
+    idle: IdleLedger = field(default_factory=lambda: IdleLedger(0.0))
 
 
 class Simulation:
@@ -105,6 +108,7 @@ class Simulation:
         self.trace = Trace(3600.0, [0.0] * bins, [0.0] * bins, [0.0] * bins)
         self.trace.spread(self.trace.healthy, 0.0, self.horizon, config.gpus * self.horizon)
         self.out = Outcome(config, {j.run_id: JobRecord(j) for j in jobs}, self.trace)
+        self.out.idle = IdleLedger(measured_from_s=config.warmup_days * DAY)
         self.attempts: dict[str, tuple[Attempt, int]] = {}  # run id -> (attempt, generation)
         self.recovering: set[str] = set()  # failed, asking again: a spare may serve them
         self.failing: set[tuple[str, int]] = set()  # (run, generation): dead node not noticed
@@ -323,12 +327,14 @@ class Simulation:
             preemption=self.policy.preemption,
             starvation_guard=self.policy.starvation_guard,
             start_deadline=self.policy.start_deadline,
+            yielding_backfill=self.policy.yielding_backfill,
         )
         for run_id, signal, argument in ops.apply(state, decisions, now):
             if signal == GANG_GRANTED_SIGNAL:
                 self._granted(argument, spares)  # type: ignore[arg-type]
             elif signal == PREEMPT_SIGNAL:
                 self._preempted(run_id)
+        self.out.idle.after_pass(state, self.now_s)
 
     def _note_checkpoints(self) -> None:
         """The runs' `checkpoint_committed` signals: preemption prefers the freshest saves."""
@@ -380,6 +386,12 @@ class Simulation:
         else:
             record.preemptions += 1
             self.out.preemptions += 1
+            self.out.yielded += bool(
+                allocation is not None
+                and allocation.yields_to is not None
+                and allocation.preempting is not None
+                and allocation.preempting.for_run == allocation.yields_to
+            )
         self._push(release_s, "release", (run_id, generation, kept, grow))
 
     def _close(self) -> None:
@@ -388,6 +400,7 @@ class Simulation:
             record = self.out.records[run_id]
             self._charge(record, attempt, self.horizon, attempt.done(self.horizon))
         self.attempts.clear()
+        self.out.idle.until(self.horizon)
         self.out.still_waiting = [r.run_id for r in self.state.queue]
 
 

@@ -60,6 +60,7 @@ class Report:
     allocation: float
     useful: float
     preemptions: int
+    yielded: int  # of the preemptions, yielders leaving as agreed (workflows.yielding)
     failures_under_jobs: int
     recoveries: int
     spare_hits: int
@@ -68,6 +69,8 @@ class Report:
     still_waiting: int
     classes: list[ClassFigures]
     big_runs: list[BigRun]
+    # Healthy GPU-time left free by each pass, by why (workflows.fleet.idle.CAUSES).
+    idle: dict[str, float]
     hourly_allocation: list[float] = field(repr=False)
     hourly_useful: list[float] = field(repr=False)
 
@@ -108,7 +111,9 @@ def report(outcome: Outcome) -> Report:
         offered=_ratio(offered, healthy),
         allocation=_ratio(sum(trace.allocated[first:]), healthy),
         useful=_ratio(sum(trace.useful[first:]), healthy),
+        idle={cause: _ratio(gpu_s, healthy) for cause, gpu_s in outcome.idle.gpu_s.items()},
         preemptions=outcome.preemptions,
+        yielded=outcome.yielded,
         failures_under_jobs=outcome.failures_under_jobs,
         recoveries=outcome.recoveries,
         spare_hits=outcome.spare_hits,
