@@ -69,6 +69,19 @@ class LocalStack:
             raise RuntimeError(f"forgeline {' '.join(args)}: {done.stdout}{done.stderr[-2000:]}")
         return done.stdout
 
+    def up(self, nodes: int) -> None:
+        """`forgeline up` on free ports, once more on others if one was taken before the
+        server bound it (a free port is only free when asked: the stack before this one
+        still had processes exiting, and Temporal once failed on 'address already in use')."""
+        for attempt in (1, 2):
+            try:
+                self.cli("up", "--nodes", str(nodes), "--gpus-per-node", "1", *free_port_flags())
+                return
+            except RuntimeError:
+                self.cli("down")
+                if attempt == 2:
+                    raise
+
     def events(self, run: str, generation: int) -> list[dict]:
         found = []
         for path in self.home.glob(f"nodes/*/runs/{run}/gen-{generation}/progress.jsonl"):
@@ -224,7 +237,7 @@ def measure(
     stack = LocalStack(home, settings)
     # A node for every kill beyond the gang's two: dead nodes stay dead, and no repaired agent's
     # start-up (seconds of CPU on this one machine) competes with a restart it is not part of.
-    stack.cli("up", "--nodes", str(2 + args.kills), "--gpus-per-node", "1", *free_port_flags())
+    stack.up(2 + args.kills)
     try:
         folder = home / "specs"
         folder.mkdir()
