@@ -31,11 +31,10 @@ grace (`workflows.yielding`).
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
-from workflows.backfill import fits_before, reserve, runtime
+from workflows.backfill import reserve, runtime
 from workflows.cluster_models import (
     Admin,
     Allocation,
@@ -53,9 +52,10 @@ from workflows.cluster_models import (
 from workflows.elastic import claim_holders, grow_back, grow_claim, largest_fit
 from workflows.held_reservations import clearing, held_by_deadline, keep_reservations, long_waiting
 from workflows.placement import Capacity, place
+from workflows.pool_booking import exact_size, find_place, held_gpus, merged, take, without
 from workflows.preemption import choose_victims
 from workflows.quotas import borrowed, check, fair_share_key, in_use
-from workflows.yielding import may_host_yielders, may_yield
+from workflows.yielding import may_host_yielders
 
 
 @dataclass
@@ -251,7 +251,7 @@ def schedule(
         kept = mine.get(request.run_id)
         own = [p for p in (held_for.get(request.run_id), kept and kept[1]) if p and p.free]
         fit = functools.partial(
-            _find_place,
+            find_place,
             general=general,
             own=own,
             reservations=reservations,
@@ -264,13 +264,13 @@ def schedule(
         request, found = largest_fit(request, fit)
         if found is not None:
             placed, pools, yields_to = found
-            held = _held(request, pools, placed)
+            held = held_gpus(request, pools, placed)
             # Whole nodes may hold more than was asked for: the quota sees what is booked, and
             # nodes of exactly the asked size are tried before giving up.
             booked = check(config, used, request, held)
             if not booked.allowed and request.nodes > 1:
-                exact = [_exact_size(pool, request.gpus_per_node) for pool in pools]
-                fitted = place(request, _merged(exact))
+                exact = [exact_size(pool, request.gpus_per_node) for pool in pools]
+                fitted = place(request, merged(exact))
                 if fitted is not None:
                     placed, held = fitted, request.gpus
                     booked = check(config, used, request, held)
@@ -281,7 +281,7 @@ def schedule(
                     f"placed on whole nodes it would hold {held} GPUs: {booked.reason}",
                 )
                 continue
-            _take(request, pools, placed, where_free=yielding)
+            take(request, pools, placed, where_free=yielding)
             decisions.grants.append((request, placed))
             if yields_to is not None:
                 decisions.yielding[request.run_id] = yields_to
@@ -299,12 +299,10 @@ def schedule(
                 if a.run_id not in being_preempted
                 and not (starvation_guard and _shielded(a, now, config))
             ]
-            restart_s, around = 0.0, _merged([general, *own])
+            restart_s, around = 0.0, merged([general, *own])
             if starvation_guard:  # what a victim frees on reserved nodes is not this request's
                 restart_s = config.preemption_restart_s
-                around = _without(
-                    [general, *own], reserved_ids - set(kept[0].nodes if kept else ())
-                )
+                around = without([general, *own], reserved_ids - set(kept[0].nodes if kept else ()))
             chosen = choose_victims(request, around, candidates, lenders, now, restart_s)
             if chosen and not _books_within_quota(config, used, request, chosen[1], state.nodes):
                 chosen = None  # the nodes it would get hold more than its quota allows
@@ -339,7 +337,7 @@ def schedule(
             # count as free (their claimant takes them now and frees them later), reserved ones
             # do not (an earlier reservation has them).
             if built_at != (len(granted_now), len(reserved_ids)):
-                free_later = _without([general, all_claimed], reserved_ids)
+                free_later = without([general, all_claimed], reserved_ids)
                 built_at = (len(granted_now), len(reserved_ids))
             reservation = reserve(request, free_later, state.allocations + granted_now, now)
             if reservation is not None and deadline and long_waiting(request, now, config):
@@ -411,23 +409,6 @@ def _grow_shrunk_gangs(
         decisions.claims.append(grow_claim(allocation.run_id, target, deadline, grace_s))
 
 
-def _without(pools: list[Capacity], node_ids: set[str]) -> Capacity:
-    """The pools' nodes but `node_ids`. Not `split`: a node split off stays behind with no
-    free GPU, and the running gangs that `reserve` and `choose_victims` give back would free
-    it again, so a second reservation or a reclaim could take a reserved node."""
-    return Capacity(
-        (pool.info[i], free) for pool in pools for i, free in pool.free.items() if i not in node_ids
-    )
-
-
-def _merged(pools: list[Capacity]) -> Capacity:
-    """One view of several pools' nodes (disjoint sets of nodes)."""
-    view = pools[0]
-    for pool in pools[1:]:
-        view = view.merged(pool)
-    return view
-
-
 def _described(reservation: Reservation) -> str:
     return (
         f"{len(reservation.nodes)} node(s) reserved from {reservation.start:%Y-%m-%d %H:%M:%S} UTC"
@@ -451,36 +432,6 @@ def _books_within_quota(
     return check(config, used, request, held).allowed
 
 
-def _exact_size(pool: Capacity, gpus: int) -> Capacity:
-    return Capacity(
-        (pool.info[i], free) for i, free in pool.free.items() if pool.info[i].gpus == gpus
-    )
-
-
-def _per_node(request: GangRequest, pool: Capacity, node_id: str) -> int:
-    """A multi-node gang books its nodes whole; a single-node job what it asked for."""
-    return pool.info[node_id].gpus if request.nodes > 1 else request.gpus_per_node
-
-
-def _held(request: GangRequest, pools: list[Capacity], placed: list[str]) -> int:
-    return sum(
-        _per_node(request, next(p for p in pools if node_id in p.free), node_id)
-        for node_id in placed
-    )
-
-
-def _take(request: GangRequest, pools: list[Capacity], placed: list[str], where_free: bool) -> None:
-    """Book the placed nodes in the pools they came from. A node split off into a reservation
-    stays in the general pool with nothing free: taken from there (the first pool holding it,
-    as before `where_free`), it stayed free in the reservation's pool, and a backfill on that
-    reservation was put on a node its owner had just been granted (seen in the three-week
-    simulation, with and without yielders). `where_free` takes it where its GPUs are free."""
-    for node_id in placed:
-        holding = [p for p in pools if node_id in p.free]
-        pool = max(holding, key=lambda p: p.free[node_id]) if where_free else holding[0]
-        pool.take(node_id, _per_node(request, pool, node_id))
-
-
 def _as_allocation(
     request: GangRequest,
     pools: list[Capacity],
@@ -498,40 +449,6 @@ def _as_allocation(
         granted_at=now,
         expected_end=expected_end(request, now, default_runtime_s),
     )
-
-
-def _find_place(
-    request: GangRequest,
-    general: Capacity,
-    own: list[Capacity],
-    reservations: list[tuple[Reservation, Capacity]],
-    spares: Capacity,
-    now: datetime,
-    default_runtime_s: float,
-    hosts_yielders: Callable[[Reservation], bool],
-) -> tuple[list[str], list[Capacity], str | None] | None:
-    """Where the request fits, the pools its nodes come from (nothing is booked yet), and whose
-    reservation it yields to if it fits only as a yielder (`workflows.yielding`): `own` holds
-    what is held for it alone (nodes it claimed, its kept reservation)."""
-    options: list[tuple[list[Capacity], str | None]] = [([general, *own], None)]
-    for reservation, reserved in reservations:
-        if fits_before(request, reservation, now, default_runtime_s):
-            options.append(([reserved], None))
-    if request.recovery and spares.free:
-        # A gang recovering from a failure may swap spares in beside ordinary free nodes.
-        options.append(([general, *own, spares], None))
-    options += [
-        ([reserved], reservation.run_id)
-        for reservation, reserved in reservations
-        if reserved.total_free(request.gpu_type) >= request.gpus
-        and may_yield(request, reservation)
-        and hosts_yielders(reservation)
-    ]
-    for pools, yields_to in options:
-        placed = place(request, _merged(pools))
-        if placed is not None:
-            return placed, pools, yields_to
-    return None
 
 
 def _drain_preemptions(
