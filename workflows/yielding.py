@@ -3,7 +3,7 @@
 A long-waiting request's reservation (the starvation guard's) holds its nodes from the moment
 they free until the last of them does, which for a 128-node gang is hours. EASY backfill lets
 only requests whose declared max runtime ends before the reservation starts use those nodes,
-and few do, so in the three-week simulation 1.9 % of the fleet's GPU-time sat reserved and
+and few do, so in the three-week simulation 1.7 % of the fleet's GPU-time sat reserved and
 idle (0.6 % without the guard). A preemptible request that fits there no other way may take
 such nodes as a *yielder*: it runs until the reservation could start without it, then gets a
 preemption notice, saves a checkpoint within the grace period and requeues with its age. The

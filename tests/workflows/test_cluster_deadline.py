@@ -27,16 +27,21 @@ TICK_S = 61  # the workflow passes at least once a minute while anything waits
 LONG_RUN_S = 3_600
 
 
+async def two_nodes(h: Harness, start_within_s: float) -> None:
+    """The cluster of both tests: n0 and n1, a reservation after `RESERVE_AFTER_S`, 60 s grace."""
+    config = ClusterConfig(
+        reserve_after_s=RESERVE_AFTER_S, start_within_s=start_within_s, preemption_grace_s=60
+    )
+    await h.cluster.execute_update(ClusterWorkflow.apply_config, config)
+    for n in ("n0", "n1"):
+        await h.cluster.signal(ClusterWorkflow.register_node, node(n))
+
+
 def test_a_gang_that_never_ran_takes_its_reserved_nodes_back_at_its_deadline(
     task_queue: str,
 ) -> None:
     async def scenario(env: WorkflowEnvironment, h: Harness) -> None:
-        config = ClusterConfig(
-            reserve_after_s=RESERVE_AFTER_S, start_within_s=START_WITHIN_S, preemption_grace_s=60
-        )
-        await h.cluster.execute_update(ClusterWorkflow.apply_config, config)
-        for n in ("n0", "n1"):
-            await h.cluster.signal(ClusterWorkflow.register_node, node(n))
+        await two_nodes(h, start_within_s=START_WITHIN_S)
         long_run = await h.hold("long-run", nodes=2, max_runtime_s=10 * 3600)
         (taken,) = await h.grants(long_run, 1)
         await long_run.signal(GangHolder.release_when_preempted)
@@ -68,12 +73,7 @@ def test_a_yielder_runs_on_a_reserved_node_and_leaves_when_the_gang_can_start(
     task_queue: str,
 ) -> None:
     async def scenario(env: WorkflowEnvironment, h: Harness) -> None:
-        config = ClusterConfig(
-            reserve_after_s=RESERVE_AFTER_S, start_within_s=7_200, preemption_grace_s=60
-        )
-        await h.cluster.execute_update(ClusterWorkflow.apply_config, config)
-        for n in ("n0", "n1"):
-            await h.cluster.signal(ClusterWorkflow.register_node, node(n))
+        await two_nodes(h, start_within_s=7_200)
         long_run = await h.hold("long-run", nodes=1, max_runtime_s=LONG_RUN_S)
         (taken,) = await h.grants(long_run, 1)
         await long_run.signal(GangHolder.release_when_preempted)

@@ -107,8 +107,12 @@ class Simulation:
         bins = int(self.horizon // 3600) + 1
         self.trace = Trace(3600.0, [0.0] * bins, [0.0] * bins, [0.0] * bins)
         self.trace.spread(self.trace.healthy, 0.0, self.horizon, config.gpus * self.horizon)
-        self.out = Outcome(config, {j.run_id: JobRecord(j) for j in jobs}, self.trace)
-        self.out.idle = IdleLedger(measured_from_s=config.warmup_days * DAY)
+        self.out = Outcome(
+            config,
+            {j.run_id: JobRecord(j) for j in jobs},
+            self.trace,
+            idle=IdleLedger(measured_from_s=config.warmup_days * DAY),
+        )
         self.attempts: dict[str, tuple[Attempt, int]] = {}  # run id -> (attempt, generation)
         self.recovering: set[str] = set()  # failed, asking again: a spare may serve them
         self.failing: set[tuple[str, int]] = set()  # (run, generation): dead node not noticed
@@ -376,22 +380,16 @@ class Simulation:
         if release_s >= attempt.end:
             return  # it finishes first; its normal release answers the notice
         allocation = ops.allocation_of(self.state, run_id)
-        grow = (
-            allocation is not None
-            and allocation.preempting is not None
-            and (allocation.preempting.grow_to is not None)
-        )
+        notice = allocation.preempting if allocation is not None else None
+        grow = notice is not None and notice.grow_to is not None
         if grow:
             record.regrown += 1
         else:
             record.preemptions += 1
             self.out.preemptions += 1
-            self.out.yielded += bool(
-                allocation is not None
-                and allocation.yields_to is not None
-                and allocation.preempting is not None
-                and allocation.preempting.for_run == allocation.yields_to
-            )
+            # A yielder told to leave for the reservation it was lent (`yields_to` is None for
+            # every other gang, and a notice always names a run or "").
+            self.out.yielded += notice is not None and notice.for_run == allocation.yields_to
         self._push(release_s, "release", (run_id, generation, kept, grow))
 
     def _close(self) -> None:

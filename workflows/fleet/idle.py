@@ -37,7 +37,8 @@ class IdleLedger:
         free = dict.fromkeys(CAUSES, 0)
         waiting = bool(state.queue)
         for node in state.nodes:
-            if not node.schedulable or node.free <= 0:
+            gpus = node.free  # a sum over the node's jobs: once
+            if gpus <= 0 or not node.schedulable:
                 continue
             if node.spare:
                 cause = "spare"
@@ -45,7 +46,7 @@ class IdleLedger:
                 cause = "reserved"
             else:
                 cause = "other" if waiting else "nothing queued"
-            free[cause] += node.free
+            free[cause] += gpus
         self._since_s, self._free = now_s, free
 
     def until(self, now_s: float) -> None:
