@@ -439,6 +439,8 @@ _STEP_METRICS = {
     "lr": "train/lr",
     "tokens_per_s": "train/tokens_per_s",
     "mfu": "train/mfu",
+    # The share of the step the ranks spent in the SDK's own code: what the platform costs.
+    "sdk_share": "train/sdk_share",
 }
 
 

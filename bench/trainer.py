@@ -13,7 +13,13 @@
    median of `--repeats`, alternating, the order reversed every other repeat; ratios are best
    over best and the median of each repeat's adjacent pair. A run's figure is its median
    window of 10 steps (a burst of other work on a shared machine moves a few windows, not the
-   median); the ms/step lines also show each run's figure over all its steps.
+   median); the ms/step lines also show each run's figure over all its steps. And, measured
+   inside each SDK run (so the machine's speed, which swings by a quarter from minute to
+   minute on a shared 2-core VM, moves it little): the share of the step the ranks spent in
+   the SDK's own per-step code (sampler, decisions, stop checks, progress; not the gradient
+   norm, which is the clipping a bare loop does too), worst and median run, and the ratio that
+   code alone would leave. It leaves out what the SDK may cost outside its code: its threads,
+   the process group, a forked rank.
 2. Checkpoint stall for a ~60 M-parameter GPT with AdamW state: the time the loop is blocked by
    an asynchronous save (with the copy overlapped with the next forward and backward, as the
    loop does it, and without overlap), against a synchronous `dcp.save` and a `torch.save` of the
@@ -34,7 +40,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -93,10 +99,13 @@ WARMUP = 10  # steps before the clock starts; also the trainer's log_every (the 
 
 @dataclass(frozen=True)
 class Measured:
-    """One run's tokens/s: over all its measured steps, and in each window of WARMUP steps."""
+    """One run's tokens/s: over all its measured steps, and in each window of WARMUP steps;
+    for the SDK trainer also, in each window, the share of the time its ranks spent in the
+    SDK's own per-step code (the progress file's `sdk_share`)."""
 
     whole: float
     windows: list[float]
+    sdk_shares: list[float] = field(default_factory=list)
 
     @property
     def typical(self) -> float:
@@ -140,16 +149,18 @@ def trainer_tokens_per_s(root: Path, store: LocalStore, snapshot, size: Size, ru
     )
     rdzv = Rendezvous(f"127.0.0.1:{free_port()}", run, 1, 1)
     asyncio.run(run_ranks(job, work, rdzv, lambda _: None, threads_per_rank=THREADS))
-    at = {
-        e["step"]: e["time"]
+    events = {
+        e["step"]: e
         for e in map(json.loads, Path(job.progress_file).read_text().splitlines())
         if e["event"] == "step"
     }
     tokens = size.batch * size.model.block_size
-    marks = [at[s] for s in range(WARMUP, steps + 1, WARMUP)]
+    grid = range(WARMUP, steps + 1, WARMUP)
+    marks = [events[s]["time"] for s in grid]
     return Measured(
-        whole=size.measured_steps * tokens / (at[steps] - at[WARMUP]),
+        whole=size.measured_steps * tokens / (marks[-1] - marks[0]),
         windows=[WARMUP * tokens / (b - a) for a, b in itertools.pairwise(marks)],
+        sdk_shares=[events[s]["sdk_share"] for s in grid[1:]],
     )
 
 
@@ -200,9 +211,15 @@ def throughput(root: Path, repeats: int) -> list[tuple[str, str, str, str]]:
                   for k in kinds}  # fmt: skip
             print(f"{size.label}: ms/step ({figure}), "
                   + "; ".join(f"{k} {ms[k]}" for k in kinds))  # fmt: skip
+        shares = [statistics.median(m.sdk_shares) for m in runs[size.label, "trainer"]]
         rows += [
             _row(f"tokens/s, {size.label}: SDK trainer vs bare loop", runs[size.label, "trainer"],
                  runs[size.label, "gpt"]),
+            # Measured inside each trainer run, so the machine's swings move it little: the
+            # ratio that the SDK's own per-step code alone would leave (1 - its share).
+            (f"SDK's own per-step work, {size.label}: share of the step",
+             f"{max(shares):.2%} / {statistics.median(shares):.2%}", "-",
+             f"{1 - max(shares):.3f} / {1 - statistics.median(shares):.3f}"),
             _row(f"tokens/s, {size.label}: GPT vs fused qkv, no biases (bare loop)",
                  runs[size.label, "gpt"], runs[size.label, "fused"]),
             _row(f"tokens/s, {size.label}: GPT's former layout vs fused qkv, no biases",

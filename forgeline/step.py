@@ -46,11 +46,20 @@ class Step:
         sampler = run.sampler
         if sampler is None:
             raise SDKUsageError("call run.dataset(block_size) before step.micro_batches()")
-        for indices, x, y in sampler.micro_batches(run.samples_seen):
+        batches = sampler.micro_batches(run.samples_seen)
+        while True:
+            started = time.perf_counter()  # the sampler's time is the SDK's, not the script's
+            batch = next(batches, None)
+            if batch is None:
+                run._sdk_s += time.perf_counter() - started
+                return
+            indices, x, y = batch
             if run._sample_log is not None:
                 run._sample_log.write(f"{self.number - 1} {run.rank} "
                                       f"{' '.join(map(str, indices.tolist()))}\n")  # fmt: skip
-            yield x.to(run.device), y.to(run.device)
+            x, y = x.to(run.device), y.to(run.device)
+            run._sdk_s += time.perf_counter() - started
+            yield x, y
 
     @contextlib.contextmanager
     def forward(self) -> Iterator[None]:

@@ -115,6 +115,10 @@ class Run:
         self._model_config: dict[str, Any] = {}
         self._flops_per_token: float | None = None
         self._stall_s = 0.0  # this step's wait for a checkpoint's staging
+        # Time spent in the SDK's own per-step code since the last logged step (the sampler,
+        # the step's decisions, progress, checkpoint calls): what the platform adds to a step,
+        # measured inside the run, so a busy machine moves it no more than the step it divides.
+        self._sdk_s = 0.0
         self._current: Step | None = None  # the step the script is in
         self._last_eval: dict[str, float | int] | None = None  # the newest report_eval
         self._serving: dict[str, str] | None = None  # serve_with(): how the model is served
@@ -264,15 +268,20 @@ class Run:
                           self._stop_file)  # fmt: skip
         self._policy = CheckpointPolicy.from_train_config(self.job.train, self.job.mtbf_s)
         self._window = (time.perf_counter(), 0)
+        self._sdk_s = 0.0
         start_step = self.step
         self._progress.write(event="sdk", call="steps", state="entered")
         while self.step < self.settings.steps:
+            entered = time.perf_counter()
             # Randomness (dropout) derives from (seed, step, rank): nothing to save for resume.
             runtime.seed(self.device, self.settings.seed + 1_000_003 * (self.step + 1) + self.rank)
             self._stall_s = 0.0
             step = self._current = Step(self, self.step + 1)
+            self._sdk_s += time.perf_counter() - entered
             yield step
+            entered = time.perf_counter()
             stop = self._end_step(step, rules, first=self.step == start_step)
+            self._sdk_s += time.perf_counter() - entered
             mark_began()  # a failure from here on is a crash, not a script that cannot start
             if stop:
                 break
@@ -432,7 +441,8 @@ class Run:
         if self.world > 1:  # the mean over one rank is its own loss
             dist.all_reduce(mean_loss, op=dist.ReduceOp.AVG)
         started, steps = self._window
-        tokens_per_s = steps * tokens_per_step / (time.perf_counter() - started)
+        elapsed = time.perf_counter() - started
+        tokens_per_s = steps * tokens_per_step / elapsed
         cfg = self.settings
         if on_grid:  # the same points whether or not the run was ever restarted
             self.loss_history.append([self.step, mean_loss.item()])
@@ -456,9 +466,11 @@ class Run:
             epoch=self.sampler.epoch(self.samples_seen) if self.sampler else 0,
             rank_step_s=shared.step_s,
             rank_grad_norm=shared.grad_norm,
+            sdk_share=self._sdk_s / elapsed,
             metrics={k: v for k, v in step.metrics.items() if k != "lr"},
         )
         self._window = (time.perf_counter(), 0)
+        self._sdk_s = 0.0  # the rest of this step's platform work falls in the next window
 
     def checkpoint(self) -> None:
         """Start an asynchronous checkpoint of the model and optimizer at this step (every rank

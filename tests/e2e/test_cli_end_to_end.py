@@ -125,6 +125,8 @@ def test_run_to_approval_and_the_registered_model(stack: Stack, tmp_path: Path) 
     streamed = client.get_metric_history(run.info.run_id, "train/loss")
     assert {m.step for m in streamed} >= {5, 30, 60}, streamed
     assert client.get_metric_history(run.info.run_id, "train/tokens_per_s")
+    shares = client.get_metric_history(run.info.run_id, "train/sdk_share")
+    assert shares and all(0 < m.value < 1 for m in shares), shares
     curve = client.get_metric_history(run.info.run_id, "val_loss_by_checkpoint")
     assert sorted(m.step for m in curve) == [40, 60]
     (dataset_input,) = run.inputs.dataset_inputs

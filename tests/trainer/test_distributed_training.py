@@ -16,7 +16,7 @@ from tests.trainer.conftest import MODEL, Trainer
 from trainer.checkpoint import fetch_checkpoint, load_model_weights
 from trainer.errors import CheckpointError, RanksFailed
 from trainer.evaluate import evaluate_checkpoint
-from trainer.job import ResumePoint
+from trainer.job import ResumePoint, TrainJob
 from trainer.launch import RANK_SCRIPT
 from trainer.manifest import (
     committed_steps,
@@ -35,9 +35,15 @@ TRAIN = TrainSpec(
 
 
 @pytest.fixture(scope="module")
-def reference(trainer: Trainer) -> dict:
+def reference_job(trainer: Trainer) -> TrainJob:
     """An uninterrupted 2-rank run: the curve every resumed run must reproduce."""
-    trainer.run(trainer.job("reference", TRAIN), ranks=2)
+    job = trainer.job("reference", TRAIN)
+    trainer.run(job, ranks=2)
+    return job
+
+
+@pytest.fixture(scope="module")
+def reference(trainer: Trainer, reference_job: TrainJob) -> dict:
     found = find_latest(trainer.store, "reference", max_generation=1)
     assert found is not None and found.step == 120
     return found.manifest
@@ -74,6 +80,17 @@ def test_checkpoints_commit_with_a_manifest_listing_every_file(
     assert {f["name"] for f in reference["files"]} >= {".metadata", "__0_0.distcp"}
     verify_files(trainer.store, reference)
     assert [s for s, _ in reference["loss_history"]] == list(range(5, 121, 5))
+
+
+def test_each_logged_step_says_how_much_of_it_the_sdk_took(reference_job: TrainJob) -> None:
+    """The share of each logged window that the ranks spent in the SDK's own per-step code:
+    what the platform adds to a step (bench/trainer.py reports it beside the throughput)."""
+    events = [
+        json.loads(line) for line in Path(reference_job.progress_file).read_text().splitlines()
+    ]
+    shares = [e["sdk_share"] for e in events if e["event"] == "step"]
+    assert len(shares) == 1 + 120 // TRAIN.log_every  # the first step of a start, then the grid
+    assert all(0 < share < 1 for share in shares), shares
 
 
 def test_killed_run_resumes_exactly(trainer: Trainer, reference: dict) -> None:
