@@ -87,13 +87,13 @@ def _summary(r: Report, seconds: float) -> Table:
 def _classes(r: Report) -> Table:
     table = Table(title="Per job-size class (GPUs)")
     for name in ("class", "jobs", "finished", "GPU-h share", "goodput", "wait p50", "wait p99",
-                 "starved", "preempted", "failures"):  # fmt: skip
+                 "starved", "requeued, longest wait", "preempted", "failures"):  # fmt: skip
         table.add_column(name, justify="left" if name == "class" else "right")
     for c in r.classes:
         table.add_row(
             c.name, f"{c.jobs:,}", f"{c.finished:,}", _pct(c.gpu_hours_share), _pct(c.goodput),
             f"{c.wait_p50_h:.2f} h", f"{c.wait_p99_h:.1f} h", f"{c.starved:,}",
-            f"{c.preemptions:,}", f"{c.failures:,}",
+            f"{c.requeued_wait_max_h:.1f} h", f"{c.preemptions:,}", f"{c.failures:,}",
         )  # fmt: skip
     return table
 
@@ -115,7 +115,8 @@ def _big_runs(r: Report) -> Table:
 def _comparison(reports: list[Report]) -> Table:
     table = Table(title="Policies on the same seed (each adds to the one above)")
     columns = ["policy", "allocation", "useful", "idle: nothing queued", "idle: reserved",
-               "preemptions / yielders", "spare hits", "still waiting"]  # fmt: skip
+               "preemptions / yielders", "spare hits", "still waiting",
+               "requeued: longest wait"]  # fmt: skip
     columns += [f"wait p50/p99 {c.name}" for c in reports[0].classes]
     for name in columns:
         table.add_column(name, justify="left" if name == "policy" else "right")
@@ -125,6 +126,7 @@ def _comparison(reports: list[Report]) -> Table:
                       _pct(r.idle["nothing queued"]), _pct(r.idle["reserved"]),
                       f"{r.preemptions:,} / {r.yielded:,}", f"{r.spare_hits:,}",
                       f"{r.still_waiting:,}",
+                      f"{max(c.requeued_wait_max_h for c in r.classes):.1f} h",
                       *waits)  # fmt: skip
     return table
 

@@ -150,6 +150,10 @@ class ClusterWorkflow:
         if all(r.run_id != request.run_id for r in self._state.queue):
             if request.submitted_at is None:
                 request = request.model_copy(update={"submitted_at": workflow.now()})
+            # Patched: a requeued run's deadline counts from here; histories from before gave it
+            # none, and replay under the policy they were recorded with.
+            if request.started_before and workflow.patched("requeue-deadline"):
+                request = request.model_copy(update={"waiting_since": workflow.now()})
             self._state.queue.append(request)
             self._dirty = True
 

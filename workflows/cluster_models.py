@@ -247,9 +247,15 @@ class GangRequest(BaseModel):
     # Elastic: a recovering gang that cannot have `nodes` may be granted as few as this.
     min_nodes: int | None = None
     submitted_at: datetime | None = None  # first submission: a requeued run keeps its age
-    # Requeued after running (a failure, a preemption): `start_within_s` is for first starts;
-    # a victim given the deadline of its first submission would evict others at once.
+    # Requeued after running (a failure, a preemption): its start deadline counts from when it
+    # was requeued (`waiting_since`), not from its first submission: a victim given that
+    # deadline would evict others at once.
     started_before: bool = False
+    waiting_since: datetime | None = Field(
+        None,
+        description="for a run queued again after it ran: when the Cluster workflow queued it "
+        "again; it starts by start_within_s after this",
+    )
 
     @property
     def gpus(self) -> int:

@@ -12,7 +12,15 @@ import typer
 from typer.testing import CliRunner
 
 from workflows.cluster_models import QueueConfig
-from workflows.fleet.config import BEFORE, Fleet, JobClass, PolicyName, Recovery, SimConfig
+from workflows.fleet.config import (
+    BEFORE,
+    POLICIES,
+    Fleet,
+    JobClass,
+    PolicyName,
+    Recovery,
+    SimConfig,
+)
 from workflows.fleet.engine import JobRecord, Simulation
 from workflows.fleet.progress import Attempt, SavePlan
 from workflows.fleet.report import compare, recovery_steps, report, run
@@ -190,7 +198,9 @@ def test_policies_in_order_on_a_contended_fleet() -> None:
     assert reports["preemption"].allocation >= reports["backfill"].allocation
     assert reports["fifo"].preemptions == reports["backfill"].preemptions == 0
     assert reports["fifo"].spare_hits == reports["preemption"].spare_hits == 0
-    assert all(r.yielded == 0 for name, r in reports.items() if name != "spares")
+    yielding = {p.value for p in PolicyName if POLICIES[p].yielding_backfill}
+    assert yielding == {"spares", "spares-requeue-deadline"}
+    assert all(r.yielded == 0 for name, r in reports.items() if name not in yielding)
     assert 0 < reports["spares"].yielded <= reports["spares"].preemptions
 
 

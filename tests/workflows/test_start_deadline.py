@@ -68,8 +68,8 @@ def test_the_deadline_spares_gangs_that_outrank_it_and_runs_that_started_before(
     state.queue = [request("big", nodes=4, submitted_at=NOW - timedelta(hours=21))]
     assert not schedule(state, NOW).preemptions
 
-    # A run that has run before (a victim, a failure) waits by its age, as before: given the
-    # deadline of its first submission it would evict whatever holds its nodes at once.
+    # A run requeued before requeued runs had deadlines (no `waiting_since`) waits by its age,
+    # as it did then.
     state = busy_cluster()
     state.queue = [
         request("big", nodes=4, submitted_at=NOW - timedelta(hours=21), started_before=True)
@@ -77,6 +77,23 @@ def test_the_deadline_spares_gangs_that_outrank_it_and_runs_that_started_before(
     decisions = schedule(state, NOW)
     assert not decisions.preemptions
     assert decisions.reservations[0].start == NOW + timedelta(hours=30)
+
+
+def test_a_requeued_run_starts_by_its_deadline_counted_from_the_requeue() -> None:
+    """Not from its first submission (a victim would evict others at once) and not never (a
+    big run that failed waited 30.9 h in simulation for its nodes to come back)."""
+    state = busy_cluster()
+    requeued = request("big", nodes=4, submitted_at=NOW - timedelta(days=3), started_before=True)
+    state.queue = [requeued.model_copy(update={"waiting_since": NOW - timedelta(hours=2)})]
+    decisions = schedule(state, NOW, yielding_backfill=False)
+    assert not decisions.preemptions  # a first-submission deadline would have passed long ago
+    (held,) = decisions.reservations
+    assert held.start == NOW + timedelta(hours=LIMIT_H - 2)  # not NOW + 30 h
+
+    state.queue = [requeued.model_copy(update={"waiting_since": NOW - timedelta(hours=21)})]
+    victims = dict(schedule(state, NOW).preemptions)
+    assert sorted(victims) == ["long0", "long1"]
+    assert victims["long0"].reason == "holds nodes reserved for big, waiting 21 h"
 
 
 def test_a_gang_behind_long_runs_starts_by_its_deadline_and_they_resume_after() -> None:

@@ -23,6 +23,8 @@ class PolicyName(StrEnum):
     UNGUARDED = "spares-unguarded"  # + a spare pool for failed gangs: the default until the guard
     GUARDED = "spares-guarded"  # + the starvation guard and start deadline (workflows.scheduler)
     SPARES = "spares"  # + yielding backfill on reserved nodes (workflows.yielding)
+    # + a start deadline for requeued runs too, counted from the requeue (held_reservations)
+    REQUEUE_DEADLINE = "spares-requeue-deadline"
 
 
 class Policy(BaseModel):
@@ -34,6 +36,7 @@ class Policy(BaseModel):
     starvation_guard: bool = False
     start_deadline: bool = False
     yielding_backfill: bool = False
+    requeue_deadline: bool = False
 
 
 _GUARDED = Policy(
@@ -60,6 +63,9 @@ POLICIES: dict[PolicyName, Policy] = {
     ),
     PolicyName.GUARDED: _GUARDED,
     PolicyName.SPARES: _GUARDED.model_copy(update={"yielding_backfill": True}),
+    PolicyName.REQUEUE_DEADLINE: _GUARDED.model_copy(
+        update={"yielding_backfill": True, "requeue_deadline": True}
+    ),
 }
 
 
@@ -225,7 +231,7 @@ class SimConfig(_Strict):
     tick_s: float = Field(300.0, gt=0, description="at most one scheduling pass per tick")
     runtime_estimate: float = Field(1.5, ge=1.0, description="declared max runtime ÷ expected")
     starvation_h: float = Field(24.0, gt=0, description="a wait longer than this is starvation")
-    policy: PolicyName = PolicyName.SPARES
+    policy: PolicyName = PolicyName.REQUEUE_DEADLINE
     fleet: Fleet = Fleet()
     failures: Failures = Failures()
     recovery: Recovery = Recovery()

@@ -45,6 +45,8 @@ class JobRecord:
     failed_in_row: int = 0  # failed attempts since the last that committed anything
     asked_again_s: float | None = None  # when it last asked for a gang to recover on
     recovery_wait_s: float = 0.0  # from asking again after a failure to the new gang
+    requeued_s: float | None = None  # when it last queued again after running
+    longest_requeued_wait_s: float = 0.0  # of its waits after running (failures, preemptions)
     shrunk: int = 0  # attempts on fewer nodes than asked (elastic)
     regrown: int = 0  # of those, stopped to grow back
     plan: SavePlan | None = None
@@ -205,6 +207,9 @@ class Simulation:
         job = record.job
         nodes, per_node = self._shape(job.gpus)
         attempt = self._attempt(record, at)
+        requeued = record.first_grant_s is not None
+        if requeued:
+            record.requeued_s = at
         expected = attempt.end - attempt.granted
         elastic = self.config.recovery.min_nodes
         self.state.queue.append(
@@ -219,6 +224,8 @@ class Simulation:
                 min_nodes=math.ceil(nodes * elastic) if nodes > 1 and elastic < 1 else None,
                 submitted_at=self._at(job.submit_s),
                 started_before=record.first_grant_s is not None,
+                # As the Cluster workflow's enqueue sets it.
+                waiting_since=self._at(at) if requeued and self.policy.requeue_deadline else None,
             )
         )
         self.out.max_queue = max(self.out.max_queue, len(self.state.queue))
@@ -354,6 +361,10 @@ class Simulation:
         if record.asked_again_s is not None:
             record.recovery_wait_s += self.now_s - record.asked_again_s
             record.asked_again_s = None
+        if record.requeued_s is not None:
+            waited = self.now_s - record.requeued_s
+            record.longest_requeued_wait_s = max(record.longest_requeued_wait_s, waited)
+            record.requeued_s = None
         wanted = allocation.wanted.nodes if allocation.wanted is not None else None
         rate = len(allocation.nodes) / wanted if wanted else 1.0
         if rate < 1:

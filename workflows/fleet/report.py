@@ -32,6 +32,9 @@ class ClassFigures:
     preemptions: int
     failures: int
     recovery_wait_h: float  # mean, per recovery: failure noticed → the new gang
+    # The longest wait of a run queued again after it ran (a failure, a preemption; one still
+    # waiting at the end with what it has waited so far): starvation after a start.
+    requeued_wait_max_h: float
     shrunk: int  # attempts on fewer nodes than asked (elastic)
 
 
@@ -132,6 +135,11 @@ def _wait_s(record: JobRecord, end_s: float) -> float:
     return granted - record.job.submit_s
 
 
+def _requeued_wait_s(record: JobRecord, end_s: float) -> float:
+    waiting = end_s - record.requeued_s if record.requeued_s is not None else 0.0
+    return max(record.longest_requeued_wait_s, waiting)
+
+
 def _class(
     name: str,
     records: list[JobRecord],
@@ -157,6 +165,7 @@ def _class(
         failures=sum(r.failures for r in records),
         recovery_wait_h=_ratio(sum(r.recovery_wait_s for r in records) / 3600,
                                sum(r.failures for r in records)),
+        requeued_wait_max_h=max((_requeued_wait_s(r, end_s) for r in records), default=0.0) / 3600,
         shrunk=sum(r.shrunk for r in records),
     )  # fmt: skip
 
