@@ -223,7 +223,7 @@ class Simulation:
                 recovery=recovery,
                 min_nodes=math.ceil(nodes * elastic) if nodes > 1 and elastic < 1 else None,
                 submitted_at=self._at(job.submit_s),
-                started_before=record.first_grant_s is not None,
+                started_before=requeued,
                 # As the Cluster workflow's enqueue sets it.
                 waiting_since=self._at(at) if requeued and self.policy.requeue_deadline else None,
             )
