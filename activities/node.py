@@ -21,6 +21,7 @@ from temporalio.exceptions import ApplicationError
 
 from activities.errors import domain_errors
 from activities.fetch import NodeCache, NodeCacheLease
+from activities.metric_tap import MetricTap
 from infra import node_health
 from infra.requirements import unmet
 from infra.settings import Settings
@@ -314,7 +315,7 @@ class _Reporter:
         self.health_told = 0  # health lines of the ranks already seen
         self.health_signalled: dict[str, int] = {}  # kind -> signals sent this attempt
         self.pending: set[asyncio.Task] = set()
-        self.metrics: _MetricTap | None = None
+        self.metrics: MetricTap | None = None
         self.last_beat: TrainProgress | None = None
         self.last_beat_at = 0.0
 
@@ -330,7 +331,7 @@ class _Reporter:
         except (OSError, ValueError):
             activity.logger.warning("training metrics will not reach MLflow", exc_info=True)
             return
-        self.metrics = _MetricTap(progress_file, spool)
+        self.metrics = MetricTap(progress_file, spool)
 
     def close_metrics(self) -> None:
         if self.metrics is not None:
@@ -431,62 +432,6 @@ class _Reporter:
     async def flush(self) -> None:
         if self.pending:
             await asyncio.gather(*self.pending, return_exceptions=True)
-
-
-# Fields of the ranks' step lines and the MLflow metrics they become.
-_STEP_METRICS = {
-    "loss": "train/loss",
-    "lr": "train/lr",
-    "tokens_per_s": "train/tokens_per_s",
-    "mfu": "train/mfu",
-    # The share of the step the ranks spent in the SDK's own code: what the platform costs.
-    "sdk_share": "train/sdk_share",
-}
-
-
-class _MetricTap:
-    """Reads every new complete line of the progress file (the ProgressTail keeps only the
-    newest state) and spools its metrics for MLflow, stamped with the time the ranks wrote them.
-    Re-reading the file of an earlier attempt of the generation spools the same points again,
-    which MLflow stores once."""
-
-    def __init__(self, progress_file: Path, spool: MetricSpool) -> None:
-        self.path = progress_file
-        self.spool = spool
-        self.offset = 0
-
-    def poll(self) -> None:
-        try:
-            self._poll()
-        except Exception:  # a tracking fault never reaches the ranks or the heartbeat
-            activity.logger.warning("could not spool training metrics", exc_info=True)
-
-    def _poll(self) -> None:
-        try:
-            with open(self.path, "rb") as handle:
-                handle.seek(self.offset)
-                chunk = handle.read()
-        except FileNotFoundError:
-            return
-        complete, newline, _ = chunk.rpartition(b"\n")
-        if not newline:
-            return
-        self.offset += len(complete) + 1
-        for line in complete.splitlines():
-            try:
-                event = json.loads(line)
-                kind = event.get("event")
-                if kind == "step":
-                    values = {key: event.get(field) for field, key in _STEP_METRICS.items()}
-                    # A script's own metrics (forgeline's step.report), beside the platform's.
-                    values |= {f"train/{k}": v for k, v in event.get("metrics", {}).items()}
-                elif kind == "eval":
-                    values = {"train/val_loss": event.get("val_loss")}
-                else:
-                    continue
-                self.spool.log_dict(values, int(event["step"]), int(event["time"] * 1000))
-            except (ValueError, KeyError, TypeError, AttributeError):
-                continue  # one odd line costs only itself
 
 
 async def _heartbeating(work: Awaitable[T], beat: Callable[[], None], every_s: float = 1.0) -> T:
