@@ -263,12 +263,14 @@ class ClusterWorkflow:
         guard = workflow.patched("starvation-guard")
         deadline = guard and workflow.patched("start-deadline")
         yielding = deadline and workflow.patched("yielding-backfill")
+        latest = yielding and workflow.patched("yield-latest-first")
         revoked, _, messages = ops.run_pass(
             self._state,
             now,
             starvation_guard=guard,
             start_deadline=deadline,
             yielding_backfill=yielding,
+            yield_latest_first=latest,
         )
         for allocation in revoked:
             # Its generation is retired, so anything it still sends is ignored.

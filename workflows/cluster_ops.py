@@ -109,6 +109,7 @@ def run_pass(
     starvation_guard: bool = True,
     start_deadline: bool = True,
     yielding_backfill: bool = True,
+    yield_latest_first: bool = True,
 ) -> tuple[list[Allocation], Decisions, list[Message]]:
     """One scheduling pass: prepare, schedule, apply (the switches as in `schedule`)."""
     revoked = prepare(state, now)
@@ -118,6 +119,7 @@ def run_pass(
         starvation_guard=starvation_guard,
         start_deadline=start_deadline,
         yielding_backfill=yielding_backfill,
+        yield_latest_first=yield_latest_first,
     )
     return revoked, decisions, apply(state, decisions, now)
 

@@ -15,7 +15,7 @@ from datetime import datetime
 from workflows.backfill import fits_before
 from workflows.cluster_models import GangRequest, Reservation
 from workflows.placement import Capacity, place
-from workflows.yielding import may_yield
+from workflows.yielding import latest_first, may_yield
 
 
 def without(pools: list[Capacity], node_ids: set[str]) -> Capacity:
@@ -74,10 +74,12 @@ def find_place(
     now: datetime,
     default_runtime_s: float,
     hosts_yielders: Callable[[Reservation], bool],
+    yield_latest_first: bool = False,
 ) -> tuple[list[str], list[Capacity], str | None] | None:
     """Where the request fits, the pools its nodes come from (nothing is booked yet), and whose
     reservation it yields to if it fits only as a yielder (`workflows.yielding`): `own` holds
-    what is held for it alone (nodes it claimed, its kept reservation)."""
+    what is held for it alone (nodes it claimed, its kept reservation). `yield_latest_first`
+    tries the reservations that start latest first for a yielder (`yielding.latest_first`)."""
     options: list[tuple[list[Capacity], str | None]] = [([general, *own], None)]
     for reservation, reserved in reservations:
         if fits_before(request, reservation, now, default_runtime_s):
@@ -85,9 +87,10 @@ def find_place(
     if request.recovery and spares.free:
         # A gang recovering from a failure may swap spares in beside ordinary free nodes.
         options.append(([general, *own, spares], None))
+    lendable = latest_first(reservations) if yield_latest_first else reservations
     options += [
         ([reserved], reservation.run_id)
-        for reservation, reserved in reservations
+        for reservation, reserved in lendable
         if reserved.total_free(request.gpu_type) >= request.gpus
         and may_yield(request, reservation)
         and hosts_yielders(reservation)

@@ -161,13 +161,16 @@ def schedule(
     starvation_guard: bool = True,
     start_deadline: bool = True,
     yielding_backfill: bool = True,
+    yield_latest_first: bool = True,
 ) -> Decisions:
     """The switches exist to compare weaker policies in simulation; the cluster uses the
     defaults: `arrival_order` ignores priority and fair share, `backfill=False` starts nothing
     behind the head of the line, `preemption=False` never reclaims a guarantee,
     `starvation_guard=False` is the policy before the guard (module docstring), and
     `start_deadline=False` the guard before its reservations held by `start_within_s`, and
-    `yielding_backfill=False` the deadline before yielders (`workflows.yielding`)."""
+    `yielding_backfill=False` the deadline before yielders (`workflows.yielding`), and
+    `yield_latest_first=False` yielders on the first reservation in line that lends them nodes,
+    not the one that starts latest."""
     config = state.config
     default_runtime_s = config.default_max_runtime_h * 3600
     sweep = _sweep(state.nodes)
@@ -259,6 +262,7 @@ def schedule(
             now=now,
             default_runtime_s=default_runtime_s,
             hosts_yielders=hosts_yielders,
+            yield_latest_first=yield_latest_first,
         )
         asked = request
         request, found = largest_fit(request, fit)

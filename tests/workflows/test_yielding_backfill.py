@@ -116,3 +116,38 @@ def test_a_node_its_reservations_owner_is_granted_is_not_also_backfilled() -> No
     assert [(r.run_id, sorted(nodes)) for r, nodes in decisions.grants] == [("big", ["n0", "n2"])]
     ops.apply(state, decisions, NOW)
     assert all(n.used <= n.info.gpus for n in state.nodes)
+
+
+def two_reservations() -> ClusterState:
+    """Two kept reservations of two nodes, each with one node idle: `first` (older, first in
+    line) starts in 3 h, when its other node's gang ends, `later` in 10 h."""
+    state = ClusterState(config=ClusterConfig(), nodes=[node(f"n{i}") for i in range(4)])
+    running(state, "ends-soon", ["n1"], hours_left=3)
+    running(state, "ends-late", ["n3"], hours_left=10)
+    state.reservations = [
+        Reservation(run_id="first", nodes=["n0", "n1"], start=NOW),
+        Reservation(run_id="later", nodes=["n2", "n3"], start=NOW),
+    ]
+    state.queue = [
+        request("first", nodes=2, submitted_at=NOW - timedelta(hours=8)),
+        request("later", nodes=2, submitted_at=NOW - timedelta(hours=7)),
+        request("yields", max_runtime_s=14 * 3600),
+    ]
+    return state
+
+
+def test_a_yielder_goes_to_the_reservation_that_starts_latest() -> None:
+    """It fits on either reservation's idle node and ends before neither: on the one that
+    starts in 10 h it trains 10 h before it is told to leave, on the other 3 h."""
+    decisions = schedule(two_reservations(), NOW)
+    assert {r.run_id: r.start for r in decisions.reservations} == {
+        "first": NOW + timedelta(hours=3),
+        "later": NOW + timedelta(hours=10),
+    }
+    assert [(r.run_id, nodes) for r, nodes in decisions.grants] == [("yields", ["n2"])]
+    assert decisions.yielding == {"yields": "later"}
+
+    # The policy before it (histories recorded then replay with it): the first in line.
+    decisions = schedule(two_reservations(), NOW, yield_latest_first=False)
+    assert [(r.run_id, nodes) for r, nodes in decisions.grants] == [("yields", ["n0"])]
+    assert decisions.yielding == {"yields": "first"}

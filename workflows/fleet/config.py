@@ -25,6 +25,8 @@ class PolicyName(StrEnum):
     SPARES = "spares"  # + yielding backfill on reserved nodes (workflows.yielding)
     # + a start deadline for requeued runs too, counted from the requeue (held_reservations)
     REQUEUE_DEADLINE = "spares-requeue-deadline"
+    # + a yielder goes to the reservation that starts latest (workflows.yielding.latest_first)
+    YIELD_LATEST = "spares-yield-latest"
 
 
 class Policy(BaseModel):
@@ -37,6 +39,7 @@ class Policy(BaseModel):
     start_deadline: bool = False
     yielding_backfill: bool = False
     requeue_deadline: bool = False
+    yield_latest_first: bool = False
 
 
 _GUARDED = Policy(
@@ -65,6 +68,9 @@ POLICIES: dict[PolicyName, Policy] = {
     PolicyName.SPARES: _GUARDED.model_copy(update={"yielding_backfill": True}),
     PolicyName.REQUEUE_DEADLINE: _GUARDED.model_copy(
         update={"yielding_backfill": True, "requeue_deadline": True}
+    ),
+    PolicyName.YIELD_LATEST: _GUARDED.model_copy(
+        update={"yielding_backfill": True, "requeue_deadline": True, "yield_latest_first": True}
     ),
 }
 
@@ -231,7 +237,7 @@ class SimConfig(_Strict):
     tick_s: float = Field(300.0, gt=0, description="at most one scheduling pass per tick")
     runtime_estimate: float = Field(1.5, ge=1.0, description="declared max runtime ÷ expected")
     starvation_h: float = Field(24.0, gt=0, description="a wait longer than this is starvation")
-    policy: PolicyName = PolicyName.REQUEUE_DEADLINE
+    policy: PolicyName = PolicyName.YIELD_LATEST
     fleet: Fleet = Fleet()
     failures: Failures = Failures()
     recovery: Recovery = Recovery()

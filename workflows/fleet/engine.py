@@ -339,6 +339,7 @@ class Simulation:
             starvation_guard=self.policy.starvation_guard,
             start_deadline=self.policy.start_deadline,
             yielding_backfill=self.policy.yielding_backfill,
+            yield_latest_first=self.policy.yield_latest_first,
         )
         for run_id, signal, argument in ops.apply(state, decisions, now):
             if signal == GANG_GRANTED_SIGNAL:
