@@ -264,6 +264,7 @@ class ClusterWorkflow:
         deadline = guard and workflow.patched("start-deadline")
         yielding = deadline and workflow.patched("yielding-backfill")
         latest = yielding and workflow.patched("yield-latest-first")
+        kept_from_spares = guard and workflow.patched("spares-off-reservations")
         revoked, _, messages = ops.run_pass(
             self._state,
             now,
@@ -271,6 +272,7 @@ class ClusterWorkflow:
             start_deadline=deadline,
             yielding_backfill=yielding,
             yield_latest_first=latest,
+            spares_off_reservations=kept_from_spares,
         )
         for allocation in revoked:
             # Its generation is retired, so anything it still sends is ignored.

@@ -110,6 +110,7 @@ def run_pass(
     start_deadline: bool = True,
     yielding_backfill: bool = True,
     yield_latest_first: bool = True,
+    spares_off_reservations: bool = True,
 ) -> tuple[list[Allocation], Decisions, list[Message]]:
     """One scheduling pass: prepare, schedule, apply (the switches as in `schedule`)."""
     revoked = prepare(state, now)
@@ -120,6 +121,7 @@ def run_pass(
         start_deadline=start_deadline,
         yielding_backfill=yielding_backfill,
         yield_latest_first=yield_latest_first,
+        spares_off_reservations=spares_off_reservations,
     )
     return revoked, decisions, apply(state, decisions, now)
 

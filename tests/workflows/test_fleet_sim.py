@@ -199,7 +199,12 @@ def test_policies_in_order_on_a_contended_fleet() -> None:
     assert reports["fifo"].preemptions == reports["backfill"].preemptions == 0
     assert reports["fifo"].spare_hits == reports["preemption"].spare_hits == 0
     yielding = {p.value for p in PolicyName if POLICIES[p].yielding_backfill}
-    assert yielding == {"spares", "spares-requeue-deadline", "spares-yield-latest"}
+    assert yielding == {
+        "spares",
+        "spares-requeue-deadline",
+        "spares-yield-latest",
+        "spares-reserved-kept",
+    }
     assert all(r.yielded == 0 for name, r in reports.items() if name not in yielding)
     assert 0 < reports["spares"].yielded <= reports["spares"].preemptions
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from datetime import timedelta
 
 from tests.workflows.policy_fixtures import NOW, node, request, running, teams
-from workflows.cluster_models import Admin, ClusterConfig, ClusterState, Health
+from workflows.cluster_models import Admin, ClusterConfig, ClusterState, Health, Reservation
 from workflows.placement import Capacity, place
 from workflows.quotas import borrowed, check, decay_usage, in_use
 from workflows.scheduler import choose_spares, schedule
@@ -137,6 +137,37 @@ def test_spares_are_held_back_for_recovery() -> None:
     state.queue = [request("a", nodes=2, recovery=True)]
     ((_, nodes),) = schedule(state, NOW).grants
     assert sorted(nodes) == ["n0", "n1"]
+
+
+def reserved_while_the_pool_is_short() -> ClusterState:
+    """One spare wanted and none held; the only idle nodes, n1 and n2, are held with n3 for
+    `big`, waiting 7 h (past `reserve_after_s`), until the gang on n3 ends."""
+    state = ClusterState(
+        nodes=[node(f"n{i}") for i in range(4)], config=ClusterConfig(spare_nodes=1)
+    )
+    running(state, "elsewhere", ["n0"], hours_left=9)
+    running(state, "on-n3", ["n3"], hours_left=2)
+    state.reservations = [Reservation(run_id="big", nodes=["n1", "n2", "n3"], start=NOW)]
+    state.queue = [request("big", nodes=3, submitted_at=NOW - timedelta(hours=7))]
+    return state
+
+
+def test_the_spare_pool_does_not_refill_from_nodes_a_reservation_holds() -> None:
+    decisions = schedule(reserved_while_the_pool_is_short(), NOW)
+    assert decisions.spares == set()  # short until a node no one holds frees
+    (held,) = decisions.reservations
+    assert (held.run_id, held.nodes, held.start) == (
+        "big",
+        ["n1", "n2", "n3"],
+        NOW + timedelta(hours=2),
+    )
+
+    # The policy before (histories recorded then replay with it): the pool took a reserved
+    # idle node, so the reservation no longer stood and was made again elsewhere, later.
+    decisions = schedule(reserved_while_the_pool_is_short(), NOW, spares_off_reservations=False)
+    assert decisions.spares == {"n2"}
+    (remade,) = decisions.reservations
+    assert remade.start == NOW + timedelta(hours=9)
 
 
 def test_draining_node_preempts_its_gang_and_down_nodes_are_skipped() -> None:

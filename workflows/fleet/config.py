@@ -27,6 +27,8 @@ class PolicyName(StrEnum):
     REQUEUE_DEADLINE = "spares-requeue-deadline"
     # + a yielder goes to the reservation that starts latest (workflows.yielding.latest_first)
     YIELD_LATEST = "spares-yield-latest"
+    # + the spare pool never refills from nodes a reservation holds (scheduler.choose_spares)
+    RESERVED_NOT_SPARE = "spares-reserved-kept"
 
 
 class Policy(BaseModel):
@@ -40,6 +42,7 @@ class Policy(BaseModel):
     yielding_backfill: bool = False
     requeue_deadline: bool = False
     yield_latest_first: bool = False
+    spares_off_reservations: bool = False
 
 
 _GUARDED = Policy(
@@ -71,6 +74,14 @@ POLICIES: dict[PolicyName, Policy] = {
     ),
     PolicyName.YIELD_LATEST: _GUARDED.model_copy(
         update={"yielding_backfill": True, "requeue_deadline": True, "yield_latest_first": True}
+    ),
+    PolicyName.RESERVED_NOT_SPARE: _GUARDED.model_copy(
+        update={
+            "yielding_backfill": True,
+            "requeue_deadline": True,
+            "yield_latest_first": True,
+            "spares_off_reservations": True,
+        }
     ),
 }
 
@@ -237,7 +248,7 @@ class SimConfig(_Strict):
     tick_s: float = Field(300.0, gt=0, description="at most one scheduling pass per tick")
     runtime_estimate: float = Field(1.5, ge=1.0, description="declared max runtime ÷ expected")
     starvation_h: float = Field(24.0, gt=0, description="a wait longer than this is starvation")
-    policy: PolicyName = PolicyName.YIELD_LATEST
+    policy: PolicyName = PolicyName.RESERVED_NOT_SPARE
     fleet: Fleet = Fleet()
     failures: Failures = Failures()
     recovery: Recovery = Recovery()

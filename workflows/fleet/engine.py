@@ -340,6 +340,7 @@ class Simulation:
             start_deadline=self.policy.start_deadline,
             yielding_backfill=self.policy.yielding_backfill,
             yield_latest_first=self.policy.yield_latest_first,
+            spares_off_reservations=self.policy.spares_off_reservations,
         )
         for run_id, signal, argument in ops.apply(state, decisions, now):
             if signal == GANG_GRANTED_SIGNAL:
