@@ -183,12 +183,12 @@ def schedule(
     default_runtime_s = config.default_max_runtime_h * 3600
     sweep = _sweep(state.nodes)
     requests = {r.run_id: r for r in state.queue}
-    reserved = {
-        node_id
-        for held in state.reservations
-        if spares_off_reservations and held.run_id in requests
-        for node_id in held.nodes
-    }
+    # Last pass's reservations of runs still queued (those `keep_reservations` may keep).
+    reserved = (
+        {n for held in state.reservations if held.run_id in requests for n in held.nodes}
+        if spares_off_reservations
+        else set()
+    )
     decisions = Decisions(spares=choose_spares(sweep.idle, config.spare_nodes, reserved))
     holders = claim_holders(state)
     # Claimed nodes are held for their claimant (the first claim on a node wins).

@@ -68,22 +68,26 @@ POLICIES: dict[PolicyName, Policy] = {
         arrival_order=False, backfill=True, borrowing=True, preemption=True, spares=True
     ),
     PolicyName.GUARDED: _GUARDED,
-    PolicyName.SPARES: _GUARDED.model_copy(update={"yielding_backfill": True}),
-    PolicyName.REQUEUE_DEADLINE: _GUARDED.model_copy(
-        update={"yielding_backfill": True, "requeue_deadline": True}
-    ),
-    PolicyName.YIELD_LATEST: _GUARDED.model_copy(
-        update={"yielding_backfill": True, "requeue_deadline": True, "yield_latest_first": True}
-    ),
-    PolicyName.RESERVED_NOT_SPARE: _GUARDED.model_copy(
-        update={
-            "yielding_backfill": True,
-            "requeue_deadline": True,
-            "yield_latest_first": True,
-            "spares_off_reservations": True,
-        }
-    ),
 }
+
+
+def _each_adding(base: Policy, switches: list[tuple[PolicyName, str]]) -> dict[PolicyName, Policy]:
+    """From the guard on, each policy is the one before it with one more switch on."""
+    policies: dict[PolicyName, Policy] = {}
+    for name, switch in switches:
+        base = policies[name] = base.model_copy(update={switch: True})
+    return policies
+
+
+POLICIES |= _each_adding(
+    _GUARDED,
+    [
+        (PolicyName.SPARES, "yielding_backfill"),
+        (PolicyName.REQUEUE_DEADLINE, "requeue_deadline"),
+        (PolicyName.YIELD_LATEST, "yield_latest_first"),
+        (PolicyName.RESERVED_NOT_SPARE, "spares_off_reservations"),
+    ],
+)
 
 
 class _Strict(BaseModel):
