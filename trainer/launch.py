@@ -244,10 +244,12 @@ async def run_ranks(
                 continue
             report_at = time.monotonic() + report_every_s
             on_progress(dict(tail.latest))
+            if launcher is not None and tail.stepped:
+                # For the next generation, now that this one trains; before the exit check, so a
+                # job that ends within one report of its first step still leaves one behind.
+                await launcher.prepare()
             if proc.returncode is not None:
                 break
-            if launcher is not None and tail.stepped:
-                await launcher.prepare()  # for the next generation, now that this one trains
             if start is not None and not tail.stepped:
                 start.observe(tail.sdk, time.monotonic())
                 if (verdict := start.verdict(time.monotonic())) is not None:
