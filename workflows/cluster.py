@@ -38,6 +38,7 @@ with workflow.unsafe.imports_passed_through():
     )
     from workflows.cluster_ops import REVOKE_MARGIN
     from workflows.names import GANG_GRANTED_SIGNAL
+    from workflows.policy_switches import Switches
 
 _TICK = timedelta(seconds=60)
 
@@ -263,17 +264,14 @@ class ClusterWorkflow:
         guard = workflow.patched("starvation-guard")
         deadline = guard and workflow.patched("start-deadline")
         yielding = deadline and workflow.patched("yielding-backfill")
-        latest = yielding and workflow.patched("yield-latest-first")
-        kept_from_spares = guard and workflow.patched("spares-off-reservations")
-        revoked, _, messages = ops.run_pass(
-            self._state,
-            now,
+        switches = Switches(
             starvation_guard=guard,
             start_deadline=deadline,
             yielding_backfill=yielding,
-            yield_latest_first=latest,
-            spares_off_reservations=kept_from_spares,
+            yield_latest_first=yielding and workflow.patched("yield-latest-first"),
+            spares_off_reservations=guard and workflow.patched("spares-off-reservations"),
         )
+        revoked, _, messages = ops.run_pass(self._state, now, switches)
         for allocation in revoked:
             # Its generation is retired, so anything it still sends is ignored.
             workflow.logger.warning("revoked %s: grace period over", allocation.run_id)

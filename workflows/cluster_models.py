@@ -153,7 +153,7 @@ class ClusterConfig(BaseModel):
     fair_share_half_life_h: float = Field(24.0, gt=0)
     default_max_runtime_h: float = Field(24.0 * 7, gt=0, description="for requests without one")
     aging_s: float = Field(3600.0, gt=0, description="waiting this long adds one priority level")
-    # The starvation guard (`schedule(starvation_guard=True)`, the default policy). Found in
+    # The starvation guard (`Switches.starvation_guard`, on in the default policy). Found in
     # simulation: with one reservation, the head's, a burst of 1,024-GPU gangs was served one at
     # a time while every node freed outside that reservation went to younger small jobs, and
     # gangs waited 45 h; 85 % of the preempted gangs had run less than an hour, just granted

@@ -19,6 +19,7 @@ from workflows.cluster_models import (
 )
 from workflows.elastic import claim_holders
 from workflows.names import GANG_GRANTED_SIGNAL, PREEMPT_SIGNAL
+from workflows.policy_switches import TODAY, Switches
 from workflows.quotas import decay_usage
 from workflows.scheduler import Decisions, expected_end, schedule
 
@@ -103,26 +104,11 @@ def prepare(state: ClusterState, now: datetime) -> list[Allocation]:
 
 
 def run_pass(
-    state: ClusterState,
-    now: datetime,
-    *,
-    starvation_guard: bool = True,
-    start_deadline: bool = True,
-    yielding_backfill: bool = True,
-    yield_latest_first: bool = True,
-    spares_off_reservations: bool = True,
+    state: ClusterState, now: datetime, switches: Switches = TODAY
 ) -> tuple[list[Allocation], Decisions, list[Message]]:
-    """One scheduling pass: prepare, schedule, apply (the switches as in `schedule`)."""
+    """One scheduling pass: prepare, schedule, apply (`switches` as in `schedule`)."""
     revoked = prepare(state, now)
-    decisions = schedule(
-        state,
-        now,
-        starvation_guard=starvation_guard,
-        start_deadline=start_deadline,
-        yielding_backfill=yielding_backfill,
-        yield_latest_first=yield_latest_first,
-        spares_off_reservations=spares_off_reservations,
-    )
+    decisions = schedule(state, now, switches)
     return revoked, decisions, apply(state, decisions, now)
 
 

@@ -53,6 +53,7 @@ from workflows.cluster_models import (
 from workflows.elastic import claim_holders, grow_back, grow_claim, largest_fit
 from workflows.held_reservations import clearing, held_by_deadline, keep_reservations, long_waiting
 from workflows.placement import Capacity, place
+from workflows.policy_switches import TODAY, Switches
 from workflows.pool_booking import exact_size, find_place, held_gpus, merged, take, without
 from workflows.preemption import choose_victims
 from workflows.quotas import borrowed, check, fair_share_key, in_use
@@ -157,28 +158,9 @@ def _pools(
     return Capacity(general), Capacity(spare), held_for, Capacity(claimed)
 
 
-def schedule(
-    state: ClusterState,
-    now: datetime,
-    *,
-    arrival_order: bool = False,
-    backfill: bool = True,
-    preemption: bool = True,
-    starvation_guard: bool = True,
-    start_deadline: bool = True,
-    yielding_backfill: bool = True,
-    yield_latest_first: bool = True,
-    spares_off_reservations: bool = True,
-) -> Decisions:
-    """The switches exist to compare weaker policies in simulation; the cluster uses the
-    defaults: `arrival_order` ignores priority and fair share, `backfill=False` starts nothing
-    behind the head of the line, `preemption=False` never reclaims a guarantee,
-    `starvation_guard=False` is the policy before the guard (module docstring), and
-    `start_deadline=False` the guard before its reservations held by `start_within_s`, and
-    `yielding_backfill=False` the deadline before yielders (`workflows.yielding`), and
-    `yield_latest_first=False` yielders on the first reservation in line that lends them nodes,
-    not the one that starts latest, and `spares_off_reservations=False` the spare pool refilled
-    from any idle node, those held by last pass's reservations too."""
+def schedule(state: ClusterState, now: datetime, switches: Switches = TODAY) -> Decisions:
+    """One pass: the cluster runs it with every switch on (`TODAY`); `switches` turns parts
+    off for histories recorded before them and for the simulator's weaker policies."""
     config = state.config
     default_runtime_s = config.default_max_runtime_h * 3600
     sweep = _sweep(state.nodes)
@@ -186,7 +168,7 @@ def schedule(
     # Last pass's reservations of runs still queued (those `keep_reservations` may keep).
     reserved = (
         {n for held in state.reservations if held.run_id in requests for n in held.nodes}
-        if spares_off_reservations
+        if switches.spares_off_reservations
         else set()
     )
     decisions = Decisions(spares=choose_spares(sweep.idle, config.spare_nodes, reserved))
@@ -221,8 +203,8 @@ def schedule(
     # made: remade every pass, a reservation went to whoever came first in line that pass (a
     # requeued victim, a failed gang), and a 1,024-GPU gang's start slipped 25 times, by 28 h.
     mine: dict[str, tuple[Reservation, Capacity]] = {}  # run id -> its kept reservation
-    deadline = starvation_guard and start_deadline
-    yielding = deadline and yielding_backfill
+    deadline = switches.starvation_guard and switches.start_deadline
+    yielding = deadline and switches.yielding_backfill
 
     def hosts_yielders(reservation: Reservation) -> bool:
         """A long-waiting request's reservation (kept from pass to pass) that starts later."""
@@ -234,7 +216,7 @@ def schedule(
             and may_host_yielders(reservation, now, config)
         )
 
-    if starvation_guard:
+    if switches.starvation_guard:
         for kept, pool in keep_reservations(state, general, requests, now, deadline):
             reservations.append((kept, pool))
             reserved_ids.update(kept.nodes)
@@ -249,12 +231,12 @@ def schedule(
     def wait(position: int, request: GangRequest, reason: str) -> None:
         decisions.waiting.append(Waiting(run_id=request.run_id, position=position, reason=reason))
 
-    for position, request in enumerate(order(state, now, arrival_order)):
+    for position, request in enumerate(order(state, now, switches.arrival_order)):
         quota = check(config, used, request)
         if not quota.allowed:
             wait(position, request, quota.reason)
             continue
-        if decisions.reservation is not None and not backfill:
+        if decisions.reservation is not None and not switches.backfill:
             wait(position, request, f"no backfill: behind {decisions.reservation.run_id}")
             continue
         if request.run_id in reclaiming:
@@ -276,7 +258,7 @@ def schedule(
             now=now,
             default_runtime_s=default_runtime_s,
             hosts_yielders=hosts_yielders,
-            yield_latest_first=yield_latest_first,
+            yield_latest_first=switches.yield_latest_first,
         )
         asked = request
         request, found = largest_fit(request, fit)
@@ -310,15 +292,16 @@ def schedule(
             decisions.spares -= set(placed)
             granted_now.append(_as_allocation(request, pools, placed, now, default_runtime_s))
             continue
-        if preemption and not quota.borrowing:
+        if switches.preemption and not quota.borrowing:
             candidates = [
                 a
                 for a in running
                 if a.run_id not in being_preempted
-                and not (starvation_guard and _shielded(a, now, config))
+                and not (switches.starvation_guard and _shielded(a, now, config))
             ]
             restart_s, around = 0.0, merged([general, *own])
-            if starvation_guard:  # what a victim frees on reserved nodes is not this request's
+            # With the guard, what a victim frees on reserved nodes is not this request's.
+            if switches.starvation_guard:
                 restart_s = config.preemption_restart_s
                 around = without([general, *own], reserved_ids - set(kept[0].nodes if kept else ()))
             chosen = choose_victims(request, around, candidates, lenders, now, restart_s)
@@ -350,7 +333,7 @@ def schedule(
             wait(position, request, "its reservation holds: " + _described(kept[0]))
             continue
         reservation: Reservation | None = None
-        if head or (starvation_guard and long_waiting(request, now, config)):
+        if head or (switches.starvation_guard and long_waiting(request, now, config)):
             # Every gang frees its nodes some day, those being preempted too; claimed nodes
             # count as free (their claimant takes them now and frees them later), reserved ones
             # do not (an earlier reservation has them).
@@ -383,7 +366,8 @@ def schedule(
                 state, reservation, request, now, being_preempted, deadline, yielding
             )
             decisions.preemptions += overdue
-            if starvation_guard:  # a later reservation must not stop the same gang again
+            # With the guard, a later reservation must not stop the same gang again.
+            if switches.starvation_guard:
                 being_preempted |= {victim for victim, _ in overdue}
             wait(
                 position,
@@ -395,7 +379,7 @@ def schedule(
             continue
         behind = decisions.reservation.run_id if decisions.reservation else "the reservations"
         wait(position, request, f"no capacity: behind {behind}'s reservation")
-    if preemption:
+    if switches.preemption:
         _grow_shrunk_gangs(state, decisions, general, used, being_preempted, now)
     return decisions
 

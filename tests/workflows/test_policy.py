@@ -7,6 +7,7 @@ from datetime import timedelta
 from tests.workflows.policy_fixtures import NOW, node, request, running, teams
 from workflows.cluster_models import Admin, ClusterConfig, ClusterState, Health, Reservation
 from workflows.placement import Capacity, place
+from workflows.policy_switches import Switches
 from workflows.quotas import borrowed, check, decay_usage, in_use
 from workflows.scheduler import choose_spares, schedule
 
@@ -164,7 +165,8 @@ def test_the_spare_pool_does_not_refill_from_nodes_a_reservation_holds() -> None
 
     # The policy before (histories recorded then replay with it): the pool took a reserved
     # idle node, so the reservation no longer stood and was made again elsewhere, later.
-    decisions = schedule(reserved_while_the_pool_is_short(), NOW, spares_off_reservations=False)
+    before = Switches(spares_off_reservations=False)
+    decisions = schedule(reserved_while_the_pool_is_short(), NOW, before)
     assert decisions.spares == {"n2"}
     (remade,) = decisions.reservations
     assert remade.start == NOW + timedelta(hours=9)
@@ -188,7 +190,7 @@ def test_usage_decays_by_half_life() -> None:
     assert usage["default"] == 500.0 + 8 * 3600
 
 
-# --- the starvation guard (schedule(starvation_guard=...)); False is the policy before it ------
+# --- the starvation guard (Switches.starvation_guard); False is the policy before it ---------
 
 
 def _freed_one_node_at_a_time() -> ClusterState:
@@ -211,11 +213,11 @@ def test_a_long_waiting_gang_keeps_the_nodes_freed_for_it() -> None:
     """Not the head of the line, a big gang used to watch every node that freed go to younger,
     smaller jobs (in simulation 1,024-GPU gangs waited up to 45 h while 8-GPU jobs started)."""
     state = _freed_one_node_at_a_time()
-    before = schedule(state, NOW, starvation_guard=False)
+    before = schedule(state, NOW, Switches(starvation_guard=False))
     assert [(r.run_id, nodes) for r, nodes in before.grants] == [("young", ["n0"])]
     # `young` would hold n0 for 10 h, past the reservation's start: it may not backfill there,
     # only run as a yielder (workflows.yielding) that leaves when `old` can start.
-    assert schedule(state, NOW, yielding_backfill=False).grants == []
+    assert schedule(state, NOW, Switches(yielding_backfill=False)).grants == []
     decisions = schedule(state, NOW)
     assert [(r.run_id, nodes) for r, nodes in decisions.grants] == [("young", ["n0"])]
     assert decisions.yielding == {"young": "old"}
@@ -243,7 +245,7 @@ def test_a_gang_just_granted_is_not_preempted_again() -> None:
     fresh.granted_at = NOW - timedelta(minutes=10)
     running(state, "settled", ["n1"], team="vision", checkpoint_minutes_ago=20)
     state.queue = [request("reclaimer", team="nlp")]
-    victims = {v for v, _ in schedule(state, NOW, starvation_guard=False).preemptions}
+    victims = {v for v, _ in schedule(state, NOW, Switches(starvation_guard=False)).preemptions}
     assert victims == {"fresh"}
     assert {v for v, _ in schedule(state, NOW).preemptions} == {"settled"}
     # Past the shield it may be preempted again.
@@ -260,5 +262,6 @@ def test_a_big_gang_is_not_stopped_for_a_small_request_to_save_a_few_minutes() -
     running(state, "big", ["n0", "n1", "n2", "n3"], team="vision", checkpoint_minutes_ago=1)
     running(state, "small", ["n4"], team="vision", checkpoint_minutes_ago=20)
     state.queue = [request("reclaimer", team="nlp")]
-    assert {v for v, _ in schedule(state, NOW, starvation_guard=False).preemptions} == {"big"}
+    before = schedule(state, NOW, Switches(starvation_guard=False))
+    assert {v for v, _ in before.preemptions} == {"big"}
     assert {v for v, _ in schedule(state, NOW).preemptions} == {"small"}

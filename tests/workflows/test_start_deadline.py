@@ -12,6 +12,7 @@ from pydantic import ValidationError
 from tests.workflows.policy_fixtures import NOW, node, request, running
 from tests.workflows.simulation import TICK, Arrival, Simulator
 from workflows.cluster_models import ClusterConfig, ClusterState
+from workflows.policy_switches import Switches
 from workflows.scheduler import schedule
 
 LIMIT_H = 20.0
@@ -35,7 +36,7 @@ def test_backfill_on_the_reserved_nodes_must_end_by_the_deadline() -> None:
         request("ends-before", max_runtime_s=12 * 3600),
     ]
     # Backfill that must end first; yielders, which leave when told, are test_yielding_backfill's.
-    decisions = schedule(state, NOW, yielding_backfill=False)
+    decisions = schedule(state, NOW, Switches(yielding_backfill=False))
     (held,) = [r for r in decisions.reservations if r.run_id == "big"]
     assert held.start == NOW + timedelta(hours=LIMIT_H - 7)  # not NOW + 30 h
     assert [r.run_id for r, _ in decisions.grants] == ["ends-before"]
@@ -44,7 +45,7 @@ def test_backfill_on_the_reserved_nodes_must_end_by_the_deadline() -> None:
     assert schedule(state, NOW).yielding == {"ends-after": "big"}
 
     # The guard as it was: the reservation waits for the declared ends, and both backfill.
-    before = schedule(state, NOW, start_deadline=False)
+    before = schedule(state, NOW, Switches(start_deadline=False))
     (held,) = [r for r in before.reservations if r.run_id == "big"]
     assert held.start == NOW + timedelta(hours=30)
     assert sorted(r.run_id for r, _ in before.grants) == ["ends-after", "ends-before"]
@@ -85,7 +86,7 @@ def test_a_requeued_run_starts_by_its_deadline_counted_from_the_requeue() -> Non
     state = busy_cluster()
     requeued = request("big", nodes=4, submitted_at=NOW - timedelta(days=3), started_before=True)
     state.queue = [requeued.model_copy(update={"waiting_since": NOW - timedelta(hours=2)})]
-    decisions = schedule(state, NOW, yielding_backfill=False)
+    decisions = schedule(state, NOW, Switches(yielding_backfill=False))
     assert not decisions.preemptions  # a first-submission deadline would have passed long ago
     (held,) = decisions.reservations
     assert held.start == NOW + timedelta(hours=LIMIT_H - 2)  # not NOW + 30 h

@@ -10,6 +10,7 @@ from tests.workflows.policy_fixtures import NOW, node, request, running
 from tests.workflows.simulation import TICK, Arrival, Simulator
 from workflows import cluster_ops as ops
 from workflows.cluster_models import ClusterConfig, ClusterState, Reservation
+from workflows.policy_switches import Switches
 from workflows.scheduler import schedule
 
 LIMIT_H = 20.0
@@ -53,7 +54,7 @@ def test_a_preemptible_request_takes_reserved_idle_nodes_as_a_yielder() -> None:
     # The policy before it (histories recorded then replay with it): the nodes stay idle.
     state = reserved_for_big(hours_left=30)
     state.queue.append(request("yields", max_runtime_s=14 * 3600))
-    assert not schedule(state, NOW, yielding_backfill=False).grants
+    assert not schedule(state, NOW, Switches(yielding_backfill=False)).grants
 
 
 def test_the_yielder_is_told_to_leave_as_the_reservation_is_about_to_start() -> None:
@@ -148,6 +149,6 @@ def test_a_yielder_goes_to_the_reservation_that_starts_latest() -> None:
     assert decisions.yielding == {"yields": "later"}
 
     # The policy before it (histories recorded then replay with it): the first in line.
-    decisions = schedule(two_reservations(), NOW, yield_latest_first=False)
+    decisions = schedule(two_reservations(), NOW, Switches(yield_latest_first=False))
     assert [(r.run_id, nodes) for r, nodes in decisions.grants] == [("yields", ["n0"])]
     assert decisions.yielding == {"yields": "first"}

@@ -7,11 +7,13 @@ runs), three weeks. `examples/simulate.toml` lists every key.
 
 from __future__ import annotations
 
+from dataclasses import fields
 from enum import StrEnum
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from workflows.cluster_models import ClusterConfig, QueueConfig
+from workflows.policy_switches import Switches
 
 
 class PolicyName(StrEnum):
@@ -43,6 +45,11 @@ class Policy(BaseModel):
     requeue_deadline: bool = False
     yield_latest_first: bool = False
     spares_off_reservations: bool = False
+
+    def switches(self) -> Switches:
+        """The scheduler's part of the policy; `borrowing`, `spares` and `requeue_deadline` are
+        the simulator's (the cluster's config and how a requeued run asks again)."""
+        return Switches(**{f.name: getattr(self, f.name) for f in fields(Switches)})
 
 
 _GUARDED = Policy(

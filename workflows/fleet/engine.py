@@ -100,6 +100,7 @@ class Simulation:
     ) -> None:
         self.config = config
         self.policy = POLICIES[config.policy]
+        self.switches = self.policy.switches()
         self.interval = interval
         fleet = config.fleet
         self.horizon = config.days * DAY
@@ -330,18 +331,7 @@ class Simulation:
         spares = {n.info.node_id for n in self.nodes if n.spare}
         for allocation in ops.prepare(state, now):  # never here: victims save within grace
             raise AssertionError(f"{allocation.run_id} revoked: a victim outlived its grace")
-        decisions = schedule(
-            state,
-            now,
-            arrival_order=self.policy.arrival_order,
-            backfill=self.policy.backfill,
-            preemption=self.policy.preemption,
-            starvation_guard=self.policy.starvation_guard,
-            start_deadline=self.policy.start_deadline,
-            yielding_backfill=self.policy.yielding_backfill,
-            yield_latest_first=self.policy.yield_latest_first,
-            spares_off_reservations=self.policy.spares_off_reservations,
-        )
+        decisions = schedule(state, now, self.switches)
         for run_id, signal, argument in ops.apply(state, decisions, now):
             if signal == GANG_GRANTED_SIGNAL:
                 self._granted(argument, spares)  # type: ignore[arg-type]
