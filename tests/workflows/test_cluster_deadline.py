@@ -21,7 +21,7 @@ from workflows.cluster_models import Allocation, ClusterConfig, PreemptNotice
 from workflows.names import CLUSTER_WORKFLOW_ID
 
 LABEL = "2026-12-04-deadline"
-YIELDING_LABEL = "2026-12-04-spares-off-reservations"
+YIELDING_LABEL = "2026-12-05-reclaim-patience"
 REQUEUE_LABEL = "2026-12-04-requeue-deadline"
 RESERVE_AFTER_S = 600
 START_WITHIN_S = 1_200

@@ -405,6 +405,7 @@ def test_a_team_reclaims_its_guarantee_from_a_borrower(
             queues=[QueueConfig(name="nlp", guaranteed_gpus=2), QueueConfig(name="vision")],
             preemption_grace_s=60,
             preemption_shield_s=0,  # the borrower was granted just now: reclaim it at once
+            reclaim_after_s=0,  # and without waiting for nodes to free on their own
         )
         await h.cluster.execute_update(ClusterWorkflow.apply_config, config)
         for n in ("n0", "n1"):
@@ -488,6 +489,7 @@ def test_a_victim_that_never_releases_is_revoked_after_the_grace(task_queue: str
             queues=[QueueConfig(name="nlp", guaranteed_gpus=1), QueueConfig(name="vision")],
             preemption_grace_s=120,
             preemption_shield_s=0,  # the squatter was granted just now: reclaim it at once
+            reclaim_after_s=0,  # and without waiting for nodes to free on their own
         )
         await h.cluster.execute_update(ClusterWorkflow.apply_config, config)
         await h.cluster.signal(ClusterWorkflow.register_node, node("n0"))

@@ -204,6 +204,7 @@ def test_policies_in_order_on_a_contended_fleet() -> None:
         "spares-requeue-deadline",
         "spares-yield-latest",
         "spares-reserved-kept",
+        "spares-patient-reclaim",
     }
     assert all(r.yielded == 0 for name, r in reports.items() if name not in yielding)
     assert 0 < reports["spares"].yielded <= reports["spares"].preemptions

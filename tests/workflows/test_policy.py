@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from datetime import timedelta
+from datetime import datetime, timedelta
 
 from tests.workflows.policy_fixtures import NOW, node, request, running, teams
 from workflows.cluster_models import Admin, ClusterConfig, ClusterState, Health, Reservation
@@ -79,13 +79,49 @@ def test_a_team_reclaims_its_guarantee_from_the_cheapest_borrower() -> None:
     running(state, "recent-ckpt", ["n0"], team="vision", checkpoint_minutes_ago=1)
     running(state, "stale-ckpt", ["n1"], team="vision", checkpoint_minutes_ago=50)
     running(state, "rigid", ["n2"], team="vision", preemptible=False)
-    state.queue = [request("nlp-job", team="nlp")]
+    state.queue = [request("nlp-job", team="nlp", submitted_at=patient_since(config))]
     decisions = schedule(state, NOW)
     assert decisions.grants == []
     assert [victim for victim, _ in decisions.preemptions] == ["recent-ckpt"]
     notice = decisions.preemptions[0][1]
     assert notice.for_run == "nlp-job" and notice.deadline == NOW + timedelta(seconds=120)
     assert "preempting recent-ckpt" in decisions.waiting[0].reason
+
+
+def patient_since(config: ClusterConfig) -> datetime:
+    """A submission that has waited its `reclaim_after_s` at NOW."""
+    return NOW - timedelta(seconds=config.reclaim_after_s)
+
+
+def test_a_team_waits_for_nodes_to_free_before_it_reclaims() -> None:
+    """On a big cluster some gang ends every minute or so: in three weeks of simulation,
+    waiting a quarter of an hour for nodes to free on their own cut the reclaims from 650 to
+    406. A request within its guarantee waits `reclaim_after_s` before it preempts."""
+    config = teams(nlp=(8, None), vision=(0, None))
+    state = ClusterState(config=config, nodes=[node("n0")])
+    running(state, "borrower", ["n0"], team="vision", checkpoint_minutes_ago=20)
+    state.queue = [request("nlp-job", team="nlp")]  # submitted now
+    decisions = schedule(state, NOW)
+    assert decisions.preemptions == []
+    (waiting,) = decisions.waiting
+    assert waiting.reason.endswith("it reclaims from borrowers at 12:15:00 UTC"), waiting.reason
+    almost = NOW + timedelta(seconds=config.reclaim_after_s - 1)
+    assert schedule(state, almost).preemptions == []
+    later = NOW + timedelta(seconds=config.reclaim_after_s)
+    assert [v for v, _ in schedule(state, later).preemptions] == ["borrower"]
+    # The policy before (histories recorded then replay with it) reclaims at once.
+    before = schedule(state, NOW, Switches(reclaim_patience=False))
+    assert [v for v, _ in before.preemptions] == ["borrower"]
+
+
+def test_a_requeued_run_reclaims_at_once() -> None:
+    """It keeps its first submission: its wait stalls work already under way."""
+    config = teams(nlp=(8, None), vision=(0, None))
+    state = ClusterState(config=config, nodes=[node("n0")])
+    running(state, "borrower", ["n0"], team="vision", checkpoint_minutes_ago=20)
+    ran = request("nlp-job", team="nlp", submitted_at=NOW - timedelta(hours=3))
+    state.queue = [ran.model_copy(update={"started_before": True, "waiting_since": NOW})]
+    assert [v for v, _ in schedule(state, NOW).preemptions] == ["borrower"]
 
 
 def test_borrowers_are_never_taken_for_another_borrower() -> None:
@@ -244,7 +280,7 @@ def test_a_gang_just_granted_is_not_preempted_again() -> None:
     fresh = running(state, "fresh", ["n0"], team="vision", checkpoint_minutes_ago=1)
     fresh.granted_at = NOW - timedelta(minutes=10)
     running(state, "settled", ["n1"], team="vision", checkpoint_minutes_ago=20)
-    state.queue = [request("reclaimer", team="nlp")]
+    state.queue = [request("reclaimer", team="nlp", submitted_at=patient_since(config))]
     victims = {v for v, _ in schedule(state, NOW, Switches(starvation_guard=False)).preemptions}
     assert victims == {"fresh"}
     assert {v for v, _ in schedule(state, NOW).preemptions} == {"settled"}
@@ -261,7 +297,7 @@ def test_a_big_gang_is_not_stopped_for_a_small_request_to_save_a_few_minutes() -
     state = ClusterState(config=config, nodes=[node(f"n{i}") for i in range(5)])
     running(state, "big", ["n0", "n1", "n2", "n3"], team="vision", checkpoint_minutes_ago=1)
     running(state, "small", ["n4"], team="vision", checkpoint_minutes_ago=20)
-    state.queue = [request("reclaimer", team="nlp")]
+    state.queue = [request("reclaimer", team="nlp", submitted_at=patient_since(config))]
     before = schedule(state, NOW, Switches(starvation_guard=False))
     assert {v for v, _ in before.preemptions} == {"big"}
     assert {v for v, _ in schedule(state, NOW).preemptions} == {"small"}

@@ -275,13 +275,15 @@ class Reclaim:
         # A borrower granted less than the shield ago is no victim until the shield is over;
         # victims release within the grace period or are revoked at the first pass after
         # deadline + 30 s; a pass follows every release, at most a tick follows the margin.
+        # The request itself reclaims only once it has waited reclaim_after_s (it arrives now).
         config = self.scenario.state.config
+        patience = NOW + timedelta(seconds=config.reclaim_after_s)
         shielded = [
             a.granted_at + timedelta(seconds=config.preemption_shield_s)
             for a in self.scenario.state.allocations
             if a.granted_at is not None
         ]
-        start = max([NOW, *shielded])
+        start = max([patience, *shielded])
         return start + timedelta(seconds=config.preemption_grace_s) + REVOKE_MARGIN + TICK
 
     def granted_at(self, **options: object) -> datetime | None:

@@ -31,6 +31,8 @@ class PolicyName(StrEnum):
     YIELD_LATEST = "spares-yield-latest"
     # + the spare pool never refills from nodes a reservation holds (scheduler.choose_spares)
     RESERVED_NOT_SPARE = "spares-reserved-kept"
+    # + a reclaim waits `reclaim_after_s` after its submission (scheduler.reclaims_now)
+    PATIENT_RECLAIM = "spares-patient-reclaim"
 
 
 class Policy(BaseModel):
@@ -45,6 +47,7 @@ class Policy(BaseModel):
     requeue_deadline: bool = False
     yield_latest_first: bool = False
     spares_off_reservations: bool = False
+    reclaim_patience: bool = False
 
     def switches(self) -> Switches:
         """The scheduler's part of the policy; `borrowing`, `spares` and `requeue_deadline` are
@@ -93,6 +96,7 @@ POLICIES |= _each_adding(
         (PolicyName.REQUEUE_DEADLINE, "requeue_deadline"),
         (PolicyName.YIELD_LATEST, "yield_latest_first"),
         (PolicyName.RESERVED_NOT_SPARE, "spares_off_reservations"),
+        (PolicyName.PATIENT_RECLAIM, "reclaim_patience"),
     ],
 )
 
@@ -108,6 +112,7 @@ class Fleet(_Strict):
     spare_nodes: int = Field(16, ge=0, description="held back for failed gangs (policy spares)")
     preemption_grace_s: int = Field(300, ge=1)
     aging_s: float = Field(3_600.0, gt=0)
+    reclaim_after_s: float = Field(900.0, ge=0, description="policy spares-patient-reclaim")
     fair_share_half_life_h: float = Field(24.0, gt=0)
 
 
@@ -259,7 +264,7 @@ class SimConfig(_Strict):
     tick_s: float = Field(300.0, gt=0, description="at most one scheduling pass per tick")
     runtime_estimate: float = Field(1.5, ge=1.0, description="declared max runtime ÷ expected")
     starvation_h: float = Field(24.0, gt=0, description="a wait longer than this is starvation")
-    policy: PolicyName = PolicyName.RESERVED_NOT_SPARE
+    policy: PolicyName = PolicyName.PATIENT_RECLAIM
     fleet: Fleet = Fleet()
     failures: Failures = Failures()
     recovery: Recovery = Recovery()
@@ -295,6 +300,7 @@ class SimConfig(_Strict):
             preemption_grace_s=fleet.preemption_grace_s,
             aging_s=fleet.aging_s,
             fair_share_half_life_h=fleet.fair_share_half_life_h,
+            reclaim_after_s=fleet.reclaim_after_s,
         )
 
     @property
