@@ -25,6 +25,7 @@ from workflows.fleet.engine import JobRecord, Simulation
 from workflows.fleet.progress import Attempt, SavePlan
 from workflows.fleet.report import compare, recovery_steps, report, run
 from workflows.fleet.workload import Job, Outage
+from workflows.policy_switches import TODAY
 
 TEAMS = [QueueConfig(name="a", guaranteed_gpus=96), QueueConfig(name="b", guaranteed_gpus=96)]
 
@@ -198,7 +199,7 @@ def test_policies_in_order_on_a_contended_fleet() -> None:
     assert reports["preemption"].allocation >= reports["backfill"].allocation
     assert reports["fifo"].preemptions == reports["backfill"].preemptions == 0
     assert reports["fifo"].spare_hits == reports["preemption"].spare_hits == 0
-    yielding = {p.value for p in PolicyName if POLICIES[p].yielding_backfill}
+    yielding = {p.value for p in PolicyName if POLICIES[p].switches.yielding_backfill}
     assert yielding == {
         "spares",
         "spares-requeue-deadline",
@@ -208,6 +209,13 @@ def test_policies_in_order_on_a_contended_fleet() -> None:
     }
     assert all(r.yielded == 0 for name, r in reports.items() if name not in yielding)
     assert 0 < reports["spares"].yielded <= reports["spares"].preemptions
+
+
+def test_the_default_policy_is_the_clusters() -> None:
+    """What the simulator reports by default is what the Cluster workflow runs."""
+    default = POLICIES[SimConfig().policy]
+    assert default.switches == TODAY and default.borrowing and default.spares
+    assert default.requeue_deadline
 
 
 @pytest.fixture

@@ -7,7 +7,7 @@ runs), three weeks. `examples/simulate.toml` lists every key.
 
 from __future__ import annotations
 
-from dataclasses import fields
+from dataclasses import fields, replace
 from enum import StrEnum
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -36,61 +36,54 @@ class PolicyName(StrEnum):
 
 
 class Policy(BaseModel):
-    arrival_order: bool
-    backfill: bool
-    borrowing: bool
-    preemption: bool
-    spares: bool
-    starvation_guard: bool = False
-    start_deadline: bool = False
-    yielding_backfill: bool = False
+    """A policy the simulator runs: the scheduler's switches, and what the simulator decides
+    beside them (the cluster's config, how a requeued run asks again)."""
+
+    switches: Switches
+    borrowing: bool  # False: every team is capped at its guarantee
+    spares: bool  # the fleet keeps `spare_nodes` for failed gangs
+    # A run requeued after it ran gets a start deadline counted from its requeue
+    # (workflows.held_reservations).
     requeue_deadline: bool = False
-    yield_latest_first: bool = False
-    spares_off_reservations: bool = False
-    reclaim_patience: bool = False
-
-    def switches(self) -> Switches:
-        """The scheduler's part of the policy; `borrowing`, `spares` and `requeue_deadline` are
-        the simulator's (the cluster's config and how a requeued run asks again)."""
-        return Switches(**{f.name: getattr(self, f.name) for f in fields(Switches)})
 
 
-_GUARDED = Policy(
-    arrival_order=False,
-    backfill=True,
-    borrowing=True,
-    preemption=True,
-    spares=True,
-    starvation_guard=True,
-    start_deadline=True,
-)
+def _first(*, borrowing: bool, spares: bool, **switches: bool) -> Policy:
+    """One of the policies from before the guard: only the named switches on."""
+    off = {f.name: False for f in fields(Switches)}
+    return Policy(switches=Switches(**(off | switches)), borrowing=borrowing, spares=spares)
+
+
 POLICIES: dict[PolicyName, Policy] = {
-    PolicyName.FIFO: Policy(
-        arrival_order=True, backfill=False, borrowing=False, preemption=False, spares=False
+    PolicyName.FIFO: _first(borrowing=False, spares=False, arrival_order=True),
+    PolicyName.BACKFILL: _first(borrowing=False, spares=False, backfill=True),
+    PolicyName.PREEMPTION: _first(borrowing=True, spares=False, backfill=True, preemption=True),
+    PolicyName.UNGUARDED: _first(borrowing=True, spares=True, backfill=True, preemption=True),
+    PolicyName.GUARDED: _first(
+        borrowing=True,
+        spares=True,
+        backfill=True,
+        preemption=True,
+        starvation_guard=True,
+        start_deadline=True,
     ),
-    PolicyName.BACKFILL: Policy(
-        arrival_order=False, backfill=True, borrowing=False, preemption=False, spares=False
-    ),
-    PolicyName.PREEMPTION: Policy(
-        arrival_order=False, backfill=True, borrowing=True, preemption=True, spares=False
-    ),
-    PolicyName.UNGUARDED: Policy(
-        arrival_order=False, backfill=True, borrowing=True, preemption=True, spares=True
-    ),
-    PolicyName.GUARDED: _GUARDED,
 }
 
 
 def _each_adding(base: Policy, switches: list[tuple[PolicyName, str]]) -> dict[PolicyName, Policy]:
-    """From the guard on, each policy is the one before it with one more switch on."""
+    """From the guard on, each policy is the one before it with one more switch on (the
+    scheduler's, or the simulator's `requeue_deadline`)."""
     policies: dict[PolicyName, Policy] = {}
     for name, switch in switches:
-        base = policies[name] = base.model_copy(update={switch: True})
+        if switch in Policy.model_fields:
+            base = base.model_copy(update={switch: True})
+        else:
+            base = base.model_copy(update={"switches": replace(base.switches, **{switch: True})})
+        policies[name] = base
     return policies
 
 
 POLICIES |= _each_adding(
-    _GUARDED,
+    POLICIES[PolicyName.GUARDED],
     [
         (PolicyName.SPARES, "yielding_backfill"),
         (PolicyName.REQUEUE_DEADLINE, "requeue_deadline"),

@@ -100,7 +100,7 @@ class Simulation:
     ) -> None:
         self.config = config
         self.policy = POLICIES[config.policy]
-        self.switches = self.policy.switches()
+        self.switches = self.policy.switches
         self.interval = interval
         fleet = config.fleet
         self.horizon = config.days * DAY
@@ -326,7 +326,7 @@ class Simulation:
         state, now = self.state, self._at(self.now_s)
         self.dirty = False
         self.out.passes += 1
-        if self.policy.preemption:
+        if self.switches.preemption:
             self._note_checkpoints()
         spares = {n.info.node_id for n in self.nodes if n.spare}
         for allocation in ops.prepare(state, now):  # never here: victims save within grace
