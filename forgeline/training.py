@@ -52,6 +52,7 @@ from trainer.job_checkpoints import checkpointer_for, resolve
 from trainer.metrics import mfu
 from trainer.parallel import Layout, Placement, build_mesh
 from trainer.progress import ProgressFile
+from trainer.rng_streams import seed_step
 from trainer.step_share import (
     EXIT_NON_FINITE,
     FENCED,
@@ -273,8 +274,10 @@ class Run:
         self._progress.write(event="sdk", call="steps", state="entered")
         while self.step < self.settings.steps:
             entered = time.perf_counter()
-            # Randomness (dropout) derives from (seed, step, rank): nothing to save for resume.
-            runtime.seed(self.device, self.settings.seed + 1_000_003 * (self.step + 1) + self.rank)
+            # Randomness (dropout) derives from (seed, step, coordinates): nothing to save for
+            # resume, and a tensor-parallel group draws alike where it holds the same values.
+            seed_step(self.device, self.settings.seed, self.step + 1,
+                      self.placement.dp_rank, self.rank, self.layout.tensor > 1)  # fmt: skip
             self._stall_s = 0.0
             step = self._current = Step(self, self.step + 1)
             self._sdk_s += time.perf_counter() - entered

@@ -18,6 +18,7 @@ V vocabulary. Under tensor parallelism of degree tp a rank sees H/tp heads, C/tp
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import asdict, dataclass
 
@@ -26,6 +27,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from infra.capacity import mlp_hidden
+from trainer.rng_streams import sharded_draws
 
 
 @dataclass(frozen=True)
@@ -135,6 +137,7 @@ class CausalSelfAttention(nn.Module):
             Rotary(self.head_dim, config.block_size, config.rope_theta) if config.rope else None
         )
         self.dropout = config.dropout
+        self.sharded = False  # split by heads across a tensor-parallel group (trainer.parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, _ = x.shape
@@ -151,9 +154,12 @@ class CausalSelfAttention(nn.Module):
             )
         if self.rotary is not None:
             q, k = self.rotary(q), self.rotary(k)
-        y = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
-        )  # (B, H', T, D)
+        dropout = self.dropout if self.training else 0.0
+        # Under tensor parallelism these are this rank's heads alone: their dropout masks come
+        # from the rank's own stream (trainer.rng_streams).
+        with sharded_draws() if dropout and self.sharded else contextlib.nullcontext():
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout)
+        # (B, H', T, D)
         # (B, H', T, D) -> (B, T, C'); the row-sharded proj takes C' inputs.
         return self.proj(y.transpose(1, 2).contiguous().view(B, T, -1))
 

@@ -96,6 +96,7 @@ def _tensor_parallel(model: GPT, mesh: DeviceMesh) -> None:
         if model.config.swiglu:
             plan["mlp.gate"] = ColwiseParallel()
         parallelize_module(block, mesh, plan)
+        block.attn.sharded = True
 
 
 def parallelize(model: GPT, layout: Layout, placement: Placement) -> nn.Module:

@@ -17,16 +17,6 @@ import torch.distributed as dist
 from infra.parent_death import die_with_parent_from_now
 
 
-def seed(device: torch.device, seed: int) -> None:
-    """torch.manual_seed(seed) for this rank's device. On CPU that is the CPU generator's seed
-    alone: torch.manual_seed would also queue a seed for CUDA, which formats the Python stack
-    each time (a few hundred microseconds a step) for a device never used."""
-    if device.type == "cpu":
-        torch.default_generator.manual_seed(seed)
-    else:
-        torch.manual_seed(seed)
-
-
 class TermSignal:
     """SIGTERM (a preemption notice from the launcher, the scheduler or the machine) sets a flag
     the loop checks once per step, so the step in progress finishes and a checkpoint commits."""

@@ -6,6 +6,7 @@ import asyncio
 import json
 import os
 import signal
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -19,6 +20,7 @@ from trainer.evaluate import evaluate_checkpoint
 from trainer.job import ResumePoint, TrainJob
 from trainer.launch import RANK_SCRIPT
 from trainer.manifest import (
+    CommittedCheckpoint,
     committed_steps,
     find_latest,
     load_for_init,
@@ -93,26 +95,36 @@ def test_each_logged_step_says_how_much_of_it_the_sdk_took(reference_job: TrainJ
     assert all(0 < share < 1 for share in shares), shares
 
 
-def test_killed_run_resumes_exactly(trainer: Trainer, reference: dict) -> None:
-    """SIGKILL the ranks after the first commit; the resumed run matches bit for bit."""
-    job = trainer.job("killed", TRAIN)
+def killed_and_resumed(
+    trainer: Trainer, make: Callable[..., TrainJob], ranks: int
+) -> CommittedCheckpoint:
+    """SIGKILL the ranks of `make()` after its first commit, resume it from there as
+    `make(resume=..., generation=2)` on as many ranks, and return its last checkpoint."""
+    job = make()
     workdir = Path(job.progress_file).parent
 
     async def run_and_kill() -> None:
-        task = await trainer.start_until_committed(job, ranks=2)
+        task = await trainer.start_until_committed(job, ranks=ranks)
         for pid in job_processes(workdir / "job.json"):
             os.kill(pid, signal.SIGKILL)
         with pytest.raises(Exception, match="exited with status"):
             await task
 
     asyncio.run(run_and_kill())
-    found = find_latest(trainer.store, "killed", max_generation=1)
-    assert found is not None and found.step < 120, "the kill came too late to test resume"
+    found = find_latest(trainer.store, job.run_id, max_generation=1)
+    steps = job.train["steps"]
+    assert found is not None and found.step < steps, "the kill came too late to test resume"
 
-    resume = resume_point(trainer, found.manifest, "killed", found.key)
-    trainer.run(trainer.job("killed", TRAIN, resume=resume, generation=2), ranks=2)
-    final = find_latest(trainer.store, "killed", max_generation=2)
-    assert final is not None and final.step == 120 and final.generation == 2
+    resume = resume_point(trainer, found.manifest, job.run_id, found.key)
+    trainer.run(make(resume=resume, generation=2), ranks=ranks)
+    final = find_latest(trainer.store, job.run_id, max_generation=2)
+    assert final is not None and final.step == steps and final.generation == 2
+    return final
+
+
+def test_killed_run_resumes_exactly(trainer: Trainer, reference: dict) -> None:
+    """SIGKILL the ranks after the first commit; the resumed run matches bit for bit."""
+    final = killed_and_resumed(trainer, lambda **kw: trainer.job("killed", TRAIN, **kw), ranks=2)
     assert final.manifest["loss_history"] == reference["loss_history"]
     assert final.tokens_seen == reference["tokens_seen"]
     for name, tensor in weights(trainer, reference, "ref").items():
