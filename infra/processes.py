@@ -139,12 +139,16 @@ def _signal_group(pid: int, sig: signal.Signals) -> None:
 def wait_until(
     ready: Callable[[], bool], timeout: float, what: str, process: ManagedProcess | None = None
 ) -> None:
-    """Poll `ready` until it holds; fail with the process's log tail if it died or timed out."""
+    """Poll `ready` until it holds; fail with the process's log tail if it died or timed out.
+    Ready only while the process runs: a server that exits at start-up (its port taken by then,
+    a bad database) leaves its port answering whenever another process holds it."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if ready():
+        alive = process is None or process.running()
+        if ready() and alive:
             return
-        if process is not None and not process.running():
+        if not alive:
+            assert process is not None
             raise StackError(f"{what} exited during start-up:\n{process.log_tail()}")
         time.sleep(0.2)
     tail = process.log_tail() if process else ""

@@ -1,9 +1,13 @@
+import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-from infra.processes import ManagedProcess, free_port, port_is_open, started_at
+import pytest
+
+from infra.errors import StackError
+from infra.processes import ManagedProcess, free_port, port_is_open, started_at, wait_until
 
 
 def test_start_find_and_stop_a_process_group(tmp_path: Path) -> None:
@@ -18,6 +22,22 @@ def test_start_find_and_stop_a_process_group(tmp_path: Path) -> None:
     # Exited children of this test process stay zombies until reaped; they hold nothing.
     alive = [p for p in Path("/proc").iterdir() if p.name.isdigit() and _group_member(p, pid)]
     assert alive == []
+
+
+def test_a_server_that_exited_is_not_ready_though_its_port_answers(tmp_path: Path) -> None:
+    """Its port is held by another process (here, this test's listener); the server itself
+    failed at start-up: not ready, and the error carries its log."""
+    server = ManagedProcess(tmp_path, "server")
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        script = "import sys; print('bind: address already in use'); sys.exit(1)"
+        server.start([sys.executable, "-c", script])
+        deadline = time.monotonic() + 30
+        while server.running():
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        with pytest.raises(StackError, match=r"exited during start-up:\n.*address already in use"):
+            wait_until(lambda: port_is_open("127.0.0.1", port), 5, "server", server)
 
 
 def test_a_recycled_pid_is_not_ours(tmp_path: Path) -> None:
