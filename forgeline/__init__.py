@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     from forgeline.errors import SDKUsageError
     from forgeline.step import Step
     from forgeline.training import Run, init
+    from trainer.rng_streams import sharded_draws
 
 # Loaded when first used: a program that only calls the API (and the `forgeline` CLI, which
 # is one) must not pay for importing torch, and a rank script does not load the client.
@@ -42,8 +43,11 @@ _WHERE = {
     "Step": "forgeline.step",
     "Run": "forgeline.training",
     "init": "forgeline.training",
+    "sharded_draws": "trainer.rng_streams",
 }
-__all__ = ["ApiError", "Client", "Run", "SDKUsageError", "Step", "init"]  # = _WHERE
+__all__ = [  # = _WHERE
+    "ApiError", "Client", "Run", "SDKUsageError", "Step", "init", "sharded_draws",
+]  # fmt: skip
 
 
 def __getattr__(name: str) -> Any:

@@ -11,10 +11,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+import forgeline
 from infra.processes import free_port
 from trainer.model import GPT, GPTConfig
 from trainer.parallel import Layout, build_mesh, parallelize
-from trainer.rng_streams import seed_step, sharded_draws, step_seed
+from trainer.rng_streams import seed_step, step_seed
 
 CONFIG = GPTConfig(vocab_size=64, n_layer=2, n_head=4, n_embd=32, block_size=16, dropout=0.1)
 SEED, STEPS = 7, 3
@@ -83,7 +84,7 @@ def test_each_rank_draws_its_own_masks_for_its_heads_and_the_step_is_unchanged()
     draws = {}
     for rank in (0, 1):
         seed_step(cpu, SEED, 5, dp_rank=0, rank=rank, tensor_parallel=True)
-        with sharded_draws():
+        with forgeline.sharded_draws():  # as a user's own rank script would
             heads = torch.rand(8)
         draws[rank] = (heads, torch.rand(8))
     assert not torch.equal(draws[0][0], draws[1][0])
