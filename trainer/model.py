@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import contextlib
 import math
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import asdict, dataclass
 
 import torch
@@ -27,7 +29,6 @@ from torch import nn
 from torch.nn import functional as F
 
 from infra.capacity import mlp_hidden
-from trainer.rng_streams import sharded_draws
 
 
 @dataclass(frozen=True)
@@ -137,7 +138,10 @@ class CausalSelfAttention(nn.Module):
             Rotary(self.head_dim, config.block_size, config.rope_theta) if config.rope else None
         )
         self.dropout = config.dropout
-        self.sharded = False  # split by heads across a tensor-parallel group (trainer.parallel)
+        # Where dropout on this module's heads draws from. Split by heads across a
+        # tensor-parallel group, each rank's own stream (trainer.parallel sets
+        # trainer.rng_streams.sharded_draws; this file ships with registered models alone).
+        self.head_draws: Callable[[], AbstractContextManager[None]] = contextlib.nullcontext
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, _ = x.shape
@@ -155,9 +159,7 @@ class CausalSelfAttention(nn.Module):
         if self.rotary is not None:
             q, k = self.rotary(q), self.rotary(k)
         dropout = self.dropout if self.training else 0.0
-        # Under tensor parallelism these are this rank's heads alone: their dropout masks come
-        # from the rank's own stream (trainer.rng_streams).
-        with sharded_draws() if dropout and self.sharded else contextlib.nullcontext():
+        with self.head_draws() if dropout else contextlib.nullcontext():
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout)
         # (B, H', T, D)
         # (B, H', T, D) -> (B, T, C'); the row-sharded proj takes C' inputs.

@@ -29,6 +29,7 @@ from torch.distributed.tensor.parallel import (
 from torch.nn.parallel import DistributedDataParallel
 
 from trainer.model import GPT
+from trainer.rng_streams import sharded_draws
 
 MESH_DIMS = ("replicate", "shard", "tensor")
 
@@ -96,7 +97,7 @@ def _tensor_parallel(model: GPT, mesh: DeviceMesh) -> None:
         if model.config.swiglu:
             plan["mlp.gate"] = ColwiseParallel()
         parallelize_module(block, mesh, plan)
-        block.attn.sharded = True
+        block.attn.head_draws = sharded_draws  # its heads are this rank's alone
 
 
 def parallelize(model: GPT, layout: Layout, placement: Placement) -> nn.Module:
