@@ -146,6 +146,7 @@ def trainer_tokens_per_s(root: Path, store: LocalStore, snapshot, size: Size, ru
         chaos_file=str(work / "CHAOS"),
         layout={"replicate": 1, "shard": 1, "tensor": 1},
         stragglers=RecoverySpec().straggler_settings(),
+        spikes=RecoverySpec().spike_settings(),
     )
     rdzv = Rendezvous(f"127.0.0.1:{free_port()}", run, 1, 1)
     asyncio.run(run_ranks(job, work, rdzv, lambda _: None, threads_per_rank=THREADS))

@@ -7,6 +7,7 @@ import math
 
 from trainer.grad_watch import suspects
 from trainer.progress import ProgressFile
+from trainer.spike_watch import Spike
 
 
 class Findings:
@@ -15,13 +16,21 @@ class Findings:
         self.ranks_per_node = ranks_per_node
 
     def health(
-        self, kind: str, step: int, rank: int, action: str, evidence: str, **more: object
+        self, kind: str, step: int, rank: int | None, action: str, evidence: str, **more: object
     ) -> None:
-        """A finding about one rank's node (the agent maps its index to the node's id)."""
+        """A finding about one rank's node (the agent maps its index to the node's id), or,
+        with no rank, about the whole gang."""
+        node_index = None if rank is None else rank // self.ranks_per_node
         self.progress.write(
-            event="health", kind=kind, step=step, rank=rank,
-            node_index=rank // self.ranks_per_node, action=action, evidence=evidence, **more,
+            event="health", kind=kind, step=step, rank=rank, node_index=node_index,
+            action=action, evidence=evidence, **more,
         )  # fmt: skip
+
+    def suspect(self, spike: Spike) -> None:
+        """A finite outlier (trainer.spike_watch): recorded and shown, not yet a verdict."""
+        kind = "suspect" if spike.rank is not None else "spike"
+        evidence = spike.describe(self.ranks_per_node)
+        self.health(kind, spike.step, spike.rank, "report", evidence, mads=round(spike.mads, 1))
 
     def non_finite(self, step: int, grad_norms: list[float]) -> str:
         """The gang saw NaN or inf at `step`: name the ranks whose own gradients made it (to

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from forgeline.errors import SDKUsageError
-from trainer.grad_watch import chaos_asks_to_corrupt, corrupt_gradients
+from trainer.grad_watch import chaos_poison, corrupt_gradients
 from trainer.parallel import clip_grad_norm, local_grad_norm
 
 if TYPE_CHECKING:
@@ -78,8 +78,9 @@ class Step:
         by the global norm, as `torch.nn.utils.clip_grad_norm_` would, taking the norm once for
         both where each rank holds whole gradients (one rank, DDP)."""
         run = self.run
-        if run._own_norms is None and chaos_asks_to_corrupt(run._corrupt_next, self.number):
-            corrupt_gradients(model)  # no all-reduce hook to do it in: after backward
+        scale = None if run._own_norms else chaos_poison(run._corrupt_next, self.number)
+        if scale is not None:
+            corrupt_gradients(model, scale)  # no all-reduce hook to do it in: after backward
         norm, whole = local_grad_norm(model)
         self.finite = self.finite and math.isfinite(norm)
         if max_norm > 0:

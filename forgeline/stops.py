@@ -13,6 +13,7 @@ from pathlib import Path
 from forgeline.findings import Findings
 from forgeline.step import Step
 from trainer.runtime import TermSignal
+from trainer.spike_watch import SpikeWatch
 from trainer.step_share import (
     ASKED_TO_STOP,
     FENCED,
@@ -39,6 +40,7 @@ class StopRules:
         ranks_per_node: int,
         term: TermSignal,
         stop_file: Path | None,
+        spikes: SpikeWatch,
     ) -> None:
         self.watch = StragglerWatch(**stragglers.get("watch", _DEFAULT_WATCH))
         self.action = stragglers.get("policy", "report")  # off | report | swap
@@ -46,6 +48,7 @@ class StopRules:
         self._ranks_per_node = ranks_per_node
         self._term = term
         self._stop_file = stop_file
+        self._spikes = spikes
         self._straggler = ""  # the last straggler's description, the reason a swap gives
 
     def request(self, step: Step, fenced: bool) -> int:
@@ -64,7 +67,10 @@ class StopRules:
         self, step: int, shared: StepShare, own_step_s: float, stop: int
     ) -> tuple[int, float]:
         """The gang's stop after the straggler watch has seen this step, and the step time the
-        gang lost to its slowest rank (for the goodput ledger)."""
+        gang lost to its slowest rank (for the goodput ledger). The suspect watch sees the
+        step's gradient norms too; what it finds is reported, and the gang goes on."""
+        for spike in self._spikes.add(step, shared.grad_norm):
+            self._findings.suspect(spike)
         lost_before = self.watch.lost_s
         found = self.watch.add(step, shared.forward_s, own_step_s, gang_step_s=shared.step_s[0])
         if found is not None and self.action != "off":

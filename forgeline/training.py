@@ -46,13 +46,14 @@ from trainer.checkpoint import load_training_state
 from trainer.checkpoint_policy import CheckpointPolicy
 from trainer.data import RankSlice, Sampler, TokenStream
 from trainer.entry import mark_began
-from trainer.grad_watch import PreReduceNorms, chaos_asks_to_corrupt
+from trainer.grad_watch import PreReduceNorms, chaos_poison
 from trainer.job import TrainJob
 from trainer.job_checkpoints import checkpointer_for, resolve
 from trainer.metrics import mfu
 from trainer.parallel import Layout, Placement, build_mesh
 from trainer.progress import ProgressFile
 from trainer.rng_streams import seed_step
+from trainer.spike_watch import SpikeSettings, SpikeWatch
 from trainer.step_share import (
     EXIT_NON_FINITE,
     FENCED,
@@ -213,7 +214,7 @@ class Run:
             self._own_norms = PreReduceNorms(
                 model,
                 self.placement.mesh.get_group("replicate"),
-                poison_now=lambda: chaos_asks_to_corrupt(self._corrupt_next, self.step + 1),
+                poison_now=lambda: chaos_poison(self._corrupt_next, self.step + 1),
             )
         checkpointer = checkpointer_for(
             self.job, self.store, self.layout.to_dict(), keep=self.settings.keep_checkpoints,
@@ -266,7 +267,8 @@ class Run:
         if self._saves is None or self._clock is None:
             raise SDKUsageError("call run.restore(model, optimizer) before run.steps()")
         rules = StopRules(self.job.stragglers, self._findings, self.ranks_per_node, self._term,
-                          self._stop_file)  # fmt: skip
+                          self._stop_file, SpikeWatch(SpikeSettings.from_dict(self.job.spikes),
+                                                      self.world))  # fmt: skip
         self._policy = CheckpointPolicy.from_train_config(self.job.train, self.job.mtbf_s)
         self._window = (time.perf_counter(), 0)
         self._sdk_s = 0.0

@@ -6,7 +6,9 @@ communication hook sees each bucket of this rank's gradients just before it is s
 their squares and then reduces the bucket exactly as DDP would without a hook.
 
 `forgeline chaos corrupt-grad` poisons a bucket here, before the all-reduce, as a bit flip in a
-GPU's memory would: the whole gang then sees NaN, and only this evidence names the rank.
+GPU's memory would: the whole gang then sees NaN, and only this evidence names the rank. With
+`--finite --scale S` it multiplies the bucket by S instead, as a device that is wrong rather than
+dead would: no NaN, and only the suspect watch (`trainer.spike_watch`) can see it.
 """
 
 # No `from __future__ import annotations` here: DDP checks the hook's annotations as objects.
@@ -29,10 +31,10 @@ class PreReduceNorms:
         self,
         model: DistributedDataParallel,
         group: dist.ProcessGroup,
-        poison_now: Callable[[], bool] = lambda: False,
+        poison_now: Callable[[], float | None] = lambda: None,
     ) -> None:
         self.group = group
-        self.poison_now = poison_now  # chaos: poison this rank's next bucket, once
+        self.poison_now = poison_now  # chaos: poison this rank's next bucket, once (`poison`)
         self._squares = torch.zeros((), dtype=torch.float64)
         model.register_comm_hook(self, PreReduceNorms._hook)
 
@@ -41,8 +43,8 @@ class PreReduceNorms:
         state: "PreReduceNorms", bucket: dist.GradBucket
     ) -> torch.futures.Future[torch.Tensor]:
         buffer = bucket.buffer()
-        if state.poison_now():
-            buffer.view(-1)[0] = float("nan")
+        if (scale := state.poison_now()) is not None:
+            poison(buffer, scale)
         state._squares += buffer.detach().double().pow(2).sum().cpu()
         return allreduce_hook(state.group, bucket)
 
@@ -69,24 +71,35 @@ def suspects(norms: list[float]) -> list[int]:
     ]
 
 
-def chaos_asks_to_corrupt(chaos_file: Path | None, step: int) -> bool:
-    """`forgeline chaos corrupt-grad` wrote its file: poison this rank's gradients once, as a
-    flipped bit in a GPU's memory would, so detection and rollback can be seen working. The
+def chaos_poison(chaos_file: Path | None, step: int) -> float | None:
+    """`forgeline chaos corrupt-grad` wrote its file: poison this rank's gradients once, so
+    detection and rollback can be seen working. None: not now; NaN: a NaN, as a flipped
+    exponent bit in a GPU's memory would make; a number: scale them by it (`--finite`). The
     file may name a step (`--at-step`): the poison waits for it, so a test can aim between two
     checkpoints however fast the model trains."""
     if chaos_file is None:
-        return False
+        return None
     try:
         words = chaos_file.read_text().split()
     except FileNotFoundError:
-        return False
+        return None
     if len(words) > 1 and step < int(words[1]):
-        return False
+        return None
     chaos_file.unlink(missing_ok=True)
-    return True
+    return float(words[2]) if len(words) > 2 else math.nan
 
 
-def corrupt_gradients(model: torch.nn.Module) -> None:
-    """The poison for a model with no all-reduce hook to apply it in (not DDP): after backward."""
+def poison(gradients: torch.Tensor, scale: float) -> None:
+    """NaN into the first element, or every element times `scale` (a finite corruption)."""
+    with torch.no_grad():
+        if math.isnan(scale):
+            gradients.view(-1)[0] = float("nan")
+        else:
+            gradients.mul_(scale)
+
+
+def corrupt_gradients(model: torch.nn.Module, scale: float) -> None:
+    """The poison for a model with no all-reduce hook to apply it in (not DDP): after backward,
+    on the first gradient this rank holds (its shard under FSDP or TP)."""
     grad = next(p.grad for p in model.parameters() if p.grad is not None)
-    grad.view(-1)[0] = float("nan")
+    poison(grad.to_local() if hasattr(grad, "to_local") else grad, scale)

@@ -10,13 +10,15 @@ prove they do).
   check names the node (recovery.straggler_policy: report, or swap it for a spare).
 - fail-health: the node's own health check fails with a reason (as a hardware checker would
   report ECC errors); `--clear` makes it pass again.
-- corrupt-grad: the node's ranks poison their gradients once (NaN) at their next step, or at
-  `--at-step N`, as a flipped bit would; the gang stops before saving and resumes from the last
-  checkpoint.
+- corrupt-grad: the node's ranks poison their gradients once at their next step, or at
+  `--at-step N`. A NaN, as a flipped bit would make: the gang stops before saving and resumes
+  from the last checkpoint. With `--finite --scale S`, the gradients times S, as a device that
+  is wrong rather than dead would make them: a large S is reported as a corruption suspect.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import signal
@@ -154,17 +156,36 @@ def fail_health(
 @chaos_app.command("corrupt-grad")
 def corrupt_grad(
     node: NodeArg,
+    # None, not 0, when not given: typer checks a default against `min` too, and refused
+    # every call without --at-step.
     at_step: Annotated[
-        int, typer.Option(min=1, help="poison at this step (or the next, if it has passed)")
-    ] = 0,
+        int | None,
+        typer.Option(min=1, help="poison at this step (or the next, if it has passed)"),
+    ] = None,
+    finite: Annotated[
+        bool, typer.Option("--finite", help="scale the gradients (--scale) instead of a NaN")
+    ] = False,
+    scale: Annotated[
+        float, typer.Option(help="with --finite: multiply this rank's gradients by this")
+    ] = 1.02,
 ) -> None:
-    """Make the node's ranks poison their gradients once, at their next step (or `--at-step`)."""
+    """Make the node's ranks poison their gradients once, at their next step (or `--at-step`):
+    a NaN, or with `--finite` the gradients times `--scale`, as a device that is wrong rather
+    than dead would make them."""
     check_name(node, "node id")
+    if finite and not (math.isfinite(scale) and scale != 1.0):
+        raise CliError(
+            f"--scale {scale} changes nothing or is not finite: give a finite factor other "
+            "than 1 (e.g. --scale 1.02 for gradients 2 % too large)",
+            ExitCode.BAD_INPUT,
+        )
     folders = _job_folders(_ranks_of(node))
     for folder in folders:
         # Written whole, then renamed: a rank reading a half-written file would poison at once.
         partial = folder / f".{CHAOS_FILE}.partial"
-        partial.write_text(f"corrupt-grad {at_step}\n")
+        words = ["corrupt-grad", str(at_step or 0)] + ([repr(scale)] if finite else [])
+        partial.write_text(" ".join(words) + "\n")
         partial.replace(folder / CHAOS_FILE)
     when = f"at step {at_step}" if at_step else "at the next step"
-    console.print(f"{node}: gradients will be corrupted {when} ({len(folders)} job(s))")
+    how = f"scaled by {scale}" if finite else "corrupted (NaN)"
+    console.print(f"{node}: gradients will be {how} {when} ({len(folders)} job(s))")

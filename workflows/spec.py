@@ -398,6 +398,22 @@ class RecoverySpec(_Strict):
         "node is reported and kept, so a fleet of stragglers cannot re-queue the run for ever",
     )
 
+    suspect_mads: float = Field(
+        10.0,
+        ge=0,
+        le=1000,
+        description="a rank whose own gradient norm moves this many median absolute deviations "
+        "from its history and from the rest of the gang's is reported as a corruption suspect "
+        "(a health event, not a verdict); 0 turns the watch off",
+    )
+    suspect_window_steps: int = Field(
+        50, ge=5, le=100_000, description="the steps of history the suspect watch compares with"
+    )
+
+    def spike_settings(self) -> dict:
+        """What the ranks' suspect watch needs (trainer.spike_watch.SpikeSettings's fields)."""
+        return {"mads": self.suspect_mads, "window": self.suspect_window_steps}
+
     def straggler_settings(self) -> dict:
         """What the ranks need (trainer.stragglers.StragglerWatch, and the policy)."""
         return {

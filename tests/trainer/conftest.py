@@ -20,7 +20,7 @@ from tests.conftest import SHAKESPEARE
 from trainer.job import ResumePoint, TrainJob
 from trainer.launch import ProgressTail, Rendezvous, printed_stacks, run_ranks
 from trainer.manifest import committed_steps
-from workflows.spec import ModelSpec, TrainSpec
+from workflows.spec import ModelSpec, RecoverySpec, TrainSpec
 
 MODEL = ModelSpec(n_layer=2, n_head=2, n_embd=32, block_size=32)
 
@@ -53,6 +53,7 @@ class Trainer:
     ) -> TrainJob:
         self.jobs += 1
         work = self.root / f"job-{self.jobs}"
+        fields.setdefault("spikes", RecoverySpec().spike_settings())  # as a node agent sets it
         return TrainJob(
             run_id=run_id,
             node_id="n0",

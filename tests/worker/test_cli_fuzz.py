@@ -309,3 +309,17 @@ def test_plan_checks_its_hardware_file(tmp_path: Path, env: Env, raw: bytes) -> 
     spec = EXAMPLES / "tiny.toml"
     result, shown = invoke(["plan", str(spec), "--cluster", str(path)], env)
     assert result.exit_code == 0 or str(path) in shown, shown
+
+
+# --- chaos ----------------------------------------------------------------------------------
+
+
+def test_corrupt_grad_is_aimed_at_the_next_step_without_at_step(env: Env) -> None:
+    """Without --at-step it reaches the node (it was refused: its default broke --at-step's
+    minimum); a finite factor of 1 corrupts nothing and is refused with the fix."""
+    _, shown = invoke(["chaos", "corrupt-grad", "n0"], env)
+    assert "node n0 runs no training ranks now" in shown, shown
+    _, shown = invoke(["chaos", "corrupt-grad", "n0", "--finite", "--scale", "3"], env)
+    assert "node n0 runs no training ranks now" in shown, shown
+    result, shown = invoke(["chaos", "corrupt-grad", "n0", "--finite", "--scale", "1"], env)
+    assert result.exit_code == 3 and "--scale 1.0 changes nothing" in shown, shown
