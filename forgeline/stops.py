@@ -68,8 +68,8 @@ class StopRules:
     ) -> tuple[int, float]:
         """The gang's stop after the straggler watch has seen this step, and the step time the
         gang lost to its slowest rank (for the goodput ledger). The suspect watch sees the
-        step's gradient norms too; what it finds is reported, and the gang goes on."""
-        for spike in self._spikes.add(step, shared.grad_norm):
+        step's gradient norms and losses too; what it finds is reported, and the gang goes on."""
+        for spike in self._spikes.add(step, shared.grad_norm, shared.loss):
             self._findings.suspect(spike)
         lost_before = self.watch.lost_s
         found = self.watch.add(step, shared.forward_s, own_step_s, gang_step_s=shared.step_s[0])

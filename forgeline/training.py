@@ -361,7 +361,8 @@ class Run:
         assert self._saves is not None and self._clock is not None
         saves = self._saves
         cfg = self.settings
-        if step.loss is not None and not math.isfinite(step.loss.item()):
+        own_loss = step.loss.item() if step.loss is not None else math.nan
+        if step.loss is not None and not math.isfinite(own_loss):
             step.finite = False
         self.step = step.number
         self.samples_seen += cfg.batch_size
@@ -390,7 +391,7 @@ class Run:
         step_s = time.perf_counter() - step.started
         grad_norm = step.grad_norm if step.grad_norm is not None else 0.0
         call = STORE_SAVE if save_due else PEER_SAVE if peer_due else NO_SAVE
-        shared = share_step(asked, call, step_s, grad_norm, step.forward_s)
+        shared = share_step(asked, call, step_s, grad_norm, step.forward_s, own_loss)
         stop, straggler_s = rules.judge(self.step, shared, step_s - self._stall_s, shared.stop)
         self._clock.step_done(
             self.step,

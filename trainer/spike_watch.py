@@ -1,15 +1,18 @@
-"""Finite outliers: a rank whose own gradient norm jumps, judged against its own history and
-against the rest of the gang's, by the median absolute deviation (MAD) over a window.
+"""Finite outliers: a rank whose own gradient norm or loss jumps, judged against its own history
+and against the rest of the gang's, by the median absolute deviation (MAD) over a window.
 
 A device that is wrong rather than dead gives finite, plausible numbers; the NaN check
 (`trainer.grad_watch.suspects`) never sees them. What it can change is the norm of the gradients
 a rank computed itself (before the all-reduce under DDP, its shards under FSDP or TP). Two
-signals, both in log space, since norms vary by factors rather than by amounts:
+signals, in log space for norms (they vary by factors rather than by amounts):
 
 - its own history: log(norm) against the median of its last `window` steps;
 - the gang's: log(norm) minus the log of the others' median at the same step, against that
   ratio's own history. Like is compared with like: under FSDP or TP a rank's shards differ from
   another's, but the ratio between them is steady, so each rank is measured against itself.
+
+Each rank's own loss (the micro-batch it computed) is watched the same way, as it is: a wrong
+forward pass shows there before it shows in any gradient.
 
 A rank is a suspect when both move by more than `mads` MADs: its own history alone cannot tell
 a bad device from a spike the whole run has (a hard batch, a learning-rate change), and with two
@@ -62,15 +65,16 @@ class SpikeSettings:
 class Spike:
     step: int
     rank: int | None  # None: the whole run spiked (no rank stands out)
-    norm: float  # the rank's gradient norm at `step` (for the run: the ranks' median)
+    signal: str  # "gradient norm" or "loss"
+    value: float  # the rank's at `step` (for the run: the ranks' median)
     typical: float  # its median over the window before
     mads: float  # how far, in MADs of its own history
 
     def describe(self, ranks_per_node: int) -> str:
         what = (
-            f"the gradient norm of every rank (median {self.norm:.4g})"
+            f"the {self.signal} of every rank (median {self.value:.4g})"
             if self.rank is None
-            else f"rank {self.rank}'s own gradient norm {self.norm:.4g} "
+            else f"rank {self.rank}'s own {self.signal} {self.value:.4g} "
             f"(node index {self.rank // ranks_per_node})"
         )
         return (
@@ -80,10 +84,11 @@ class Spike:
 
 
 class _History:
-    """The last `window` values of one series (log units) and how far a new one lies from them."""
+    """The last `window` values of one series and how far a new one lies from them."""
 
-    def __init__(self, window: int) -> None:
+    def __init__(self, window: int, relative_floor: bool) -> None:
         self.values: deque[float] = deque(maxlen=window)
+        self.relative_floor = relative_floor
 
     def deviation(self, value: float, min_history: int) -> float:
         """Signed distance of `value` from the median, in MADs; 0 until there is history."""
@@ -91,43 +96,73 @@ class _History:
             return 0.0
         middle = median(self.values)
         mad = median(abs(v - middle) for v in self.values)
-        return (value - middle) / max(_MAD_TO_SIGMA * mad, _SCALE_FLOOR)
+        floor = _SCALE_FLOOR * abs(middle) if self.relative_floor else _SCALE_FLOOR
+        return (value - middle) / max(_MAD_TO_SIGMA * mad, floor, 1e-12)
 
-    def typical(self) -> float:
-        return math.exp(median(self.values))
+
+class _Signal:
+    """One quantity every rank reports each step, watched both ways (the module docstring).
+    Gradient norms are positive and vary by factors: judged as logarithms. A loss may be any
+    number (a script's own objective) and varies by amounts: judged as it is."""
+
+    def __init__(self, name: str, logarithmic: bool, window: int, world: int) -> None:
+        self.name = name
+        self.logarithmic = logarithmic
+        relative = not logarithmic
+        self._own = [_History(window, relative) for _ in range(world)]
+        self._gap = [_History(window, relative) for _ in range(world)]
+        self._run = _History(window, relative)
+
+    def _unit(self, value: float) -> float:
+        return math.log(value) if self.logarithmic else value
+
+    def _typical(self, history: _History) -> float:
+        middle = median(history.values)
+        return math.exp(middle) if self.logarithmic else middle
+
+    def add(self, step: int, values: list[float], threshold: float, least: int) -> list[Spike]:
+        if not all(math.isfinite(v) for v in values):
+            return []  # the NaN check's (trainer.grad_watch.suspects)
+        if self.logarithmic and not all(v > 0 for v in values):
+            return []  # a zero norm (nothing trained on this rank): no signal
+        units = [self._unit(v) for v in values]
+        own = [h.deviation(u, least) for h, u in zip(self._own, units, strict=True)]
+        gaps = [u - _median_of_others(units, rank) for rank, u in enumerate(units)]
+        gang = [h.deviation(g, least) for h, g in zip(self._gap, gaps, strict=True)]
+        found = [
+            Spike(step, rank, self.name, values[rank], self._typical(self._own[rank]), own[rank])
+            for rank in range(len(values))
+            if len(values) > 1 and abs(own[rank]) > threshold and abs(gang[rank]) > threshold
+        ]
+        run = self._run.deviation(median(units), least)
+        jumped = sum(1 for d in own if d > threshold)
+        if not found and run > threshold and jumped > len(values) // 2:
+            found.append(
+                Spike(step, None, self.name, median(values), self._typical(self._run), run)
+            )
+        for history, unit in zip(self._own, units, strict=True):
+            history.values.append(unit)
+        for history, gap in zip(self._gap, gaps, strict=True):
+            history.values.append(gap)
+        self._run.values.append(median(units))
+        return found
 
 
 class SpikeWatch:
     def __init__(self, settings: SpikeSettings, world: int) -> None:
         self.settings = settings
-        self._own = [_History(settings.window) for _ in range(world)]
-        self._ratio = [_History(settings.window) for _ in range(world)]
-        self._run = _History(settings.window)
+        self._norms = _Signal("gradient norm", True, settings.window, world)
+        self._losses = _Signal("loss", False, settings.window, world)
 
-    def add(self, step: int, norms: list[float]) -> list[Spike]:
-        """This step's norms by rank; the suspects among them (and the run's own spike)."""
-        threshold = self.settings.mads
-        if threshold <= 0 or not all(math.isfinite(n) and n > 0 for n in norms):
-            return []  # off, or a non-finite step: the NaN check has it; a zero norm: no signal
-        logs = [math.log(n) for n in norms]
-        least = self.settings.min_history
-        own = [h.deviation(v, least) for h, v in zip(self._own, logs, strict=True)]
-        ratios = [v - _median_of_others(logs, rank) for rank, v in enumerate(logs)]
-        gang = [h.deviation(r, least) for h, r in zip(self._ratio, ratios, strict=True)]
-        found = [
-            Spike(step, rank, norms[rank], self._own[rank].typical(), own[rank])
-            for rank in range(len(norms))
-            if len(norms) > 1 and abs(own[rank]) > threshold and abs(gang[rank]) > threshold
-        ]
-        run = self._run.deviation(median(logs), least)
-        jumped = sum(1 for d in own if d > threshold)
-        if not found and run > threshold and jumped > len(norms) // 2:
-            found.append(Spike(step, None, median(norms), self._run.typical(), run))
-        for history, value in zip(self._own, logs, strict=True):
-            history.values.append(value)
-        for history, value in zip(self._ratio, ratios, strict=True):
-            history.values.append(value)
-        self._run.values.append(median(logs))
+    def add(self, step: int, norms: list[float], losses: list[float] | None = None) -> list[Spike]:
+        """This step's gradient norms and losses by rank: the suspects among them (and the
+        run's own spikes). Without losses (a script that reports none), the norms alone."""
+        threshold, least = self.settings.mads, self.settings.min_history
+        if threshold <= 0:
+            return []
+        found = self._norms.add(step, norms, threshold, least)
+        if losses is not None:
+            found += self._losses.add(step, losses, threshold, least)
         return found
 
 

@@ -32,12 +32,13 @@ class StepShare:
     step_s: list[float]  # every rank's step time
     grad_norm: list[float]  # every rank's local gradient norm
     forward_s: list[float]  # every rank's forward time: its own speed (trainer.stragglers)
+    loss: list[float]  # every rank's own loss (NaN where a script reports none)
 
 
 def share_step(
-    stop: int, save: int, step_s: float, grad_norm: float, forward_s: float
+    stop: int, save: int, step_s: float, grad_norm: float, forward_s: float, loss: float
 ) -> StepShare:
-    """`save` is NO_SAVE, STORE_SAVE or PEER_SAVE (rank 0's counts). One all-gather of five
+    """`save` is NO_SAVE, STORE_SAVE or PEER_SAVE (rank 0's counts). One all-gather of six
     numbers per rank, for what the ranks must agree on and what the
     health checks compare across ranks. A gang of one rank agrees with itself: it gets the
     same table without the collective."""
@@ -49,13 +50,14 @@ def share_step(
             step_s=[float(step_s)],
             grad_norm=[float(grad_norm)],
             forward_s=[float(forward_s)],
+            loss=[float(loss)],
         )
     mine = torch.tensor(
-        [float(stop), float(save), step_s, grad_norm, forward_s], dtype=torch.float64
+        [float(stop), float(save), step_s, grad_norm, forward_s, loss], dtype=torch.float64
     )
     everyone = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(everyone, mine)
-    table = torch.stack(everyone)  # (world, 5)
+    table = torch.stack(everyone)  # (world, 6)
     return StepShare(
         stop=int(table[:, 0].max()),
         save=int(table[0, 1]) == STORE_SAVE,
@@ -63,4 +65,5 @@ def share_step(
         step_s=table[:, 2].tolist(),
         grad_norm=table[:, 3].tolist(),
         forward_s=table[:, 4].tolist(),
+        loss=table[:, 5].tolist(),
     )

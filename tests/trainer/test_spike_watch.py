@@ -89,3 +89,37 @@ def test_nothing_is_judged_off_early_or_non_finite() -> None:
     watch = SpikeWatch(ON, 4)
     watched(watch, noisy_run(4, 100, 5))
     assert watch.add(101, [1.0, math.nan, 1.0, 1.0]) == []
+
+
+def losses_of(ranks: int, steps: int, seed: int, offset: float = 0.0):
+    """Per step, each rank's loss on its own micro-batch: falling from 4 to 1.5, ±0.1 from batch
+    to batch; `offset` moves it (a script's own objective may be negative)."""
+    draw = random.Random(seed)
+    for step in range(1, steps + 1):
+        curve = 1.5 + 2.5 * math.exp(-step / 200) + offset
+        yield step, [curve + draw.gauss(0.0, 0.1) for _ in range(ranks)]
+
+
+def with_losses(watch: SpikeWatch, series, corrupt=lambda step, losses: losses):
+    """Steady norms, so only the losses can raise anything."""
+    found = []
+    for step, losses in series:
+        found += watch.add(step, [1.0] * len(losses), corrupt(step, losses))
+    return found
+
+
+def test_a_rank_whose_own_loss_jumps_is_named() -> None:
+    assert with_losses(SpikeWatch(ON, 4), losses_of(4, 1_500, 6)) == []
+    assert with_losses(SpikeWatch(ON, 4), losses_of(4, 1_500, 6, offset=-10.0)) == []
+
+    def wrong_forward(step: int, losses: list[float]) -> list[float]:
+        return [
+            loss + 3.0 if (step, rank) == (400, 1) else loss for rank, loss in enumerate(losses)
+        ]
+
+    (spike,) = with_losses(SpikeWatch(ON, 4), losses_of(4, 600, 6, offset=-10.0), wrong_forward)
+    assert (spike.step, spike.rank, spike.signal) == (400, 1, "loss")
+    assert spike.describe(ranks_per_node=1).startswith("rank 1's own loss ")
+    # A rank that reports no loss (NaN in the gathered table) leaves the norms watched alone.
+    watch = SpikeWatch(ON, 2)
+    assert with_losses(watch, ((s, [math.nan, math.nan]) for s in range(1, 200))) == []
