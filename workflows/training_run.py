@@ -82,6 +82,7 @@ with workflow.unsafe.imports_passed_through():
         newest,
         rewound,
     )
+    from workflows.suspect_rollback import rollback_step
 
 # Activities that only talk to the store or MLflow retry until they succeed: an outage of the
 # tracking server or a bug fixed by redeploying the worker costs time, never the trained model.
@@ -560,6 +561,10 @@ class TrainingRun(RunEnd):
         generation = allocation.generation
         blamed = nodes_at_fault(failures, self._status.health, generation)
         await report_nodes(self._spec.name, generation, blamed)
+        before = rollback_step(self._status.health, blamed, generation)
+        if before is not None and workflow.patched("rollback-before-suspect"):
+            # The checkpoints since the quarantined node's first suspect may hold its errors.
+            self._resume_from = before
         in_a_row = failed_in_a_row(self._status)
         gives_up = self._status.attempts + 1 > self._spec.recovery.max_restarts
         # Queued again in the release itself unless it gives up or backs off first.
@@ -612,9 +617,10 @@ class TrainingRun(RunEnd):
             newest_confirmed=self._newest_confirmed,
             after=self._after,
         )
-        # resume_from_step was spent on the first gang (there has been one: gang_attempts).
+        # resume_from_step was spent on the first gang (there has been one: gang_attempts);
+        # what is left is a rollback a corruption verdict asked of the next gang.
         workflow.continue_as_new(
-            self._input.model_copy(update={"carried": carry, "resume_from_step": None})
+            self._input.model_copy(update={"carried": carry, "resume_from_step": self._resume_from})
         )
 
     def _set_phase(self, phase: Phase) -> None:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from pathlib import Path
 
 import pytest
 from temporalio import activity
@@ -26,12 +25,12 @@ from tests.workflows.test_training_run_history import (
     STEPS,
     Control,
     awaiting_approval,
+    one_node_spec,
     record_histories,
     stack_workers,
     start_cluster_and_run,
     terminated_after,
 )
-from worker.specfile import load_spec
 from workflows.cluster import ClusterWorkflow
 from workflows.models import (
     AttemptLedger,
@@ -43,7 +42,6 @@ from workflows.models import (
     RunStatus,
 )
 
-REPO = Path(__file__).resolve().parents[2]
 LABEL = "2026-12-04-fallback"
 STORE_STEP, PEER_STEP = 40, 60  # the store's newest checkpoint, and the peer tier's after it
 TRAINS_S = 5  # generation 1, before its peer vanishes
@@ -96,12 +94,7 @@ class Ledgers(Control):
 def test_steps_after_a_skipped_peer_checkpoint_count_as_rework(
     temporal_address: str, task_queue: str
 ) -> None:
-    spec = load_spec(REPO / "examples" / "tiny.toml")
-    spec = spec.model_copy(update={
-        "name": "fallback",
-        "resources": spec.resources.model_copy(update={"nodes": 1}),
-        "train": spec.train.model_copy(update={"steps": STEPS}),
-    })  # fmt: skip
+    spec = one_node_spec("fallback")
 
     async def main() -> tuple[Ledgers, RunStatus, list[CheckpointRef | None]]:
         client = await Client.connect(temporal_address, data_converter=pydantic_data_converter)

@@ -217,13 +217,18 @@ async def start_cluster_and_run(
     return cluster, run
 
 
-async def _preempt_many_times(client: Client, task_queue: str) -> tuple[RunStatus, list[str], str]:
+def one_node_spec(name: str) -> RunSpec:
+    """The tiny spec on one node, `STEPS` steps: the runs these tests drive by hand."""
     spec = load_spec(REPO / "examples" / "tiny.toml")
-    spec = spec.model_copy(update={
-        "name": "flapping",
+    return spec.model_copy(update={
+        "name": name,
         "resources": spec.resources.model_copy(update={"nodes": 1}),
         "train": spec.train.model_copy(update={"steps": STEPS}),
     })  # fmt: skip
+
+
+async def _preempt_many_times(client: Client, task_queue: str) -> tuple[RunStatus, list[str], str]:
+    spec = one_node_spec("flapping")
     agent = Node()
     control = Control(agent)
     # The control worker is where runs run (`forgeline resume` starts them there).
