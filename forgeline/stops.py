@@ -8,6 +8,7 @@ from the same gathered times, so every rank stops, or not, at the same step.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 from forgeline.findings import Findings
@@ -41,6 +42,7 @@ class StopRules:
         term: TermSignal,
         stop_file: Path | None,
         spikes: SpikeWatch,
+        on_suspect: Callable[[int], None] = lambda step: None,
     ) -> None:
         self.watch = StragglerWatch(**stragglers.get("watch", _DEFAULT_WATCH))
         self.action = stragglers.get("policy", "report")  # off | report | swap
@@ -49,6 +51,7 @@ class StopRules:
         self._term = term
         self._stop_file = stop_file
         self._spikes = spikes
+        self._on_suspect = on_suspect  # a rank named at a step (not the run's own spikes)
         self._straggler = ""  # the last straggler's description, the reason a swap gives
 
     def request(self, step: Step, fenced: bool) -> int:
@@ -71,6 +74,8 @@ class StopRules:
         step's gradient norms and losses too; what it finds is reported, and the gang goes on."""
         for spike in self._spikes.add(step, shared.grad_norm, shared.loss):
             self._findings.suspect(spike)
+            if spike.rank is not None:
+                self._on_suspect(step)
         lost_before = self.watch.lost_s
         found = self.watch.add(step, shared.forward_s, own_step_s, gang_step_s=shared.step_s[0])
         if found is not None and self.action != "off":

@@ -266,9 +266,11 @@ class Run:
         stopping and checkpointing, and the platform does both."""
         if self._saves is None or self._clock is None:
             raise SDKUsageError("call run.restore(model, optimizer) before run.steps()")
+        watch = SpikeWatch(SpikeSettings.from_dict(self.job.spikes), self.world)
+        points = self._saves.checkpointer.rollback_points  # rank 0's: it commits
         rules = StopRules(self.job.stragglers, self._findings, self.ranks_per_node, self._term,
-                          self._stop_file, SpikeWatch(SpikeSettings.from_dict(self.job.spikes),
-                                                      self.world))  # fmt: skip
+                          self._stop_file, watch,
+                          on_suspect=points.suspect_at if points else lambda _: None)  # fmt: skip
         self._policy = CheckpointPolicy.from_train_config(self.job.train, self.job.mtbf_s)
         self._window = (time.perf_counter(), 0)
         self._sdk_s = 0.0

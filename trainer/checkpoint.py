@@ -53,6 +53,7 @@ from trainer.manifest import (
     prune,
 )
 from trainer.peer_tier import PeerTier, send_to_peer, write_peer_manifest
+from trainer.rollback_points import RollbackPoints
 from trainer.safe_load import METADATA_FILE, UnsafeCheckpoint
 
 
@@ -156,6 +157,8 @@ class Checkpointer:
         self._staged: Future | None = None
         self._in_flight: Future | None = None
         self._stall_s = 0.0
+        # Rank 0 commits: it keeps what a corruption verdict may roll back to.
+        self.rollback_points = RollbackPoints(store, run_id, generation) if self.rank == 0 else None
 
     def save(
         self,
@@ -298,6 +301,8 @@ class Checkpointer:
             for entry in manifest["files"]:
                 self.store.delete(entry["key"])
             return None, None
+        if self.rollback_points is not None:
+            self.rollback_points.committed(key, step)
         prune(self.store, self.run_id, self.keep, self._verified, self.run_uid)
         return key, None
 

@@ -11,7 +11,7 @@ import pytest
 
 from tests.trainer.conftest import Trainer
 from tests.trainer.test_layouts import FSDP
-from trainer.manifest import find_latest
+from trainer.manifest import commits, find_latest
 from workflows.spec import RecoverySpec, TrainSpec
 
 LONG = TrainSpec(
@@ -37,7 +37,8 @@ def test_clean_runs_raise_no_suspect(trainer: Trainer, layout: dict | None, rank
 @pytest.mark.parametrize("layout", [None, FSDP], ids=["ddp", "fsdp"])
 def test_finitely_scaled_gradients_name_their_rank(trainer: Trainer, layout: dict | None) -> None:
     name = "scaled-" + ("fsdp" if layout else "ddp")
-    job = trainer.job(name, LONG, layout=layout, spikes=WATCH)
+    often = LONG.model_copy(update={"checkpoint_every": 20})  # 6 commits, 2 kept
+    job = trainer.job(name, often, layout=layout, spikes=WATCH)
     job.chaos_file = str(Path(job.progress_file).parent / "CORRUPT_GRAD")
     Path(job.chaos_file).parent.mkdir(parents=True, exist_ok=True)
     # What `forgeline chaos corrupt-grad n0 --finite --scale 1000 --at-step 70` writes.
@@ -53,3 +54,6 @@ def test_finitely_scaled_gradients_name_their_rank(trainer: Trainer, layout: dic
     # A suspect is not a verdict: the run trained on to its end.
     found = find_latest(trainer.store, name, max_generation=1)
     assert found is not None and found.step == LONG.steps
+    # What a later verdict would roll back to stays: the checkpoints from before step 70
+    # (kept_checkpoints = 2 would have left only 100 and 120).
+    assert sorted(c.step for c in commits(trainer.store, name)) == [40, 60, 100, 120]
