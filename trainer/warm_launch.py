@@ -10,6 +10,12 @@ start makes (agent → torchrun → ranks), so stopping, stack dumps and parent-
 before. The agent makes the next standby once the ranks it launched are training, so the
 imports never compete with a restart for the CPU.
 
+A standby runs the code it imported. Should Forgeline's files change under a running agent (an
+upgrade in place), a standby made before would start the job on the old code, mixed with the new
+files its ranks import later (on the local stack: an AttributeError from the old
+`trainer.checkpoint`). So the launcher notes the code's files (path, size, mtime) when it makes a
+standby, and a standby whose files have changed since is discarded for a cold start.
+
     python -m trainer.warm_launch     # the standby; the agent writes one JSON line to its stdin
 """
 
@@ -31,6 +37,22 @@ from trainer.rank_env import rank_environment
 
 STANDBY_MODULE = "trainer.warm_launch"
 RANK_IMPORTS = ("trainer.entry", "trainer.train")  # the rank entry, the built-in trainer, the SDK
+# Where the code a standby imports lives: the packages the rank entry and the SDK import.
+CODE_ROOTS = tuple(
+    Path(__file__).resolve().parents[1] / package
+    for package in ("trainer", "forgeline", "infra", "workflows")
+)
+
+
+def code_fingerprint(roots: tuple[Path, ...]) -> tuple[tuple[str, int, int], ...]:
+    """Every Python file under `roots` with its size and modification time: a few hundred
+    stat calls, about a millisecond, once per standby made and once per standby used."""
+    files = []
+    for root in roots:
+        for path in sorted(root.rglob("*.py")):
+            stat = path.stat()
+            files.append((str(path), stat.st_size, stat.st_mtime_ns))
+    return tuple(files)
 
 
 @dataclass(frozen=True)
@@ -49,8 +71,10 @@ class LaunchOrder:
 class WarmLauncher:
     """The node agent's standby torchrun: at most one, made by `prepare`, used by `start`."""
 
-    def __init__(self, cwd: Path) -> None:
+    def __init__(self, cwd: Path, code_roots: tuple[Path, ...] = CODE_ROOTS) -> None:
         self._cwd = cwd
+        self._code_roots = code_roots
+        self._code_seen: tuple[tuple[str, int, int], ...] = ()  # when the standby was made
         self._standby: asyncio.subprocess.Process | None = None
         # Jobs sharing a node each make one when their ranks train: only the first may.
         self._making = asyncio.Lock()
@@ -68,6 +92,7 @@ class WarmLauncher:
         """Start a standby unless one waits already (it imports torch in the background)."""
         async with self._making:
             if not self.ready:
+                self._code_seen = code_fingerprint(self._code_roots)
                 self._standby = await self._spawn()
 
     async def _spawn(self) -> asyncio.subprocess.Process:
@@ -90,7 +115,8 @@ class WarmLauncher:
         standby, self._standby = self._standby, None
         if standby is None:
             return None
-        if standby.returncode is None and standby.stdin is not None:
+        current = code_fingerprint(self._code_roots) == self._code_seen
+        if current and standby.returncode is None and standby.stdin is not None:
             try:
                 standby.stdin.write(order.line())
                 await standby.stdin.drain()

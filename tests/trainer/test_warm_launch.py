@@ -15,7 +15,7 @@ from infra.processes import free_port
 from infra.settings import SettingsError, load_settings
 from tests.trainer.conftest import Trainer
 from trainer.launch import RANK_SCRIPT, Rendezvous, run_ranks
-from trainer.warm_launch import WarmLauncher
+from trainer.warm_launch import LaunchOrder, WarmLauncher
 from workflows.spec import TrainSpec
 
 TRAIN = TrainSpec(steps=6, batch_size=4, log_every=1, checkpoint_every=6, warmup_steps=1)
@@ -80,3 +80,25 @@ def test_a_node_agent_keeps_a_standby_unless_the_setting_says_not(
     monkeypatch.setenv("FORGELINE_NODE_WARM_STANDBY", "maybe")
     with pytest.raises(SettingsError, match="FORGELINE_NODE_WARM_STANDBY='maybe' is not a yes/no"):
         load_settings()
+
+
+def test_a_standby_made_before_the_code_changed_is_not_used(tmp_path: Path) -> None:
+    """An upgrade in place: the standby imported the old code, so the job starts cold."""
+    code = tmp_path / "code"
+    code.mkdir()
+    module = code / "module.py"
+    module.write_text("VERSION = 1\n")
+
+    async def main() -> tuple[int | None, bool]:
+        launcher = WarmLauncher(tmp_path / "standby", code_roots=(code,))
+        await launcher.prepare()
+        standby = launcher.pid
+        module.write_text("VERSION = 22\n")  # another size: changed however coarse the clock
+        order = LaunchOrder(args=[], env={}, cwd=str(tmp_path), log_file=str(tmp_path / "log"))
+        started = await launcher.start(order)
+        return standby, started is None and not launcher.ready
+
+    standby, cold = asyncio.run(main())
+    assert standby is not None and cold
+    # The standby it did not use is gone (killed and reaped), not left waiting.
+    assert not Path(f"/proc/{standby}").exists()
