@@ -78,7 +78,8 @@ class Step:
         by the global norm, as `torch.nn.utils.clip_grad_norm_` would, taking the norm once for
         both where each rank holds whole gradients (one rank, DDP)."""
         run = self.run
-        scale = None if run._own_norms else chaos_poison(run._corrupt_next, self.number)
+        hooked = run._own_norms is not None  # DDP: its all-reduce hook poisons (grad_watch)
+        scale = None if hooked else chaos_poison(run._corrupt_next, self.number)
         if scale is not None:
             corrupt_gradients(model, scale)  # no all-reduce hook to do it in: after backward
         norm, whole = local_grad_norm(model)

@@ -42,7 +42,7 @@ class StopRules:
         term: TermSignal,
         stop_file: Path | None,
         spikes: SpikeWatch,
-        on_suspect: Callable[[int], None] = lambda step: None,
+        on_suspect: Callable[[int], None] | None = None,
     ) -> None:
         self.watch = StragglerWatch(**stragglers.get("watch", _DEFAULT_WATCH))
         self.action = stragglers.get("policy", "report")  # off | report | swap
@@ -74,7 +74,7 @@ class StopRules:
         step's gradient norms and losses too; what it finds is reported, and the gang goes on."""
         for spike in self._spikes.add(step, shared.grad_norm, shared.loss):
             self._findings.suspect(spike)
-            if spike.rank is not None:
+            if spike.rank is not None and self._on_suspect is not None:
                 self._on_suspect(step)
         lost_before = self.watch.lost_s
         found = self.watch.add(step, shared.forward_s, own_step_s, gang_step_s=shared.step_s[0])

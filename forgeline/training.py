@@ -270,7 +270,7 @@ class Run:
         points = self._saves.checkpointer.rollback_points  # rank 0's: it commits
         rules = StopRules(self.job.stragglers, self._findings, self.ranks_per_node, self._term,
                           self._stop_file, watch,
-                          on_suspect=points.suspect_at if points else lambda _: None)  # fmt: skip
+                          on_suspect=points.suspect_at if points else None)  # fmt: skip
         self._policy = CheckpointPolicy.from_train_config(self.job.train, self.job.mtbf_s)
         self._window = (time.perf_counter(), 0)
         self._sdk_s = 0.0

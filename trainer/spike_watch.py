@@ -46,19 +46,15 @@ class SpikeSettings:
     file as a dict (`TrainJob.spikes`)."""
 
     mads: float = 0.0  # 0: off
+    # Also the history a rank needs before it is judged: early in training the norms fall fast
+    # and a short history misjudges them. On a clean 4-replica DDP run of the test model,
+    # judged after 10 steps the worst rank stood 12.9 MADs out (two false suspects at 10);
+    # after a full window of 50, 3.4.
     window: int = 50
-
-    @property
-    def min_history(self) -> int:
-        """Steps of history before a rank is judged: a whole window. Early in training the
-        norms fall fast and a short history misjudges them: on a clean 4-replica DDP run of
-        the test model, judged after 10 steps the worst rank stood 12.9 MADs out (two false
-        suspects at 10); after a full window of 50, 3.4."""
-        return self.window
 
     @classmethod
     def from_dict(cls, data: dict) -> SpikeSettings:
-        return cls(**data) if data else cls()
+        return cls(**data)
 
 
 @dataclass(frozen=True)
@@ -90,9 +86,9 @@ class _History:
         self.values: deque[float] = deque(maxlen=window)
         self.relative_floor = relative_floor
 
-    def deviation(self, value: float, min_history: int) -> float:
-        """Signed distance of `value` from the median, in MADs; 0 until there is history."""
-        if len(self.values) < min_history:
+    def deviation(self, value: float) -> float:
+        """Signed distance of `value` from the median, in MADs; 0 until the window is full."""
+        if len(self.values) < (self.values.maxlen or 0):
             return 0.0
         middle = median(self.values)
         mad = median(abs(v - middle) for v in self.values)
@@ -120,21 +116,21 @@ class _Signal:
         middle = median(history.values)
         return math.exp(middle) if self.logarithmic else middle
 
-    def add(self, step: int, values: list[float], threshold: float, least: int) -> list[Spike]:
+    def add(self, step: int, values: list[float], threshold: float) -> list[Spike]:
         if not all(math.isfinite(v) for v in values):
             return []  # the NaN check's (trainer.grad_watch.suspects)
         if self.logarithmic and not all(v > 0 for v in values):
             return []  # a zero norm (nothing trained on this rank): no signal
         units = [self._unit(v) for v in values]
-        own = [h.deviation(u, least) for h, u in zip(self._own, units, strict=True)]
+        own = [h.deviation(u) for h, u in zip(self._own, units, strict=True)]
         gaps = [u - _median_of_others(units, rank) for rank, u in enumerate(units)]
-        gang = [h.deviation(g, least) for h, g in zip(self._gap, gaps, strict=True)]
+        gang = [h.deviation(g) for h, g in zip(self._gap, gaps, strict=True)]
         found = [
             Spike(step, rank, self.name, values[rank], self._typical(self._own[rank]), own[rank])
             for rank in range(len(values))
             if len(values) > 1 and abs(own[rank]) > threshold and abs(gang[rank]) > threshold
         ]
-        run = self._run.deviation(median(units), least)
+        run = self._run.deviation(median(units))
         jumped = sum(1 for d in own if d > threshold)
         if not found and run > threshold and jumped > len(values) // 2:
             found.append(
@@ -157,12 +153,12 @@ class SpikeWatch:
     def add(self, step: int, norms: list[float], losses: list[float] | None = None) -> list[Spike]:
         """This step's gradient norms and losses by rank: the suspects among them (and the
         run's own spikes). Without losses (a script that reports none), the norms alone."""
-        threshold, least = self.settings.mads, self.settings.min_history
+        threshold = self.settings.mads
         if threshold <= 0:
             return []
-        found = self._norms.add(step, norms, threshold, least)
+        found = self._norms.add(step, norms, threshold)
         if losses is not None:
-            found += self._losses.add(step, losses, threshold, least)
+            found += self._losses.add(step, losses, threshold)
         return found
 
 

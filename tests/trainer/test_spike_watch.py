@@ -82,7 +82,7 @@ def test_a_spike_of_the_whole_run_names_no_rank() -> None:
 def test_nothing_is_judged_off_early_or_non_finite() -> None:
     off = SpikeWatch(SpikeSettings(), 4)
     assert watched(off, noisy_run(4, 400, 5), times(0, 300, 1_000.0)) == []
-    # Before `min_history` steps there is no median to stand out from.
+    # Before a full window of steps there is no median to stand out from.
     early = SpikeWatch(ON, 4)
     assert watched(early, noisy_run(4, 5, 5), times(0, 3, 1_000.0)) == []
     # A NaN step is the NaN check's (trainer.grad_watch.suspects), not this watch's.
