@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 FL     := $(BIN)/forgeline
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test test-all up down lint format clean bench-dataprep bench-trainer bench-recovery bench-load
+.PHONY: demo test test-all up down lint format clean bench-dataprep bench-trainer bench-recovery bench-load bench-shadow
 
 # torch first, pinned to the CPU wheel on this machine's disk: resolving `torch` through the
 # project's dependencies could pull a multi-GB CUDA build.
@@ -43,6 +43,10 @@ bench-trainer: $(STAMP)
 
 bench-recovery: $(STAMP)
 	$(BIN)/python -m bench.recovery
+
+# Shadow checks every 50, 200, 1000 steps beside none; how soon they name a corrupt rank.
+bench-shadow: $(STAMP)
+	$(BIN)/python -m bench.shadow
 
 # 50 small runs at once through one scheduler on a private stack (about 6 minutes).
 bench-load: $(STAMP)

@@ -282,6 +282,7 @@ class NodeActivities:
             nodes=len(node_ids),
             stragglers=spec.recovery.straggler_settings(),
             spikes=spec.recovery.spike_settings(),
+            shadow=spec.recovery.shadow_settings(),
             code_dir=str(code_dir) if code_dir else "",
         )
 

@@ -123,11 +123,16 @@ def _train_shards(store: LocalStore, snapshot) -> list[str]:
     return [str(store.root / s["key"]) for s in snapshot.manifest["splits"]["train"]["shards"]]
 
 
-def trainer_tokens_per_s(root: Path, store: LocalStore, snapshot, size: Size, run: str) -> Measured:
+def trainer_tokens_per_s(
+    root: Path, store: LocalStore, snapshot, size: Size, run: str, ranks: int = 1, **fields: object
+) -> Measured:
+    """The built-in trainer's tokens/s over `ranks` DDP ranks on one node (each with
+    THREADS // ranks threads); `fields` go into the job as a node agent would set them."""
     steps = WARMUP + size.measured_steps
+    threads = max(1, THREADS // ranks)
     train = TrainSpec(
         steps=steps, batch_size=size.batch, log_every=WARMUP, checkpoint_every=steps,
-        threads_per_rank=THREADS, warmup_steps=2,
+        threads_per_rank=threads, warmup_steps=2,
     )  # fmt: skip
     work = root / run
     job = TrainJob(
@@ -144,12 +149,13 @@ def trainer_tokens_per_s(root: Path, store: LocalStore, snapshot, size: Size, ru
         # As a node agent writes it for `forgeline run`: the files the ranks watch every step.
         stop_file=str(work / "STOP"),
         chaos_file=str(work / "CHAOS"),
-        layout={"replicate": 1, "shard": 1, "tensor": 1},
+        layout={"replicate": ranks, "shard": 1, "tensor": 1},
         stragglers=RecoverySpec().straggler_settings(),
         spikes=RecoverySpec().spike_settings(),
+        **fields,
     )
-    rdzv = Rendezvous(f"127.0.0.1:{free_port()}", run, 1, 1)
-    asyncio.run(run_ranks(job, work, rdzv, lambda _: None, threads_per_rank=THREADS))
+    rdzv = Rendezvous(f"127.0.0.1:{free_port()}", run, 1, ranks)
+    asyncio.run(run_ranks(job, work, rdzv, lambda _: None, threads_per_rank=threads))
     events = {
         e["step"]: e
         for e in map(json.loads, Path(job.progress_file).read_text().splitlines())

@@ -7,6 +7,7 @@ import math
 
 from trainer.grad_watch import suspects
 from trainer.progress import ProgressFile
+from trainer.shadow_check import Verdict
 from trainer.spike_watch import Spike
 
 
@@ -31,6 +32,23 @@ class Findings:
         kind = "suspect" if spike.rank is not None else "spike"
         evidence = spike.describe(self.ranks_per_node)
         self.health(kind, spike.step, spike.rank, "report", evidence, mads=round(spike.mads, 1))
+
+    def shadow_verdict(self, verdict: Verdict, since: int) -> str:
+        """A shadow check named ranks: each is quarantined, and marked suspect from the first
+        step no check verified (the rollback goes back past it, workflows.suspect_rollback).
+        Returns why this attempt fails."""
+        for rank in verdict.ranks:
+            self.health(
+                "suspect", since, rank, "report",
+                f"rank {rank}'s work is unverified from step {since}, after the last shadow "
+                f"check it passed; at step {verdict.step} it failed one",
+            )  # fmt: skip
+            self.health("corruption", verdict.step, rank, "quarantine",
+                        f"shadow recompute at step {verdict.step}: {verdict.evidence}")  # fmt: skip
+        return (
+            f"a shadow recompute at step {verdict.step} named ranks {verdict.ranks}: rolling "
+            f"back to a checkpoint from before step {since}"
+        )
 
     def non_finite(self, step: int, grad_norms: list[float]) -> str:
         """The gang saw NaN or inf at `step`: name the ranks whose own gradients made it (to

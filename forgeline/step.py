@@ -14,6 +14,7 @@ import torch
 from forgeline.errors import SDKUsageError
 from trainer.grad_watch import chaos_poison, corrupt_gradients
 from trainer.parallel import clip_grad_norm, local_grad_norm
+from trainer.shadow_check import Verdict
 
 if TYPE_CHECKING:
     from forgeline.training import Run
@@ -37,6 +38,9 @@ class Step:
         self.forward_s = 0.0
         self.grad_norm: float | None = None  # set by gradients()
         self.finite = True
+        self.verdict: Verdict | None = None  # a shadow check's, set by gradients()
+        self.shadow_s = 0.0  # the shadow check's time (goodput's own cause)
+        self.micro_index = 0  # the micro-batch micro_batches() handed out last, from 1
         self.started = time.perf_counter()
 
     def micro_batches(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
@@ -58,6 +62,7 @@ class Step:
                 run._sample_log.write(f"{self.number - 1} {run.rank} "
                                       f"{' '.join(map(str, indices.tolist()))}\n")  # fmt: skip
             x, y = x.to(run.device), y.to(run.device)
+            self.micro_index += 1
             run._sdk_s += time.perf_counter() - started
             yield x, y
 
@@ -82,6 +87,10 @@ class Step:
         scale = None if hooked else chaos_poison(run._corrupt_next, self.number)
         if scale is not None:
             corrupt_gradients(model, scale)  # no all-reduce hook to do it in: after backward
+        if run._checks is not None:  # before clipping changes the gradients
+            started = time.perf_counter()
+            self.verdict = run._checks.after_backward(self, model)
+            self.shadow_s = time.perf_counter() - started
         norm, whole = local_grad_norm(model)
         self.finite = self.finite and math.isfinite(norm)
         if max_norm > 0:

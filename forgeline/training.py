@@ -37,6 +37,7 @@ from torch.nn.parallel import DistributedDataParallel
 from forgeline.errors import SDKUsageError
 from forgeline.findings import Findings
 from forgeline.saves import Saves
+from forgeline.shadow import ShadowChecks
 from forgeline.step import Step
 from forgeline.stops import StopRules
 from infra.store import open_store
@@ -46,13 +47,14 @@ from trainer.checkpoint import load_training_state
 from trainer.checkpoint_policy import CheckpointPolicy
 from trainer.data import RankSlice, Sampler, TokenStream
 from trainer.entry import mark_began
-from trainer.grad_watch import PreReduceNorms, chaos_poison
+from trainer.grad_watch import PreReduceNorms, chaos_order, chaos_poison, flip_low_bit
 from trainer.job import TrainJob
 from trainer.job_checkpoints import checkpointer_for, resolve
 from trainer.metrics import mfu
 from trainer.parallel import Layout, Placement, build_mesh
 from trainer.progress import ProgressFile
 from trainer.rng_streams import seed_step
+from trainer.shadow_check import Recompute, ShadowSettings, Verdict
 from trainer.spike_watch import SpikeSettings, SpikeWatch
 from trainer.step_share import (
     EXIT_NON_FINITE,
@@ -112,6 +114,9 @@ class Run:
         self._model: torch.nn.Module | None = None
         self._optimizer: torch.optim.Optimizer | None = None
         self._own_norms: PreReduceNorms | None = None
+        self._shadow = ShadowSettings.from_dict(job.shadow)
+        self._loss_of: Recompute | None = None  # recompute_with()
+        self._checks: ShadowChecks | None = None  # made by steps() where the spec asks
         self._saves: Saves | None = None  # made by restore()
         self._clock: AttemptClock | None = None
         self._model_config: dict[str, Any] = {}
@@ -186,6 +191,14 @@ class Run:
     def eval_due(self, step: Step) -> bool:
         return bool(self.settings.eval_every) and step.number % self.settings.eval_every == 0
 
+    def recompute_with(self, loss_of: Recompute) -> None:
+        """How the platform computes one micro-batch again for the shadow checks
+        (`recovery.shadow_every` in the spec): `loss_of(module, x, y)` returns the tensor the
+        loop calls backward on for that micro-batch (its loss divided by the accumulation
+        steps), from the model's own module (not its DDP wrapper). It must compute exactly what
+        the loop does: the checks compare the two bit for bit on CPU."""
+        self._loss_of = loss_of
+
     # ---- restore, the loop, checkpoints ------------------------------------------------
 
     def restore(
@@ -215,6 +228,7 @@ class Run:
                 model,
                 self.placement.mesh.get_group("replicate"),
                 poison_now=lambda: chaos_poison(self._corrupt_next, self.step + 1),
+                micro_now=lambda: self._current.micro_index if self._current else 0,
             )
         checkpointer = checkpointer_for(
             self.job, self.store, self.layout.to_dict(), keep=self.settings.keep_checkpoints,
@@ -271,6 +285,7 @@ class Run:
         rules = StopRules(self.job.stragglers, self._findings, self.ranks_per_node, self._term,
                           self._stop_file, watch,
                           on_suspect=points.suspect_at if points else None)  # fmt: skip
+        self._checks = self._shadow_checks()
         self._policy = CheckpointPolicy.from_train_config(self.job.train, self.job.mtbf_s)
         self._window = (time.perf_counter(), 0)
         self._sdk_s = 0.0
@@ -284,6 +299,10 @@ class Run:
                       self.placement.dp_rank, self.rank, self.layout.tensor > 1)  # fmt: skip
             self._stall_s = 0.0
             step = self._current = Step(self, self.step + 1)
+            if self._checks is not None:
+                self._checks.starting(step.number)
+            if chaos_order(self._corrupt_next, step.number, "flip-bit") and self._model:
+                flip_low_bit(self._model)  # `forgeline chaos flip-bit`, for tests and demos
             self._sdk_s += time.perf_counter() - entered
             yield step
             entered = time.perf_counter()
@@ -298,6 +317,27 @@ class Run:
         if self.step >= self.settings.steps:
             self._clock.end("done")
             self._progress.write(event="done", step=self.step, tokens_seen=self.tokens_seen)
+
+    def _shadow_checks(self) -> ShadowChecks | None:
+        every = self._shadow.every
+        if every == 0:
+            return None
+        if self._loss_of is None:
+            raise SDKUsageError(
+                f"the spec asks for a shadow recompute every {every} steps "
+                "(recovery.shadow_every): call run.recompute_with(loss_of) before run.steps(), "
+                "loss_of(module, x, y) returning what the loop calls backward on for one "
+                "micro-batch; or set recovery.shadow_every = 0"
+            )
+        if self._own_norms is None:
+            if self.world == 1:
+                self._say("shadow recompute needs two ranks or more: not checking")
+                return None
+            raise SDKUsageError(
+                "shadow recompute compares data-parallel replicas: it needs a DDP model "
+                "(parallel.shard = 1, parallel.tensor = 1); or set recovery.shadow_every = 0"
+            )
+        return ShadowChecks(self, self._shadow, self._loss_of, self._own_norms)
 
     @contextlib.contextmanager
     def evaluating(self) -> Iterator[None]:
@@ -361,6 +401,8 @@ class Run:
     def _end_step(self, step: Step, rules: StopRules, first: bool) -> bool:
         """Everything after the script's optimizer step; True when the loop must end."""
         assert self._saves is not None and self._clock is not None
+        if self._checks is not None:
+            self._checks.step_ended()
         saves = self._saves
         cfg = self.settings
         own_loss = step.loss.item() if step.loss is not None else math.nan
@@ -400,9 +442,12 @@ class Run:
             train_s=step_s - self._stall_s,
             stall_s=self._stall_s,
             straggler_s=straggler_s,
+            shadow_s=step.shadow_s,
         )
         if stop == NON_FINITE:
             self._fail_non_finite(shared)
+        if step.verdict is not None:
+            self._act_on(step.verdict)
 
         # The first step of a (re)start is always reported: it marks when recovery paid off.
         on_grid = self.step % cfg.log_every == 0 or self.step == cfg.steps
@@ -519,9 +564,29 @@ class Run:
     def _fail_non_finite(self, shared: StepShare) -> None:
         """End this attempt so the run resumes from the last committed checkpoint, which holds
         none of the NaN or inf the gang saw."""
-        assert self._saves is not None and self._clock is not None
         reason = self._findings.non_finite(self.step, shared.grad_norm)
-        self._clock.end("failed: non-finite loss or gradients")
+        self._fail("non-finite loss or gradients", reason)
+
+    def _act_on(self, verdict: Verdict) -> None:
+        """A shadow check disagreed. Ranks named: the attempt fails, their nodes are
+        quarantined and the run rolls back past the last passed check (rank 0 keeps the
+        checkpoints from before it). None named: reported, and the gang goes on."""
+        assert self._checks is not None
+        since = self._checks.unverified_since
+        if not verdict.ranks:
+            self._findings.health("shadow-mismatch", verdict.step, None, "report", verdict.evidence)
+            return
+        points = self._saves.checkpointer.rollback_points if self._saves else None
+        if points is not None:
+            points.suspect_at(since)
+        reason = self._findings.shadow_verdict(verdict, since)
+        self._fail("a shadow recompute disagreed", reason)
+
+    def _fail(self, what: str, reason: str) -> None:
+        """End this attempt with the exit status of corruption: nothing from this step on is
+        saved, and the run resumes from a checkpoint committed before it."""
+        assert self._saves is not None and self._clock is not None
+        self._clock.end(f"failed: {what}")
         self._progress.write(event="failed", step=self.step, reason=reason)
         self._saves.close()  # a save in flight was staged before this step: let it commit
         dist.destroy_process_group()

@@ -39,6 +39,7 @@ class Totals:
     stall_s: float = 0.0  # the loop blocked on a checkpoint (staging copy, waiting for a save)
     eval_s: float = 0.0  # in-training evaluation
     straggler_s: float = 0.0  # part of train_s spent waiting for the slowest rank
+    shadow_s: float = 0.0  # part of train_s spent on shadow checks (trainer.shadow_check)
 
     def plus(self, **seconds: float) -> Totals:
         return Totals(**{k: v + seconds.get(k, 0) for k, v in asdict(self).items()})

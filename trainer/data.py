@@ -149,10 +149,17 @@ class Sampler:
             out[mine] = self.order.indices(int(epoch), positions[mine] % self.order.n)
         return out
 
-    def rank_indices(self, cursor: int) -> np.ndarray:
+    def rank_indices(self, cursor: int, dp_rank: int | None = None) -> np.ndarray:
+        """The samples of one data-parallel rank (this sampler's own by default)."""
         per_rank = self.global_batch // self.part.dp_size
-        start = self.part.dp_rank * per_rank
+        start = (self.part.dp_rank if dp_rank is None else dp_rank) * per_rank
         return self.global_indices(cursor)[start : start + per_rank]
+
+    def first_micro_batch(self, cursor: int, dp_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x, y) of another data-parallel rank's first micro-batch: what a shadow check
+        recomputes (trainer.shadow_check)."""
+        chunk = np.array_split(self.rank_indices(cursor, dp_rank), self.part.micro_batches)[0]
+        return self.stream.batch(chunk)
 
     def micro_batches(self, cursor: int) -> Iterator[tuple[np.ndarray, torch.Tensor, torch.Tensor]]:
         """(sample indices, x, y) for each gradient-accumulation micro-batch of this rank."""

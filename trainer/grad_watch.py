@@ -22,6 +22,8 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.nn.parallel import DistributedDataParallel
 
+from trainer.shadow_check import Fingerprint, fingerprint, gradient_summary
+
 # A replica's norm this many times the others' median is not a different batch: it is suspect.
 OUTLIER_FACTOR = 100.0
 
@@ -32,10 +34,16 @@ class PreReduceNorms:
         model: DistributedDataParallel,
         group: dist.ProcessGroup,
         poison_now: Callable[[], float | None] = lambda: None,
+        micro_now: Callable[[], int] = lambda: 1,
     ) -> None:
         self.group = group
         self.poison_now = poison_now  # chaos: poison this rank's next bucket, once (`poison`)
+        self.micro_now = micro_now  # the step's micro-batch being computed, from 1
         self._squares = torch.zeros((), dtype=torch.float64)
+        # On a shadow-checked step: each parameter's gradient summary from the step's first
+        # backward, id(parameter) -> (sum, sum of squares) (trainer.shadow_check).
+        self._first: dict[int, torch.Tensor] | None = None
+        self._first_micro: int | None = None  # the micro-batch of the first one kept
         model.register_comm_hook(self, PreReduceNorms._hook)
 
     @staticmethod
@@ -46,7 +54,25 @@ class PreReduceNorms:
         if (scale := state.poison_now()) is not None:
             poison(buffer, scale)
         state._squares += buffer.detach().double().pow(2).sum().cpu()
+        if state._first is not None:  # the first micro-batch's wins: later ones hold sums
+            if state._first_micro is None:
+                state._first_micro = state.micro_now()
+            for param, grad in zip(bucket.parameters(), bucket.gradients(), strict=True):
+                state._first.setdefault(id(param), gradient_summary(grad))
         return allreduce_hook(state.group, bucket)
+
+    def record_first(self) -> None:
+        """Keep this step's first backward's gradients' summaries (a shadow-checked step)."""
+        self._first, self._first_micro = {}, None
+
+    def first_fingerprint(self, params: list[torch.nn.Parameter]) -> tuple[Fingerprint, int]:
+        """The fingerprint of the first all-reduced gradients' own values, as `record_first`
+        kept them, in the order of `params`, and the micro-batch they came from (0: none came:
+        no gradient was all-reduced); stops recording. A loop that accumulates under
+        `no_sync()` all-reduces first after its last micro-batch, holding their sum."""
+        first, self._first = self._first or {}, None
+        found = fingerprint(first.get(id(p), gradient_summary(None)) for p in params)
+        return found, self._first_micro or 0
 
     def take(self) -> float:
         """This step's norm of the gradients this rank computed itself; resets for the next."""
@@ -71,22 +97,41 @@ def suspects(norms: list[float]) -> list[int]:
     ]
 
 
-def chaos_poison(chaos_file: Path | None, step: int) -> float | None:
-    """`forgeline chaos corrupt-grad` wrote its file: poison this rank's gradients once, so
-    detection and rollback can be seen working. None: not now; NaN: a NaN, as a flipped
-    exponent bit in a GPU's memory would make; a number: scale them by it (`--finite`). The
-    file may name a step (`--at-step`): the poison waits for it, so a test can aim between two
-    checkpoints however fast the model trains."""
+def chaos_order(chaos_file: Path | None, step: int, fault: str) -> list[str] | None:
+    """`forgeline chaos` wrote its file (`FAULT STEP [ARGS]`): this fault's words once it is
+    due, and the file is gone (the fault strikes once). The step (`--at-step`) lets a test aim
+    between two checkpoints however fast the model trains; 0: at once."""
     if chaos_file is None:
         return None
     try:
         words = chaos_file.read_text().split()
     except FileNotFoundError:
         return None
-    if len(words) > 1 and step < int(words[1]):
+    if not words or words[0] != fault or (len(words) > 1 and step < int(words[1])):
         return None
     chaos_file.unlink(missing_ok=True)
+    return words
+
+
+def chaos_poison(chaos_file: Path | None, step: int) -> float | None:
+    """`forgeline chaos corrupt-grad`: poison this rank's gradients once, so detection and
+    rollback can be seen working. None: not now; NaN: a NaN, as a flipped exponent bit in a
+    GPU's memory would make; a number: scale them by it (`--finite`)."""
+    words = chaos_order(chaos_file, step, "corrupt-grad")
+    if words is None:
+        return None
     return float(words[2]) if len(words) > 2 else math.nan
+
+
+def flip_low_bit(model: torch.nn.Module) -> None:
+    """`forgeline chaos flip-bit`: the lowest mantissa bit of this rank's first parameter's
+    first element flips, as one bad bit in a device's memory would: a finite, tiny error that
+    stays in this rank's copy of the weights and in everything computed from it."""
+    param = next(model.parameters())
+    local = param.to_local() if hasattr(param, "to_local") else param
+    bits = {2: torch.int16, 4: torch.int32, 8: torch.int64}[local.element_size()]
+    with torch.no_grad():
+        local.data.view(-1)[:1].view(bits).bitwise_xor_(1)
 
 
 def poison(gradients: torch.Tensor, scale: float) -> None:

@@ -69,6 +69,8 @@ class TrainJob:
     # Finite outliers in the ranks' gradient norms: trainer.spike_watch.SpikeSettings as a dict
     # ({} in job files from before it: off)
     spikes: dict = field(default_factory=dict)
+    # Shadow recompute: trainer.shadow_check.ShadowSettings as a dict ({}: off)
+    shadow: dict = field(default_factory=dict)
     code_dir: str = ""  # the user's code snapshot on this node, verified; "": built-in trainer
     run_uid: str = ""  # the run's identity (trainer.run_identity); "": a run from before them
     # The node's folder of checkpoint copies (trainer.local_copies): "" keeps none

@@ -42,22 +42,8 @@ def share_step(
     numbers per rank, for what the ranks must agree on and what the
     health checks compare across ranks. A gang of one rank agrees with itself: it gets the
     same table without the collective."""
-    if dist.get_world_size() == 1:
-        return StepShare(
-            stop=int(stop),
-            save=save == STORE_SAVE,
-            peer=save == PEER_SAVE,
-            step_s=[float(step_s)],
-            grad_norm=[float(grad_norm)],
-            forward_s=[float(forward_s)],
-            loss=[float(loss)],
-        )
-    mine = torch.tensor(
-        [float(stop), float(save), step_s, grad_norm, forward_s, loss], dtype=torch.float64
-    )
-    everyone = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
-    dist.all_gather(everyone, mine)
-    table = torch.stack(everyone)  # (world, 6)
+    row = [float(stop), float(save), step_s, grad_norm, forward_s, loss]
+    table = torch.tensor(gather_rows(row), dtype=torch.float64)  # (world, 6)
     return StepShare(
         stop=int(table[:, 0].max()),
         save=int(table[0, 1]) == STORE_SAVE,
@@ -67,3 +53,14 @@ def share_step(
         forward_s=table[:, 4].tolist(),
         loss=table[:, 5].tolist(),
     )
+
+
+def gather_rows(values: list[float]) -> list[list[float]]:
+    """Every rank's `values` (as many on each rank), by rank, in one all-gather; a gang of one
+    rank has only its own, without the collective."""
+    if dist.get_world_size() == 1:
+        return [[float(v) for v in values]]
+    mine = torch.tensor(values, dtype=torch.float64)
+    everyone = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(everyone, mine)
+    return [t.tolist() for t in everyone]

@@ -50,6 +50,8 @@ def main() -> None:
     run.dataset(config.block_size)
     val = run.validation(config.block_size)
     micro = cfg.grad_accum_steps
+    # What one micro-batch's backward starts from, for the shadow checks to compute again.
+    run.recompute_with(lambda module, x, y: module(x, y)[1] / micro)
 
     for step in run.steps():
         loss_sum = torch.zeros((), device=run.device)

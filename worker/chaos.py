@@ -1,6 +1,6 @@
-"""`forgeline chaos kill-node | hang-node | slow-node | corrupt-grad | fail-health NODE`: faults
-on purpose, on the local stack, to watch detection and recovery work (and for the tests that
-prove they do).
+"""`forgeline chaos kill-node | hang-node | slow-node | corrupt-grad | flip-bit | fail-health
+NODE`: faults on purpose, on the local stack, to watch detection and recovery work (and for the
+tests that prove they do).
 
 - kill-node: SIGKILL the node's agent (its torchrun and ranks follow it).
 - hang-node: SIGSTOP the node's ranks; the agent keeps heartbeating, so only the gang's own
@@ -13,7 +13,11 @@ prove they do).
 - corrupt-grad: the node's ranks poison their gradients once at their next step, or at
   `--at-step N`. A NaN, as a flipped bit would make: the gang stops before saving and resumes
   from the last checkpoint. With `--finite --scale S`, the gradients times S, as a device that
-  is wrong rather than dead would make them: a large S is reported as a corruption suspect.
+  is wrong rather than dead would make them: a large S is reported as a corruption suspect, and
+  on a checked step (recovery.shadow_every) any S is a verdict.
+- flip-bit: the lowest bit of one weight flips on the node's first rank, before its next step
+  or `--at-step N`: the next shadow check it shows in names the node (AdamW's rounding may
+  merge the two copies again first: then there is nothing left to find).
 """
 
 from __future__ import annotations
@@ -179,13 +183,39 @@ def corrupt_grad(
             "than 1 (e.g. --scale 1.02 for gradients 2 % too large)",
             ExitCode.BAD_INPUT,
         )
+    words = ["corrupt-grad", str(at_step or 0)] + ([repr(scale)] if finite else [])
+    jobs = _order(node, words)
+    how = f"scaled by {scale}" if finite else "corrupted (NaN)"
+    console.print(f"{node}: gradients will be {how} {_when(at_step)} ({jobs} job(s))")
+
+
+@chaos_app.command("flip-bit")
+def flip_bit(
+    node: NodeArg,
+    at_step: Annotated[
+        int | None,
+        typer.Option(min=1, help="flip before this step (or the next, if it has passed)"),
+    ] = None,
+) -> None:
+    """Flip the lowest bit of one weight on the node's first rank, before its next step (or
+    `--at-step`): a finite error that stays in that rank's copy of the model. Only a shadow
+    check (recovery.shadow_every) sees it: it names the node at the next checked step."""
+    check_name(node, "node id")
+    jobs = _order(node, ["flip-bit", str(at_step or 0)])
+    console.print(f"{node}: one weight's lowest bit will flip {_when(at_step)} ({jobs} job(s))")
+
+
+def _when(at_step: int | None) -> str:
+    return f"at step {at_step}" if at_step else "at the next step"
+
+
+def _order(node: str, words: list[str]) -> int:
+    """Leave a fault for the node's running jobs' first ranks (trainer.grad_watch.chaos_order);
+    how many jobs got it."""
     folders = _job_folders(_ranks_of(node))
     for folder in folders:
-        # Written whole, then renamed: a rank reading a half-written file would poison at once.
+        # Written whole, then renamed: a rank reading a half-written file would act at once.
         partial = folder / f".{CHAOS_FILE}.partial"
-        words = ["corrupt-grad", str(at_step or 0)] + ([repr(scale)] if finite else [])
         partial.write_text(" ".join(words) + "\n")
         partial.replace(folder / CHAOS_FILE)
-    when = f"at step {at_step}" if at_step else "at the next step"
-    how = f"scaled by {scale}" if finite else "corrupted (NaN)"
-    console.print(f"{node}: gradients will be {how} {when} ({len(folders)} job(s))")
+    return len(folders)

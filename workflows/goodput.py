@@ -6,7 +6,8 @@ The run's time is cut at each attempt's milestones. Before a grant the run waits
 grant to ready (ranks spawned, rendezvous, checkpoint loaded) it starts (`startup` the first
 time, `restart` after). From ready to the end of the step whose checkpoint the run kept, the
 ranks' own ledger splits the time into productive steps, `checkpoint stall`, `evaluation`,
-`straggler` (waiting for the slowest rank) and `other` (logging, the loop's own overhead). What
+`straggler` (waiting for the slowest rank), `shadow recompute` (the shadow checks' own work,
+trainer.shadow_check) and `other` (logging, the loop's own overhead). What
 follows that step is `rework` (steps whose checkpoint never came) and `failure detection` (the
 silence until the gang was torn down) when the attempt failed, else `checkpoint stall` for the
 final save and `teardown` for the exit. The wait for a new gang after swapping out a straggler
@@ -30,6 +31,7 @@ CAUSES = (
     "checkpoint stall",
     "evaluation",
     "straggler",
+    "shadow recompute",
     "rework",
     "failure detection",
     "teardown",
@@ -110,8 +112,9 @@ def _split(attempt: AttemptRecord, waited_from: datetime) -> dict[str, float]:
     secured = ready
     if kept is not None:
         secured = min(max(kept.at, ready), ended)
-        add("productive", kept.train_s - kept.straggler_s)
+        add("productive", kept.train_s - kept.straggler_s - kept.shadow_s)
         add("straggler", kept.straggler_s)
+        add("shadow recompute", kept.shadow_s)
         add("checkpoint stall", kept.stall_s)
         add("evaluation", kept.eval_s)
         add("other", (secured - ready) - (kept.train_s + kept.stall_s + kept.eval_s))

@@ -202,6 +202,7 @@ class LedgerMark(BaseModel):
     stall_s: float
     eval_s: float
     straggler_s: float
+    shadow_s: float = 0.0  # part of train_s: shadow checks (0 in ledgers from before them)
 
 
 class AttemptLedger(BaseModel):

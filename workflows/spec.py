@@ -410,6 +410,27 @@ class RecoverySpec(_Strict):
         50, ge=5, le=100_000, description="the steps of history the suspect watch compares with"
     )
 
+    shadow_every: int = Field(
+        0,
+        ge=0,
+        le=1_000_000,
+        description="every this many steps each data-parallel replica recomputes another "
+        "node's micro-batch and the gang compares the gradients (a verdict names and "
+        "quarantines a node that computes wrong); 0: off. The script calls "
+        "run.recompute_with() (the built-in trainer does); DDP layouts only",
+    )
+    shadow_rtol: float = Field(
+        0.0,
+        ge=0,
+        le=0.1,
+        description="how far a recompute may differ, relatively: 0 (bitwise) where kernels are "
+        "deterministic, as on CPU",
+    )
+
+    def shadow_settings(self) -> dict:
+        """What the ranks' shadow checks need (trainer.shadow_check.ShadowSettings's fields)."""
+        return {"every": self.shadow_every, "rtol": self.shadow_rtol} if self.shadow_every else {}
+
     def spike_settings(self) -> dict:
         """What the ranks' suspect watch needs (trainer.spike_watch.SpikeSettings's fields)."""
         return {"mads": self.suspect_mads, "window": self.suspect_window_steps}
@@ -539,6 +560,16 @@ class RunSpec(_Strict):
                 f"data-parallel ranks ({replicate * shard}) × train.grad_accum_steps "
                 f"({self.train.grad_accum_steps}) = {split}; the data-parallel ranks are "
                 f"resources.nodes × resources.gpus_per_node ({world}) / parallel.tensor ({tensor})"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _shadow_checks_replicas(self) -> RunSpec:
+        if self.recovery.shadow_every and (self.parallel.shard > 1 or self.parallel.tensor > 1):
+            raise ValueError(
+                f"recovery.shadow_every ({self.recovery.shadow_every}) compares data-parallel "
+                f"replicas, but parallel.shard is {self.parallel.shard} and parallel.tensor "
+                f"{self.parallel.tensor}: use a DDP layout (both 1) or set shadow_every = 0"
             )
         return self
 

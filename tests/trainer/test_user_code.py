@@ -24,7 +24,7 @@ from trainer.checkpoint import fetch_checkpoint, load_model_weights
 from trainer.errors import RanksFailed, UserCodeFailed
 from trainer.job import ResumePoint, TrainJob
 from trainer.manifest import find_latest
-from workflows.spec import TrainSpec
+from workflows.spec import RecoverySpec, TrainSpec
 
 GRU = REPO / "examples" / "byo" / "gru"
 ARGS = {"block": 32, "width": 32, "layers": 1}
@@ -286,3 +286,60 @@ def test_a_rank_gets_the_store_s_keys_but_none_of_the_agent_s(
     seen = set(json.loads((tmp_path / "env.json").read_text()))
     assert {"AWS_ACCESS_KEY_ID", "FORGELINE_JOB", "SPY_OUT"} <= seen
     assert not seen & {"FORGELINE_TEMPORAL_API_KEY", "FORGELINE_TOKEN", "MLFLOW_TRACKING_PASSWORD"}
+
+
+def test_a_user_script_passes_its_shadow_checks(trainer: Trainer) -> None:
+    """The GRU example hands the SDK its loss (run.recompute_with): on three ranks, checked
+    every 5 steps, its recomputes agree bit for bit with what its ranks computed."""
+    job = user_job(trainer, "gru-shadow", GRU, user_train(GRU, steps=20, batch_size=12), nodes=3,
+                   shadow=RecoverySpec(shadow_every=5).shadow_settings())  # fmt: skip
+    trainer.run(job, ranks=3)
+    lines = Path(job.progress_file).read_text().splitlines()
+    assert [e for e in map(json.loads, lines) if e["event"] == "health"] == []
+    found = find_latest(trainer.store, "gru-shadow", max_generation=1)
+    assert found is not None and found.step == 20
+
+
+def test_shadow_checks_without_a_recompute_are_the_users_error(
+    trainer: Trainer, tmp_path: Path
+) -> None:
+    text = (GRU / "train.py").read_text()
+    code = broken_script(tmp_path, "no-recompute", text.replace("run.recompute_with(loss_of)", ""))
+    job = user_job(trainer, "gru-no-recompute", code, user_train(code),
+                   shadow=RecoverySpec(shadow_every=5).shadow_settings())  # fmt: skip
+    said = r"call run\.recompute_with\(loss_of\) before run\.steps\(\)"
+    with pytest.raises(UserCodeFailed, match=said):
+        trainer.run(job, ranks=2)
+
+
+def test_shadow_checks_of_a_loop_that_accumulates_under_no_sync_are_refused(
+    trainer: Trainer, tmp_path: Path
+) -> None:
+    """Its first all-reduce holds the sum of every micro-batch: compared with one micro-batch's
+    recompute, every healthy rank would look wrong. Refused at the first step, with the fix."""
+    text = (GRU / "train.py").read_text()
+    loop = (
+        "        for x, y in step.micro_batches():  # this rank's share of the global batch\n"
+        "            with step.forward():\n"
+        "                loss = loss_of(model, x, y)\n"
+        "            loss.backward()\n"
+    )
+    assert loop in text
+    accumulating = (
+        "        micro = list(step.micro_batches())\n"
+        "        for i, (x, y) in enumerate(micro):\n"
+        "            last = i == len(micro) - 1\n"
+        "            with contextlib.nullcontext() if last else model.no_sync():\n"
+        "                with step.forward():\n"
+        "                    loss = loss_of(model, x, y)\n"
+        "                loss.backward()\n"
+    )
+    text = text.replace(loop, accumulating).replace(
+        "import math\n", "import contextlib\nimport math\n"
+    )
+    code = broken_script(tmp_path, "no-sync", text)
+    job = user_job(trainer, "gru-no-sync", code, user_train(code, grad_accum_steps=2),
+                   shadow=RecoverySpec(shadow_every=5).shadow_settings())  # fmt: skip
+    said = r"before its first step: SDKUsageError: .* first all-reduce came after micro-batch 2"
+    with pytest.raises(UserCodeFailed, match=said):
+        trainer.run(job, ranks=2)

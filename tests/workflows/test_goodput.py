@@ -88,3 +88,16 @@ def test_an_attempt_that_never_trained_is_all_restart() -> None:
 def test_no_goodput_before_an_attempt_ends() -> None:
     running = failed_then_completed()[0].model_copy(update={"ended_at": None})
     assert account([running]) is None
+
+
+def test_shadow_checks_are_their_own_cause() -> None:
+    """Seconds the ranks spent on shadow checks (part of their step time) are not productive."""
+    attempts = failed_then_completed()
+    completed = attempts[1].ledger
+    assert completed is not None
+    completed.kept = mark(100, 40, train_s=30, shadow_s=0.6)
+    goodput = account(attempts)
+    assert goodput is not None
+    assert goodput.lost_gpu_s["shadow recompute"] == pytest.approx(1.2)  # 0.6 s on 2 GPUs
+    assert goodput.productive_gpu_s == pytest.approx(114 - 1.2)
+    assert "shadow recompute" not in account(failed_then_completed()).lost_gpu_s

@@ -55,6 +55,9 @@ def main() -> None:
     )
     run.serve_with("serve")  # serve.py: how the registered version answers prompts
     run.dataset(block)
+    # With `recovery.shadow_every`, another node computes a micro-batch of this rank's again
+    # and compares the gradients: this is what one micro-batch's backward starts from.
+    run.recompute_with(loss_of)
 
     for step in run.steps():
         for x, y in step.micro_batches():  # this rank's share of the global batch

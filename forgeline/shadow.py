@@ -1,0 +1,132 @@
+"""A rank's part in the shadow checks (trainer.shadow_check): record its own gradients, compute
+its target's micro-batch again, and reach the gang's verdict from one all-gather (two where a
+third rank must break a tie). Every rank reads the same tables, so every rank reaches the same
+verdict and acts on it at the same step."""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+import torch
+from torch.nn.parallel import DistributedDataParallel
+
+from forgeline.errors import SDKUsageError
+from trainer.grad_watch import PreReduceNorms
+from trainer.rng_streams import seed_step
+from trainer.shadow_check import (
+    Fingerprint,
+    Recompute,
+    Ring,
+    ShadowSettings,
+    Verdict,
+    disagreements,
+    recompute,
+    settle,
+    ties_needed,
+)
+from trainer.step_share import gather_rows
+
+if TYPE_CHECKING:
+    from forgeline.step import Step
+    from forgeline.training import Run
+
+
+class ShadowChecks:
+    def __init__(
+        self, run: Run, settings: ShadowSettings, loss_of: Recompute, own: PreReduceNorms
+    ) -> None:
+        self.run = run
+        self.settings = settings
+        self.loss_of = loss_of
+        self.own = own
+        self.ring = Ring(run.world, run.ranks_per_node)
+        # The first step whose result no check has verified yet: the step after the one the
+        # attempt resumed from, then each passed check's own step (its update is not verified).
+        self.unverified_since = run.step + 1
+        self._recording = False  # this step's own gradients are being kept
+        self._loop_checked = False  # the loop's shape was found comparable
+
+    def starting(self, step: int) -> None:
+        """Before the step's backward: keep its own gradients where the step is checked, and
+        on the attempt's first step (to refuse a loop the checks cannot compare at once, as
+        the script's own error, not at the first check as a crash)."""
+        self._recording = self.settings.due(step) or not self._loop_checked
+        if self._recording:
+            self.own.record_first()
+
+    def step_ended(self) -> None:
+        """The first step ended without `step.gradients(model)`: nothing was ever compared."""
+        if not self._loop_checked:
+            raise SDKUsageError(
+                "the spec asks for shadow checks (recovery.shadow_every), which compare the "
+                "gradients in step.gradients(model): call it after backward, before the "
+                "optimizer step; or set recovery.shadow_every = 0"
+            )
+
+    def after_backward(self, step: Step, model: torch.nn.Module) -> Verdict | None:
+        """After the step's backward, before its optimizer step (the parameters the gradients
+        came from): None when every pair agreed, or the step is not checked."""
+        if not self._recording:
+            return None
+        module = model.module if isinstance(model, DistributedDataParallel) else model
+        params = [p for p in module.parameters() if p.requires_grad]
+        own, micro = self.own.first_fingerprint(params)
+        if not self._loop_checked:
+            _comparable(step, micro)
+            self._loop_checked = True
+        if not self.settings.due(step.number):
+            return None
+        number = step.number
+        checked = self._recompute(module, number, self.ring.target_of(self.run.rank))
+        rows = gather_rows([*own, *checked])
+        owns = [(row[0], row[1]) for row in rows]
+        checks = [(row[2], row[3]) for row in rows]
+        found = disagreements(self.ring, owns, checks, self.settings.rtol)
+        ties: dict[tuple[int, int], Fingerprint] = {}
+        needed = ties_needed(found, self.ring)
+        if needed:  # the same on every rank: every rank joins the second gather or none does
+            mine: list[float] = []
+            for owner, checker in needed:
+                third = self.ring.third(owner, checker)
+                tie = self._recompute(module, number, owner) if third == self.run.rank else None
+                mine += list(tie) if tie else [math.nan, math.nan]
+            rows = gather_rows(mine)
+            for i, (owner, checker) in enumerate(needed):
+                row = rows[self.ring.third(owner, checker)]
+                ties[(owner, checker)] = (row[2 * i], row[2 * i + 1])
+        verdict = settle(number, found, self.ring, ties, self.settings.rtol)
+        if verdict is None:
+            self.unverified_since = number
+        return verdict
+
+    def _recompute(self, module: torch.nn.Module, step: int, owner: int) -> Fingerprint:
+        """The owner's first micro-batch of `step`, with the owner's randomness; this rank's own
+        stream continues afterwards as if nothing had been drawn. Under DDP a rank's
+        data-parallel rank is its rank."""
+        run = self.run
+        assert run.sampler is not None
+        x, y = run.sampler.first_micro_batch(run.samples_seen, owner)
+        x, y = x.to(run.device), y.to(run.device)
+        devices = [run.device] if run.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices):
+            seed_step(run.device, run.settings.seed, step, owner, owner, tensor_parallel=False)
+            found = recompute(module, self.loss_of, x, y, run.autocast())
+        return found
+
+
+def _comparable(step: Step, micro: int) -> None:
+    """The script's loop is one the checks can compare: its data comes from
+    `step.micro_batches()`, and its first micro-batch's backward all-reduces alone."""
+    if step.micro_index == 0:
+        raise SDKUsageError(
+            "a shadow check recomputes a micro-batch of step.micro_batches(), but this loop "
+            "took none from it: train on what it hands out, or set recovery.shadow_every = 0"
+        )
+    if micro != 1:
+        when = f"after micro-batch {micro}" if micro else "never"
+        raise SDKUsageError(
+            "a shadow check compares the gradients of the first micro-batch, but this loop's "
+            f"first all-reduce came {when} (accumulating under model.no_sync()?): let every "
+            "micro-batch's backward all-reduce, or set recovery.shadow_every = 0"
+        )

@@ -1,0 +1,118 @@
+"""Shadow recompute on real torchrun ranks (gloo, CPU: bitwise): a clean run with dropout and
+gradient accumulation passes every check; gradients 2 % off on one rank, for one checked step,
+name that rank, fail the attempt before anything is saved and mark its work suspect from the
+last passed check, and the run resumed from before it ends where a clean run ends."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.trainer.conftest import MODEL, Trainer
+from tests.trainer.test_distributed_training import resume_point
+from trainer.attempt_clock import ledger_key
+from trainer.errors import RanksFailed
+from trainer.manifest import commits, find_latest, manifest_key
+from workflows.spec import RecoverySpec, TrainSpec
+
+TRAIN = TrainSpec(
+    steps=40, batch_size=12, grad_accum_steps=2, learning_rate=3e-3, warmup_steps=5,
+    log_every=10, checkpoint_every=10, keep_checkpoints=2, seed=7,
+)  # fmt: skip
+DROPOUT = MODEL.model_copy(update={"dropout": 0.1})  # the recompute must draw the owner's masks
+SHADOW = RecoverySpec(shadow_every=10).shadow_settings()
+RANKS = 3  # one a node: a pair that disagrees has a third node to decide
+
+
+def events(job, kind: str) -> list[dict]:
+    lines = Path(job.progress_file).read_text().splitlines()
+    return [e for e in map(json.loads, lines) if e["event"] == kind]
+
+
+def weights(manifest: dict) -> dict[str, str]:
+    """The checkpoint's tensor files by name (not by key: the run and generation differ), with
+    their sha256 (DCP's `.metadata` names the run's own paths)."""
+    named = {f["key"].rsplit("/", 1)[1]: f["sha256"] for f in manifest["files"]}
+    return {name: digest for name, digest in named.items() if not name.startswith(".")}
+
+
+@pytest.fixture(scope="module")
+def clean(trainer: Trainer) -> dict:
+    """A clean run, and the same run resumed from its step 10: what the rolled-back run must
+    match (resumed, since a 3-rank gloo run resumed is not bitwise the uninterrupted one)."""
+    kept = TRAIN.model_copy(update={"keep_checkpoints": 10})
+    job = trainer.job("shadow-clean", kept, model=DROPOUT, shadow=SHADOW, nodes=RANKS)
+    trainer.run(job, ranks=RANKS)
+    assert events(job, "health") == []  # four checks, no verdict, no suspect
+    ledger = json.loads(trainer.store.get_bytes(ledger_key("shadow-clean", 1)))
+    assert ledger["last"]["totals"]["shadow_s"] > 0  # goodput puts it down to its own cause
+    found = find_latest(trainer.store, "shadow-clean", max_generation=1)
+    assert found is not None and found.step == TRAIN.steps
+    return resumed_from_10(trainer, "shadow-clean", kept)
+
+
+def resumed_from_10(trainer: Trainer, name: str, train: TrainSpec) -> dict:
+    """Generation 2 of the run, from its checkpoint at step 10 to the end: its last manifest."""
+    key = manifest_key(name, 10, generation=1)
+    resume = resume_point(trainer, json.loads(trainer.store.get_bytes(key)), name, key)
+    again = trainer.job(name, train, model=DROPOUT, shadow=SHADOW, nodes=RANKS,
+                        resume=resume, generation=2)  # fmt: skip
+    trainer.run(again, ranks=RANKS)
+    found = find_latest(trainer.store, name, max_generation=2)
+    assert found is not None and found.step == TRAIN.steps
+    return found.manifest
+
+
+def test_a_clean_run_passes_every_check(clean: dict) -> None:
+    assert [step for step, _ in clean["loss_history"]] == [10, 20, 30, 40]
+
+
+def verdict_at_30(trainer: Trainer, name: str, order: str, **fields: object) -> list[dict]:
+    """Run with a `forgeline chaos` order for rank 0 (the node's first rank) until the check at
+    step 30 names it; the attempt's health events."""
+    job = trainer.job(name, TRAIN, shadow=SHADOW, nodes=RANKS, **fields)
+    job.chaos_file = str(Path(job.progress_file).parent / "CORRUPT_GRAD")
+    Path(job.chaos_file).parent.mkdir(parents=True, exist_ok=True)
+    Path(job.chaos_file).write_text(order + "\n")
+    with pytest.raises(RanksFailed, match=r"shadow recompute at step 30 named ranks \[0\]"):
+        trainer.run(job, ranks=RANKS)
+    return events(job, "health")
+
+
+def test_gradients_two_percent_off_name_their_rank_and_roll_back(
+    trainer: Trainer, clean: dict
+) -> None:
+    # What `forgeline chaos corrupt-grad n0 --finite --scale 1.02 --at-step 30` writes: rank 0
+    # computes its gradients 2 % too large at step 30, a checked step.
+    suspect, corruption = verdict_at_30(trainer, "shadow-bad", "corrupt-grad 30 1.02",
+                                        model=DROPOUT)  # fmt: skip
+    verdict = (corruption["kind"], corruption["rank"], corruption["node_index"])
+    assert verdict == ("corruption", 0, 0)
+    assert (corruption["action"], corruption["step"]) == ("quarantine", 30)
+    assert "rank 2's recompute agrees with rank 1's" in corruption["evidence"]
+    # The check at step 20 passed; the update it was followed by is the first unverified work.
+    assert (suspect["kind"], suspect["rank"], suspect["step"]) == ("suspect", 0, 20)
+    # Nothing was saved at or after the corrupt step; the rollback (to before step 20) finds 10
+    # kept, though keep_checkpoints = 2 would have pruned it after 20 and a save at 30.
+    assert sorted(c.step for c in commits(trainer.store, "shadow-bad")) == [10, 20]
+
+    final = resumed_from_10(trainer, "shadow-bad", TRAIN)
+    # Bitwise: the same steps from the same (clean) checkpoint; nothing of the corrupt attempt.
+    assert final["loss_history"] == clean["loss_history"]
+    assert weights(final) == weights(clean)
+
+
+def test_a_flipped_low_bit_in_one_weight_is_named_at_the_next_check(trainer: Trainer) -> None:
+    """`forgeline chaos flip-bit n0 --at-step 23`: rank 0's copy of one weight is off in its last
+    bit from step 23 on; the check at step 30 finds its own gradients differ from rank 1's
+    recompute of them, and rank 2's recompute (a third node) says which of the two is wrong.
+    (Its recompute of rank 2's micro-batch may well agree: one bit of one embedding weight
+    changes only what that token touches, and rounding swallows the rest.)"""
+    suspect, corruption = verdict_at_30(trainer, "shadow-flip", "flip-bit 23")
+    assert (suspect["kind"], suspect["rank"], suspect["step"]) == ("suspect", 0, 20)
+    assert (corruption["kind"], corruption["rank"], corruption["step"]) == ("corruption", 0, 30)
+    evidence = corruption["evidence"]
+    assert "rank 0's own gradients" in evidence and "from rank 1's recompute" in evidence
+    assert "rank 2's recompute agrees with rank 1's" in evidence

@@ -1,0 +1,216 @@
+"""Shadow recompute: a rank's micro-batch computed again on another node, and the two compared.
+
+A device that is wrong rather than dead gives finite, plausible gradients; a few percent off,
+no norm watch sees them (trainer.spike_watch needs about x20). What does see them is doing the
+same work twice. Every `every` steps (the spec's `recovery.shadow_every`), each data-parallel
+replica also computes the first micro-batch of the replica on the node before it in a ring of
+nodes (on one node, the rank before it), from the same parameters (DDP replicas hold the same),
+with the same randomness (trainer.rng_streams derives it from the step and the data-parallel
+rank), and the gang compares what the owner computed in its real backward (seen in DDP's
+all-reduce hook, before the reduction mixed it) with what its checker computed again.
+
+Gradients are compared by a fingerprint: the sum and the sum of squares of every gradient, in
+float64, parameter by parameter in the model's order, so the two sides add them up alike.
+Where kernels are deterministic (CPU) the fingerprints agree bitwise on a healthy gang; on GPUs
+the spec may allow a relative tolerance (`recovery.shadow_rtol`).
+
+Who is wrong: a device that computes wrong makes its own gradients and its recompute of another
+rank's disagree, so a rank in two disagreeing pairs is named. Where one pair alone disagrees
+(a fault in one of the two computations), a third rank, on a third node where there is one,
+computes the owner's micro-batch again and the majority decides. With two ranks there is no
+majority: the mismatch is reported, naming both ranks, and the run goes on.
+
+What a check cannot see: a corruption of one step that the all-reduce averaged into every
+replica alike leaves nothing to compare once that step is over, so it is caught only on a
+checked step. A corrupt parameter, or a device wrong again and again, is caught at the next
+checked step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections import Counter
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import torch
+
+# A script's recompute of one micro-batch: (the model's own module, x, y) -> the tensor the script
+# calls backward on for that micro-batch (its loss divided by the accumulation steps).
+Recompute = Callable[[torch.nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
+
+Fingerprint = tuple[float, float]  # (sum, sum of squares) of every gradient, in float64
+
+
+@dataclass(frozen=True)
+class ShadowSettings:
+    """The spec's `[recovery]` `shadow_every` (0: off) and `shadow_rtol`; in the job file as a
+    dict (`TrainJob.shadow`)."""
+
+    every: int = 0
+    rtol: float = 0.0
+
+    @classmethod
+    def from_dict(cls, data: dict) -> ShadowSettings:
+        return cls(**data)
+
+    def due(self, step: int) -> bool:
+        return self.every > 0 and step % self.every == 0
+
+
+def gradient_summary(grad: torch.Tensor | None) -> torch.Tensor:
+    """(sum, sum of squares) of one gradient in float64; zeros for a parameter without one."""
+    if grad is None:
+        return torch.zeros(2, dtype=torch.float64)
+    flat = grad.detach().to(torch.float64).reshape(-1)
+    return torch.stack((flat.sum(), flat.pow(2).sum())).cpu()
+
+
+def fingerprint(summaries: Iterable[torch.Tensor]) -> Fingerprint:
+    """The parameters' summaries added up in the order given (the model's parameter order)."""
+    total = torch.zeros(2, dtype=torch.float64)
+    for summary in summaries:
+        total += summary
+    return float(total[0]), float(total[1])
+
+
+def recompute(
+    module: torch.nn.Module,
+    loss_of: Recompute,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    autocast: contextlib.AbstractContextManager,
+) -> Fingerprint:
+    """The fingerprint of the gradients of one micro-batch, computed without touching the
+    parameters' `.grad` (the step's own gradients stay as they are) or any collective. The
+    forward runs under `autocast`, as the script's does (`Step.forward`)."""
+    params = [p for p in module.parameters() if p.requires_grad]
+    with autocast:
+        loss = loss_of(module, x, y)
+    grads = torch.autograd.grad(loss, params, allow_unused=True)
+    return fingerprint(gradient_summary(g) for g in grads)
+
+
+def agree(a: Fingerprint, b: Fingerprint, rtol: float) -> bool:
+    if rtol == 0:
+        return a == b
+    return all(math.isclose(u, v, rel_tol=rtol, abs_tol=0.0) for u, v in zip(a, b, strict=True))
+
+
+@dataclass(frozen=True)
+class Ring:
+    """Who checks whom: rank r's checker holds the same local rank on the next node."""
+
+    world: int
+    ranks_per_node: int
+
+    @property
+    def stride(self) -> int:
+        # On one node the next rank checks; across nodes, the same local rank on the next node.
+        return self.ranks_per_node if self.world > self.ranks_per_node else 1
+
+    def checker_of(self, rank: int) -> int:
+        return (rank + self.stride) % self.world
+
+    def target_of(self, rank: int) -> int:
+        return (rank - self.stride) % self.world
+
+    def node_of(self, rank: int) -> int:
+        return rank // self.ranks_per_node
+
+    def third(self, owner: int, checker: int) -> int:
+        """The rank that breaks a tie between `owner` and `checker`: the next after the checker
+        in the ring on a node of neither, else the next rank that is neither."""
+        nodes = {self.node_of(owner), self.node_of(checker)}
+        order = [(checker + self.stride * k) % self.world for k in range(1, self.world)]
+        order += [(checker + k) % self.world for k in range(1, self.world)]
+        others = [r for r in order if r not in (owner, checker)]
+        elsewhere = [r for r in others if self.node_of(r) not in nodes]
+        return (elsewhere or others)[0]
+
+
+@dataclass(frozen=True)
+class Disagreement:
+    """One owner's gradients against its checker's recompute of them."""
+
+    owner: int
+    checker: int
+    own: Fingerprint
+    checked: Fingerprint
+
+
+def disagreements(
+    ring: Ring, own: list[Fingerprint], checked: list[Fingerprint], rtol: float
+) -> list[Disagreement]:
+    """`own[r]`: rank r's own gradients; `checked[r]`: rank r's recompute of its target's."""
+    found = []
+    for owner in range(ring.world):
+        checker = ring.checker_of(owner)
+        mine, theirs = own[owner], checked[checker]
+        if not agree(mine, theirs, rtol):
+            found.append(Disagreement(owner, checker, mine, theirs))
+    return found
+
+
+def named_by_pairs(found: list[Disagreement]) -> set[int]:
+    """Ranks in two or more disagreeing pairs: wrong both in their own work and in a check."""
+    count = Counter(r for d in found for r in (d.owner, d.checker))
+    return {rank for rank, n in count.items() if n >= 2}
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What a checked step found: the ranks named (empty: nobody could be named) and why."""
+
+    step: int
+    ranks: list[int]
+    evidence: str
+
+
+def describe(d: Disagreement) -> str:
+    return (
+        f"rank {d.owner}'s own gradients (sum {d.own[0]:.9g}, sum of squares {d.own[1]:.9g}) "
+        f"differ from rank {d.checker}'s recompute of its micro-batch "
+        f"(sum {d.checked[0]:.9g}, sum of squares {d.checked[1]:.9g})"
+    )
+
+
+def settle(
+    step: int,
+    found: list[Disagreement],
+    ring: Ring,
+    ties: dict[tuple[int, int], Fingerprint],
+    rtol: float,
+) -> Verdict | None:
+    """The verdict of a checked step from its disagreements and the third ranks' recomputes
+    (`ties`: (owner, checker) -> the third's fingerprint of the owner's micro-batch)."""
+    if not found:
+        return None
+    named = named_by_pairs(found) if ring.world > 2 else set()
+    lines = [describe(d) for d in found]
+    for d in found:
+        if d.owner in named or d.checker in named or (d.owner, d.checker) not in ties:
+            continue
+        third = ring.third(d.owner, d.checker)
+        tie = ties[(d.owner, d.checker)]
+        if agree(tie, d.checked, rtol):
+            named.add(d.owner)
+            lines.append(f"rank {third}'s recompute agrees with rank {d.checker}'s")
+        elif agree(tie, d.own, rtol):
+            named.add(d.checker)
+            lines.append(f"rank {third}'s recompute agrees with rank {d.owner}'s own")
+        else:
+            lines.append(f"rank {third}'s recompute agrees with neither ({tie[0]:.9g}, "
+                         f"{tie[1]:.9g})")  # fmt: skip
+    if ring.world == 2:
+        lines.append("two ranks: no third to say which is wrong")
+    return Verdict(step=step, ranks=sorted(named), evidence="; ".join(lines))
+
+
+def ties_needed(found: list[Disagreement], ring: Ring) -> list[tuple[int, int]]:
+    """The (owner, checker) pairs a third rank must decide: those no other pair explains."""
+    if ring.world <= 2:
+        return []
+    named = named_by_pairs(found)
+    return [(d.owner, d.checker) for d in found if d.owner not in named and d.checker not in named]
