@@ -16,9 +16,9 @@ records written by one generation, so the same key on both sites holds the same 
 primary's copy wins where both answer.
 
 After a failure the primary is left alone for `retry_after_s`: every request would otherwise pay
-botocore's retries (seconds) before falling back. A read that the twin cannot answer asks the
-primary even then, once a bare connection to it gets through: only the primary may hold the
-object, and it may be back.
+botocore's retries (seconds) before falling back. A read that the twin cannot answer, and any
+listing, asks the primary even then, once a bare connection to it gets through (at most one
+probe a second): only the primary may hold the object, and it may be back.
 """
 
 from __future__ import annotations
@@ -161,6 +161,11 @@ class TwinStore:
 
     def list(self, prefix: str) -> list[str]:
         keys: set[str] = set()
+        if self.primary_down and self._primary_is_back():
+            # A listing of the twin alone misses what only the primary holds (a checkpoint
+            # committed since the outage ended): the control worker's, left presumed down for
+            # retry_after_s after a heal, found step 40 of a run that had committed 60.
+            self._primary_down_until = 0.0
         try:
             keys.update(self._on_primary(lambda store: store.list(prefix)))
         except StoreUnavailable:

@@ -187,6 +187,30 @@ def test_a_read_only_the_primary_can_answer_asks_it_while_it_is_presumed_down(
         store.get_bytes("code/0123/MANIFEST.json")
 
 
+def test_a_listing_asks_a_primary_presumed_down_once_it_is_back(
+    partitioned: Any, tmp_path: Path
+) -> None:
+    """The slow e2e: the control worker met the twin test's outage, and within 30 s of the heal it
+    listed a healthy run's checkpoints on the twin alone: step 40 (replicated), not the step 60
+    its ranks had just committed to the primary. The run failed, finished and healthy."""
+    partition, primary = partitioned
+    twin = LocalStore(tmp_path / "twin")
+    ticks = [0.0]
+    store = TwinStore(primary, twin, retry_after_s=30, probe_every_s=1, clock=lambda: ticks[0])
+    twin.put_bytes("runs/r/checkpoints/step-40/MANIFEST.json", b"replicated")
+    partition.cut()
+    assert store.list("runs/r/checkpoints/") == ["runs/r/checkpoints/step-40/MANIFEST.json"]
+    assert store.primary_down
+    partition.heal()
+    primary.put_bytes("runs/r/checkpoints/step-60/MANIFEST.json", b"committed since")
+    ticks[0] = 5.0  # well within retry_after_s
+    assert store.list("runs/r/checkpoints/") == [
+        "runs/r/checkpoints/step-40/MANIFEST.json",
+        "runs/r/checkpoints/step-60/MANIFEST.json",
+    ]
+    assert not store.primary_down
+
+
 def test_reads_the_twin_lacks_cost_no_requests_to_a_primary_that_is_still_down(
     partitioned: Any, tmp_path: Path
 ) -> None:
