@@ -111,8 +111,31 @@ class ShadowChecks:
         devices = [run.device] if run.device.type == "cuda" else []
         with torch.random.fork_rng(devices=devices):
             seed_step(run.device, run.settings.seed, step, owner, owner, tensor_parallel=False)
-            found = recompute(module, self.loss_of, x, y, run.autocast())
-        return found
+            return recompute(module, self.loss_of, x, y, run.autocast())
+
+
+def shadow_checks(
+    run: Run, settings: ShadowSettings, loss_of: Recompute | None, own: PreReduceNorms | None
+) -> ShadowChecks | None:
+    """The run's checks where the spec asks for them, or why the script cannot have them."""
+    if settings.every == 0:
+        return None
+    if loss_of is None:
+        raise SDKUsageError(
+            f"the spec asks for a shadow recompute every {settings.every} steps "
+            "(recovery.shadow_every): call run.recompute_with(loss_of) before run.steps(), "
+            "loss_of(module, x, y) returning what the loop calls backward on for one "
+            "micro-batch; or set recovery.shadow_every = 0"
+        )
+    if own is None:
+        if run.world == 1:
+            run._say("shadow recompute needs two ranks or more: not checking")
+            return None
+        raise SDKUsageError(
+            "shadow recompute compares data-parallel replicas: it needs a DDP model "
+            "(parallel.shard = 1, parallel.tensor = 1); or set recovery.shadow_every = 0"
+        )
+    return ShadowChecks(run, settings, loss_of, own)
 
 
 def _comparable(step: Step, micro: int) -> None:

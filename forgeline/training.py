@@ -37,7 +37,7 @@ from torch.nn.parallel import DistributedDataParallel
 from forgeline.errors import SDKUsageError
 from forgeline.findings import Findings
 from forgeline.saves import Saves
-from forgeline.shadow import ShadowChecks
+from forgeline.shadow import ShadowChecks, shadow_checks
 from forgeline.step import Step
 from forgeline.stops import StopRules
 from infra.store import open_store
@@ -285,7 +285,7 @@ class Run:
         rules = StopRules(self.job.stragglers, self._findings, self.ranks_per_node, self._term,
                           self._stop_file, watch,
                           on_suspect=points.suspect_at if points else None)  # fmt: skip
-        self._checks = self._shadow_checks()
+        self._checks = shadow_checks(self, self._shadow, self._loss_of, self._own_norms)
         self._policy = CheckpointPolicy.from_train_config(self.job.train, self.job.mtbf_s)
         self._window = (time.perf_counter(), 0)
         self._sdk_s = 0.0
@@ -301,7 +301,7 @@ class Run:
             step = self._current = Step(self, self.step + 1)
             if self._checks is not None:
                 self._checks.starting(step.number)
-            if chaos_order(self._corrupt_next, step.number, "flip-bit") and self._model:
+            if self._model is not None and chaos_order(self._corrupt_next, step.number, "flip-bit"):
                 flip_low_bit(self._model)  # `forgeline chaos flip-bit`, for tests and demos
             self._sdk_s += time.perf_counter() - entered
             yield step
@@ -317,27 +317,6 @@ class Run:
         if self.step >= self.settings.steps:
             self._clock.end("done")
             self._progress.write(event="done", step=self.step, tokens_seen=self.tokens_seen)
-
-    def _shadow_checks(self) -> ShadowChecks | None:
-        every = self._shadow.every
-        if every == 0:
-            return None
-        if self._loss_of is None:
-            raise SDKUsageError(
-                f"the spec asks for a shadow recompute every {every} steps "
-                "(recovery.shadow_every): call run.recompute_with(loss_of) before run.steps(), "
-                "loss_of(module, x, y) returning what the loop calls backward on for one "
-                "micro-batch; or set recovery.shadow_every = 0"
-            )
-        if self._own_norms is None:
-            if self.world == 1:
-                self._say("shadow recompute needs two ranks or more: not checking")
-                return None
-            raise SDKUsageError(
-                "shadow recompute compares data-parallel replicas: it needs a DDP model "
-                "(parallel.shard = 1, parallel.tensor = 1); or set recovery.shadow_every = 0"
-            )
-        return ShadowChecks(self, self._shadow, self._loss_of, self._own_norms)
 
     @contextlib.contextmanager
     def evaluating(self) -> Iterator[None]:
@@ -576,8 +555,8 @@ class Run:
         if not verdict.ranks:
             self._findings.health("shadow-mismatch", verdict.step, None, "report", verdict.evidence)
             return
-        points = self._saves.checkpointer.rollback_points if self._saves else None
-        if points is not None:
+        assert self._saves is not None
+        if (points := self._saves.checkpointer.rollback_points) is not None:  # rank 0's
             points.suspect_at(since)
         reason = self._findings.shadow_verdict(verdict, since)
         self._fail("a shadow recompute disagreed", reason)

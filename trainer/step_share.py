@@ -42,16 +42,16 @@ def share_step(
     numbers per rank, for what the ranks must agree on and what the
     health checks compare across ranks. A gang of one rank agrees with itself: it gets the
     same table without the collective."""
-    row = [float(stop), float(save), step_s, grad_norm, forward_s, loss]
-    table = torch.tensor(gather_rows(row), dtype=torch.float64)  # (world, 6)
+    rows = gather_rows([float(stop), float(save), step_s, grad_norm, forward_s, loss])
+    stops, saves, step_s_, norms, forward, losses = (list(c) for c in zip(*rows, strict=True))
     return StepShare(
-        stop=int(table[:, 0].max()),
-        save=int(table[0, 1]) == STORE_SAVE,
-        peer=int(table[0, 1]) == PEER_SAVE,
-        step_s=table[:, 2].tolist(),
-        grad_norm=table[:, 3].tolist(),
-        forward_s=table[:, 4].tolist(),
-        loss=table[:, 5].tolist(),
+        stop=int(max(stops)),
+        save=int(saves[0]) == STORE_SAVE,
+        peer=int(saves[0]) == PEER_SAVE,
+        step_s=step_s_,
+        grad_norm=norms,
+        forward_s=forward,
+        loss=losses,
     )
 
 
