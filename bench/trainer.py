@@ -126,8 +126,9 @@ def _train_shards(store: LocalStore, snapshot) -> list[str]:
 def trainer_tokens_per_s(
     root: Path, store: LocalStore, snapshot, size: Size, run: str, ranks: int = 1, **fields: object
 ) -> Measured:
-    """The built-in trainer's tokens/s over `ranks` DDP ranks on one node (each with
-    THREADS // ranks threads); `fields` go into the job as a node agent would set them."""
+    """The built-in trainer's tokens/s over `ranks` ranks on one node (each with THREADS //
+    ranks threads; DDP unless `fields` has a layout); `fields` go into the job as a node agent
+    would set them."""
     steps = WARMUP + size.measured_steps
     threads = max(1, THREADS // ranks)
     train = TrainSpec(
@@ -149,7 +150,7 @@ def trainer_tokens_per_s(
         # As a node agent writes it for `forgeline run`: the files the ranks watch every step.
         stop_file=str(work / "STOP"),
         chaos_file=str(work / "CHAOS"),
-        layout={"replicate": ranks, "shard": 1, "tensor": 1},
+        layout=fields.pop("layout", {"replicate": ranks, "shard": 1, "tensor": 1}),
         stragglers=RecoverySpec().straggler_settings(),
         spikes=RecoverySpec().spike_settings(),
         **fields,

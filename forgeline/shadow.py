@@ -12,7 +12,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from forgeline.errors import SDKUsageError
-from trainer.grad_watch import PreReduceNorms
+from trainer.grad_watch import OwnGradients
 from trainer.rng_streams import seed_step
 from trainer.shadow_check import (
     Fingerprint,
@@ -21,7 +21,6 @@ from trainer.shadow_check import (
     ShadowSettings,
     Verdict,
     disagreements,
-    recompute,
     settle,
     ties_needed,
 )
@@ -34,7 +33,7 @@ if TYPE_CHECKING:
 
 class ShadowChecks:
     def __init__(
-        self, run: Run, settings: ShadowSettings, loss_of: Recompute, own: PreReduceNorms
+        self, run: Run, settings: ShadowSettings, loss_of: Recompute, own: OwnGradients
     ) -> None:
         self.run = run
         self.settings = settings
@@ -46,12 +45,22 @@ class ShadowChecks:
         self.unverified_since = run.step + 1
         self._recording = False  # this step's own gradients are being kept
         self._loop_checked = False  # the loop's shape was found comparable
+        self._asked: int | None = None  # a step checked out of turn (after a suspect)
+
+    def check_next(self, suspect_step: int) -> None:
+        """The suspect watch named a rank at `suspect_step` (every rank reads the same table,
+        so every rank asks): check the very next step rather than wait for the turn. A device
+        that keeps computing wrong is named there; a one-off leaves the suspect standing."""
+        self._asked = suspect_step + 1
+
+    def _due(self, step: int) -> bool:
+        return self.settings.due(step) or step == self._asked
 
     def starting(self, step: int) -> None:
         """Before the step's backward: keep its own gradients where the step is checked, and
         on the attempt's first step (to refuse a loop the checks cannot compare at once, as
         the script's own error, not at the first check as a crash)."""
-        self._recording = self.settings.due(step) or not self._loop_checked
+        self._recording = self._due(step) or not self._loop_checked
         if self._recording:
             self.own.record_first()
 
@@ -70,12 +79,11 @@ class ShadowChecks:
         if not self._recording:
             return None
         module = model.module if isinstance(model, DistributedDataParallel) else model
-        params = [p for p in module.parameters() if p.requires_grad]
-        own, micro = self.own.first_fingerprint(params)
+        own, micro = self.own.first_fingerprint(module)
         if not self._loop_checked:
             _comparable(step, micro)
             self._loop_checked = True
-        if not self.settings.due(step.number):
+        if not self._due(step.number):
             return None
         number = step.number
         checked = self._recompute(module, number, self.ring.target_of(self.run.rank))
@@ -88,9 +96,11 @@ class ShadowChecks:
         if needed:  # the same on every rank: every rank joins the second gather or none does
             mine: list[float] = []
             for owner, checker in needed:
-                third = self.ring.third(owner, checker)
-                tie = self._recompute(module, number, owner) if third == self.run.rank else None
-                mine += list(tie) if tie else [math.nan, math.nan]
+                # Under FSDP every rank joins the recompute (it gathers shards); the third's counts.
+                third = self.ring.third(owner, checker) == self.run.rank
+                joins = third or self.own.collective
+                tie = self._recompute(module, number, owner) if joins else None
+                mine += list(tie) if tie and third else [math.nan, math.nan]
             rows = gather_rows(mine)
             for i, (owner, checker) in enumerate(needed):
                 row = rows[self.ring.third(owner, checker)]
@@ -98,24 +108,31 @@ class ShadowChecks:
         verdict = settle(number, found, self.ring, ties, self.settings.rtol)
         if verdict is None:
             self.unverified_since = number
+            why = "suspect" if number == self._asked else "every"
+            self.run._progress.write(event="shadow_check", step=number, agreed=True, why=why)
         return verdict
 
     def _recompute(self, module: torch.nn.Module, step: int, owner: int) -> Fingerprint:
         """The owner's first micro-batch of `step`, with the owner's randomness; this rank's own
-        stream continues afterwards as if nothing had been drawn. Under DDP a rank's
-        data-parallel rank is its rank."""
+        stream continues afterwards as if nothing had been drawn. Without tensor parallelism a
+        rank's data-parallel rank is its rank."""
         run = self.run
         assert run.sampler is not None
         x, y = run.sampler.first_micro_batch(run.samples_seen, owner)
         x, y = x.to(run.device), y.to(run.device)
         devices = [run.device] if run.device.type == "cuda" else []
+
+        def loss() -> torch.Tensor:
+            with run.autocast():  # as the script's forward runs (`Step.forward`)
+                return self.loss_of(module, x, y)
+
         with torch.random.fork_rng(devices=devices):
             seed_step(run.device, run.settings.seed, step, owner, owner, tensor_parallel=False)
-            return recompute(module, self.loss_of, x, y, run.autocast())
+            return self.own.recompute(module, loss)
 
 
 def shadow_checks(
-    run: Run, settings: ShadowSettings, loss_of: Recompute | None, own: PreReduceNorms | None
+    run: Run, settings: ShadowSettings, loss_of: Recompute | None, own: OwnGradients | None
 ) -> ShadowChecks | None:
     """The run's checks where the spec asks for them, or why the script cannot have them."""
     if settings.every == 0:
@@ -132,15 +149,16 @@ def shadow_checks(
             run._say("shadow recompute needs two ranks or more: not checking")
             return None
         raise SDKUsageError(
-            "shadow recompute compares data-parallel replicas: it needs a DDP model "
-            "(parallel.shard = 1, parallel.tensor = 1); or set recovery.shadow_every = 0"
+            "shadow recompute compares data-parallel ranks' own gradients: it needs a DDP or "
+            "FSDP model without tensor parallelism (parallel.tensor = 1); or set "
+            "recovery.shadow_every = 0"
         )
     return ShadowChecks(run, settings, loss_of, own)
 
 
 def _comparable(step: Step, micro: int) -> None:
     """The script's loop is one the checks can compare: its data comes from
-    `step.micro_batches()`, and its first micro-batch's backward all-reduces alone."""
+    `step.micro_batches()`, and its first micro-batch's backward is reduced alone."""
     if step.micro_index == 0:
         raise SDKUsageError(
             "a shadow check recomputes a micro-batch of step.micro_batches(), but this loop "
@@ -150,6 +168,7 @@ def _comparable(step: Step, micro: int) -> None:
         when = f"after micro-batch {micro}" if micro else "never"
         raise SDKUsageError(
             "a shadow check compares the gradients of the first micro-batch, but this loop's "
-            f"first all-reduce came {when} (accumulating under model.no_sync()?): let every "
-            "micro-batch's backward all-reduce, or set recovery.shadow_every = 0"
+            f"first all-reduce came {when} (accumulating under DDP's model.no_sync() or FSDP's "
+            "set_requires_gradient_sync(False)?): let every micro-batch's backward reduce, or "
+            "set recovery.shadow_every = 0"
         )

@@ -78,12 +78,12 @@ class Step:
 
     def gradients(self, model: torch.nn.Module, max_norm: float = 0.0) -> float:
         """Call after backward: this rank's local gradient norm, checked for non-finite values
-        (for DDP, the norm of this replica's own gradients before the all-reduce mixed them:
-        what names the rank that went bad). With `max_norm` > 0 it also clips every gradient
+        (for DDP and FSDP, the norm of this rank's own gradients before the reduction mixed
+        them: what names the rank that went bad). With `max_norm` > 0 it also clips every gradient
         by the global norm, as `torch.nn.utils.clip_grad_norm_` would, taking the norm once for
         both where each rank holds whole gradients (one rank, DDP)."""
         run = self.run
-        hooked = run._own_norms is not None  # DDP: its all-reduce hook poisons (grad_watch)
+        hooked = run._own_norms is not None  # DDP, FSDP: the reduction watch poisons
         scale = None if hooked else chaos_poison(run._corrupt_next, self.number)
         if scale is not None:
             corrupt_gradients(model, scale)  # no all-reduce hook to do it in: after backward

@@ -32,7 +32,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel
 
 from forgeline.errors import SDKUsageError
 from forgeline.findings import Findings
@@ -47,7 +46,7 @@ from trainer.checkpoint import load_training_state
 from trainer.checkpoint_policy import CheckpointPolicy
 from trainer.data import RankSlice, Sampler, TokenStream
 from trainer.entry import mark_began
-from trainer.grad_watch import PreReduceNorms, chaos_order, chaos_poison, flip_low_bit
+from trainer.grad_watch import OwnGradients, chaos_order, chaos_poison, flip_low_bit
 from trainer.job import TrainJob
 from trainer.job_checkpoints import checkpointer_for, resolve
 from trainer.metrics import mfu
@@ -55,6 +54,7 @@ from trainer.parallel import Layout, Placement, build_mesh
 from trainer.progress import ProgressFile
 from trainer.rng_streams import seed_step
 from trainer.shadow_check import Recompute, ShadowSettings, Verdict
+from trainer.shard_watch import own_gradients
 from trainer.spike_watch import SpikeSettings, SpikeWatch
 from trainer.step_share import (
     EXIT_NON_FINITE,
@@ -98,6 +98,7 @@ class Run:
         self._stop_file = Path(job.stop_file) if job.stop_file else None
         chaos = Path(job.chaos_file) if job.chaos_file else None
         self._corrupt_next = chaos if rt.local_rank == 0 else None
+        self._poison: tuple[int, float] | None = None  # (step, scale) of a chaos order taken
         self.layout = (
             Layout(**{k: job.layout[k] for k in ("replicate", "shard", "tensor")})
             if job.layout
@@ -113,7 +114,7 @@ class Run:
         self.loss_history: list[list[float]] = []  # [step, mean loss] on the log grid
         self._model: torch.nn.Module | None = None
         self._optimizer: torch.optim.Optimizer | None = None
-        self._own_norms: PreReduceNorms | None = None
+        self._own_norms: OwnGradients | None = None
         self._shadow = ShadowSettings.from_dict(job.shadow)
         self._loss_of: Recompute | None = None  # recompute_with()
         self._checks: ShadowChecks | None = None  # made by steps() where the spec asks
@@ -195,8 +196,9 @@ class Run:
         """How the platform computes one micro-batch again for the shadow checks
         (`recovery.shadow_every` in the spec): `loss_of(module, x, y)` returns the tensor the
         loop calls backward on for that micro-batch (its loss divided by the accumulation
-        steps), from the model's own module (not its DDP wrapper). It must compute exactly what
-        the loop does: the checks compare the two bit for bit on CPU."""
+        steps), from the model's own module (not its DDP wrapper; an FSDP model is its own).
+        It must compute exactly what the loop does: the checks compare the two bit for bit on
+        CPU."""
         self._loss_of = loss_of
 
     # ---- restore, the loop, checkpoints ------------------------------------------------
@@ -222,14 +224,14 @@ class Run:
         self._model, self._optimizer = model, optimizer
         self._model_config = dict(model_config or {})
         self._flops_per_token = flops_per_token
-        if isinstance(model, DistributedDataParallel):
-            # Each replica's own gradient norm, before the all-reduce mixes them.
-            self._own_norms = PreReduceNorms(
-                model,
-                self.placement.mesh.get_group("replicate"),
-                poison_now=lambda: chaos_poison(self._corrupt_next, self.step + 1),
-                micro_now=lambda: self._current.micro_index if self._current else 0,
-            )
+        # Each rank's own gradients, before the reduction mixes them (norms, shadow checks).
+        self._own_norms = own_gradients(
+            model,
+            self.placement.mesh.get_group("replicate") if self.layout.replicate > 1 else None,
+            tensor_parallel=self.layout.tensor > 1,
+            poison_now=self._poison_now,
+            micro_now=lambda: self._current.micro_index if self._current else 0,
+        )
         checkpointer = checkpointer_for(
             self.job, self.store, self.layout.to_dict(), keep=self.settings.keep_checkpoints,
             asynchronous=self.settings.async_checkpoint, local_rank=self.local_rank,
@@ -281,11 +283,9 @@ class Run:
         if self._saves is None or self._clock is None:
             raise SDKUsageError("call run.restore(model, optimizer) before run.steps()")
         watch = SpikeWatch(SpikeSettings.from_dict(self.job.spikes), self.world)
-        points = self._saves.checkpointer.rollback_points  # rank 0's: it commits
-        rules = StopRules(self.job.stragglers, self._findings, self.ranks_per_node, self._term,
-                          self._stop_file, watch,
-                          on_suspect=points.suspect_at if points else None)  # fmt: skip
         self._checks = shadow_checks(self, self._shadow, self._loss_of, self._own_norms)
+        rules = StopRules(self.job.stragglers, self._findings, self.ranks_per_node, self._term,
+                          self._stop_file, watch, on_suspect=self._suspect_at)  # fmt: skip
         self._policy = CheckpointPolicy.from_train_config(self.job.train, self.job.mtbf_s)
         self._window = (time.perf_counter(), 0)
         self._sdk_s = 0.0
@@ -376,6 +376,28 @@ class Run:
             started = time.perf_counter()
             self._saves.checkpointer.before_weights_change()
             self._stall_s += time.perf_counter() - started
+
+    def _poison_now(self) -> float | None:
+        """`forgeline chaos corrupt-grad`'s scale for the buffer being reduced now: every
+        buffer of the first micro-batch of the step it is due at (a DDP bucket, an FSDP
+        block), so the whole of this rank's gradients of that micro-batch are off alike."""
+        step = self.step + 1
+        if self._poison is None or self._poison[0] != step:
+            scale = chaos_poison(self._corrupt_next, step)  # the order is read once, and gone
+            if scale is None:
+                return None
+            self._poison = (step, scale)
+        micro = self._current.micro_index if self._current else 0
+        return self._poison[1] if micro <= 1 else None
+
+    def _suspect_at(self, step: int) -> None:
+        """A rank was named a suspect at `step`: keep what a rollback past it needs (rank 0
+        pins), and check the next step's work at once where the run has shadow checks."""
+        points = self._saves.checkpointer.rollback_points if self._saves else None
+        if points is not None:
+            points.suspect_at(step)
+        if self._checks is not None:
+            self._checks.check_next(step)
 
     def _end_step(self, step: Step, rules: StopRules, first: bool) -> bool:
         """Everything after the script's optimizer step; True when the loop must end."""

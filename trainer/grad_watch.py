@@ -3,7 +3,8 @@
 After the all-reduce every replica holds the same average, and a NaN or a flipped exponent bit
 from one rank has spread to all of them: only the norm before says whose it was. A DDP
 communication hook sees each bucket of this rank's gradients just before it is sent; it adds up
-their squares and then reduces the bucket exactly as DDP would without a hook.
+their squares and then reduces the bucket exactly as DDP would without a hook. FSDP's
+reduce-scatter is watched alike (trainer.shard_watch).
 
 `forgeline chaos corrupt-grad` poisons a bucket here, before the all-reduce, as a bit flip in a
 GPU's memory would: the whole gang then sees NaN, and only this evidence names the rank. With
@@ -13,7 +14,8 @@ dead would: no NaN, and only the suspect watch (`trainer.spike_watch`) can see i
 
 # No `from __future__ import annotations` here: DDP checks the hook's annotations as objects.
 import math
-from collections.abc import Callable
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from statistics import median
 
@@ -22,13 +24,82 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.nn.parallel import DistributedDataParallel
 
-from trainer.shadow_check import Fingerprint, fingerprint, gradient_summary
+from trainer.shadow_check import Fingerprint, fingerprint, gradient_summary, recompute
 
 # A replica's norm this many times the others' median is not a different batch: it is suspect.
 OUTLIER_FACTOR = 100.0
 
 
-class PreReduceNorms:
+class OwnGradients(ABC):
+    """What this rank computed itself, seen just before the reduction mixes it with the others':
+    its norm each step, the chaos poison, and on a shadow-checked step the first micro-batch's
+    gradient summaries (trainer.shadow_check). A layout's subclass says where it sees them (DDP:
+    an all-reduce hook; FSDP: a reduce-scatter of its own, trainer.shard_watch) and how a
+    micro-batch is computed again for a check."""
+
+    # Whether a recompute is a collective: every rank of the gang must run one at once.
+    collective = False
+
+    def __init__(
+        self,
+        poison_now: Callable[[], float | None] = lambda: None,
+        micro_now: Callable[[], int] = lambda: 1,
+    ) -> None:
+        self.poison_now = poison_now  # chaos: poison this rank's next buffer, once (`poison`)
+        self.micro_now = micro_now  # the step's micro-batch being computed, from 1
+        self._squares = torch.zeros((), dtype=torch.float64)
+        # On a shadow-checked step: each piece's gradient summary from the step's first
+        # backward, key -> (sum, sum of squares) (trainer.shadow_check).
+        self._first: dict[int, torch.Tensor] | None = None
+        self._first_micro: int | None = None  # the micro-batch of the first one kept
+
+    def _seen(
+        self, buffer: torch.Tensor, pieces: Callable[[], Iterable[tuple[int, torch.Tensor]]]
+    ) -> None:
+        """A buffer of this rank's own gradients about to be reduced; `pieces`: its parts by
+        key, for the shadow checks' record."""
+        if (scale := self.poison_now()) is not None:
+            poison(buffer, scale)
+        self._squares += buffer.detach().double().pow(2).sum().cpu()
+        if self._first is not None:  # the first micro-batch's wins: later ones hold sums
+            if self._first_micro is None:
+                self._first_micro = self.micro_now()
+            for key, grad in pieces():
+                self._first.setdefault(key, gradient_summary(grad))
+
+    def record_first(self) -> None:
+        """Keep this step's first backward's gradients' summaries (a shadow-checked step)."""
+        self._first, self._first_micro = {}, None
+
+    def _first_in(self, keys: Iterable[int]) -> tuple[Fingerprint, int]:
+        first, self._first = self._first or {}, None
+        found = fingerprint(first.get(key, gradient_summary(None)) for key in keys)
+        return found, self._first_micro or 0
+
+    @abstractmethod
+    def first_fingerprint(self, module: torch.nn.Module) -> tuple[Fingerprint, int]:
+        """The fingerprint of the first reduced gradients' own values, as `record_first` kept
+        them, and the micro-batch they came from (0: none came: nothing was reduced); stops
+        recording. A loop that accumulates without syncing reduces first after its last
+        micro-batch, holding their sum."""
+
+    @abstractmethod
+    def recompute(self, module: torch.nn.Module, loss: Callable[[], torch.Tensor]) -> Fingerprint:
+        """The fingerprint of one micro-batch computed again (`loss()` computes its loss with
+        `module`), alike to `first_fingerprint`'s, leaving the step's own gradients as they
+        are."""
+
+    def take(self) -> float:
+        """This step's norm of the gradients this rank computed itself; resets for the next."""
+        norm = math.sqrt(float(self._squares))
+        self._squares.zero_()
+        return norm
+
+
+class PreReduceNorms(OwnGradients):
+    """DDP: a communication hook sees each bucket of this rank's gradients just before it is
+    all-reduced, and then reduces it exactly as DDP would without a hook."""
+
     def __init__(
         self,
         model: DistributedDataParallel,
@@ -36,49 +107,24 @@ class PreReduceNorms:
         poison_now: Callable[[], float | None] = lambda: None,
         micro_now: Callable[[], int] = lambda: 1,
     ) -> None:
+        super().__init__(poison_now, micro_now)
         self.group = group
-        self.poison_now = poison_now  # chaos: poison this rank's next bucket, once (`poison`)
-        self.micro_now = micro_now  # the step's micro-batch being computed, from 1
-        self._squares = torch.zeros((), dtype=torch.float64)
-        # On a shadow-checked step: each parameter's gradient summary from the step's first
-        # backward, id(parameter) -> (sum, sum of squares) (trainer.shadow_check).
-        self._first: dict[int, torch.Tensor] | None = None
-        self._first_micro: int | None = None  # the micro-batch of the first one kept
         model.register_comm_hook(self, PreReduceNorms._hook)
 
     @staticmethod
     def _hook(
         state: "PreReduceNorms", bucket: dist.GradBucket
     ) -> torch.futures.Future[torch.Tensor]:
-        buffer = bucket.buffer()
-        if (scale := state.poison_now()) is not None:
-            poison(buffer, scale)
-        state._squares += buffer.detach().double().pow(2).sum().cpu()
-        if state._first is not None:  # the first micro-batch's wins: later ones hold sums
-            if state._first_micro is None:
-                state._first_micro = state.micro_now()
-            for param, grad in zip(bucket.parameters(), bucket.gradients(), strict=True):
-                state._first.setdefault(id(param), gradient_summary(grad))
+        pieces = zip(bucket.parameters(), bucket.gradients(), strict=True)
+        state._seen(bucket.buffer(), lambda: ((id(param), grad) for param, grad in pieces))
         return allreduce_hook(state.group, bucket)
 
-    def record_first(self) -> None:
-        """Keep this step's first backward's gradients' summaries (a shadow-checked step)."""
-        self._first, self._first_micro = {}, None
+    def first_fingerprint(self, module: torch.nn.Module) -> tuple[Fingerprint, int]:
+        return self._first_in(id(p) for p in module.parameters() if p.requires_grad)
 
-    def first_fingerprint(self, params: list[torch.nn.Parameter]) -> tuple[Fingerprint, int]:
-        """The fingerprint of the first all-reduced gradients' own values, as `record_first`
-        kept them, in the order of `params`, and the micro-batch they came from (0: none came:
-        no gradient was all-reduced); stops recording. A loop that accumulates under
-        `no_sync()` all-reduces first after its last micro-batch, holding their sum."""
-        first, self._first = self._first or {}, None
-        found = fingerprint(first.get(id(p), gradient_summary(None)) for p in params)
-        return found, self._first_micro or 0
-
-    def take(self) -> float:
-        """This step's norm of the gradients this rank computed itself; resets for the next."""
-        norm = math.sqrt(float(self._squares))
-        self._squares.zero_()
-        return norm
+    def recompute(self, module: torch.nn.Module, loss: Callable[[], torch.Tensor]) -> Fingerprint:
+        """By autograd alone: no `.grad` touched, no collective (the module is DDP's own)."""
+        return recompute(module, loss)
 
 
 def suspects(norms: list[float]) -> list[int]:
@@ -144,7 +190,7 @@ def poison(gradients: torch.Tensor, scale: float) -> None:
 
 
 def corrupt_gradients(model: torch.nn.Module, scale: float) -> None:
-    """The poison for a model with no all-reduce hook to apply it in (not DDP): after backward,
-    on the first gradient this rank holds (its shard under FSDP or TP)."""
+    """The poison for a model with no reduction of its own to watch (tensor parallel): after
+    backward, on the first gradient this rank holds (its shard)."""
     grad = next(p.grad for p in model.parameters() if p.grad is not None)
     poison(grad.to_local() if hasattr(grad, "to_local") else grad, scale)

@@ -28,7 +28,6 @@ checked step.
 
 from __future__ import annotations
 
-import contextlib
 import math
 from collections import Counter
 from collections.abc import Callable, Iterable
@@ -75,20 +74,12 @@ def fingerprint(summaries: Iterable[torch.Tensor]) -> Fingerprint:
     return float(total[0]), float(total[1])
 
 
-def recompute(
-    module: torch.nn.Module,
-    loss_of: Recompute,
-    x: torch.Tensor,
-    y: torch.Tensor,
-    autocast: contextlib.AbstractContextManager,
-) -> Fingerprint:
-    """The fingerprint of the gradients of one micro-batch, computed without touching the
-    parameters' `.grad` (the step's own gradients stay as they are) or any collective. The
-    forward runs under `autocast`, as the script's does (`Step.forward`)."""
+def recompute(module: torch.nn.Module, loss: Callable[[], torch.Tensor]) -> Fingerprint:
+    """The fingerprint of the gradients of one micro-batch (`loss()` computes it with
+    `module`), computed without touching the parameters' `.grad` (the step's own gradients
+    stay as they are) or any collective."""
     params = [p for p in module.parameters() if p.requires_grad]
-    with autocast:
-        loss = loss_of(module, x, y)
-    grads = torch.autograd.grad(loss, params, allow_unused=True)
+    grads = torch.autograd.grad(loss(), params, allow_unused=True)
     return fingerprint(gradient_summary(g) for g in grads)
 
 

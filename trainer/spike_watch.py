@@ -3,12 +3,12 @@ and against the rest of the gang's, by the median absolute deviation (MAD) over 
 
 A device that is wrong rather than dead gives finite, plausible numbers; the NaN check
 (`trainer.grad_watch.suspects`) never sees them. What it can change is the norm of the gradients
-a rank computed itself (before the all-reduce under DDP, its shards under FSDP or TP). Two
+a rank computed itself (before the reduction under DDP and FSDP, its shards under TP). Two
 signals, in log space for norms (they vary by factors rather than by amounts):
 
 - its own history: log(norm) against the median of its last `window` steps;
 - the gang's: log(norm) minus the log of the others' median at the same step, against that
-  ratio's own history. Like is compared with like: under FSDP or TP a rank's shards differ from
+  ratio's own history. Like is compared with like: under TP a rank's shards differ from
   another's, but the ratio between them is steady, so each rank is measured against itself.
 
 Each rank's own loss (the micro-batch it computed) is watched the same way, as it is: a wrong

@@ -417,7 +417,7 @@ class RecoverySpec(_Strict):
         description="every this many steps each data-parallel replica recomputes another "
         "node's micro-batch and the gang compares the gradients (a verdict names and "
         "quarantines a node that computes wrong); 0: off. The script calls "
-        "run.recompute_with() (the built-in trainer does); DDP layouts only",
+        "run.recompute_with() (the built-in trainer does); DDP or FSDP, not tensor parallel",
     )
     shadow_rtol: float = Field(
         0.0,
@@ -564,12 +564,14 @@ class RunSpec(_Strict):
         return self
 
     @model_validator(mode="after")
-    def _shadow_checks_replicas(self) -> RunSpec:
-        if self.recovery.shadow_every and (self.parallel.shard > 1 or self.parallel.tensor > 1):
+    def _shadow_checks_whole_gradients(self) -> RunSpec:
+        # Under tensor parallelism a rank's gradients are its slice of its group's: no other
+        # rank computes that slice for another micro-batch to compare with.
+        if self.recovery.shadow_every and self.parallel.tensor > 1:
             raise ValueError(
                 f"recovery.shadow_every ({self.recovery.shadow_every}) compares data-parallel "
-                f"replicas, but parallel.shard is {self.parallel.shard} and parallel.tensor "
-                f"{self.parallel.tensor}: use a DDP layout (both 1) or set shadow_every = 0"
+                f"ranks' own gradients, but parallel.tensor is {self.parallel.tensor}: use a "
+                "DDP or FSDP layout (parallel.tensor = 1) or set shadow_every = 0"
             )
         return self
 

@@ -83,18 +83,20 @@ def test_a_recompute_leaves_the_models_gradients_alone() -> None:
 
     loss_of(model, x, y).backward()
     kept = [p.grad.clone() for p in model.parameters()]
-    first = recompute(model, loss_of, x, y, torch.autocast("cpu", enabled=False))
-    assert first == recompute(model, loss_of, x, y, torch.autocast("cpu", enabled=False))
+    first = recompute(model, lambda: loss_of(model, x, y))
+    assert first == recompute(model, lambda: loss_of(model, x, y))
     assert all(torch.equal(p.grad, k) for p, k in zip(model.parameters(), kept, strict=True))
     expected = sum(float(g.double().pow(2).sum()) for g in kept)
     assert first[1] == pytest.approx(expected, rel=1e-12)
 
 
-def test_the_spec_refuses_shadow_checks_without_replicas() -> None:
+def test_the_spec_refuses_shadow_checks_under_tensor_parallelism() -> None:
     spec = tomllib.loads((EXAMPLES / "tiny.toml").read_text())
     spec["recovery"] = {"shadow_every": 50}
-    spec["resources"] = {**spec.get("resources", {}), "nodes": 2, "gpus_per_node": 1}
+    spec["resources"] = {**spec.get("resources", {}), "nodes": 2, "gpus_per_node": 2}
     RunSpec.model_validate(spec)  # DDP: fine
-    spec["parallel"] = {"shard": 2}
+    spec["parallel"] = {"shard": 4}
+    RunSpec.model_validate(spec)  # FSDP: fine
+    spec["parallel"] = {"shard": 2, "tensor": 2}
     with pytest.raises(ValidationError, match=r"shadow_every \(50\) compares data-parallel"):
         RunSpec.model_validate(spec)

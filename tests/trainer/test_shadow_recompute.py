@@ -1,7 +1,8 @@
-"""Shadow recompute on real torchrun ranks (gloo, CPU: bitwise): a clean run with dropout and
-gradient accumulation passes every check; gradients 2 % off on one rank, for one checked step,
-name that rank, fail the attempt before anything is saved and mark its work suspect from the
-last passed check, and the run resumed from before it ends where a clean run ends."""
+"""Shadow recompute on real torchrun ranks (gloo, CPU: bitwise), under DDP and under FSDP: a
+clean run with dropout and gradient accumulation passes every check; gradients 2 % off on one
+rank, for one checked step, name that rank, fail the attempt before anything is saved and mark
+its work suspect from the last passed check, and the run resumed from before it ends where a
+clean run ends."""
 
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ TRAIN = TrainSpec(
 DROPOUT = MODEL.model_copy(update={"dropout": 0.1})  # the recompute must draw the owner's masks
 SHADOW = RecoverySpec(shadow_every=10).shadow_settings()
 RANKS = 3  # one a node: a pair that disagrees has a third node to decide
+LAYOUTS = {"ddp": {}, "fsdp": {"replicate": 1, "shard": RANKS, "tensor": 1}}
 
 
 def events(job, kind: str) -> list[dict]:
@@ -38,27 +40,35 @@ def weights(manifest: dict) -> dict[str, str]:
     return {name: digest for name, digest in named.items() if not name.startswith(".")}
 
 
+@pytest.fixture(scope="module", params=sorted(LAYOUTS))
+def layout(request: pytest.FixtureRequest) -> str:
+    return request.param
+
+
 @pytest.fixture(scope="module")
-def clean(trainer: Trainer) -> dict:
+def clean(trainer: Trainer, layout: str) -> dict:
     """A clean run, and the same run resumed from its step 10: what the rolled-back run must
     match (resumed, since a 3-rank gloo run resumed is not bitwise the uninterrupted one)."""
     kept = TRAIN.model_copy(update={"keep_checkpoints": 10})
-    job = trainer.job("shadow-clean", kept, model=DROPOUT, shadow=SHADOW, nodes=RANKS)
+    name = f"shadow-clean-{layout}"
+    job = trainer.job(name, kept, model=DROPOUT, shadow=SHADOW, nodes=RANKS,
+                      layout=LAYOUTS[layout])  # fmt: skip
     trainer.run(job, ranks=RANKS)
     assert events(job, "health") == []  # four checks, no verdict, no suspect
-    ledger = json.loads(trainer.store.get_bytes(ledger_key("shadow-clean", 1)))
+    ledger = json.loads(trainer.store.get_bytes(ledger_key(name, 1)))
     assert ledger["last"]["totals"]["shadow_s"] > 0  # goodput puts it down to its own cause
-    found = find_latest(trainer.store, "shadow-clean", max_generation=1)
+    found = find_latest(trainer.store, name, max_generation=1)
     assert found is not None and found.step == TRAIN.steps
-    return resumed_from_10(trainer, "shadow-clean", kept)
+    assert found.manifest["layout"]["strategy"] == layout
+    return resumed_from_10(trainer, name, kept, layout)
 
 
-def resumed_from_10(trainer: Trainer, name: str, train: TrainSpec) -> dict:
+def resumed_from_10(trainer: Trainer, name: str, train: TrainSpec, layout: str) -> dict:
     """Generation 2 of the run, from its checkpoint at step 10 to the end: its last manifest."""
     key = manifest_key(name, 10, generation=1)
     resume = resume_point(trainer, json.loads(trainer.store.get_bytes(key)), name, key)
     again = trainer.job(name, train, model=DROPOUT, shadow=SHADOW, nodes=RANKS,
-                        resume=resume, generation=2)  # fmt: skip
+                        resume=resume, generation=2, layout=LAYOUTS[layout])  # fmt: skip
     trainer.run(again, ranks=RANKS)
     found = find_latest(trainer.store, name, max_generation=2)
     assert found is not None and found.step == TRAIN.steps
@@ -67,6 +77,21 @@ def resumed_from_10(trainer: Trainer, name: str, train: TrainSpec) -> dict:
 
 def test_a_clean_run_passes_every_check(clean: dict) -> None:
     assert [step for step, _ in clean["loss_history"]] == [10, 20, 30, 40]
+
+
+def test_the_checks_change_nothing_the_run_computes(
+    trainer: Trainer, clean: dict, layout: str
+) -> None:
+    """The same run without checks ends bitwise where the checked one did: a recompute draws
+    from a forked RNG and leaves the step's gradients (FSDP: its sharded ones) as they were."""
+    name = f"shadow-off-{layout}"
+    job = trainer.job(name, TRAIN, model=DROPOUT, nodes=RANKS, layout=LAYOUTS[layout])
+    trainer.run(job, ranks=RANKS)
+    checked = find_latest(trainer.store, f"shadow-clean-{layout}", max_generation=1)
+    unchecked = find_latest(trainer.store, name, max_generation=1)
+    assert checked is not None and unchecked is not None
+    assert unchecked.manifest["loss_history"] == checked.manifest["loss_history"]
+    assert weights(unchecked.manifest) == weights(checked.manifest)
 
 
 def verdict_at_30(trainer: Trainer, name: str, order: str, **fields: object) -> list[dict]:
@@ -82,12 +107,14 @@ def verdict_at_30(trainer: Trainer, name: str, order: str, **fields: object) -> 
 
 
 def test_gradients_two_percent_off_name_their_rank_and_roll_back(
-    trainer: Trainer, clean: dict
+    trainer: Trainer, clean: dict, layout: str
 ) -> None:
     # What `forgeline chaos corrupt-grad n0 --finite --scale 1.02 --at-step 30` writes: rank 0
-    # computes its gradients 2 % too large at step 30, a checked step.
-    suspect, corruption = verdict_at_30(trainer, "shadow-bad", "corrupt-grad 30 1.02",
-                                        model=DROPOUT)  # fmt: skip
+    # computes its gradients 2 % too large at step 30, a checked step (the first buffer it
+    # reduces: DDP's first bucket, FSDP's last block, before the reduction).
+    name = f"shadow-bad-{layout}"
+    suspect, corruption = verdict_at_30(trainer, name, "corrupt-grad 30 1.02",
+                                        model=DROPOUT, layout=LAYOUTS[layout])  # fmt: skip
     verdict = (corruption["kind"], corruption["rank"], corruption["node_index"])
     assert verdict == ("corruption", 0, 0)
     assert (corruption["action"], corruption["step"]) == ("quarantine", 30)
@@ -96,9 +123,9 @@ def test_gradients_two_percent_off_name_their_rank_and_roll_back(
     assert (suspect["kind"], suspect["rank"], suspect["step"]) == ("suspect", 0, 20)
     # Nothing was saved at or after the corrupt step; the rollback (to before step 20) finds 10
     # kept, though keep_checkpoints = 2 would have pruned it after 20 and a save at 30.
-    assert sorted(c.step for c in commits(trainer.store, "shadow-bad")) == [10, 20]
+    assert sorted(c.step for c in commits(trainer.store, name)) == [10, 20]
 
-    final = resumed_from_10(trainer, "shadow-bad", TRAIN)
+    final = resumed_from_10(trainer, name, TRAIN, layout)
     # Bitwise: the same steps from the same (clean) checkpoint; nothing of the corrupt attempt.
     assert final["loss_history"] == clean["loss_history"]
     assert weights(final) == weights(clean)

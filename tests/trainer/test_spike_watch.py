@@ -14,7 +14,7 @@ ON = SpikeSettings(mads=10.0, window=50)
 
 def noisy_run(ranks: int, steps: int, seed: int, scales: list[float] | None = None):
     """Per step, each rank's norm: a curve falling from 5 to 1 as training goes, times each
-    rank's own scale (its shards under FSDP or TP), times batch-to-batch noise (~25 %)."""
+    rank's own scale (its shards under TP), times batch-to-batch noise (~25 %)."""
     draw = random.Random(seed)
     scales = scales or [1.0] * ranks
     for step in range(1, steps + 1):
@@ -59,7 +59,7 @@ def test_a_rank_whose_own_norm_jumps_is_named() -> None:
 
 
 def test_shards_of_different_sizes_are_each_compared_with_themselves() -> None:
-    """Under FSDP or TP a rank's norm is of its own shards: steadily larger or smaller than
+    """Under TP a rank's norm is of its own shards: steadily larger or smaller than
     the others', which is no finding; a change of its ratio to them is."""
     scales = [1.0, 6.0, 0.2, 2.5]
     assert watched(SpikeWatch(ON, 4), noisy_run(4, 1_000, 3, scales)) == []

@@ -1,6 +1,7 @@
 """Finite corruption on real torchrun ranks: gradients scaled on one rank (`forgeline chaos
-corrupt-grad --finite`) are reported as a suspect naming that rank, and the run goes on; clean
-runs longer than the watch's window report nothing."""
+corrupt-grad --finite`) are reported as a suspect naming that rank, the next step is shadow
+checked at once, and the run goes on; clean runs longer than the watch's window report
+nothing."""
 
 from __future__ import annotations
 
@@ -38,7 +39,9 @@ def test_clean_runs_raise_no_suspect(trainer: Trainer, layout: dict | None, rank
 def test_finitely_scaled_gradients_name_their_rank(trainer: Trainer, layout: dict | None) -> None:
     name = "scaled-" + ("fsdp" if layout else "ddp")
     often = LONG.model_copy(update={"checkpoint_every": 20})  # 6 commits, 2 kept
-    job = trainer.job(name, often, layout=layout, spikes=WATCH)
+    # Shadow checks on, but never due in 120 steps: only the suspect brings one on.
+    shadow = RecoverySpec(shadow_every=1000).shadow_settings()
+    job = trainer.job(name, often, layout=layout, spikes=WATCH, shadow=shadow)
     job.chaos_file = str(Path(job.progress_file).parent / "CORRUPT_GRAD")
     Path(job.chaos_file).parent.mkdir(parents=True, exist_ok=True)
     # What `forgeline chaos corrupt-grad n0 --finite --scale 1000 --at-step 70` writes.
@@ -51,6 +54,11 @@ def test_finitely_scaled_gradients_name_their_rank(trainer: Trainer, layout: dic
     )  # fmt: skip
     assert event["node_index"] == 0 and event["mads"] > 10
     assert "rank 0's own gradient norm" in event["evidence"]
+    # The suspect's next step was checked at once; rank 0 computes right again (the fault
+    # struck once), so the check agreed and the suspect stands as a report.
+    lines = Path(job.progress_file).read_text().splitlines()
+    checks = [e for e in map(json.loads, lines) if e["event"] == "shadow_check"]
+    assert [(e["step"], e["why"], e["agreed"]) for e in checks] == [(71, "suspect", True)]
     # A suspect is not a verdict: the run trained on to its end.
     found = find_latest(trainer.store, name, max_generation=1)
     assert found is not None and found.step == LONG.steps
