@@ -50,11 +50,11 @@ from trainer.grad_watch import OwnGradients, chaos_order, chaos_poison, flip_low
 from trainer.job import TrainJob
 from trainer.job_checkpoints import checkpointer_for, resolve
 from trainer.metrics import mfu
+from trainer.own_gradients import own_gradients
 from trainer.parallel import Layout, Placement, build_mesh
 from trainer.progress import ProgressFile
 from trainer.rng_streams import seed_step
 from trainer.shadow_check import Recompute, ShadowSettings, Verdict
-from trainer.shard_watch import own_gradients
 from trainer.spike_watch import SpikeSettings, SpikeWatch
 from trainer.step_share import (
     EXIT_NON_FINITE,

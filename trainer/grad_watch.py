@@ -13,9 +13,10 @@ dead would: no NaN, and only the suspect watch (`trainer.spike_watch`) can see i
 """
 
 # No `from __future__ import annotations` here: DDP checks the hook's annotations as objects.
+import contextlib
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from statistics import median
 
@@ -109,12 +110,25 @@ class PreReduceNorms(OwnGradients):
     ) -> None:
         super().__init__(poison_now, micro_now)
         self.group = group
+        self._dry = False  # pass buckets back unreduced and unseen (trainer.ddp_buckets)
         model.register_comm_hook(self, PreReduceNorms._hook)
+
+    @contextlib.contextmanager
+    def dry(self) -> Iterator[None]:
+        self._dry = True
+        try:
+            yield
+        finally:
+            self._dry = False
 
     @staticmethod
     def _hook(
         state: "PreReduceNorms", bucket: dist.GradBucket
     ) -> torch.futures.Future[torch.Tensor]:
+        if state._dry:
+            done: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+            done.set_result(bucket.buffer())
+            return done
         pieces = zip(bucket.parameters(), bucket.gradients(), strict=True)
         state._seen(bucket.buffer(), lambda: ((id(param), grad) for param, grad in pieces))
         return allreduce_hook(state.group, bucket)

@@ -26,9 +26,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
-from torch.nn.parallel import DistributedDataParallel
 
-from trainer.grad_watch import OwnGradients, PreReduceNorms
+from trainer.grad_watch import OwnGradients
 from trainer.shadow_check import Fingerprint, fingerprint, gradient_summary
 
 
@@ -101,20 +100,3 @@ class ShardedPreReduceNorms(OwnGradients):
         finally:
             self._shadow = None
         return fingerprint(shadow.get(key, gradient_summary(None)) for key in range(self._units))
-
-
-def own_gradients(
-    model: torch.nn.Module,
-    replicate_group: dist.ProcessGroup | None,
-    tensor_parallel: bool,
-    poison_now: Callable[[], float | None],
-    micro_now: Callable[[], int],
-) -> OwnGradients | None:
-    """The watch for this model's layout: DDP's all-reduce hook, FSDP's reduce-scatter; None
-    where a rank's buffers are not its own work whole (tensor parallelism splits each one
-    across its group) or nothing is reduced (one rank)."""
-    if isinstance(model, DistributedDataParallel) and replicate_group is not None:
-        return PreReduceNorms(model, replicate_group, poison_now, micro_now)
-    if isinstance(model, FSDPModule) and not tensor_parallel:
-        return ShardedPreReduceNorms(model, poison_now, micro_now)
-    return None

@@ -47,11 +47,9 @@ def layout(request: pytest.FixtureRequest) -> str:
 
 @pytest.fixture(scope="module")
 def clean(trainer: Trainer, layout: str) -> dict:
-    """A clean run, and the same run resumed from its step 10: what the rolled-back run must
-    match (resumed, since a 3-rank gloo run resumed is not bitwise the uninterrupted one)."""
-    kept = TRAIN.model_copy(update={"keep_checkpoints": 10})
+    """A clean run's last manifest: what the rolled-back run must end at, bitwise."""
     name = f"shadow-clean-{layout}"
-    job = trainer.job(name, kept, model=DROPOUT, shadow=SHADOW, nodes=RANKS,
+    job = trainer.job(name, TRAIN, model=DROPOUT, shadow=SHADOW, nodes=RANKS,
                       layout=LAYOUTS[layout])  # fmt: skip
     trainer.run(job, ranks=RANKS)
     assert events(job, "health") == []  # four checks, no verdict, no suspect
@@ -60,14 +58,14 @@ def clean(trainer: Trainer, layout: str) -> dict:
     found = find_latest(trainer.store, name, max_generation=1)
     assert found is not None and found.step == TRAIN.steps
     assert found.manifest["layout"]["strategy"] == layout
-    return resumed_from_10(trainer, name, kept, layout)
+    return found.manifest
 
 
-def resumed_from_10(trainer: Trainer, name: str, train: TrainSpec, layout: str) -> dict:
+def resumed_from_10(trainer: Trainer, name: str, layout: str) -> dict:
     """Generation 2 of the run, from its checkpoint at step 10 to the end: its last manifest."""
     key = manifest_key(name, 10, generation=1)
     resume = resume_point(trainer, json.loads(trainer.store.get_bytes(key)), name, key)
-    again = trainer.job(name, train, model=DROPOUT, shadow=SHADOW, nodes=RANKS,
+    again = trainer.job(name, TRAIN, model=DROPOUT, shadow=SHADOW, nodes=RANKS,
                         resume=resume, generation=2, layout=LAYOUTS[layout])  # fmt: skip
     trainer.run(again, ranks=RANKS)
     found = find_latest(trainer.store, name, max_generation=2)
@@ -87,11 +85,10 @@ def test_the_checks_change_nothing_the_run_computes(
     name = f"shadow-off-{layout}"
     job = trainer.job(name, TRAIN, model=DROPOUT, nodes=RANKS, layout=LAYOUTS[layout])
     trainer.run(job, ranks=RANKS)
-    checked = find_latest(trainer.store, f"shadow-clean-{layout}", max_generation=1)
     unchecked = find_latest(trainer.store, name, max_generation=1)
-    assert checked is not None and unchecked is not None
-    assert unchecked.manifest["loss_history"] == checked.manifest["loss_history"]
-    assert weights(unchecked.manifest) == weights(checked.manifest)
+    assert unchecked is not None
+    assert unchecked.manifest["loss_history"] == clean["loss_history"]
+    assert weights(unchecked.manifest) == weights(clean)
 
 
 def verdict_at_30(trainer: Trainer, name: str, order: str, **fields: object) -> list[dict]:
@@ -125,8 +122,9 @@ def test_gradients_two_percent_off_name_their_rank_and_roll_back(
     # kept, though keep_checkpoints = 2 would have pruned it after 20 and a save at 30.
     assert sorted(c.step for c in commits(trainer.store, name)) == [10, 20]
 
-    final = resumed_from_10(trainer, name, TRAIN, layout)
-    # Bitwise: the same steps from the same (clean) checkpoint; nothing of the corrupt attempt.
+    final = resumed_from_10(trainer, name, layout)
+    # Bitwise the clean run: the same steps from the same (clean) checkpoint, resumed exactly;
+    # nothing of the corrupt attempt.
     assert final["loss_history"] == clean["loss_history"]
     assert weights(final) == weights(clean)
 
