@@ -13,7 +13,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from forgeline.errors import SDKUsageError
 from trainer.grad_watch import OwnGradients
-from trainer.rng_streams import seed_step
+from trainer.rng_streams import forked, seed_step
 from trainer.shadow_check import (
     Fingerprint,
     Recompute,
@@ -39,7 +39,7 @@ class ShadowChecks:
         self.settings = settings
         self.loss_of = loss_of
         self.own = own
-        self.ring = Ring(run.world, run.ranks_per_node)
+        self.ring = Ring(run.world, run.ranks_per_node, run.layout.tensor)
         # The first step whose result no check has verified yet: the step after the one the
         # attempt resumed from, then each passed check's own step (its update is not verified).
         self.unverified_since = run.step + 1
@@ -113,21 +113,24 @@ class ShadowChecks:
         return verdict
 
     def _recompute(self, module: torch.nn.Module, step: int, owner: int) -> Fingerprint:
-        """The owner's first micro-batch of `step`, with the owner's randomness; this rank's own
-        stream continues afterwards as if nothing had been drawn. Without tensor parallelism a
-        rank's data-parallel rank is its rank."""
+        """The first micro-batch of `step` of the owner's tensor-parallel group (the owner's
+        own, without tensor parallelism), drawing what this rank's counterpart there drew;
+        this rank's own streams continue afterwards as if nothing had been drawn. Every rank
+        of a group recomputes the same group's, so their collectives meet."""
         run = self.run
         assert run.sampler is not None
-        x, y = run.sampler.first_micro_batch(run.samples_seen, owner)
+        tensor = run.layout.tensor
+        group = owner // tensor  # its data-parallel rank: ranks are laid out tensor innermost
+        counterpart = group * tensor + run.rank % tensor
+        x, y = run.sampler.first_micro_batch(run.samples_seen, group)
         x, y = x.to(run.device), y.to(run.device)
-        devices = [run.device] if run.device.type == "cuda" else []
 
         def loss() -> torch.Tensor:
             with run.autocast():  # as the script's forward runs (`Step.forward`)
                 return self.loss_of(module, x, y)
 
-        with torch.random.fork_rng(devices=devices):
-            seed_step(run.device, run.settings.seed, step, owner, owner, tensor_parallel=False)
+        with forked(run.device):
+            seed_step(run.device, run.settings.seed, step, group, counterpart, tensor > 1)
             return self.own.recompute(module, loss)
 
 
@@ -144,14 +147,14 @@ def shadow_checks(
             "loss_of(module, x, y) returning what the loop calls backward on for one "
             "micro-batch; or set recovery.shadow_every = 0"
         )
+    if run.layout.data_parallel < 2:
+        run._say("shadow recompute needs two data-parallel ranks or more: not checking")
+        return None
     if own is None:
-        if run.world == 1:
-            run._say("shadow recompute needs two ranks or more: not checking")
-            return None
         raise SDKUsageError(
-            "shadow recompute compares data-parallel ranks' own gradients: it needs a DDP or "
-            "FSDP model without tensor parallelism (parallel.tensor = 1); or set "
-            "recovery.shadow_every = 0"
+            "shadow recompute compares data-parallel ranks' own gradients, seen before their "
+            "reduction: it needs a DDP model, or an FSDP one (fully_shard, with any tensor "
+            "parallelism inside it); or set recovery.shadow_every = 0"
         )
     return ShadowChecks(run, settings, loss_of, own)
 

@@ -21,13 +21,19 @@ def own_gradients(
     poison_now: Callable[[], float | None],
     micro_now: Callable[[], int],
 ) -> OwnGradients | None:
-    """The watch for this model's layout: DDP's all-reduce hook, FSDP's reduce-scatter; None
-    where a rank's buffers are not its own work whole (tensor parallelism splits each one
-    across its group) or nothing is reduced (one rank)."""
-    if isinstance(model, DistributedDataParallel) and replicate_group is not None:
+    """The watch for this model's layout: DDP's all-reduce hook, FSDP's reduce-scatter (with
+    tensor parallelism inside, a rank's buffers hold its slice of the weights' gradients);
+    None where nothing is reduced (one rank, tensor parallelism alone) or DDP wraps a tensor
+    parallel model (its recompute would need its group's collectives, which DDP's own does
+    not run)."""
+    if (
+        isinstance(model, DistributedDataParallel)
+        and replicate_group is not None
+        and not tensor_parallel
+    ):
         watch = PreReduceNorms(model, replicate_group, poison_now, micro_now)
         settle_buckets(model, watch.dry())  # every step in one layout: exact resume
         return watch
-    if isinstance(model, FSDPModule) and not tensor_parallel:
+    if isinstance(model, FSDPModule):
         return ShardedPreReduceNorms(model, poison_now, micro_now)
     return None

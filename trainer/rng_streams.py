@@ -91,6 +91,19 @@ def sharded_draws() -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def forked(device: torch.device) -> Iterator[None]:
+    """Draw inside (after seeding anew with `seed_step`) and leave both streams afterwards as
+    they were: a recompute of another rank's step draws that rank's masks, and this rank's
+    own step continues as if nothing had been drawn."""
+    sharded = (_SHARDED.device, _SHARDED.state)
+    try:
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            yield
+    finally:
+        _SHARDED.device, _SHARDED.state = sharded
+
+
+@contextlib.contextmanager
 def _swapped_in(device: torch.device, state: torch.Tensor | None) -> Iterator[None]:
     """Run with `state` as the device's generator state (None: as it is), then put the
     previous state back."""

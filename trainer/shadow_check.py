@@ -91,15 +91,21 @@ def agree(a: Fingerprint, b: Fingerprint, rtol: float) -> bool:
 
 @dataclass(frozen=True)
 class Ring:
-    """Who checks whom: rank r's checker holds the same local rank on the next node."""
+    """Who checks whom: rank r's checker holds the same local rank on the next node. Under
+    tensor parallelism (`tensor` consecutive ranks a group) a rank is checked by the rank of
+    the same tensor-parallel position in another group: the one that holds the same slice of
+    the weights."""
 
     world: int
     ranks_per_node: int
+    tensor: int = 1
 
     @property
     def stride(self) -> int:
-        # On one node the next rank checks; across nodes, the same local rank on the next node.
-        return self.ranks_per_node if self.world > self.ranks_per_node else 1
+        # Across nodes, the same local rank on the next node (a whole number of tensor groups
+        # on); on one node, the next group (the next rank without tensor parallelism).
+        across = math.lcm(self.ranks_per_node, self.tensor)
+        return across if self.world > across else self.tensor
 
     def checker_of(self, rank: int) -> int:
         return (rank + self.stride) % self.world
@@ -112,10 +118,11 @@ class Ring:
 
     def third(self, owner: int, checker: int) -> int:
         """The rank that breaks a tie between `owner` and `checker`: the next after the checker
-        in the ring on a node of neither, else the next rank that is neither."""
+        in the ring on a node of neither, else the next rank of their tensor position that is
+        neither."""
         nodes = {self.node_of(owner), self.node_of(checker)}
         order = [(checker + self.stride * k) % self.world for k in range(1, self.world)]
-        order += [(checker + k) % self.world for k in range(1, self.world)]
+        order += [(checker + self.tensor * k) % self.world for k in range(1, self.world)]
         others = [r for r in order if r not in (owner, checker)]
         elsewhere = [r for r in others if self.node_of(r) not in nodes]
         return (elsewhere or others)[0]

@@ -417,7 +417,7 @@ class RecoverySpec(_Strict):
         description="every this many steps each data-parallel replica recomputes another "
         "node's micro-batch and the gang compares the gradients (a verdict names and "
         "quarantines a node that computes wrong); 0: off. The script calls "
-        "run.recompute_with() (the built-in trainer does); DDP or FSDP, not tensor parallel",
+        "run.recompute_with() (the built-in trainer does); two data-parallel groups or more",
     )
     shadow_rtol: float = Field(
         0.0,
@@ -564,14 +564,16 @@ class RunSpec(_Strict):
         return self
 
     @model_validator(mode="after")
-    def _shadow_checks_whole_gradients(self) -> RunSpec:
-        # Under tensor parallelism a rank's gradients are its slice of its group's: no other
-        # rank computes that slice for another micro-batch to compare with.
-        if self.recovery.shadow_every and self.parallel.tensor > 1:
+    def _shadow_checks_data_parallel_ranks(self) -> RunSpec:
+        # A rank is checked by the same position in another data-parallel group: with tensor
+        # parallelism alone there is none.
+        world = self.resources.world_size
+        replicate, shard, tensor = self.parallel.degrees(world)
+        if self.recovery.shadow_every and replicate * shard < 2:
             raise ValueError(
                 f"recovery.shadow_every ({self.recovery.shadow_every}) compares data-parallel "
-                f"ranks' own gradients, but parallel.tensor is {self.parallel.tensor}: use a "
-                "DDP or FSDP layout (parallel.tensor = 1) or set shadow_every = 0"
+                f"ranks' own gradients, but parallel.tensor ({tensor}) takes all {world} "
+                "ranks: leave two data-parallel groups or more, or set shadow_every = 0"
             )
         return self
 

@@ -37,6 +37,18 @@ def test_the_ring_checks_across_nodes_and_finds_a_third_node() -> None:
     assert two_nodes.third(owner=0, checker=2) in (1, 3)
 
 
+def test_under_tensor_parallelism_a_rank_is_checked_by_its_position_in_another_group() -> None:
+    ring = Ring(world=6, ranks_per_node=2, tensor=2)  # 3 nodes, a tensor group on each
+    assert [ring.checker_of(r) for r in range(6)] == [2, 3, 4, 5, 0, 1]
+    assert ring.third(0, 2) == 4 and ring.third(1, 3) == 5
+    one_node = Ring(world=6, ranks_per_node=6, tensor=2)
+    assert [one_node.checker_of(r) for r in range(6)] == [2, 3, 4, 5, 0, 1]
+    assert one_node.third(1, 3) == 5
+    # Tensor groups spanning nodes: the next node pair over.
+    wide = Ring(world=8, ranks_per_node=1, tensor=2)
+    assert wide.checker_of(0) == 2 and wide.checker_of(3) == 5 and wide.third(0, 2) == 4
+
+
 def test_a_rank_wrong_in_its_own_work_and_in_its_check_is_named_without_a_tie() -> None:
     ring = Ring(world=3, ranks_per_node=1)
     own = [BAD, GOOD, GOOD]
@@ -90,13 +102,13 @@ def test_a_recompute_leaves_the_models_gradients_alone() -> None:
     assert first[1] == pytest.approx(expected, rel=1e-12)
 
 
-def test_the_spec_refuses_shadow_checks_under_tensor_parallelism() -> None:
+def test_the_spec_refuses_shadow_checks_without_two_data_parallel_groups() -> None:
     spec = tomllib.loads((EXAMPLES / "tiny.toml").read_text())
     spec["recovery"] = {"shadow_every": 50}
     spec["resources"] = {**spec.get("resources", {}), "nodes": 2, "gpus_per_node": 2}
-    RunSpec.model_validate(spec)  # DDP: fine
-    spec["parallel"] = {"shard": 4}
-    RunSpec.model_validate(spec)  # FSDP: fine
-    spec["parallel"] = {"shard": 2, "tensor": 2}
+    for fine in ({}, {"shard": 4}, {"shard": 2, "tensor": 2}):  # DDP, FSDP, FSDP + TP
+        RunSpec.model_validate({**spec, "parallel": fine})
+    spec["resources"]["nodes"] = 1
+    spec["parallel"] = {"tensor": 2}  # tensor parallelism alone: no other group to check with
     with pytest.raises(ValidationError, match=r"shadow_every \(50\) compares data-parallel"):
         RunSpec.model_validate(spec)

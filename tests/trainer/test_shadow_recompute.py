@@ -1,12 +1,13 @@
-"""Shadow recompute on real torchrun ranks (gloo, CPU: bitwise), under DDP and under FSDP: a
-clean run with dropout and gradient accumulation passes every check; gradients 2 % off on one
-rank, for one checked step, name that rank, fail the attempt before anything is saved and mark
-its work suspect from the last passed check, and the run resumed from before it ends where a
-clean run ends."""
+"""Shadow recompute on real torchrun ranks (gloo, CPU: bitwise), under DDP, FSDP and FSDP with
+tensor parallelism: a clean run with dropout and gradient accumulation passes every check;
+gradients 2 % off on one rank, for one checked step, name that rank, fail the attempt before
+anything is saved and mark its work suspect from the last passed check, and the run resumed
+from before it ends where a clean run ends."""
 
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -24,8 +25,17 @@ TRAIN = TrainSpec(
 )  # fmt: skip
 DROPOUT = MODEL.model_copy(update={"dropout": 0.1})  # the recompute must draw the owner's masks
 SHADOW = RecoverySpec(shadow_every=10).shadow_settings()
-RANKS = 3  # one a node: a pair that disagrees has a third node to decide
-LAYOUTS = {"ddp": {}, "fsdp": {"replicate": 1, "shard": RANKS, "tensor": 1}}
+NODES = 3  # a pair that disagrees has a third node to decide
+LAYOUTS = {
+    "ddp": {"replicate": 3, "shard": 1, "tensor": 1},
+    "fsdp": {"replicate": 1, "shard": 3, "tensor": 1},
+    # A tensor-parallel pair on each node: rank 0 is checked by rank 2, its position on the next.
+    "fsdp-tp": {"replicate": 1, "shard": 3, "tensor": 2},
+}
+
+
+def ranks(layout: str) -> int:
+    return math.prod(LAYOUTS[layout].values())
 
 
 def events(job, kind: str) -> list[dict]:
@@ -49,15 +59,15 @@ def layout(request: pytest.FixtureRequest) -> str:
 def clean(trainer: Trainer, layout: str) -> dict:
     """A clean run's last manifest: what the rolled-back run must end at, bitwise."""
     name = f"shadow-clean-{layout}"
-    job = trainer.job(name, TRAIN, model=DROPOUT, shadow=SHADOW, nodes=RANKS,
+    job = trainer.job(name, TRAIN, model=DROPOUT, shadow=SHADOW, nodes=NODES,
                       layout=LAYOUTS[layout])  # fmt: skip
-    trainer.run(job, ranks=RANKS)
+    trainer.run(job, ranks=ranks(layout))
     assert events(job, "health") == []  # four checks, no verdict, no suspect
     ledger = json.loads(trainer.store.get_bytes(ledger_key(name, 1)))
     assert ledger["last"]["totals"]["shadow_s"] > 0  # goodput puts it down to its own cause
     found = find_latest(trainer.store, name, max_generation=1)
     assert found is not None and found.step == TRAIN.steps
-    assert found.manifest["layout"]["strategy"] == layout
+    assert found.manifest["layout"]["strategy"].replace("+", "-") == layout
     return found.manifest
 
 
@@ -65,9 +75,9 @@ def resumed_from_10(trainer: Trainer, name: str, layout: str) -> dict:
     """Generation 2 of the run, from its checkpoint at step 10 to the end: its last manifest."""
     key = manifest_key(name, 10, generation=1)
     resume = resume_point(trainer, json.loads(trainer.store.get_bytes(key)), name, key)
-    again = trainer.job(name, TRAIN, model=DROPOUT, shadow=SHADOW, nodes=RANKS,
+    again = trainer.job(name, TRAIN, model=DROPOUT, shadow=SHADOW, nodes=NODES,
                         resume=resume, generation=2, layout=LAYOUTS[layout])  # fmt: skip
-    trainer.run(again, ranks=RANKS)
+    trainer.run(again, ranks=ranks(layout))
     found = find_latest(trainer.store, name, max_generation=2)
     assert found is not None and found.step == TRAIN.steps
     return found.manifest
@@ -83,23 +93,25 @@ def test_the_checks_change_nothing_the_run_computes(
     """The same run without checks ends bitwise where the checked one did: a recompute draws
     from a forked RNG and leaves the step's gradients (FSDP: its sharded ones) as they were."""
     name = f"shadow-off-{layout}"
-    job = trainer.job(name, TRAIN, model=DROPOUT, nodes=RANKS, layout=LAYOUTS[layout])
-    trainer.run(job, ranks=RANKS)
+    job = trainer.job(name, TRAIN, model=DROPOUT, nodes=NODES, layout=LAYOUTS[layout])
+    trainer.run(job, ranks=ranks(layout))
     unchecked = find_latest(trainer.store, name, max_generation=1)
     assert unchecked is not None
     assert unchecked.manifest["loss_history"] == clean["loss_history"]
     assert weights(unchecked.manifest) == weights(clean)
 
 
-def verdict_at_30(trainer: Trainer, name: str, order: str, **fields: object) -> list[dict]:
+def verdict_at_30(
+    trainer: Trainer, name: str, order: str, layout: str, **fields: object
+) -> list[dict]:
     """Run with a `forgeline chaos` order for rank 0 (the node's first rank) until the check at
     step 30 names it; the attempt's health events."""
-    job = trainer.job(name, TRAIN, shadow=SHADOW, nodes=RANKS, **fields)
+    job = trainer.job(name, TRAIN, shadow=SHADOW, nodes=NODES, layout=LAYOUTS[layout], **fields)
     job.chaos_file = str(Path(job.progress_file).parent / "CORRUPT_GRAD")
     Path(job.chaos_file).parent.mkdir(parents=True, exist_ok=True)
     Path(job.chaos_file).write_text(order + "\n")
     with pytest.raises(RanksFailed, match=r"shadow recompute at step 30 named ranks \[0\]"):
-        trainer.run(job, ranks=RANKS)
+        trainer.run(job, ranks=ranks(layout))
     return events(job, "health")
 
 
@@ -110,12 +122,14 @@ def test_gradients_two_percent_off_name_their_rank_and_roll_back(
     # computes its gradients 2 % too large at step 30, a checked step (the first buffer it
     # reduces: DDP's first bucket, FSDP's last block, before the reduction).
     name = f"shadow-bad-{layout}"
-    suspect, corruption = verdict_at_30(trainer, name, "corrupt-grad 30 1.02",
-                                        model=DROPOUT, layout=LAYOUTS[layout])  # fmt: skip
+    suspect, corruption = verdict_at_30(trainer, name, "corrupt-grad 30 1.02", layout,
+                                        model=DROPOUT)  # fmt: skip
     verdict = (corruption["kind"], corruption["rank"], corruption["node_index"])
     assert verdict == ("corruption", 0, 0)
     assert (corruption["action"], corruption["step"]) == ("quarantine", 30)
-    assert "rank 2's recompute agrees with rank 1's" in corruption["evidence"]
+    # Rank 0's checker and the third are the same position on the next two nodes.
+    checker, third = (2, 4) if LAYOUTS[layout]["tensor"] == 2 else (1, 2)
+    assert f"rank {third}'s recompute agrees with rank {checker}'s" in corruption["evidence"]
     # The check at step 20 passed; the update it was followed by is the first unverified work.
     assert (suspect["kind"], suspect["rank"], suspect["step"]) == ("suspect", 0, 20)
     # Nothing was saved at or after the corrupt step; the rollback (to before step 20) finds 10
@@ -135,7 +149,7 @@ def test_a_flipped_low_bit_in_one_weight_is_named_at_the_next_check(trainer: Tra
     recompute of them, and rank 2's recompute (a third node) says which of the two is wrong.
     (Its recompute of rank 2's micro-batch may well agree: one bit of one embedding weight
     changes only what that token touches, and rounding swallows the rest.)"""
-    suspect, corruption = verdict_at_30(trainer, "shadow-flip", "flip-bit 23")
+    suspect, corruption = verdict_at_30(trainer, "shadow-flip", "flip-bit 23", "ddp")
     assert (suspect["kind"], suspect["rank"], suspect["step"]) == ("suspect", 0, 20)
     assert (corruption["kind"], corruption["rank"], corruption["step"]) == ("corruption", 0, 30)
     evidence = corruption["evidence"]
