@@ -5,6 +5,12 @@ MFU is only as true as the peak it divides by. On a GPU host the devices come fr
 a matmul when the model is not in the table). On a CPU-only host a "GPU" is a rank slot (one
 rank process) and the peak is measured once at start: the best of a few float32 matmuls on one
 thread, which is what a rank with `threads_per_rank = 1` can reach.
+
+A measurement is only as good as the quiet it ran in. The local stack's pretend nodes share one
+machine and start together, beside a Temporal and an MLflow server starting too: measured there,
+the peak came out at a third of this machine's (a run's MFU read 110 %). So `forgeline up`
+measures once, before it starts anything, and hands the figure to every agent it starts
+(`measured_peak`).
 """
 
 from __future__ import annotations
@@ -115,10 +121,13 @@ def _host_memory_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def discover(slots: int | None = None, cpu_only: bool = False) -> NodeHardware:
+def discover(
+    slots: int | None = None, cpu_only: bool = False, measured_peak: float | None = None
+) -> NodeHardware:
     """This host's devices. `slots` overrides the count (fewer GPUs than the host has, or the
     number of CPU rank processes; without GPUs the default is one slot per core). `cpu_only`:
-    rank slots even where there are GPUs (the local stack's pretend nodes share one machine)."""
+    rank slots even where there are GPUs (the local stack's pretend nodes share one machine).
+    `measured_peak`: a CPU slot's peak as measured already, in a quieter moment."""
     devices = [] if cpu_only else _nvml_devices()
     if devices:
         name, memory = devices[0]
@@ -135,6 +144,6 @@ def discover(slots: int | None = None, cpu_only: bool = False) -> NodeHardware:
         gpus=slots or os.cpu_count() or 1,
         gpu_type=CPU,
         memory_bytes=_host_memory_bytes(),
-        peak_flops=measured_matmul_peak(),
+        peak_flops=measured_peak or measured_matmul_peak(),
         peak_source="measured",
     )

@@ -45,13 +45,20 @@ def node_agent(
     gpus: Annotated[int, typer.Option(min=1)] = 1,
     pod: Annotated[str, typer.Option(help="fabric island this node belongs to")] = "local",
     incarnation: Annotated[str | None, typer.Option()] = None,
+    peak_flops: Annotated[
+        float | None,
+        typer.Option(
+            min=1.0,
+            help="a slot's peak FLOP/s, measured by `forgeline up` (default: measured here, now)",
+        ),
+    ] = None,
 ) -> None:
     """One pretend node of the local stack: `gpus` CPU rank slots on loopback."""
     from infra.node_hardware import discover
     from worker.processes_main import run_node_agent
 
     node_id = check_name(node_id, "node id")
-    hardware = discover(slots=gpus, cpu_only=True)
+    hardware = discover(slots=gpus, cpu_only=True, measured_peak=peak_flops)
     run_async(
         run_node_agent(
             get_settings(), node_id, hardware, pod=check_name(pod, "pod"), incarnation=incarnation

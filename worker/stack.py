@@ -142,6 +142,13 @@ async def _up(
     # (data). Checked before anything starts, so a host's lean install fails in one line.
     require_extra("all", "forgeline up")
     home.mkdir(parents=True, exist_ok=True)
+    agents = [node_name(index) for index in range(nodes + (spares or 0))]
+    peak = 0.0
+    if any(not ManagedProcess(home, name).running() for name in agents):
+        # The agents' CPU slots' peak, before anything here starts (infra.node_hardware).
+        from infra.node_hardware import measured_matmul_peak  # late: it imports torch
+
+        peak = measured_matmul_peak()
     recorded = load_settings(home)
     env = {"FORGELINE_HOME": str(home)}
 
@@ -248,22 +255,22 @@ async def _up(
             say(f"{name:<13} started (pid {worker.pid()})")
 
     expected: dict[str, str | None] = {}
-    for index in range(nodes + (spares or 0)):
-        agent = ManagedProcess(home, node_name(index))
+    for name in agents:
+        agent = ManagedProcess(home, name)
         if agent.running():
-            expected[node_name(index)] = None
-            say(f"{node_name(index):<13} running (pid {agent.pid()})")
+            expected[name] = None
+            say(f"{name:<13} running (pid {agent.pid()})")
             continue
         incarnation = uuid.uuid4().hex
         agent.start(
             _worker_argv(
-                "node", "--node-id", node_name(index), "--gpus", str(gpus_per_node),
-                "--incarnation", incarnation,
+                "node", "--node-id", name, "--gpus", str(gpus_per_node),
+                "--incarnation", incarnation, "--peak-flops", repr(peak),
             ),
             env,
         )  # fmt: skip
-        expected[node_name(index)] = incarnation
-        say(f"{node_name(index):<13} started (pid {agent.pid()}, {gpus_per_node} GPU slots)")
+        expected[name] = incarnation
+        say(f"{name:<13} started (pid {agent.pid()}, {gpus_per_node} GPU slots)")
 
     state = await _wait_for_nodes(
         client, expected, [control, *_processes(home, NODE_PREFIX), *_processes(home, DATA_PREFIX)]

@@ -120,6 +120,10 @@ def test_a_run_through_the_api_and_who_may_do_what(stack: Stack, tmp_path: Path)
     assert "via-api" in [r.status.name for r in listed.runs]
     state = ClusterState.model_validate_json(stack.cli("nodes", "--json").stdout)
     assert {n.info.node_id for n in state.nodes} == {n.info.node_id for n in dave.cluster().nodes}
+    # One peak for the pretend nodes of one machine, measured by `up` before it started them
+    # (this package's first tests run before any agent is restarted): agents that measured it
+    # themselves beside the starting servers each got another figure, a third of it.
+    assert len({n.info.peak_flops for n in state.nodes}) == 1, state.nodes
     lineage = dave.lineage("via-api", "@production")
     assert not lineage.broken and "approved by carol" in lineage.links[0].detail, lineage
     assert {"checkpoint", "dataset"} <= {k.what for k in lineage.links if k.check == "ok"}

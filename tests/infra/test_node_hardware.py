@@ -25,3 +25,8 @@ def test_a_cpu_host_offers_slots_with_a_measured_peak() -> None:
     assert 1e8 < found.peak_flops < 1e12, found
     assert found.memory_bytes > 2**30
     assert "3 CPU rank slots" in found.describe()
+
+
+def test_a_peak_measured_in_a_quieter_moment_is_taken_as_it_is() -> None:
+    found = discover(slots=2, cpu_only=True, measured_peak=5e10)
+    assert (found.peak_flops, found.peak_source) == (5e10, "measured")
