@@ -46,7 +46,7 @@ from trainer.checkpoint import load_training_state
 from trainer.checkpoint_policy import CheckpointPolicy
 from trainer.data import RankSlice, Sampler, TokenStream
 from trainer.entry import mark_began
-from trainer.grad_watch import OwnGradients, chaos_order, chaos_poison, flip_low_bit
+from trainer.grad_watch import ChaosPoison, OwnGradients, chaos_order, flip_low_bit
 from trainer.job import TrainJob
 from trainer.job_checkpoints import checkpointer_for, resolve
 from trainer.metrics import mfu
@@ -98,7 +98,6 @@ class Run:
         self._stop_file = Path(job.stop_file) if job.stop_file else None
         chaos = Path(job.chaos_file) if job.chaos_file else None
         self._corrupt_next = chaos if rt.local_rank == 0 else None
-        self._poison: tuple[int, float] | None = None  # (step, scale) of a chaos order taken
         self.layout = (
             Layout(**{k: job.layout[k] for k in ("replicate", "shard", "tensor")})
             if job.layout
@@ -229,8 +228,8 @@ class Run:
             model,
             self.placement.mesh.get_group("replicate") if self.layout.replicate > 1 else None,
             tensor_parallel=self.layout.tensor > 1,
-            poison_now=self._poison_now,
-            micro_now=lambda: self._current.micro_index if self._current else 0,
+            poison_now=ChaosPoison(self._corrupt_next, lambda: self.step + 1, self._micro_now),
+            micro_now=self._micro_now,
         )
         checkpointer = checkpointer_for(
             self.job, self.store, self.layout.to_dict(), keep=self.settings.keep_checkpoints,
@@ -377,18 +376,9 @@ class Run:
             self._saves.checkpointer.before_weights_change()
             self._stall_s += time.perf_counter() - started
 
-    def _poison_now(self) -> float | None:
-        """`forgeline chaos corrupt-grad`'s scale for the buffer being reduced now: every
-        buffer of the first micro-batch of the step it is due at (a DDP bucket, an FSDP
-        block), so the whole of this rank's gradients of that micro-batch are off alike."""
-        step = self.step + 1
-        if self._poison is None or self._poison[0] != step:
-            scale = chaos_poison(self._corrupt_next, step)  # the order is read once, and gone
-            if scale is None:
-                return None
-            self._poison = (step, scale)
-        micro = self._current.micro_index if self._current else 0
-        return self._poison[1] if micro <= 1 else None
+    def _micro_now(self) -> int:
+        """The micro-batch of the step being computed, from 1 (0: none handed out yet)."""
+        return self._current.micro_index if self._current else 0
 
     def _suspect_at(self, step: int) -> None:
         """A rank was named a suspect at `step`: keep what a rollback past it needs (rank 0

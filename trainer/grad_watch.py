@@ -183,6 +183,30 @@ def chaos_poison(chaos_file: Path | None, step: int) -> float | None:
     return float(words[2]) if len(words) > 2 else math.nan
 
 
+class ChaosPoison:
+    """`forgeline chaos corrupt-grad` on this rank, as `OwnGradients.poison_now`: the scale for
+    the buffer being reduced now. Every buffer of the first micro-batch of the step the order
+    is due at (each DDP bucket, each FSDP block), so the whole of this rank's gradients of that
+    micro-batch are off alike; the order is read once, and gone."""
+
+    def __init__(
+        self, chaos_file: Path | None, step_now: Callable[[], int], micro_now: Callable[[], int]
+    ) -> None:
+        self.chaos_file = chaos_file
+        self.step_now = step_now
+        self.micro_now = micro_now
+        self._taken: tuple[int, float] | None = None  # (step, scale) of the order taken
+
+    def __call__(self) -> float | None:
+        step = self.step_now()
+        if self._taken is None or self._taken[0] != step:
+            scale = chaos_poison(self.chaos_file, step)
+            if scale is None:
+                return None
+            self._taken = (step, scale)
+        return self._taken[1] if self.micro_now() <= 1 else None
+
+
 def flip_low_bit(model: torch.nn.Module) -> None:
     """`forgeline chaos flip-bit`: the lowest mantissa bit of this rank's first parameter's
     first element flips, as one bad bit in a device's memory would: a finite, tiny error that
