@@ -195,16 +195,16 @@ class ChaosPoison:
         self.chaos_file = chaos_file
         self.step_now = step_now
         self.micro_now = micro_now
-        self._taken: tuple[int, float] | None = None  # (step, scale) of the order taken
+        # The step the file was last read for, and the scale it gave (None: no order): read
+        # once a step, not once for every buffer reduced.
+        self._read: tuple[int, float | None] | None = None
 
     def __call__(self) -> float | None:
         step = self.step_now()
-        if self._taken is None or self._taken[0] != step:
-            scale = chaos_poison(self.chaos_file, step)
-            if scale is None:
-                return None
-            self._taken = (step, scale)
-        return self._taken[1] if self.micro_now() <= 1 else None
+        if self._read is None or self._read[0] != step:
+            self._read = (step, chaos_poison(self.chaos_file, step))
+        scale = self._read[1]
+        return scale if scale is not None and self.micro_now() <= 1 else None
 
 
 def flip_low_bit(model: torch.nn.Module) -> None:

@@ -20,28 +20,25 @@ recompute agrees with it. A device's wrong arithmetic, which is in its own buffe
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
+from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllocMixin
 
 from trainer.grad_watch import OwnGradients
 from trainer.shadow_check import Fingerprint, fingerprint, gradient_summary
 
 
-class _WatchedReduceScatter(ReduceScatter):
-    """One FSDP module's reduce-scatter, reporting its input to the watch under `key`."""
+class _WatchedReduceScatter(DefaultAllocMixin, ReduceScatter):
+    """One FSDP module's reduce-scatter, reporting its input to the watch under `key`; its
+    buffers are allocated as FSDP's default reduce-scatter's are."""
 
     def __init__(self, watch: ShardedPreReduceNorms, key: int) -> None:
         self.watch = watch
         self.key = key
-
-    def allocate(
-        self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype, device: torch.device
-    ) -> torch.Tensor:
-        return torch.empty(*size, dtype=dtype, device=device)  # as FSDP's default does
 
     def __call__(
         self,
