@@ -62,6 +62,11 @@ def _pct(x: float) -> str:
     return f"{100 * x:.1f} %"
 
 
+def _cost(r: Report) -> str:
+    """The work preemptions threw away, the saves they forced and the restarts they paid."""
+    return f"{100 * r.preemption_cost:.2f} / {100 * r.yielded_cost:.2f} %"
+
+
 def _summary(r: Report, seconds: float) -> Table:
     table = Table(title=f"Simulation: {r.gpus:,} GPUs, {r.days:g} days, policy {r.policy}")
     table.add_column("figure")
@@ -73,6 +78,7 @@ def _summary(r: Report, seconds: float) -> Table:
         *((f"idle: {cause}", _pct(share)) for cause, share in r.idle.items()),
         ("idle: between passes", _pct(1 - r.allocation - sum(r.idle.values()))),
         ("preemptions / of them yielders leaving", f"{r.preemptions:,} / {r.yielded:,}"),
+        ("GPU-time preemptions cost: others / yielders", _cost(r)),
         ("node failures under a gang", f"{r.failures_under_jobs:,}"),
         ("recoveries / of them on a spare", f"{r.recoveries:,} / {r.spare_hits:,}"),
         ("still waiting at the end", f"{r.still_waiting:,}"),
@@ -115,8 +121,8 @@ def _big_runs(r: Report) -> Table:
 def _comparison(reports: list[Report]) -> Table:
     table = Table(title="Policies on the same seed (each adds to the one above)")
     columns = ["policy", "allocation", "useful", "idle: nothing queued", "idle: reserved",
-               "preemptions / yielders", "spare hits", "still waiting",
-               "requeued: longest wait"]  # fmt: skip
+               "preemptions / yielders", "their cost: others / yielders", "spare hits",
+               "still waiting", "requeued: longest wait"]  # fmt: skip
     columns += [f"wait p50/p99 {c.name}" for c in reports[0].classes]
     for name in columns:
         table.add_column(name, justify="left" if name == "policy" else "right")
@@ -124,7 +130,7 @@ def _comparison(reports: list[Report]) -> Table:
         waits = [f"{c.wait_p50_h:.1f} / {c.wait_p99_h:.0f} h" for c in r.classes]
         table.add_row(r.policy, _pct(r.allocation), _pct(r.useful),
                       _pct(r.idle["nothing queued"]), _pct(r.idle["reserved"]),
-                      f"{r.preemptions:,} / {r.yielded:,}", f"{r.spare_hits:,}",
+                      f"{r.preemptions:,} / {r.yielded:,}", _cost(r), f"{r.spare_hits:,}",
                       f"{r.still_waiting:,}",
                       f"{max(c.requeued_wait_max_h for c in r.classes):.1f} h",
                       *waits)  # fmt: skip

@@ -186,6 +186,27 @@ def test_gangs_whole_and_allocation_never_above_100_percent() -> None:
     assert all(0 <= c.goodput <= 1 for c in figures.classes)
 
 
+def test_what_preemptions_cost_is_gpu_time_held_and_not_kept() -> None:
+    """The cost of preemptions (thrown-away work, saves, restarts paid again) is a part of the
+    GPU-time jobs held and did not keep, and each preemption that is granted again pays at
+    least its restart."""
+    from workflows.fleet.workload import jobs, outages
+
+    config = small(days=3)
+    outcome = Simulation(config, jobs(config), outages(config)).run()
+    cost = outcome.preemption_cost
+    assert outcome.preemptions > outcome.yielded > 0
+    assert cost.others > 0 and cost.yielders > 0
+    records = outcome.records.values()
+    held_not_kept = sum(r.allocated_gpu_s - r.job.gpus * r.kept_s for r in records)
+    assert cost.others + cost.yielders <= held_not_kept
+    cheapest_restart = min(r.job.gpus * r.job.restart_s for r in records) * (
+        config.recovery.warm_restart
+    )
+    regranted = sum(r.preemptions - (r.restart_owed_by_yielder is not None) for r in records)
+    assert cost.others + cost.yielders >= regranted * cheapest_restart
+
+
 def test_same_seed_same_report_and_another_seed_differs() -> None:
     config = small(days=1.5)
     assert run(config) == run(config)
@@ -208,6 +229,9 @@ def test_policies_in_order_on_a_contended_fleet() -> None:
         "spares-patient-reclaim",
     }
     assert all(r.yielded == 0 for name, r in reports.items() if name not in yielding)
+    assert all(r.yielded_cost == 0 for name, r in reports.items() if name not in yielding)
+    assert reports["fifo"].preemption_cost == reports["backfill"].preemption_cost == 0
+    assert reports["spares"].yielded_cost > 0 and reports["preemption"].preemption_cost > 0
     assert 0 < reports["spares"].yielded <= reports["spares"].preemptions
 
 

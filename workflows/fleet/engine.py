@@ -50,6 +50,27 @@ class JobRecord:
     shrunk: int = 0  # attempts on fewer nodes than asked (elastic)
     regrown: int = 0  # of those, stopped to grow back
     plan: SavePlan | None = None
+    # Set by a preemption until the next grant, which pays its restart again: True if the
+    # preemption was a yielder leaving as agreed.
+    restart_owed_by_yielder: bool | None = None
+
+
+@dataclass
+class PreemptionCost:
+    """GPU-seconds that preemptions cost, yielders leaving as agreed apart from the rest: the
+    work a notice threw away (none when the save fits the grace period), the gang's GPUs held
+    while it saved, and the restart its next attempt paid again. A count of preemptions weighs
+    an 8-GPU yielder that saved in a minute like a 1,024-GPU run that lost an hour; this does
+    not."""
+
+    yielders: float = 0.0
+    others: float = 0.0
+
+    def add(self, by_yielder: bool, gpu_s: float) -> None:
+        if by_yielder:
+            self.yielders += gpu_s
+        else:
+            self.others += gpu_s
 
 
 @dataclass
@@ -88,6 +109,7 @@ class Outcome:
     max_queue: int = 0
     still_waiting: list[str] = field(default_factory=list)
     idle: IdleLedger = field(default_factory=lambda: IdleLedger(0.0))
+    preemption_cost: PreemptionCost = field(default_factory=PreemptionCost)
 
 
 class Simulation:
@@ -373,6 +395,10 @@ class Simulation:
         warm = recovery or allocation.run_id in self.growing
         self.growing.discard(allocation.run_id)
         attempt = self._attempt(record, self.now_s, warm=warm, rate=rate)
+        if record.restart_owed_by_yielder is not None:
+            restart_gpu_s = record.job.gpus * rate * attempt.restart
+            self.out.preemption_cost.add(record.restart_owed_by_yielder, restart_gpu_s)
+            record.restart_owed_by_yielder = None
         self.attempts[allocation.run_id] = (attempt, allocation.generation)
         self._push(attempt.end, "end", (allocation.run_id, allocation.generation))
 
@@ -392,7 +418,12 @@ class Simulation:
             self.out.preemptions += 1
             # A yielder told to leave for the reservation it was lent (`yields_to` is None for
             # every other gang, and a notice always names a run or "").
-            self.out.yielded += notice is not None and notice.for_run == allocation.yields_to
+            yielder = notice is not None and notice.for_run == allocation.yields_to
+            self.out.yielded += yielder
+            thrown_away = attempt.done(self.now_s) - kept
+            saving = attempt.rate * (release_s - self.now_s)
+            self.out.preemption_cost.add(yielder, record.job.gpus * (thrown_away + saving))
+            record.restart_owed_by_yielder = yielder
         self._push(release_s, "release", (run_id, generation, kept, grow))
 
     def _close(self) -> None:

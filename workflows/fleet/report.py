@@ -64,6 +64,10 @@ class Report:
     useful: float
     preemptions: int
     yielded: int  # of the preemptions, yielders leaving as agreed (workflows.yielding)
+    # What the preemptions cost (engine.PreemptionCost), as shares of all healthy GPU-time of
+    # the simulation: the others', and the yielders' leaving as agreed.
+    preemption_cost: float
+    yielded_cost: float
     failures_under_jobs: int
     recoveries: int
     spare_hits: int
@@ -117,6 +121,8 @@ def report(outcome: Outcome) -> Report:
         idle={cause: _ratio(gpu_s, healthy) for cause, gpu_s in outcome.idle.gpu_s.items()},
         preemptions=outcome.preemptions,
         yielded=outcome.yielded,
+        preemption_cost=_ratio(outcome.preemption_cost.others, sum(trace.healthy)),
+        yielded_cost=_ratio(outcome.preemption_cost.yielders, sum(trace.healthy)),
         failures_under_jobs=outcome.failures_under_jobs,
         recoveries=outcome.recoveries,
         spare_hits=outcome.spare_hits,
