@@ -23,12 +23,14 @@ from __future__ import annotations
 import asyncio
 import logging
 from contextlib import asynccontextmanager
+from datetime import UTC, datetime
 from enum import StrEnum
 from typing import Annotated
 
 from fastapi import FastAPI, Header, Query, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from temporalio.client import Client
 from temporalio.service import RPCError
@@ -49,6 +51,7 @@ from worker.api_rules import (
     require,
 )
 from worker.cli_common import CliError, get_client
+from worker.fleet_metrics import exposition
 from worker.idempotency import MAX_KEY_CHARS, IdempotencyKeys
 from worker.runs import (
     RunNotFound,
@@ -258,13 +261,28 @@ def make_app(settings: Settings) -> FastAPI:
         answer = SubmitAnswer(created=started, run=current)
         return JSONResponse(answer.model_dump(mode="json"), status_code=201 if started else 200)
 
-    @app.get(f"/{API_VERSION}/runs")
-    async def list_runs(who: Caller) -> RunList:
-        names = await list_run_names(await temporal())
+    async def run_views(names: list[str]) -> list[RunView]:
         found = await asyncio.gather(*(run_view(n) for n in names), return_exceptions=True)
         # A run deleted between the list and its query is simply no longer there.
-        return RunList(runs=sorted((v for v in found if isinstance(v, RunView)),
-                                   key=lambda v: v.status.name))  # fmt: skip
+        return sorted((v for v in found if isinstance(v, RunView)), key=lambda v: v.status.name)
+
+    @app.get(f"/{API_VERSION}/runs")
+    async def list_runs(who: Caller) -> RunList:
+        return RunList(runs=await run_views(await list_run_names(await temporal())))
+
+    @app.get(
+        "/metrics",
+        response_class=Response,
+        responses={200: {"content": {CONTENT_TYPE_LATEST: {}}}},
+    )
+    async def metrics(who: Caller) -> Response:
+        """The fleet and its open runs in Prometheus' text format (worker/fleet_metrics.py);
+        Prometheus scrapes it with a token, as any reader."""
+        client = await temporal()
+        state = await cluster_state(client)
+        runs = await run_views(await list_run_names(client, open_only=True))
+        body = exposition(state, runs, datetime.now(UTC))
+        return Response(body, media_type=CONTENT_TYPE_LATEST)
 
     @app.get(f"/{API_VERSION}/runs/{{name}}", responses={404: {"model": ErrorBody}})
     async def get_run(name: str, who: Caller) -> RunView:

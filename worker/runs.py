@@ -137,9 +137,12 @@ async def dataset_progress(client: Client, workflow_id: str) -> DatasetProgress 
         return None
 
 
-async def list_run_names(client: Client, limit: int = 200) -> list[str]:
+async def list_run_names(client: Client, limit: int = 200, *, open_only: bool = False) -> list[str]:
+    query = "WorkflowType = 'TrainingRun'"
+    if open_only:  # awaiting approval is still open; approved, failed and cancelled are not
+        query += " AND ExecutionStatus = 'Running'"
     names = []
-    async for execution in client.list_workflows("WorkflowType = 'TrainingRun'", limit=limit):
+    async for execution in client.list_workflows(query, limit=limit):
         names.append(execution.id)
     return names
 

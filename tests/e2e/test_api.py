@@ -17,6 +17,7 @@ from forgeline import ApiError, Client
 from infra.tokens import LOCAL_TOKEN_FILE, TokenStore
 from tests.conftest import REPO
 from tests.e2e.conftest import FORGELINE, Stack, variant, wait_for
+from tests.prometheus_text import Samples, samples, value
 from worker.cli_common import ExitCode
 from worker.temporal_client import connect
 from workflows.api_models import RunList, RunView
@@ -36,6 +37,13 @@ async def forge_a_grant(stack: Stack, run: str) -> None:
     await client.get_workflow_handle(run).signal(GANG_GRANTED_SIGNAL, forged)
 
 
+def scrape(url: str, token: str) -> Samples:
+    request = urllib.request.Request(f"{url}/metrics", headers={"Authorization": f"Bearer {token}"})
+    with urllib.request.urlopen(request, timeout=30) as answer:
+        assert answer.headers["Content-Type"].startswith("text/plain; version=")
+        return samples(answer.read().decode())
+
+
 def refused(call, status: int, code: str) -> ApiError:
     with pytest.raises(ApiError) as raised:
         call()
@@ -50,11 +58,12 @@ def test_a_run_through_the_api_and_who_may_do_what(stack: Stack, tmp_path: Path)
     url = stack.settings.api_url
     alice = Client(url, made.stdout.strip().splitlines()[-1])  # printed once, last
     tokens = TokenStore(stack.home)
-    bob, carol, dave = (
-        Client(url, tokens.create(person, [role], created_by="e2e")[0])
+    bob_token, carol_token, dave_token = (
+        tokens.create(person, [role], created_by="e2e")[0]
         for person, role in (("bob", "approve:vision"), ("carol", "approve:research"),
                              ("dave", "read"))
     )  # fmt: skip
+    bob, carol, dave = (Client(url, t) for t in (bob_token, carol_token, dave_token))
 
     assert alice.whoami().person == "alice"
     refused(Client(url, "flt_nope").runs, 401, "unauthenticated")
@@ -88,10 +97,27 @@ def test_a_run_through_the_api_and_who_may_do_what(stack: Stack, tmp_path: Path)
                     "conflict")  # fmt: skip
     assert "was used for run 'via-api'" in error.message
 
-    phases = []
-    run = dave.wait("via-api", progress=lambda r: phases.append(r.status.phase.value),
-                    timeout_s=240)  # fmt: skip
+    phases, scraped_steps = [], []
+
+    def seen(r: RunView) -> None:
+        phases.append(r.status.phase.value)
+        if r.status.phase.value == "TRAINING" and r.progress is not None:
+            scraped_steps.append(
+                value(scrape(url, dave_token), "forgeline_run_step", run="via-api")
+            )
+
+    run = dave.wait("via-api", progress=seen, timeout_s=240)
     assert run.status.phase.value == "AWAITING_APPROVAL", phases
+    # Prometheus' view, scraped with a reader's token: the step rose while the gang trained,
+    # the nodes are there, and the open run's goodput once it waits for approval.
+    assert scraped_steps == sorted(scraped_steps) and scraped_steps[0] < 40, scraped_steps
+    final = scrape(url, dave_token)
+    assert value(final, "forgeline_run_step", run="via-api") == 40
+    assert value(final, "forgeline_run_phase", run="via-api", phase="AWAITING_APPROVAL") == 1
+    assert 0 < value(final, "forgeline_run_goodput_ratio", run="via-api") <= 1
+    node_states = {dict(labels)["node"] for name, labels in final if name == "forgeline_node_state"}
+    nodes = ClusterState.model_validate_json(stack.cli("nodes", "--json").stdout).nodes
+    assert node_states == {n.info.node_id for n in nodes}
     assert run.status.last_checkpoint is not None and run.status.last_checkpoint.step == 40
     # The loss curve the ranks streamed to MLflow, through the API (the agents ship it within
     # seconds of each step).
