@@ -29,7 +29,7 @@ def _node(node_id: str, **fields: object) -> Node:
     return Node(info=info, **fields)  # type: ignore[arg-type]
 
 
-def _fleet() -> tuple[ClusterState, list[RunView]]:
+def a_fleet() -> tuple[ClusterState, list[RunView]]:
     busy, idle = _node("n1", jobs={"gpt": 2}), _node("n2")
     down = _node("n3", health=Health.DOWN, health_reason="ECC errors")
     gang = Allocation(
@@ -60,7 +60,7 @@ def _scrape(state: ClusterState, runs: list[RunView]) -> Samples:
 
 
 def test_nodes_teams_and_a_training_run_read_as_the_state_holds_them() -> None:
-    scraped = _scrape(*_fleet())
+    scraped = _scrape(*a_fleet())
     where = {"pod": "pod-a"}
     for node, now_in in (("n1", "allocated"), ("n2", "idle"), ("n3", "down")):
         for word in NODE_STATES:
@@ -97,7 +97,7 @@ def test_nodes_teams_and_a_training_run_read_as_the_state_holds_them() -> None:
 
 
 def test_a_run_between_gangs_reports_its_checkpoint_step_and_no_age() -> None:
-    state, runs = _fleet()
+    state, runs = a_fleet()
     state.allocations.clear()
     runs[0].progress = None
     runs[0].status.phase = Phase.RECOVERING
@@ -109,7 +109,7 @@ def test_a_run_between_gangs_reports_its_checkpoint_step_and_no_age() -> None:
 
 def test_no_label_holds_a_step_or_a_generation() -> None:
     """Labels stay bounded: what grows with training is only ever a value."""
-    state, runs = _fleet()
+    state, runs = a_fleet()
     bounded = {"node", "pod", "state", "team", "run", "phase", "owner", "cause"}
     for name, labels in _scrape(state, runs):
         assert {key for key, _ in labels} <= bounded, name
