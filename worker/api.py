@@ -25,11 +25,12 @@ import logging
 from contextlib import asynccontextmanager
 from datetime import UTC, datetime
 from enum import StrEnum
+from pathlib import Path
 from typing import Annotated
 
 from fastapi import FastAPI, Header, Query, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import HTMLResponse, JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from temporalio.client import Client
@@ -52,6 +53,7 @@ from worker.api_rules import (
 )
 from worker.cli_common import CliError, get_client
 from worker.fleet_metrics import exposition
+from worker.fleet_view import fleet_view
 from worker.idempotency import MAX_KEY_CHARS, IdempotencyKeys
 from worker.runs import (
     RunNotFound,
@@ -67,6 +69,7 @@ from workflows.api_models import (
     ApproveRequest,
     ErrorBody,
     ErrorDetail,
+    FleetView,
     Lineage,
     LineageLink,
     MetricPoint,
@@ -85,6 +88,14 @@ from workflows.models import CodeRef, Decision
 from workflows.names import InvalidName, check_name
 
 API_VERSION = "v1"
+CLUSTER_PAGE = Path(__file__).with_name("cluster_page.html")
+# The page runs no script but its own and loads nothing from elsewhere; the token it is given
+# stays in this origin's storage.
+PAGE_HEADERS = {
+    "Content-Security-Policy": "default-src 'self'; script-src 'unsafe-inline'; "
+    "style-src 'unsafe-inline'; img-src 'self' data:",
+    "Referrer-Policy": "no-referrer",
+}
 
 
 def _error(status: int, detail: ErrorDetail) -> JSONResponse:
@@ -269,6 +280,19 @@ def make_app(settings: Settings) -> FastAPI:
     @app.get(f"/{API_VERSION}/runs")
     async def list_runs(who: Caller) -> RunList:
         return RunList(runs=await run_views(await list_run_names(await temporal())))
+
+    @app.get(f"/{API_VERSION}/fleet")
+    async def get_fleet(who: Caller) -> FleetView:
+        """What the cluster page at / draws: nodes, queue, gangs and runs, with UI links."""
+        client = await temporal()
+        state = await cluster_state(client)
+        runs = await run_views(await list_run_names(client))
+        return fleet_view(state, runs, settings, datetime.now(UTC))
+
+    @app.get("/", response_class=HTMLResponse, include_in_schema=False)
+    async def cluster_page() -> HTMLResponse:
+        """The page holds no data: its script asks /v1/fleet with the reader's token."""
+        return HTMLResponse(CLUSTER_PAGE.read_text(), headers=PAGE_HEADERS)
 
     @app.get(
         "/metrics",

@@ -23,6 +23,7 @@ from infra.errors import InfraError, IntegrityError, InvalidKey, ObjectNotFound,
 from infra.extras import MissingExtra
 from infra.host_network import HostNetworkError
 from infra.settings import Settings, SettingsError, state_home
+from infra.tokens import LOCAL_TOKEN_FILE
 from worker import run_actions, stack
 from worker.api_access import api_client, call
 from worker.api_cli import api, tokens_app
@@ -112,6 +113,10 @@ def _print_links(settings: Settings) -> None:
         )
     console.print(f"MLflow UI    {settings.mlflow_uri}{sign_in}", soft_wrap=True)
     console.print(f"API          {settings.api_url}/docs")
+    console.print(
+        f"Cluster page {settings.api_url}/  (paste your token: {settings.home / LOCAL_TOKEN_FILE})",
+        soft_wrap=True,
+    )
 
 
 # --- the local stack ----------------------------------------------------------------------------

@@ -19,6 +19,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from worker.fleet_view import waited_s
 from workflows.api_models import RunView
 from workflows.cluster_models import ClusterState, GangRequest
 from workflows.goodput import CAUSES
@@ -95,17 +96,12 @@ class FleetCollector(Collector):
             queue = config.queue(team)
             requests = waiting.get(team, [])
             depth.add_metric([team], len(requests))
-            oldest.add_metric([team], max((self._waited_s(r) for r in requests), default=0.0))
+            oldest.add_metric([team], max((waited_s(r, self.now) for r in requests), default=0.0))
             in_use_now.add_metric([team], used.get(team, 0))
             guaranteed.add_metric([team], queue.guaranteed_gpus)
             if queue.max_gpus is not None:
                 ceiling.add_metric([team], queue.max_gpus)
         yield from (depth, oldest, in_use_now, guaranteed, ceiling)
-
-    def _waited_s(self, request: GangRequest) -> float:
-        """Since it was queued this time (a requeued run's deadline counts from then too)."""
-        since = request.waiting_since or request.submitted_at
-        return max(0.0, (self.now - since).total_seconds()) if since is not None else 0.0
 
     def _runs(self) -> Iterator[Metric]:
         def gauge(name: str, text: str, *extra: str) -> GaugeMetricFamily:

@@ -6,6 +6,7 @@ CLI and the Temporal UI show the same fields under the same names.
 
 from __future__ import annotations
 
+from datetime import datetime
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -133,3 +134,63 @@ class ResumeRequest(BaseModel):
 class RejectRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     reason: str = Field(min_length=1, max_length=5000, description="recorded on the version")
+
+
+class NodeRow(BaseModel):
+    node: str
+    pod: str
+    state: str = Field(description="idle, partial, allocated, spare, cordoned, draining, down")
+    gpus: int
+    gpus_used: int
+    runs: list[str] = Field(description="the runs whose gangs hold GPUs here")
+    reason: str | None = Field(None, description="why it is down or failing its health check")
+
+
+class QueueRow(BaseModel):
+    run: str
+    team: str
+    nodes: int
+    gpus: int
+    position: int | None = Field(None, description="in the last scheduling pass (0: next)")
+    waited_s: float = Field(description="since it was queued (again, for a requeued run)")
+    reason: str = Field(description="why it waits, as `forgeline jobs` says it")
+
+
+class GangRow(BaseModel):
+    run: str
+    team: str
+    nodes: list[str]
+    gpus: int
+    granted_at: datetime | None = None
+    phase: str | None = Field(None, description="the run's, when its status answered")
+    step: int | None = None
+    total_steps: int | None = None
+    goodput: float | None = Field(None, description="over its finished gang attempts so far")
+    checkpoint_step: int | None = None
+    checkpoint_age_s: float | None = Field(None, description="since its newest commit")
+    yields_to: str | None = Field(None, description="lent reserved nodes: leaves for this run")
+
+
+class RunRow(BaseModel):
+    name: str
+    phase: str
+    owner: str
+    team: str
+    step: int | None = None
+    total_steps: int
+    tokens_per_s: float | None = None
+    goodput: float | None = None
+    temporal_url: str = Field(description="the run's workflow in the Temporal UI")
+    mlflow_url: str | None = Field(None, description="its MLflow run, once it has one")
+
+
+class FleetView(BaseModel):
+    """What the cluster page (`GET /`) shows, made on the server from the same state as
+    `forgeline nodes`, `jobs` and `runs`, so the page only draws it."""
+
+    nodes: list[NodeRow]
+    queue: list[QueueRow]
+    gangs: list[GangRow]
+    runs: list[RunRow]
+    temporal_ui: str
+    mlflow_ui: str

@@ -50,7 +50,13 @@ def weights(manifest: dict) -> dict[str, str]:
     return {name: digest for name, digest in named.items() if not name.startswith(".")}
 
 
-@pytest.fixture(scope="module", params=sorted(LAYOUTS))
+# FSDP + TP (six ranks, ~60 s) runs with the slow tests, to keep `make test` within 15 minutes:
+# the FSDP case here covers the collective recompute, and tests/trainer/test_shadow_check.py
+# which rank of another tensor-parallel group checks which.
+@pytest.fixture(
+    scope="module",
+    params=[pytest.param(n, marks=pytest.mark.slow) if n == "fsdp-tp" else n for n in LAYOUTS],
+)
 def layout(request: pytest.FixtureRequest) -> str:
     return request.param
 
