@@ -24,6 +24,7 @@ from trainer.hang import HangWatch
 from trainer.job import TrainJob
 from trainer.rank_env import rank_environment
 from trainer.start_watch import StartWatch, Verdict
+from trainer.step_rate import StepRate
 from trainer.warm_launch import LaunchOrder, WarmLauncher
 
 # What every rank runs (the built-in trainer or the user's script). torchrun forks the ranks
@@ -122,6 +123,7 @@ class ProgressTail:
         self.latest: dict = {"step": start_step}
         self.sdk = ""  # the SDK call the ranks were last in or back from ("init:entered", ...)
         self.crash: str | None = None  # the first rank's uncaught exception (trainer.entry)
+        self._rate = StepRate()
 
     def poll(self) -> None:
         if not self.path.exists():
@@ -158,6 +160,9 @@ class ProgressTail:
                 self.sdk = f"{event['call']}:{event['state']}"
             elif event["event"] == "step":
                 self.latest.update({k: event[k] for k in _STEP_FIELDS if k in event})
+                if "time" in event:
+                    self._rate.add(event["step"], event["time"])
+                    self.latest["steps_per_s"] = self._rate.per_s
             # Only a step means training; a late checkpoint or eval line never undoes an end.
             if event["event"] in ("done", "stopped", "step"):
                 self.latest["state"] = "training" if event["event"] == "step" else event["event"]

@@ -51,6 +51,7 @@ from worker.data_cli import (
 )
 from worker.hosts_cli import agent, control, data_worker
 from worker.lineage import lineage_command
+from worker.live_progress import LiveProgress
 from worker.logs_cli import logs
 from worker.plan_cli import plan
 from worker.processes_cli import worker_app
@@ -211,7 +212,15 @@ def _follow_to_a_decision(client: Client, settings: Settings, name: str) -> None
 
 
 def _follow(client: Client, name: str, poll_s: float = 1.0) -> RunStatus:
-    """Print a line whenever the run's progress changes, until it waits for a person or ends."""
+    """Until the run waits for a person or ends: at a terminal, bars for its data stages and
+    steps (rate, ETA) under a line per change of phase; elsewhere, a line per change."""
+    if not console.is_terminal:
+        return _follow_lines(client, name, poll_s, None)
+    with LiveProgress(console) as live:
+        return _follow_lines(client, name, poll_s, live)
+
+
+def _follow_lines(client: Client, name: str, poll_s: float, live: LiveProgress | None) -> RunStatus:
     last: tuple = ()
     while True:
         current = call(lambda: client.status(name))
@@ -220,6 +229,9 @@ def _follow(client: Client, name: str, poll_s: float = 1.0) -> RunStatus:
         stages = current.dataset.model_dump_json() if current.dataset else None
         step = beat.step if beat else None
         key = (current.status.model_dump_json(), step, stages, current.retrying)
+        if live is not None:  # the steps and stages are on the bars
+            live.run(current)
+            key = (current.status.model_dump_json(), current.retrying)
         if key != last:
             # Plain text: a retry's reason quotes errors (gloo's "[/__w/.../pair.cc:537]").
             console.print(f"{time.strftime('%H:%M:%S')}  {progress_line(current)}", markup=False)

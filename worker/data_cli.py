@@ -7,19 +7,21 @@ import hashlib
 import json
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import typer
 from rich.console import Console
 from rich.table import Table
-from temporalio.client import Client, WorkflowExecutionStatus, WorkflowFailureError
+from temporalio.client import Client, WorkflowExecutionStatus, WorkflowFailureError, WorkflowHandle
 from temporalio.common import WorkflowIDConflictPolicy, WorkflowIDReusePolicy
 
 from infra.extras import require_extra
 from infra.settings import Settings
+from worker.live_progress import LiveProgress
 from worker.render import stage_bars
 from worker.runs import dataset_progress
-from workflows.models import DatasetInput, DatasetRef
+from workflows.models import DatasetInput, DatasetProgress, DatasetRef
 from workflows.names import CONTROL_TASK_QUEUE, standalone_dataset_workflow_id
 from workflows.spec import DataSpec
 
@@ -52,14 +54,11 @@ async def prepare(client: Client, data: DataSpec, console: Console) -> DatasetRe
         id_reuse_policy=WorkflowIDReusePolicy.ALLOW_DUPLICATE,
     )
     console.print(f"dataset workflow {workflow_id}")
-    last = ""
-    while (await handle.describe()).status == WorkflowExecutionStatus.RUNNING:
-        progress = await dataset_progress(client, workflow_id)
-        line = stage_bars(progress) if progress else "starting"
-        if line != last:
-            console.print(f"{time.strftime('%H:%M:%S')}  {line}")
-            last = line
-        await asyncio.sleep(1.0)
+    if console.is_terminal:  # bars with rates and ETAs; a line per change in a log
+        with LiveProgress(console) as live:
+            await _watch(client, handle, workflow_id, live.stages)
+    else:
+        await _watch(client, handle, workflow_id, None, console)
     try:
         return await handle.result()
     except WorkflowFailureError as err:
@@ -67,6 +66,25 @@ async def prepare(client: Client, data: DataSpec, console: Console) -> DatasetRe
         while getattr(cause, "cause", None) is not None:
             cause = cause.cause
         raise DataCliError(f"data preparation failed: {cause}") from None
+
+
+async def _watch(
+    client: Client,
+    handle: WorkflowHandle,
+    workflow_id: str,
+    draw: Callable[[DatasetProgress], None] | None,
+    console: Console | None = None,
+) -> None:
+    last = ""
+    while (await handle.describe()).status == WorkflowExecutionStatus.RUNNING:
+        progress = await dataset_progress(client, workflow_id)
+        if draw is not None and progress is not None:
+            draw(progress)
+        line = stage_bars(progress) if progress else "starting"
+        if console is not None and line != last:
+            console.print(f"{time.strftime('%H:%M:%S')}  {line}")
+            last = line
+        await asyncio.sleep(1.0)
 
 
 def load_report(settings: Settings, snapshot_id: str) -> dict:

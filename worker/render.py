@@ -15,6 +15,23 @@ def _num(value: float | None, fmt: str) -> str:
     return "-" if value is None else format(value, fmt)
 
 
+def eta_text(seconds: float | None) -> str:
+    """`2h05m`, `4m07s`, `12s`: what is left at the gang's newest step rate."""
+    if seconds is None:
+        return "-"
+    s = round(seconds)
+    if s >= 3600:
+        return f"{s // 3600}h{s % 3600 // 60:02d}m"
+    return f"{s // 60}m{s % 60:02d}s" if s >= 60 else f"{s}s"
+
+
+def eta_of(view: RunView) -> float | None:
+    """Only while the gang trains: a run between gangs has no rate to go by."""
+    if view.progress is None or view.status.phase != Phase.TRAINING:
+        return None
+    return view.progress.eta_s
+
+
 def step_of(view: RunView) -> int:
     if view.progress is not None:
         return view.progress.step
@@ -47,6 +64,8 @@ def progress_line(view: RunView) -> str:
         line += f" step {beat.step}/{status.total_steps}"
         line += f"  loss {_num(beat.loss, '.4f')}"
         line += f"  tokens/s {_num(beat.tokens_per_s, ',.0f')}"
+        if (eta := eta_of(view)) is not None:
+            line += f"  {beat.steps_per_s:.2f} steps/s  ETA {eta_text(eta)}"
     if status.generation is not None and not status.phase.final:
         line += f"  gen {status.generation}"
     committed = beat.checkpoint_step if beat else None
@@ -66,7 +85,7 @@ def progress_line(view: RunView) -> str:
 
 def runs_table(views: list[RunView]) -> Table:
     table = Table(title="runs")
-    for column in ("name", "phase", "step", "loss", "attempts", "generation", "model"):
+    for column in ("name", "phase", "step", "ETA", "loss", "attempts", "generation", "model"):
         table.add_column(column)
     for view in views:
         status = view.status
@@ -75,6 +94,7 @@ def runs_table(views: list[RunView]) -> Table:
             status.name,
             status.phase.value,
             f"{step_of(view)}/{status.total_steps}",
+            eta_text(eta_of(view)),
             _num(loss_of(view), ".4f"),
             str(status.attempts),
             str(status.generation or "-"),

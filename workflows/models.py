@@ -158,11 +158,19 @@ class TrainProgress(BaseModel):
     loss: float | None = None
     lr: float | None = None
     tokens_per_s: float | None = None
+    steps_per_s: float | None = None  # over the newest steps, saves included (an ETA's rate)
     mfu: float | None = None
     checkpoint_step: int | None = None
     state: str = "starting"
     epoch: int | None = None
     val_loss: float | None = None  # the latest in-training evaluation (train.eval_every)
+
+    @property
+    def eta_s(self) -> float | None:
+        """Seconds until the last step at the newest rate (None: no rate yet)."""
+        if not self.steps_per_s or not self.total_steps:
+            return None
+        return max(0, self.total_steps - self.step) / self.steps_per_s
 
 
 class HealthEvent(BaseModel):

@@ -1,8 +1,10 @@
 from datetime import UTC, datetime
 from pathlib import Path
 
+from rich.console import Console
+
 from infra.settings import Settings
-from worker.render import progress_line, status_text
+from worker.render import eta_text, progress_line, runs_table, status_text
 from worker.runs import RunView
 from workflows.models import CheckpointRef, EvalResult, Failure, Phase, RunStatus, TrainProgress
 
@@ -45,6 +47,23 @@ def test_progress_line_shows_what_a_person_waits_for() -> None:
     assert line.startswith("TRAINING")
     for part in ("step 230/600", "loss 2.2500", "tokens/s 20,500", "gen 4", "ckpt 200"):
         assert part in line
+
+
+def test_a_training_run_shows_its_rate_and_eta_and_one_between_gangs_does_not() -> None:
+    view = training_view()
+    assert "ETA" not in progress_line(view)  # no rate yet
+    view.progress.steps_per_s = 2.5  # type: ignore[union-attr]
+    # 370 steps left at 2.5 a second: 148 s.
+    assert "2.50 steps/s  ETA 2m28s" in progress_line(view)
+    console = Console(width=200, file=None, record=True)
+    console.print(runs_table([view]))
+    assert "230/600 │ 2m28s" in console.export_text()
+    view.status.phase = Phase.RECOVERING  # the heartbeat is the gang's that failed
+    assert "ETA" not in progress_line(view)
+
+
+def test_eta_text() -> None:
+    assert [eta_text(s) for s in (None, 12.4, 247, 7_500)] == ["-", "12s", "4m07s", "2h05m"]
 
 
 def test_status_prefers_the_newer_checkpoint_the_ranks_reported() -> None:
