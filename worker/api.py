@@ -52,7 +52,7 @@ from worker.api_rules import (
     require,
 )
 from worker.cli_common import CliError, get_client
-from worker.fleet_metrics import exposition
+from worker.fleet_metrics import exposition, twin_status
 from worker.fleet_view import fleet_view
 from worker.idempotency import MAX_KEY_CHARS, IdempotencyKeys
 from worker.runs import (
@@ -305,7 +305,8 @@ def make_app(settings: Settings) -> FastAPI:
         client = await temporal()
         state = await cluster_state(client)
         runs = await run_views(await list_run_names(client, open_only=True))
-        body = exposition(state, runs, datetime.now(UTC))
+        twin = await asyncio.to_thread(twin_status, settings)
+        body = exposition(state, runs, datetime.now(UTC), twin)
         return Response(body, media_type=CONTENT_TYPE_LATEST)
 
     @app.get(f"/{API_VERSION}/runs/{{name}}", responses={404: {"model": ErrorBody}})

@@ -7,18 +7,24 @@ each run's status and newest heartbeat), so a scrape shows exactly what `forgeli
 Labels stay bounded: a node, its pod and a state word; a team; a run (only runs whose workflow
 is still open: a run that ended drops out of the scrape, as a finished pod does from
 kube-state-metrics) and a goodput cause from a fixed list. No step, generation or checkpoint
-is ever a label; those are values.
+is ever a label; those are values. With a twin site, the replicator's last status (which it
+writes to the twin after every pass) adds the replication metrics.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from datetime import datetime
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from infra.errors import StoreError
+from infra.replication import ReplicationStatus
+from infra.settings import Settings
+from infra.store import open_store
 from worker.fleet_view import waited_s
 from workflows.api_models import RunView
 from workflows.cluster_models import ClusterState, GangRequest
@@ -34,13 +40,53 @@ NODE_STATES = ("idle", "partial", "allocated", "spare", "cordoned", "draining", 
 class FleetCollector(Collector):
     """One scrape's metrics from one cluster state and the open runs' views."""
 
-    def __init__(self, state: ClusterState, runs: Iterable[RunView], now: datetime) -> None:
+    def __init__(
+        self,
+        state: ClusterState,
+        runs: Iterable[RunView],
+        now: datetime,
+        twin: TwinReading | None = None,
+    ) -> None:
         self.state, self.runs, self.now = state, list(runs), now
+        self.twin = twin
 
     def collect(self) -> Iterator[Metric]:
         yield from self._nodes()
         yield from self._teams()
         yield from self._runs()
+        if self.twin is not None:
+            yield GaugeMetricFamily(
+                "forgeline_replication_status_readable",
+                "1 when the twin site answered with the replicator's status",
+                value=float(self.twin.status is not None),
+            )
+        if self.twin is not None and self.twin.status is not None:
+            yield from self._replication(self.twin.status)
+
+    def _replication(self, status: ReplicationStatus) -> Iterator[Metric]:
+        """The twin site, from the status the replicator writes there after every pass."""
+        passed = datetime.fromisoformat(status.updated_at)
+        yield GaugeMetricFamily(
+            "forgeline_replication_status_age_seconds",
+            "since the replicator's last pass (it passes every few seconds while it runs)",
+            value=max(0.0, (self.now - passed).total_seconds()),
+        )
+        yield GaugeMetricFamily(
+            "forgeline_replication_pending",
+            "committed checkpoints and snapshots not yet complete on the twin site",
+            value=len(status.pending),
+        )
+        newest = status.recent[0].lag_s if status.recent else 0.0
+        yield GaugeMetricFamily(
+            "forgeline_replication_lag_seconds",
+            "from the newest replicated unit's commit on the primary to its copy on the twin",
+            value=newest,
+        )
+        yield GaugeMetricFamily(
+            "forgeline_replication_primary_reachable",
+            "1 when the replicator's last pass reached the primary site",
+            value=float(status.primary_reachable),
+        )
 
     def _nodes(self) -> Iterator[Metric]:
         state = GaugeMetricFamily(
@@ -164,8 +210,31 @@ class FleetCollector(Collector):
         yield from (restarts, failures, preemptions)
 
 
-def exposition(state: ClusterState, runs: Iterable[RunView], now: datetime) -> bytes:
+def exposition(
+    state: ClusterState,
+    runs: Iterable[RunView],
+    now: datetime,
+    twin: TwinReading | None = None,
+) -> bytes:
     """The Prometheus text format of one scrape."""
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(FleetCollector(state, runs, now))
+    registry.register(FleetCollector(state, runs, now, twin))
     return generate_latest(registry)
+
+
+@dataclass(frozen=True)
+class TwinReading:
+    """The replicator's last status as the twin site held it; None when the twin did not
+    answer or holds none yet (a scrape never fails for it: the metric says so)."""
+
+    status: ReplicationStatus | None
+
+
+def twin_status(settings: Settings) -> TwinReading | None:
+    """None: this stack has no twin site."""
+    if not settings.twin_store_url:
+        return None
+    try:
+        return TwinReading(ReplicationStatus.read(open_store(settings.twin_store_url)))
+    except StoreError:
+        return TwinReading(None)

@@ -115,6 +115,9 @@ def test_a_run_through_the_api_and_who_may_do_what(stack: Stack, tmp_path: Path)
     assert value(final, "forgeline_run_step", run="via-api") == 40
     assert value(final, "forgeline_run_phase", run="via-api", phase="AWAITING_APPROVAL") == 1
     assert 0 < value(final, "forgeline_run_goodput_ratio", run="via-api") <= 1
+    # The stack's twin site: the replicator's status, read from the twin, passes every 2 s.
+    assert value(final, "forgeline_replication_status_readable") == 1
+    assert value(final, "forgeline_replication_status_age_seconds") < 60
     node_states = {dict(labels)["node"] for name, labels in final if name == "forgeline_node_state"}
     nodes = ClusterState.model_validate_json(stack.cli("nodes", "--json").stdout).nodes
     assert node_states == {n.info.node_id for n in nodes}

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
 
+from infra.replication import Replicated, ReplicationStatus
 from tests.prometheus_text import Samples, samples
 from tests.prometheus_text import value as _one
-from worker.fleet_metrics import NODE_STATES, exposition
+from worker.fleet_metrics import NODE_STATES, TwinReading, exposition
 from workflows.api_models import RunView
 from workflows.cluster_models import (
     Allocation,
@@ -113,3 +114,29 @@ def test_no_label_holds_a_step_or_a_generation() -> None:
     bounded = {"node", "pod", "state", "team", "run", "phase", "owner", "cause"}
     for name, labels in _scrape(state, runs):
         assert {key for key, _ in labels} <= bounded, name
+
+
+def a_twin() -> TwinReading:
+    """The replicator's status as it wrote it 30 s ago: two units pending, the newest copied
+    4.5 s after its commit."""
+    copied = Replicated("runs/gpt/checkpoints/step-200/MANIFEST.json", "", "", 4.5, 3, 100)
+    status = ReplicationStatus(
+        primary="s3://a", twin="s3://b", updated_at=(NOW - timedelta(seconds=30)).isoformat(),
+        pending=["x", "y"], recent=[copied],
+    )  # fmt: skip
+    return TwinReading(status)
+
+
+def test_the_twin_site_s_replication_from_the_status_the_replicator_wrote() -> None:
+    state, runs = a_fleet()
+    scraped = samples(exposition(state, runs, NOW, a_twin()).decode())
+    assert _one(scraped, "forgeline_replication_status_readable") == 1
+    assert _one(scraped, "forgeline_replication_status_age_seconds") == 30
+    assert _one(scraped, "forgeline_replication_pending") == 2
+    assert _one(scraped, "forgeline_replication_lag_seconds") == 4.5
+    assert _one(scraped, "forgeline_replication_primary_reachable") == 1
+    unreadable = samples(exposition(state, runs, NOW, TwinReading(None)).decode())
+    assert _one(unreadable, "forgeline_replication_status_readable") == 0
+    assert not [k for k in unreadable if k[0] == "forgeline_replication_pending"]
+    no_twin = samples(exposition(state, runs, NOW).decode())
+    assert not [k for k in no_twin if k[0].startswith("forgeline_replication")]

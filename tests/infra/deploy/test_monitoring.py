@@ -16,7 +16,7 @@ import yaml
 
 from tests.conftest import REPO
 from tests.prometheus_text import samples
-from tests.worker.test_fleet_metrics import NOW, a_fleet
+from tests.worker.test_fleet_metrics import NOW, a_fleet, a_twin
 from worker.fleet_metrics import exposition
 
 RULES = REPO / "infra" / "deploy" / "prometheus" / "forgeline-rules.yml"
@@ -64,7 +64,7 @@ def test_the_dashboard_queries_are_promql(tmp_path: Path) -> None:
 
 
 def test_every_metric_the_alerts_and_the_dashboard_use_is_exported() -> None:
-    exported = {name for name, _ in samples(exposition(*a_fleet(), NOW).decode())}
+    exported = {name for name, _ in samples(exposition(*a_fleet(), NOW, a_twin()).decode())}
     recorded = {rule["record"] for rule in _rules() if "record" in rule}
     used = {m for rule in _rules() for m in METRIC.findall(rule["expr"])}
     used |= {m for query in _dashboard_queries() for m in METRIC.findall(query)}
