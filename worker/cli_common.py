@@ -11,6 +11,7 @@ from typing import TypeVar
 import typer
 from rich.console import Console
 from temporalio.client import Client
+from temporalio.runtime import Runtime
 
 from infra.mlflow_login import use_local_login
 from infra.settings import Settings, load_settings
@@ -69,10 +70,12 @@ def get_settings() -> Settings:
 
 
 async def get_client(
-    settings: Settings, fix: str = "start the local stack with `forgeline up`"
+    settings: Settings,
+    fix: str = "start the local stack with `forgeline up`",
+    runtime: Runtime | None = None,
 ) -> Client:
     try:
-        return await connect(settings)
+        return await connect(settings, runtime)
     except RuntimeError as err:
         reason = "connection refused" if "Connection refused" in str(err) else str(err)[:200]
         raise CliError(

@@ -9,6 +9,7 @@ import urllib.error
 import urllib.request
 
 from temporalio.client import Client
+from temporalio.runtime import Runtime
 
 from infra.errors import InfraError
 from infra.settings import Settings, setting_label, unset_settings
@@ -59,9 +60,9 @@ def check_mlflow(settings: Settings) -> None:
     )
 
 
-async def reach_temporal(settings: Settings) -> Client:
+async def reach_temporal(settings: Settings, runtime: Runtime | None = None) -> Client:
     fix = f"check {setting_label(TEMPORAL)}, the namespace and the TLS settings"
-    return await get_client(settings, fix)
+    return await get_client(settings, fix, runtime)
 
 
 def preflight(process: str, settings: Settings) -> None:

@@ -26,6 +26,8 @@ from registry.metric_stream import seal_abandoned
 from trainer.launch import LOOPBACK, Fabric
 from worker.node_claim import join, previous_incarnation
 from worker.preflight import reach_temporal
+from worker.process_metrics import NodeAgentMetrics, ProcessMetrics
+from worker.process_names import CONTROL
 from worker.temporal_client import ensure_cluster, ensure_search_attributes
 from workflows.cluster import ClusterWorkflow
 from workflows.cluster_models import NodeHealthReport, NodeInfo
@@ -47,7 +49,9 @@ async def _run_until_signalled(worker: Worker) -> None:
 
 
 async def run_control_worker(settings: Settings) -> None:
-    client = await reach_temporal(settings)
+    metrics = ProcessMetrics(settings.home, CONTROL)
+    client = await reach_temporal(settings, metrics.runtime)
+    metrics.serve()
     await ensure_search_attributes(client)
     await ensure_cluster(client)
     activities = ControlActivities(settings)
@@ -64,7 +68,9 @@ async def run_control_worker(settings: Settings) -> None:
 
 
 async def run_data_worker(settings: Settings, name: str) -> None:
-    client = await reach_temporal(settings)
+    metrics = ProcessMetrics(settings.home, name)
+    client = await reach_temporal(settings, metrics.runtime)
+    metrics.serve()
     activities = DataActivities(settings, name)
     # One stage at a time: the work is CPU-bound, so parallelism comes from more data workers
     # (processes), not from threads fighting over one interpreter.
@@ -112,7 +118,8 @@ async def run_node_agent(
 ) -> None:
     node_dir = settings.home / "nodes" / node_id
     previous = previous_incarnation(node_dir, node_id)  # refused here while it still runs
-    client = await reach_temporal(settings)
+    metrics = ProcessMetrics(settings.home, node_id)
+    client = await reach_temporal(settings, metrics.runtime)
     # The list agents kept before the cache had a budget: it only grew, so it is not the truth
     # (the cache's own index is, activities.fetch.NodeCache.held_snapshots).
     (node_dir / "cache" / "snapshots.json").unlink(missing_ok=True)
@@ -146,6 +153,15 @@ async def run_node_agent(
     # No writer of this node's spool is alive yet: what a crashed predecessor left open is
     # sealed, so it is deleted once shipped. The shipper lives as long as the agent.
     seal_abandoned(activities.metrics_dir)
+    launcher = activities.launcher
+    metrics.serve(
+        NodeAgentMetrics(
+            node_id,
+            node_dir,
+            activities.cache.budget,
+            lambda: launcher is not None and launcher.ready,
+        )
+    )
     shipper = activities.shipper.start()
     worker = Worker(
         client,

@@ -46,15 +46,21 @@ from infra.settings import (
 from infra.tokens import LOCAL_TOKEN_FILE, ensure_local_admin
 from worker.cli_common import get_client
 from worker.cluster_actions import apply_config
+from worker.process_metrics import METRICS_ADDRESS_ENV
+from worker.process_names import (
+    API,
+    CONTROL,
+    DATA_PREFIX,
+    MLFLOW,
+    NODE_PREFIX,
+    REPLICATOR,
+    TEMPORAL,
+)
 from worker.temporal_client import ensure_cluster, ensure_search_attributes
 from workflows.cluster_models import ClusterConfig, ClusterState, Health, Node
 from workflows.names import CLUSTER_WORKFLOW_ID
 from workflows.search_attributes import SEARCH_ATTRIBUTE_TYPES
 
-TEMPORAL, MLFLOW, CONTROL, API = "temporal", "mlflow", "control-worker", "api"
-REPLICATOR = "replicator"  # only with a twin site (twin_store_url)
-NODE_PREFIX = "node-"
-DATA_PREFIX = "data-"
 DEFAULT_PORTS = {"temporal": 7233, "ui": 8233, "mlflow": 5000, "api": 8700}
 
 
@@ -230,11 +236,14 @@ async def _up(
     await ensure_search_attributes(client)
     await ensure_cluster(client)
 
+    # The workers and agents serve their own /metrics, each on a free port it writes to
+    # run/NAME.metrics (worker.process_metrics.endpoints lists them).
+    measured = {**env, METRICS_ADDRESS_ENV: "127.0.0.1:0"}
     control = ManagedProcess(home, CONTROL)
     if control.running():
         say(f"control       running (pid {control.pid()})")
     else:
-        control.start(_worker_argv("control"), env)
+        control.start(_worker_argv("control"), measured)
         say(f"control       started (pid {control.pid()})")
 
     if settings.twin_store_url:
@@ -251,7 +260,7 @@ async def _up(
         if worker.running():
             say(f"{name:<13} running (pid {worker.pid()})")
         else:
-            worker.start(_worker_argv("data", "--name", name), env)
+            worker.start(_worker_argv("data", "--name", name), measured)
             say(f"{name:<13} started (pid {worker.pid()})")
 
     expected: dict[str, str | None] = {}
@@ -267,7 +276,7 @@ async def _up(
                 "node", "--node-id", name, "--gpus", str(gpus_per_node),
                 "--incarnation", incarnation, "--peak-flops", repr(peak),
             ),
-            env,
+            measured,
         )  # fmt: skip
         expected[name] = incarnation
         say(f"{name:<13} started (pid {agent.pid()}, {gpus_per_node} GPU slots)")

@@ -23,6 +23,7 @@ from temporalio.client import Client, WorkflowHandle
 from temporalio.common import WorkflowIDConflictPolicy
 from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.converter import DataConverter, DefaultFailureConverter, PayloadConverter
+from temporalio.runtime import Runtime
 from temporalio.service import TLSConfig
 
 from infra.redact import redact_text
@@ -139,9 +140,13 @@ def _diagnosis(settings: Settings, raw: str) -> str | None:
     return None
 
 
-async def connect(settings: Settings) -> Client:
+async def connect(settings: Settings, runtime: Runtime | None = None) -> Client:
+    """`runtime`: the process's Temporal runtime when it exports the SDK's metrics
+    (worker.process_metrics); the default one otherwise."""
     try:
-        return await Client.connect(settings.temporal_address, **connect_options(settings))
+        return await Client.connect(
+            settings.temporal_address, **connect_options(settings), runtime=runtime
+        )
     except RuntimeError as err:
         raw = redact_text(str(err))  # the transport's words; the API key is never in them
         mode = "TLS" if settings.temporal_tls_enabled else "plaintext"

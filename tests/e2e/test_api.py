@@ -19,6 +19,7 @@ from tests.conftest import REPO
 from tests.e2e.conftest import FORGELINE, Stack, variant, wait_for
 from tests.prometheus_text import Samples, samples, value
 from worker.cli_common import ExitCode
+from worker.process_metrics import endpoints
 from worker.temporal_client import connect
 from workflows.api_models import RunList, RunView
 from workflows.cluster_models import Allocation, ClusterState, NodeInfo
@@ -41,6 +42,11 @@ def scrape(url: str, token: str) -> Samples:
     request = urllib.request.Request(f"{url}/metrics", headers={"Authorization": f"Bearer {token}"})
     with urllib.request.urlopen(request, timeout=30) as answer:
         assert answer.headers["Content-Type"].startswith("text/plain; version=")
+        return samples(answer.read().decode())
+
+
+def scrape_process(url: str) -> Samples:
+    with urllib.request.urlopen(url, timeout=30) as answer:
         return samples(answer.read().decode())
 
 
@@ -118,6 +124,20 @@ def test_a_run_through_the_api_and_who_may_do_what(stack: Stack, tmp_path: Path)
     # The stack's twin site: the replicator's status, read from the twin, passes every 2 s.
     assert value(final, "forgeline_replication_status_readable") == 1
     assert value(final, "forgeline_replication_status_age_seconds") < 60
+    # Each worker and agent serves its own metrics and the Temporal SDK's (run/NAME.metrics).
+    served = endpoints(stack.home)
+    assert {"control-worker", "data-0"} <= set(served), served
+    control = scrape_process(served["control-worker"])
+    assert any(n == "temporal_activity_execution_latency_count" and ("activity_type", "evaluate")
+               in labels for n, labels in control), sorted({n for n, _ in control})  # fmt: skip
+    for node in run.status.nodes:
+        agent = scrape_process(served[node])
+        assert value(agent, "forgeline_agent_cache_bytes", node=node) > 0  # the dataset
+        assert value(agent, "forgeline_agent_health_check_failing", node=node) == 0
+        trained = [v for (n, labels), v in agent.items()
+                   if n == "temporal_activity_execution_latency_count"
+                   and ("activity_type", "train_on_node") in labels]  # fmt: skip
+        assert trained and trained[0] >= 1, node
     node_states = {dict(labels)["node"] for name, labels in final if name == "forgeline_node_state"}
     nodes = ClusterState.model_validate_json(stack.cli("nodes", "--json").stdout).nodes
     assert node_states == {n.info.node_id for n in nodes}

@@ -62,7 +62,7 @@ def test_the_page_shows_the_nodes_the_gang_and_the_queue(stack: Stack, tmp_path:
     try:
         stack.cli("run", str(variant(tmp_path, training, steps=100000)), "--detach")
         # Two nodes of three train; a second two-node run waits, with its reason.
-        wait_for(lambda: _state(stack).allocations, 120, "the first gang")
+        wait_for(lambda: _gang(_state(stack), training), 120, "the first gang")
         stack.cli("run", str(variant(tmp_path, waiting, steps=40)), "--detach")
         wait_for(lambda: [w for w in _state(stack).waiting if w.run_id == waiting], 120,
                  "the second run to wait")  # fmt: skip
@@ -76,8 +76,10 @@ def test_the_page_shows_the_nodes_the_gang_and_the_queue(stack: Stack, tmp_path:
         for node in state.nodes:
             assert ("data-node", node.info.node_id) in rows, (node.info.node_id, sorted(rows))
             assert node.state in rows[("data-node", node.info.node_id)]
+        assert ("data-gang", training) in rows, dom[-3000:]
         gang = rows[("data-gang", training)]
-        assert "TRAINING" in gang and all(n.node_id in gang for n in state.allocations[0].nodes)
+        assert "TRAINING" in gang, gang
+        assert all(n.node_id in gang for n in _gang(state, training)), gang
         reason = next(w.reason for w in state.waiting if w.run_id == waiting)
         assert reason.split(":")[0] in rows[("data-waiting", waiting)], rows
         assert ("data-run", training) in rows and ("data-run", waiting) in rows
@@ -109,3 +111,7 @@ def test_the_page_holds_no_data_and_asks_for_a_token(stack: Stack, tmp_path: Pat
 
 def _state(stack: Stack) -> ClusterState:
     return ClusterState.model_validate_json(stack.cli("nodes", "--json").stdout)
+
+
+def _gang(state: ClusterState, run: str) -> list:
+    return [n for a in state.allocations if a.run_id == run for n in a.nodes]
