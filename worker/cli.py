@@ -118,6 +118,11 @@ def _print_links(settings: Settings) -> None:
         f"Cluster page {settings.api_url}/  (paste your token: {settings.home / LOCAL_TOKEN_FILE})",
         soft_wrap=True,
     )
+    console.print(
+        f"Metrics      {settings.api_url}/metrics (the fleet, with a token); each worker's and "
+        f"agent's address in {settings.home / 'run'}/*.metrics",
+        soft_wrap=True,
+    )
 
 
 # --- the local stack ----------------------------------------------------------------------------

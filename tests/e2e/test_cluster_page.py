@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from forgeline import Client
 from tests.conftest import REPO
 from tests.e2e.conftest import Stack, variant, wait_for
 from workflows.cluster_models import ClusterState
@@ -84,9 +85,14 @@ def test_the_page_shows_the_nodes_the_gang_and_the_queue(stack: Stack, tmp_path:
         assert reason.split(":")[0] in rows[("data-waiting", waiting)], rows
         assert ("data-run", training) in rows and ("data-run", waiting) in rows
 
-        # A run's detail: its gang attempts and its loss curve, drawn from the API's answers.
+        # A run's detail: its gang attempts and its loss curve, drawn from the API's answers,
+        # once the ranks' loss has reached MLflow at two steps at least (shipped within seconds).
+        reader = Client(stack.settings.api_url, stack.token("on-call", "read"))
+        wait_for(lambda: len(reader.metrics(training, "train/loss").series.get("train/loss", []))
+                 >= 2, 120, "two loss points in MLflow")  # fmt: skip
         detail = chromium(tmp_path / "detail", "--dump-dom", f"{url}&run={training}").stdout
-        assert f"{training}: TRAINING" in detail and "<polyline" in detail
+        assert f"{training}: TRAINING" in detail, detail[-3000:]
+        assert "<polyline" in detail, detail[-3000:]
         assert ": running (after the last)" in detail  # the gang now training, on the timeline
         assert 'id="detail" hidden' not in detail
 
