@@ -56,9 +56,11 @@ async def prepare(client: Client, data: DataSpec, console: Console) -> DatasetRe
     console.print(f"dataset workflow {workflow_id}")
     if console.is_terminal:  # bars with rates and ETAs; a line per change in a log
         with LiveProgress(console) as live:
-            await _watch(client, handle, workflow_id, live.stages)
+            await _watch(
+                client, handle, workflow_id, lambda p: live.stages(p) if p is not None else None
+            )
     else:
-        await _watch(client, handle, workflow_id, None, console)
+        await _watch(client, handle, workflow_id, _line_per_change(console))
     try:
         return await handle.result()
     except WorkflowFailureError as err:
@@ -72,19 +74,24 @@ async def _watch(
     client: Client,
     handle: WorkflowHandle,
     workflow_id: str,
-    draw: Callable[[DatasetProgress], None] | None,
-    console: Console | None = None,
+    show: Callable[[DatasetProgress | None], object],
 ) -> None:
-    last = ""
     while (await handle.describe()).status == WorkflowExecutionStatus.RUNNING:
-        progress = await dataset_progress(client, workflow_id)
-        if draw is not None and progress is not None:
-            draw(progress)
+        show(await dataset_progress(client, workflow_id))
+        await asyncio.sleep(1.0)
+
+
+def _line_per_change(console: Console) -> Callable[[DatasetProgress | None], None]:
+    last = ""
+
+    def show(progress: DatasetProgress | None) -> None:
+        nonlocal last
         line = stage_bars(progress) if progress else "starting"
-        if console is not None and line != last:
+        if line != last:
             console.print(f"{time.strftime('%H:%M:%S')}  {line}")
             last = line
-        await asyncio.sleep(1.0)
+
+    return show
 
 
 def load_report(settings: Settings, snapshot_id: str) -> dict:

@@ -188,17 +188,15 @@ class FleetCollector(Collector):
             restarts.add_metric(run, max(0, status.attempts - 1))
             failures.add_metric(run, status.failures_total)
             preemptions.add_metric(run, status.preemptions_total)
+            if view.newest_step is not None:
+                step.add_metric(run, view.newest_step)
             beat = view.progress
-            if beat is not None:
-                step.add_metric(run, beat.step)
             if beat is not None and beat.tokens_per_s is not None:
                 rate.add_metric(run, beat.tokens_per_s)
             if beat is not None and beat.mfu is not None:
                 mfu.add_metric(run, beat.mfu)
             if status.last_checkpoint is not None:
                 checkpoint.add_metric(run, status.last_checkpoint.step)
-                if beat is None:  # between gangs, or done: the newest step is the checkpoint's
-                    step.add_metric(run, status.last_checkpoint.step)
             if status.name in committed_at:
                 since = self.now - committed_at[status.name]
                 age.add_metric(run, max(0.0, since.total_seconds()))

@@ -48,20 +48,20 @@ def _node(node: Node) -> NodeRow:
 
 def _queue(state: ClusterState, now: datetime) -> list[QueueRow]:
     why = {w.run_id: w for w in state.waiting}
-    rows = []
-    for request in state.queue:
-        waiting = why.get(request.run_id)
-        rows.append(
-            QueueRow(
-                run=request.run_id,
-                team=request.team,
-                nodes=request.nodes,
-                gpus=request.gpus,
-                position=waiting.position if waiting else None,
-                waited_s=waited_s(request, now),
-                reason=waiting.reason if waiting else "not yet looked at by a scheduling pass",
-            )
+    rows = [
+        QueueRow(
+            run=request.run_id,
+            team=request.team,
+            nodes=request.nodes,
+            gpus=request.gpus,
+            position=why[request.run_id].position if request.run_id in why else None,
+            waited_s=waited_s(request, now),
+            reason=why[request.run_id].reason
+            if request.run_id in why
+            else "not yet looked at by a scheduling pass",
         )
+        for request in state.queue
+    ]
     return sorted(rows, key=lambda r: (r.position is None, r.position or 0, r.run))
 
 
@@ -94,7 +94,7 @@ def _run(view: RunView, settings: Settings) -> RunRow:
         phase=status.phase.value,
         owner=status.owner,
         team=status.team,
-        step=beat.step if beat is not None else _checkpoint_step(view),
+        step=view.newest_step,
         total_steps=status.total_steps,
         tokens_per_s=beat.tokens_per_s if beat is not None else None,
         goodput=status.goodput.goodput if status.goodput is not None else None,
@@ -105,8 +105,3 @@ def _run(view: RunView, settings: Settings) -> RunRow:
             else None
         ),
     )
-
-
-def _checkpoint_step(view: RunView) -> int | None:
-    checkpoint = view.status.last_checkpoint
-    return checkpoint.step if checkpoint is not None else None

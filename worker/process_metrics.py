@@ -14,6 +14,7 @@ import logging
 import os
 import re
 import threading
+import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -76,7 +77,7 @@ class TemporalMetrics(Collector):
                 self.drain()
             except Exception:  # metrics must never take a worker down
                 log.warning("could not read the Temporal SDK's metrics", exc_info=True)
-            threading.Event().wait(self._every_s)
+            time.sleep(self._every_s)
 
     def drain(self) -> None:
         updates = self.buffer.retrieve_updates()

@@ -33,10 +33,7 @@ def eta_of(view: RunView) -> float | None:
 
 
 def step_of(view: RunView) -> int:
-    if view.progress is not None:
-        return view.progress.step
-    checkpoint = view.status.last_checkpoint
-    return checkpoint.step if checkpoint else 0
+    return view.newest_step or 0
 
 
 def loss_of(view: RunView) -> float | None:

@@ -58,6 +58,15 @@ class RunView(BaseModel):
         None, description="the data stages' progress, while the run prepares its dataset"
     )
 
+    @property
+    def newest_step(self) -> int | None:
+        """The gang's newest heartbeat's step; between gangs or once done, the last committed
+        checkpoint's; None before either."""
+        if self.progress is not None:
+            return self.progress.step
+        checkpoint = self.status.last_checkpoint
+        return checkpoint.step if checkpoint is not None else None
+
 
 class SubmitAnswer(BaseModel):
     created: bool = Field(description="true when this request started the run")
