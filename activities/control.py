@@ -45,7 +45,7 @@ from trainer.manifest import (
 from trainer.peer_tier import find_peer, peer_steps_of
 from trainer.reported_eval import reported_evaluation
 from trainer.run_identity import claim, pin
-from workflows.models import (
+from workflows.contracts.models import (
     ApprovalPolicy,
     ApprovalPolicyInput,
     AttemptLedger,

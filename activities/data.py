@@ -18,7 +18,7 @@ from activities.errors import domain_errors
 from activities.heartbeat import keep_alive
 from infra.extras import require_extra
 from infra.settings import Settings
-from workflows.models import DatasetInput, DatasetPlanRef, DatasetRef, DataStageInput
+from workflows.contracts.models import DatasetInput, DatasetPlanRef, DatasetRef, DataStageInput
 
 
 def load_stages() -> ModuleType:

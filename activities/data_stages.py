@@ -28,9 +28,9 @@ from dataprep.snapshot import (
 )
 from dataprep.source_roots import DataRoots
 from dataprep.tokenize_stage import tokenize_chunk, train_tokenizer
-from infra.store import ObjectStore
-from workflows.models import DatasetInput, DatasetPlanRef, DatasetRef, DataStageInput
-from workflows.spec import DataSpec
+from infra.store.protocol import ObjectStore
+from workflows.contracts.models import DatasetInput, DatasetPlanRef, DatasetRef, DataStageInput
+from workflows.contracts.spec import DataSpec
 
 _MB = 1 << 20
 

@@ -10,12 +10,12 @@ from infra import code_snapshot
 from infra.cache_budget import CacheBudget, CacheLease, default_budget
 from infra.digest import is_sha256_hex
 from infra.errors import IntegrityError
-from infra.store import ObjectStore, fetch_verified
+from infra.store.protocol import ObjectStore, fetch_verified
 from trainer.checkpoint import fetch_checkpoint
 from trainer.local_copies import LocalCopies
 from trainer.manifest import read_manifest
-from workflows.cluster_models import MAX_ADVERTISED_CACHED
-from workflows.models import CheckpointRef, CodeRef, DatasetRef
+from workflows.contracts.cluster_models import MAX_ADVERTISED_CACHED
+from workflows.contracts.models import CheckpointRef, CodeRef, DatasetRef
 
 log = logging.getLogger(__name__)
 

@@ -9,8 +9,8 @@ from datetime import timedelta
 from temporalio import activity
 from temporalio.client import Client
 
-from workflows.cluster_models import ClusterState, GrantCheck
-from workflows.names import CLUSTER_WORKFLOW_ID
+from workflows.contracts.cluster_models import ClusterState, GrantCheck
+from workflows.contracts.names import CLUSTER_WORKFLOW_ID
 
 
 class GrantActivities:

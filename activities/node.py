@@ -35,9 +35,8 @@ from trainer.manifest import read_manifest
 from trainer.model import laid_out_as
 from trainer.rank_logs import LogShipper, shipped_while_running
 from trainer.warm_launch import WarmLauncher
-from workflows.cluster_models import CheckpointCommitted
-from workflows.gang_outcome import USER_CODE_ERROR
-from workflows.models import (
+from workflows.contracts.cluster_models import CheckpointCommitted
+from workflows.contracts.models import (
     CheckpointRef,
     HealthEvent,
     NodeStopInput,
@@ -45,7 +44,8 @@ from workflows.models import (
     NodeTrainResult,
     TrainProgress,
 )
-from workflows.names import CLUSTER_WORKFLOW_ID, HEALTH_SIGNAL
+from workflows.contracts.names import CLUSTER_WORKFLOW_ID, HEALTH_SIGNAL
+from workflows.gang_outcome import USER_CODE_ERROR
 
 # Health signals of each kind a node sends a run per attempt (_Reporter.new_health).
 HEALTH_SIGNALS = 10

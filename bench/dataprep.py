@@ -41,7 +41,7 @@ from dataprep.scan import scan_chunk
 from dataprep.settings import DedupSettings, SnapshotSettings, TokenizerSettings
 from dataprep.snapshot import commit_snapshot, save_plan
 from dataprep.tokenize_stage import tokenize_chunk, train_tokenizer
-from infra.store import LocalStore
+from infra.store.local import LocalStore
 
 REPO = Path(__file__).resolve().parent.parent
 CORPUS_FILES = 8  # JSONL shards: the unit our chunks and datatrove's tasks split on

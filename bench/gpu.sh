@@ -22,7 +22,7 @@ import json, sys
 from pathlib import Path
 import numpy as np
 from trainer.job import TrainJob
-from workflows.spec import ModelSpec, TrainSpec
+from workflows.contracts.spec import ModelSpec, TrainSpec
 
 out, gpus, peak, steps = Path(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3]), int(sys.argv[4])
 vocab = 50304

@@ -28,8 +28,14 @@ from infra.processes import ManagedProcess, free_port, port_is_open, wait_until
 
 with workflow.unsafe.imports_passed_through():
     from workflows.cluster import ClusterWorkflow
-    from workflows.cluster_models import Allocation, ClusterState, GangRequest, NodeInfo, Release
-    from workflows.names import CLUSTER_WORKFLOW_ID, GANG_GRANTED_SIGNAL
+    from workflows.contracts.cluster_models import (
+        Allocation,
+        ClusterState,
+        GangRequest,
+        NodeInfo,
+        Release,
+    )
+    from workflows.contracts.names import CLUSTER_WORKFLOW_ID, GANG_GRANTED_SIGNAL
 
 
 @workflow.defn(name="BenchRun")

@@ -12,7 +12,8 @@ window (3.6 s) closes and it ends EXPIRED, a final phase like any other.
 While they run, the cluster's state (GET /v1/cluster) is read every 0.25 s and checked: no node
 holds more GPUs than it has, no node is held by a gang it does not list, no run holds two gangs.
 Each state read is also scheduled again by the same policy function
-(`workflows.scheduler.schedule`) to time one decision at the queue depth the stack really had,
+(`workflows.scheduling.scheduler.schedule`) to time one
+decision at the queue depth the stack really had,
 beside the trivial pass of an empty queue on the same nodes (the baseline). From the runs' own
 records: request-to-grant waits, and the wall time from the first submission to the last final
 phase. Every API request is timed:
@@ -45,10 +46,10 @@ from forgeline.client import Client
 from infra.settings import load_settings
 from infra.tokens import caller_token
 from worker.stack import free_port_flags
-from workflows.cluster_models import ClusterState
-from workflows.fleet.report import percentile
-from workflows.models import Phase, RunStatus
-from workflows.scheduler import schedule
+from workflows.contracts.cluster_models import ClusterState
+from workflows.contracts.models import Phase, RunStatus
+from workflows.scheduling.fleet.report import percentile
+from workflows.scheduling.scheduler import schedule
 
 REPO = Path(__file__).resolve().parent.parent
 FORGELINE = str(Path(sys.executable).parent / "forgeline")

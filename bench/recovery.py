@@ -50,7 +50,7 @@ from infra.settings import load_settings
 from worker.chaos import trainer_processes
 from worker.render import goodput_lines
 from worker.stack import free_port_flags
-from workflows.models import AttemptRecord, RunStatus
+from workflows.contracts.models import AttemptRecord, RunStatus
 
 REPO = Path(__file__).resolve().parent.parent
 FORGELINE = str(Path(sys.executable).parent / "forgeline")

@@ -32,8 +32,7 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import TypeVar
 
-from workflows import cluster_ops as ops
-from workflows.cluster_models import (
+from workflows.contracts.cluster_models import (
     ClusterConfig,
     ClusterState,
     GangRequest,
@@ -41,8 +40,9 @@ from workflows.cluster_models import (
     NodeInfo,
     QueueConfig,
 )
-from workflows.placement import Capacity, place
-from workflows.scheduler import Decisions, schedule
+from workflows.scheduling import cluster_ops as ops
+from workflows.scheduling.placement import Capacity, place
+from workflows.scheduling.scheduler import Decisions, schedule
 
 NODES, GPUS_PER_NODE, POD_SIZE = 2_500, 8, 32
 A100_PODS = 9  # the last pods: ~11 % of the nodes, so a few requests ask for a type

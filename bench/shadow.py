@@ -31,10 +31,10 @@ from bench.trainer import SIZES, Measured, Size, _row, table, trainer_tokens_per
 from dataprep.filters import FilterSettings
 from dataprep.settings import SnapshotSettings
 from dataprep.snapshot import prepare_snapshot
-from infra.store import LocalStore
+from infra.store.local import LocalStore
 from trainer.attempt_clock import ledger_key
 from trainer.errors import RanksFailed
-from workflows.spec import RecoverySpec
+from workflows.contracts.spec import RecoverySpec
 
 CORPUS = Path(__file__).resolve().parents[1] / "examples" / "data" / "tinyshakespeare.txt"
 EVERY = (50, 200, 1000)

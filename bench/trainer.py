@@ -52,13 +52,13 @@ from dataprep.filters import FilterSettings
 from dataprep.settings import SnapshotSettings
 from dataprep.snapshot import prepare_snapshot
 from infra.processes import free_port
-from infra.store import LocalStore
+from infra.store.local import LocalStore
 from trainer.checkpoint import Checkpointer, fetch_checkpoint, load_training_state
 from trainer.job import TrainJob
 from trainer.launch import Rendezvous, run_ranks
 from trainer.manifest import find_latest
 from trainer.model import GPT, GPTConfig
-from workflows.spec import ModelSpec, RecoverySpec, TrainSpec
+from workflows.contracts.spec import ModelSpec, RecoverySpec, TrainSpec
 
 REPO = Path(__file__).resolve().parents[1]
 CORPUS = REPO / "examples" / "data" / "tinyshakespeare.txt"

@@ -10,7 +10,7 @@ import json
 
 from infra.digest import sha256_bytes
 from infra.errors import IntegrityError
-from infra.store import ObjectStore
+from infra.store.protocol import ObjectStore
 
 
 def load_manifest(store: ObjectStore, key: str, sha256: str) -> dict:

@@ -27,7 +27,7 @@ from dataprep.stage_store import (
     local_copy,
     required_record,
 )
-from infra.store import ObjectStore
+from infra.store.protocol import ObjectStore
 
 Progress = Callable[[str], None]
 REMOVED_SCHEMA = pa.schema([("doc_id", pa.int64()), ("kept", pa.int64())])

@@ -92,7 +92,7 @@ class SourceReader:
 
     def local_copy(self, planned: PlannedFile) -> Path:
         """The cached copy of the planned version of an object, fetched if not there yet."""
-        from infra.s3_objects import ObjectInfo
+        from infra.store.s3_objects import ObjectInfo
 
         bucket, _, key = planned.path.removeprefix(S3_SCHEME).partition("/")
         dest = self.cache / "s3" / bucket / _hashed(key) / _etag_dir(planned.etag) / _name(key)

@@ -30,7 +30,7 @@ from dataprep.sources import Matches, SourceFile, classify, unknown_extension
 from infra.errors import StoreError, StoreUnavailable
 
 if TYPE_CHECKING:  # boto3 is imported only where an s3:// source is read
-    from infra.s3_objects import ObjectInfo, S3Objects
+    from infra.store.s3_objects import ObjectInfo, S3Objects
 
 
 @dataclass(frozen=True)
@@ -48,8 +48,8 @@ class Sites:
         self._clients: dict[str, object] = {}
 
     def bucket(self, bucket: str, options: str) -> S3Objects:
-        from infra.s3_objects import S3Objects
-        from infra.s3_store import client_for, url_options
+        from infra.store.s3 import client_for, url_options
+        from infra.store.s3_objects import S3Objects
 
         if options not in self._clients:
             where = f"{S3_SCHEME}{bucket}"

@@ -24,7 +24,7 @@ from dataprep.object_cache import SourceReader
 from dataprep.plan import SnapshotPlan
 from dataprep.settings import SnapshotSettings
 from dataprep.stage_store import SnapshotKeys, chunk_name, commit_record, done_record, file_entry
-from infra.store import ObjectStore
+from infra.store.protocol import ObjectStore
 
 Progress = Callable[[str], None]
 

@@ -34,7 +34,7 @@ from dataprep.stage_store import (
 from dataprep.tokenize_stage import SPLITS, merge_tails, tokenize_chunk, train_tokenizer
 from infra.digest import sha256_bytes, sha256_file
 from infra.errors import IntegrityError, ObjectNotFound
-from infra.store import ObjectStore
+from infra.store.protocol import ObjectStore
 
 MANIFEST_FORMAT = "forgeline.dataset/2"
 

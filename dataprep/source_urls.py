@@ -35,7 +35,7 @@ STORE_SCHEME = "store:"
 # As S3 names buckets (and the loose rule of legacy ones): no URL syntax, and never "." or "..".
 _BUCKET = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 # Options start at a '?' followed by a name and '=' (a glob's '?' never is); which names are
-# allowed is infra.s3_store's check, so a misspelt one is refused, not matched as a key.
+# allowed is infra.store.s3's check, so a misspelt one is refused, not matched as a key.
 _OPTIONS = re.compile(r"\?([A-Za-z_]+=.*)\Z", re.DOTALL)
 CREDENTIALS_GO_TO = (
     "AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY in the data workers' environment, or an AWS "
@@ -96,7 +96,7 @@ def _refuse_credentials(location: str, endpoint: str = "") -> None:
 def _checked_options(location: str, query: str) -> dict[str, str]:
     # The store's own check, so a source URL takes exactly what a store URL takes.
     from infra.errors import StoreError
-    from infra.s3_store import url_options
+    from infra.store.s3 import url_options
 
     try:
         return url_options(query, f"source {location}")

@@ -12,7 +12,8 @@ from pathlib import Path
 
 from infra.digest import sha256_file
 from infra.errors import ObjectNotFound
-from infra.store import LocalStore, ObjectStore, fetch_verified
+from infra.store.local import LocalStore
+from infra.store.protocol import ObjectStore, fetch_verified
 
 
 class SnapshotKeys:

@@ -27,7 +27,7 @@ from dataprep.stage_store import (
     required_record,
 )
 from dataprep.tokenizer import build_tokenizer, end_of_document_id
-from infra.store import ObjectStore
+from infra.store.protocol import ObjectStore
 
 Progress = Callable[[str], None]
 SPLITS = ("train", "val")

@@ -7,7 +7,7 @@
     run = client.wait(run.status.name, progress=lambda r: print(r.status.phase))
     client.approve(run.status.name, note="looks right")   # as the token's person
 
-Answers are the API's own models (workflows.api_models): a run is a `RunView` with the
+Answers are the API's own models (workflows.contracts.api_models): a run is a `RunView` with the
 workflow's `RunStatus`. A refusal raises `ApiError` with the API's code, field and fix.
 """
 
@@ -29,9 +29,9 @@ from infra import code_snapshot
 from infra.settings import load_settings
 from infra.tokens import caller_token
 from registry.approvals import ApprovalsFile
-from workflows import api_models as wire
-from workflows.cluster_models import ClusterConfig, ClusterState, Node
-from workflows.models import CodeRef, Phase
+from workflows.contracts import api_models as wire
+from workflows.contracts.cluster_models import ClusterConfig, ClusterState, Node
+from workflows.contracts.models import CodeRef, Phase
 
 M = TypeVar("M", bound=BaseModel)
 # Phases a run waits in for a person or ends in: `wait` returns at the first of them.

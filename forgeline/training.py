@@ -39,7 +39,7 @@ from forgeline.saves import Saves
 from forgeline.shadow import ShadowChecks, shadow_checks
 from forgeline.step import Step
 from forgeline.stops import StopRules
-from infra.store import open_store
+from infra.store.factory import open_store
 from trainer import runtime
 from trainer.attempt_clock import AttemptClock
 from trainer.checkpoint import load_training_state
@@ -66,7 +66,7 @@ from trainer.step_share import (
     StepShare,
     share_step,
 )
-from workflows.spec import TrainSpec
+from workflows.contracts.spec import TrainSpec
 
 SERVING_MODULE = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*")
 

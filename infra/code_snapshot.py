@@ -29,7 +29,7 @@ import pathspec
 
 from infra.digest import sha256_file
 from infra.errors import IntegrityError
-from infra.store import ObjectStore, fetch_verified
+from infra.store.protocol import ObjectStore, fetch_verified
 
 MANIFEST_FORMAT = 1
 MAX_FILE_BYTES = 10 * 2**20

@@ -20,7 +20,7 @@ import re
 import unicodedata
 from dataclasses import dataclass
 
-# The rule for the names people choose (workflows.names.NAME_PATTERN, which infra may not
+# The rule for the names people choose (workflows.contracts.names.NAME_PATTERN, which infra may not
 # import): a person is an owner and an approver there. tests/infra/test_identity.py checks that
 # the two agree.
 PERSON_PATTERN = r"^[a-z0-9][a-z0-9._-]{0,62}$"

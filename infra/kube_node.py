@@ -52,8 +52,8 @@ def node_label(node: str, label: str, api: str, token: str, ca_file: Path | None
             f"node {node} has no label {label}: label it (kubectl label node {node} "
             f"{label}=ISLAND) or set FORGELINE_POD_LABEL to a label its nodes carry"
         )
-    # Forgeline's names are lowercase (workflows.names); a label value has the same alphabet in
-    # either case, so the lowercased value is always a valid --pod.
+    # Forgeline's names are lowercase (workflows.contracts.names); a label value has the same
+    # alphabet in either case, so the lowercased value is always a valid --pod.
     return value.lower()
 
 

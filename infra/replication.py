@@ -37,7 +37,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from infra.errors import ObjectNotFound, StoreError, StoreUnavailable
-from infra.store import ObjectStore
+from infra.store.protocol import ObjectStore
 
 MANIFEST = "MANIFEST.json"
 STATUS_KEY = "replication/status.json"

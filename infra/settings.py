@@ -24,7 +24,8 @@ from pydantic import SecretStr
 
 from infra.errors import InfraError
 from infra.redact import API_KEY_ENV, API_KEY_FILE_ENV, has_credentials, redact_url
-from infra.store import ObjectStore, open_store
+from infra.store.factory import open_store
+from infra.store.protocol import ObjectStore
 
 STACK_FILE = "stack.json"
 

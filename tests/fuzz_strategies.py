@@ -20,7 +20,7 @@ from pydantic import BaseModel
 
 from dataprep.readers import UNICODE_SPACES
 from tests.conftest import REPO
-from workflows.spec import RunSpec
+from workflows.contracts.spec import RunSpec
 
 EXAMPLES = REPO / "examples"
 SPEC_EXAMPLES = ("shakespeare-char.toml", "tiny.toml", "tiny-fsdp.toml")

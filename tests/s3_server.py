@@ -15,7 +15,7 @@ import boto3
 import pytest
 from moto.server import ThreadedMotoServer
 
-from infra.s3_store import client_config
+from infra.store.s3 import client_config
 
 # Removed so that nothing from the machine's own AWS setup leaks into the tests.
 _AWS_ENV_UNSET = (

@@ -71,7 +71,7 @@ def test_the_wheel_holds_every_module_of_the_design_s_folders(wheel: Path) -> No
         for path in (REPO / package).rglob("*.py")
         if "__pycache__" not in path.parts
     }
-    assert "workflows/fleet/engine.py" in tree
+    assert "workflows/scheduling/fleet/engine.py" in tree
     assert sorted(tree - shipped) == []
     assert "worker/cluster_page.html" in shipped  # data the API serves
     assert not [name for name in shipped if name.startswith("tests/")]

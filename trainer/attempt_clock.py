@@ -21,7 +21,7 @@ import time
 from dataclasses import asdict, dataclass, field
 
 from infra.processes import started_at
-from infra.store import ObjectStore
+from infra.store.protocol import ObjectStore
 
 FLUSH_EVERY_S = 1.0
 

@@ -40,7 +40,7 @@ from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from infra.digest import sha256_file
-from infra.store import ObjectStore, fetch_verified
+from infra.store.protocol import ObjectStore, fetch_verified
 from trainer import safe_load
 from trainer.local_copies import LocalCopies
 from trainer.manifest import (

@@ -6,7 +6,7 @@ import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from infra.store import ObjectStore
+from infra.store.protocol import ObjectStore
 from trainer.manifest import read_manifest
 
 # In a job's folder: `forgeline chaos corrupt-grad` writes it, the ranks poison gradients once.

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from infra.store import ObjectStore
+from infra.store.protocol import ObjectStore
 from trainer.checkpoint import Checkpointer, fetch_checkpoint
 from trainer.job import ResumePoint, TrainJob
 from trainer.local_copies import LocalCopies

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from enum import Enum
 
 from infra.errors import IntegrityError, NotOnTwin, ObjectNotFound
-from infra.store import ObjectStore
+from infra.store.protocol import ObjectStore
 from trainer.errors import CheckpointError
 from trainer.run_identity import belongs, pinned
 

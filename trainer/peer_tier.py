@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from infra.digest import sha256_bytes
 from infra.errors import IntegrityError, ObjectNotFound
-from infra.store import ObjectStore
+from infra.store.protocol import ObjectStore
 from trainer.local_copies import LocalCopies
 from trainer.manifest import CommitOutcome, CommittedCheckpoint, Fences, commit_fenced
 from trainer.run_identity import belongs

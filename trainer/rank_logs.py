@@ -23,7 +23,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from infra.store import ObjectStore
+from infra.store.protocol import ObjectStore
 
 TORCHRUN_LOG = "torchrun.log"
 _RANK_LOG = re.compile(r"^rank-(\d+)\.log$")

@@ -12,7 +12,7 @@ The store is only listed, not read: a suspect costs one LIST and a small PUT per
 
 from __future__ import annotations
 
-from infra.store import ObjectStore
+from infra.store.protocol import ObjectStore
 from trainer.manifest import commits
 from trainer.run_identity import pin
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 from datetime import UTC, datetime
 
-from infra.store import ObjectStore
+from infra.store.protocol import ObjectStore
 from trainer.errors import CheckpointError
 
 

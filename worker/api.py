@@ -65,7 +65,7 @@ from worker.runs import (
     view,
 )
 from worker.specfile import spec_differences, spec_sha256
-from workflows.api_models import (
+from workflows.contracts.api_models import (
     ApproveRequest,
     ErrorBody,
     ErrorDetail,
@@ -83,9 +83,9 @@ from workflows.api_models import (
     SubmitRequest,
     WhoAmI,
 )
-from workflows.cluster_models import Admin, ClusterConfig, ClusterState, Node, NodeAdmin
-from workflows.models import CodeRef, Decision
-from workflows.names import InvalidName, check_name
+from workflows.contracts.cluster_models import Admin, ClusterConfig, ClusterState, Node, NodeAdmin
+from workflows.contracts.models import CodeRef, Decision
+from workflows.contracts.names import InvalidName, check_name
 
 API_VERSION = "v1"
 CLUSTER_PAGE = Path(__file__).with_name("cluster_page.html")

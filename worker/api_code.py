@@ -13,9 +13,9 @@ from fastapi import Request
 
 from infra import code_snapshot
 from infra.errors import ObjectNotFound
-from infra.store import ObjectStore
-from workflows.models import CodeRef
-from workflows.spec import RunSpec
+from infra.store.protocol import ObjectStore
+from workflows.contracts.models import CodeRef
+from workflows.contracts.spec import RunSpec
 
 # A snapshot's limit and room for the tar's headers: a bigger body is refused unread.
 MAX_UPLOAD_BYTES = code_snapshot.MAX_TOTAL_BYTES + 16 * 2**20

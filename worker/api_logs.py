@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from infra.store import ObjectStore
+from infra.store.protocol import ObjectStore
 from trainer.rank_logs import LogPiece, pieces
-from workflows.api_models import LogPieceView, RunLogs
+from workflows.contracts.api_models import LogPieceView, RunLogs
 
 MAX_ANSWER_BYTES = 4 * 2**20  # a long log comes in several answers (`more`), not one huge one
 

@@ -13,8 +13,8 @@ from infra.identity import Identity, InvalidIdentity, canonical_person
 from infra.settings import Settings
 from infra.tokens import TokenError, TokenStore
 from worker.specfile import SpecError, check_sources, parse_spec
-from workflows.api_models import ErrorDetail
-from workflows.spec import RunSpec
+from workflows.contracts.api_models import ErrorDetail
+from workflows.contracts.spec import RunSpec
 
 # Who to ask for a token, in every 401.
 _ASK_FOR_A_TOKEN = "ask an admin for a token (`forgeline tokens create PERSON --role ...`)"

@@ -61,9 +61,9 @@ from worker.runs import RunNotFound
 from worker.serve_cli import generate, serve
 from worker.simulate_cli import simulate
 from worker.specfile import SpecError, load_spec
-from workflows.api_models import RunList, RunView
-from workflows.models import Phase, RunStatus
-from workflows.names import InvalidName, check_snapshot_id
+from workflows.contracts.api_models import RunList, RunView
+from workflows.contracts.models import Phase, RunStatus
+from workflows.contracts.names import InvalidName, check_snapshot_id
 
 app = typer.Typer(help=__doc__, no_args_is_help=True)
 

@@ -16,7 +16,7 @@ from temporalio.runtime import Runtime
 from infra.mlflow_login import use_local_login
 from infra.settings import Settings, load_settings
 from worker.temporal_client import connect
-from workflows import names
+from workflows.contracts import names
 
 # Piped output (logs, tests) gets wide tables instead of rich's 80-column default.
 console = Console(highlight=False, soft_wrap=True, width=None if sys.stdout.isatty() else 200)
@@ -85,7 +85,8 @@ async def get_client(
 
 
 def check_name(name: str, what: str = "run name") -> str:
-    """Before a name becomes a workflow id, a store key or a folder (workflows.names' rule)."""
+    """Before a name becomes a workflow id, a store key or a folder (the rule of
+    workflows.contracts.names)."""
     try:
         return names.check_name(name, what)
     except names.InvalidName as err:

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from temporalio.client import Client, WorkflowUpdateFailedError
 
-from workflows.cluster_models import ClusterConfig, Node, NodeAdmin
-from workflows.names import CLUSTER_WORKFLOW_ID
+from workflows.contracts.cluster_models import ClusterConfig, Node, NodeAdmin
+from workflows.contracts.names import CLUSTER_WORKFLOW_ID
 
 
 class ClusterRefused(Exception):

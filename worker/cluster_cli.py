@@ -14,7 +14,7 @@ from worker.api_access import api_client, call
 from worker.cli_common import CliError, check_name, console, get_settings
 from worker.cluster_render import jobs_table, nodes_table, queues_table
 from worker.specfile import explain_errors
-from workflows.cluster_models import ClusterConfig, ClusterState, Node
+from workflows.contracts.cluster_models import ClusterConfig, ClusterState, Node
 
 cluster_app = typer.Typer(help="The cluster's configuration: pods, queues, spares.")
 node_app = typer.Typer(help="Take a node out of service or put it back.")

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from rich.table import Table
 
-from workflows.cluster_models import ClusterState
-from workflows.quotas import borrowed, in_use
+from workflows.contracts.cluster_models import ClusterState
+from workflows.scheduling.quotas import borrowed, in_use
 
 
 def nodes_table(state: ClusterState) -> Table:

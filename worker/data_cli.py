@@ -21,9 +21,9 @@ from infra.settings import Settings
 from worker.live_progress import LiveProgress
 from worker.render import stage_bars
 from worker.runs import dataset_progress
-from workflows.models import DatasetInput, DatasetProgress, DatasetRef
-from workflows.names import CONTROL_TASK_QUEUE, standalone_dataset_workflow_id
-from workflows.spec import DataSpec
+from workflows.contracts.models import DatasetInput, DatasetProgress, DatasetRef
+from workflows.contracts.names import CONTROL_TASK_QUEUE, standalone_dataset_workflow_id
+from workflows.contracts.spec import DataSpec
 
 data_app = typer.Typer(help="Prepare dataset snapshots and read their reports.")
 

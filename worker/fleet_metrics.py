@@ -24,13 +24,13 @@ from prometheus_client.registry import Collector
 from infra.errors import StoreError
 from infra.replication import ReplicationStatus
 from infra.settings import Settings
-from infra.store import open_store
+from infra.store.factory import open_store
 from worker.fleet_view import waited_s
-from workflows.api_models import RunView
-from workflows.cluster_models import ClusterState, GangRequest
+from workflows.contracts.api_models import RunView
+from workflows.contracts.cluster_models import ClusterState, GangRequest
+from workflows.contracts.models import Phase
 from workflows.goodput import CAUSES
-from workflows.models import Phase
-from workflows.quotas import in_use
+from workflows.scheduling.quotas import in_use
 
 # Node.state's words: every node reports each of them, 1 for the one it is in, so an alert can
 # say `forgeline_node_state{state="down"} == 1` and a node that recovers reads 0, not absent.

@@ -10,8 +10,8 @@ from datetime import datetime
 from urllib.parse import quote
 
 from infra.settings import Settings
-from workflows.api_models import FleetView, GangRow, NodeRow, QueueRow, RunRow, RunView
-from workflows.cluster_models import Allocation, ClusterState, GangRequest, Node
+from workflows.contracts.api_models import FleetView, GangRow, NodeRow, QueueRow, RunRow, RunView
+from workflows.contracts.cluster_models import Allocation, ClusterState, GangRequest, Node
 
 
 def waited_s(request: GangRequest, now: datetime) -> float:

@@ -21,7 +21,7 @@ from infra.digest import sha256_bytes
 from infra.errors import IntegrityError, ObjectNotFound
 from infra.processes import http_ok
 from infra.settings import Settings
-from infra.store import ObjectStore
+from infra.store.protocol import ObjectStore
 from registry.names import CHECKPOINT_TAG, DECISION_TAG, IDEMPOTENCY_TAG
 from trainer.manifest import read_manifest, verify_files
 from worker.cli_common import CliError, ExitCode, check_name, console, get_settings

@@ -17,8 +17,8 @@ from rich.progress import (
 )
 
 from worker.render import eta_of, eta_text
-from workflows.api_models import RunView
-from workflows.models import DatasetProgress
+from workflows.contracts.api_models import RunView
+from workflows.contracts.models import DatasetProgress
 
 TRAIN = "train"
 

@@ -13,7 +13,7 @@ import typer
 
 from worker.api_access import api_client, call
 from worker.cli_common import CliError, ExitCode, check_name, get_settings
-from workflows.api_models import LogPieceView
+from workflows.contracts.api_models import LogPieceView
 
 _FOLLOW_POLL_S = 1.0
 

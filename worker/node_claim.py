@@ -15,8 +15,8 @@ from temporalio.client import Client, WorkflowUpdateFailedError
 
 from infra.tokens import write_private
 from worker.cli_common import CliError, ExitCode
-from workflows.cluster_models import JoinRequest, Node, NodeInfo
-from workflows.names import CLUSTER_WORKFLOW_ID
+from workflows.contracts.cluster_models import JoinRequest, Node, NodeInfo
+from workflows.contracts.names import CLUSTER_WORKFLOW_ID
 
 RECORD = "agent.json"
 

@@ -22,8 +22,8 @@ from infra.capacity_hardware import Hardware, PlanError, load_hardware
 from infra.capacity_plan import GIB, Budget, Layout, Plan, make_plan, what_would_fit
 from worker.cli_common import CliError, console
 from worker.specfile import SpecError, load_spec
-from workflows.cluster_models import ClusterConfig
-from workflows.spec import RunSpec
+from workflows.contracts.cluster_models import ClusterConfig
+from workflows.contracts.spec import RunSpec
 
 PrecisionName = Enum("PrecisionName", {name: name for name in PRECISIONS}, type=str)  # type: ignore[misc]
 

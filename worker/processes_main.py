@@ -30,14 +30,14 @@ from worker.process_metrics import NodeAgentMetrics, ProcessMetrics
 from worker.process_names import CONTROL
 from worker.temporal_client import ensure_cluster, ensure_search_attributes
 from workflows.cluster import ClusterWorkflow
-from workflows.cluster_models import NodeHealthReport, NodeInfo
-from workflows.dataset import DatasetSnapshotWorkflow
-from workflows.names import (
+from workflows.contracts.cluster_models import NodeHealthReport, NodeInfo
+from workflows.contracts.names import (
     CLUSTER_WORKFLOW_ID,
     CONTROL_TASK_QUEUE,
     DATA_TASK_QUEUE,
     node_task_queue,
 )
+from workflows.dataset import DatasetSnapshotWorkflow
 from workflows.training_run import TrainingRun
 
 

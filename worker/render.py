@@ -8,7 +8,7 @@ from rich.table import Table
 
 from infra.settings import Settings
 from worker.runs import RunView
-from workflows.models import DatasetProgress, Goodput, Phase, RunStatus, Sample
+from workflows.contracts.models import DatasetProgress, Goodput, Phase, RunStatus, Sample
 
 
 def _num(value: float | None, fmt: str) -> str:

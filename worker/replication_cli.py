@@ -19,7 +19,7 @@ from rich.table import Table
 from infra.errors import StoreError
 from infra.replication import ReplicationStatus, Replicator
 from infra.settings import Settings
-from infra.store import open_store
+from infra.store.factory import open_store
 from worker.cli_common import CliError, ExitCode, console, get_settings
 
 

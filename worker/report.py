@@ -22,7 +22,7 @@ from mlflow.tracking import MlflowClient
 from infra.errors import StoreError
 from infra.extras import require_extra
 from infra.settings import Settings
-from infra.store import ObjectStore
+from infra.store.protocol import ObjectStore
 from trainer.manifest import counted
 from worker.report_data import (
     CheckpointMark,
@@ -33,7 +33,7 @@ from worker.report_data import (
     mlflow_run_of,
 )
 from worker.report_summary import summary
-from workflows.models import RunStatus
+from workflows.contracts.models import RunStatus
 
 ARTIFACT_PATH = "report"
 

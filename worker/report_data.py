@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 
-from workflows.models import RunStatus
+from workflows.contracts.models import RunStatus
 
 Point = tuple[int, float, int]  # step, value, timestamp in ms: one MLflow metric value
 Metrics = dict[str, list[Point]]

@@ -24,7 +24,7 @@ from worker.report_data import (
     Point,
     by_time,
 )
-from workflows.models import AttemptRecord, RunStatus
+from workflows.contracts.models import AttemptRecord, RunStatus
 
 _COLORS = ("tab:blue", "tab:orange", "tab:purple", "tab:brown", "tab:pink", "tab:cyan")
 

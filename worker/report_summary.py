@@ -16,7 +16,7 @@ from worker.report_data import (
     first_line,
     mlflow_run_of,
 )
-from workflows.models import AttemptRecord, RunStatus
+from workflows.contracts.models import AttemptRecord, RunStatus
 
 
 def summary(status: RunStatus, metrics: Metrics, report: Report) -> str:

@@ -11,13 +11,13 @@ import time
 from temporalio.client import Client, WorkflowExecutionStatus, WorkflowUpdateFailedError
 from temporalio.exceptions import WorkflowAlreadyStartedError
 
-from infra.store import ObjectStore
+from infra.store.protocol import ObjectStore
 from trainer.manifest import counted
 from worker import runs
 from worker.runs import view
 from worker.specfile import SpecError, parse_spec
-from workflows.models import MAX_REASON_CHARS, Decision, Phase, RunStatus
-from workflows.spec import RunSpec
+from workflows.contracts.models import MAX_REASON_CHARS, Decision, Phase, RunStatus
+from workflows.contracts.spec import RunSpec
 
 
 class RunActionError(Exception):

@@ -16,9 +16,9 @@ from infra import code_snapshot
 from infra.settings import Settings
 from worker.cli_common import CliError
 from worker.specfile import spec_sha256
-from workflows import api_models as wire
-from workflows.cluster_models import ClusterState
-from workflows.models import (
+from workflows.contracts import api_models as wire
+from workflows.contracts.cluster_models import ClusterState
+from workflows.contracts.models import (
     CodeRef,
     DatasetProgress,
     Phase,
@@ -26,8 +26,8 @@ from workflows.models import (
     TrainingRunInput,
     TrainProgress,
 )
-from workflows.names import CLUSTER_WORKFLOW_ID, CONTROL_TASK_QUEUE
-from workflows.spec import RunSpec
+from workflows.contracts.names import CLUSTER_WORKFLOW_ID, CONTROL_TASK_QUEUE
+from workflows.contracts.spec import RunSpec
 
 QUERY_TIMEOUT = timedelta(seconds=10)
 

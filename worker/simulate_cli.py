@@ -1,7 +1,8 @@
 """`forgeline simulate [--config FILE] [--days N] [--seed S] [--compare] [--out DIR]`.
 
 A datacenter's weeks in a minute or two, through the real scheduling policy
-(`workflows/fleet/`). The checkpoint interval of every job is Daly's for its save cost and its
+(`workflows/scheduling/fleet/`).
+The checkpoint interval of every job is Daly's for its save cost and its
 gang's MTBF (`infra.capacity_plan.daly_interval_s`, the rule `checkpoint_every = "auto"` uses),
 passed in from here because `workflows/` may not import `infra`.
 """
@@ -24,8 +25,8 @@ from infra.capacity_plan import daly_interval_s
 from infra.extras import require_extra
 from infra.toml_files import read_toml
 from worker.cli_common import CliError, console
-from workflows.fleet.config import Recovery, SimConfig
-from workflows.fleet.report import Report, compare, recovery_steps, run
+from workflows.scheduling.fleet.config import Recovery, SimConfig
+from workflows.scheduling.fleet.report import Report, compare, recovery_steps, run
 
 DEFAULT_OUT = Path("reports/simulate")
 

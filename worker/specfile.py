@@ -21,7 +21,7 @@ from dataprep.sources import expand_sources
 from infra.errors import StoreError
 from infra.settings import SettingsError, load_settings
 from infra.toml_files import read_toml
-from workflows.spec import MAX_PATH_CHARS, NAME_PATTERN, NAME_RULE, RunSpec
+from workflows.contracts.spec import MAX_PATH_CHARS, NAME_PATTERN, NAME_RULE, RunSpec
 
 
 class SpecError(Exception):

@@ -57,8 +57,8 @@ from worker.process_names import (
     TEMPORAL,
 )
 from worker.temporal_client import ensure_cluster, ensure_search_attributes
-from workflows.cluster_models import ClusterConfig, ClusterState, Health, Node
-from workflows.names import CLUSTER_WORKFLOW_ID
+from workflows.contracts.cluster_models import ClusterConfig, ClusterState, Health, Node
+from workflows.contracts.names import CLUSTER_WORKFLOW_ID
 from workflows.search_attributes import SEARCH_ATTRIBUTE_TYPES
 
 DEFAULT_PORTS = {"temporal": 7233, "ui": 8233, "mlflow": 5000, "api": 8700}

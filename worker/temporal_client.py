@@ -29,8 +29,8 @@ from temporalio.service import TLSConfig
 from infra.redact import redact_text
 from infra.settings import Settings, SettingsError, setting_label
 from workflows import search_attributes
-from workflows.cluster_models import ClusterState
-from workflows.names import CLUSTER_WORKFLOW_ID, CONTROL_TASK_QUEUE
+from workflows.contracts.cluster_models import ClusterState
+from workflows.contracts.names import CLUSTER_WORKFLOW_ID, CONTROL_TASK_QUEUE
 
 
 class RedactingFailureConverter(DefaultFailureConverter):

@@ -8,8 +8,8 @@ and the run's spec, which may only make the bar stricter.
 
 from __future__ import annotations
 
-from workflows.models import ApprovalPolicy, Decision, EvalResult, Phase, RunStatus
-from workflows.spec import RunSpec
+from workflows.contracts.models import ApprovalPolicy, Decision, EvalResult, Phase, RunStatus
+from workflows.contracts.spec import RunSpec
 
 
 def with_spec(policy: ApprovalPolicy, spec: RunSpec) -> ApprovalPolicy:

@@ -19,8 +19,7 @@ from temporalio import workflow
 from temporalio.exceptions import ApplicationError
 
 with workflow.unsafe.imports_passed_through():
-    from workflows import cluster_ops as ops
-    from workflows.cluster_models import (
+    from workflows.contracts.cluster_models import (
         Admin,
         Allocation,
         CheckpointCommitted,
@@ -36,9 +35,10 @@ with workflow.unsafe.imports_passed_through():
         NodeInfo,
         Release,
     )
-    from workflows.cluster_ops import REVOKE_MARGIN
-    from workflows.names import GANG_GRANTED_SIGNAL
-    from workflows.policy_switches import Switches
+    from workflows.contracts.names import GANG_GRANTED_SIGNAL
+    from workflows.scheduling import cluster_ops as ops
+    from workflows.scheduling.cluster_ops import REVOKE_MARGIN
+    from workflows.scheduling.policy_switches import Switches
 
 _TICK = timedelta(seconds=60)
 

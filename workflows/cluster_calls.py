@@ -7,10 +7,10 @@ from datetime import datetime
 
 from temporalio import workflow
 
-from workflows.cluster_models import GangRequest, NodeFailure
-from workflows.models import Failure, HealthEvent
-from workflows.names import CLUSTER_WORKFLOW_ID
-from workflows.spec import RunSpec
+from workflows.contracts.cluster_models import GangRequest, NodeFailure
+from workflows.contracts.models import Failure, HealthEvent
+from workflows.contracts.names import CLUSTER_WORKFLOW_ID
+from workflows.contracts.spec import RunSpec
 
 
 def gang_request(

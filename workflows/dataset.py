@@ -19,7 +19,7 @@ from temporalio.exceptions import ActivityError, ApplicationError, RetryState
 from temporalio.exceptions import TimeoutError as ActivityTimedOut
 
 with workflow.unsafe.imports_passed_through():
-    from workflows.models import (
+    from workflows.contracts.models import (
         DatasetInput,
         DatasetPlanRef,
         DatasetProgress,
@@ -27,7 +27,7 @@ with workflow.unsafe.imports_passed_through():
         DataStageInput,
         StageProgress,
     )
-    from workflows.names import DATA_TASK_QUEUE
+    from workflows.contracts.names import DATA_TASK_QUEUE
 
 STAGES = ("plan", "scan", "dedup", "tokenizer", "tokenize", "commit")
 _RETRY = RetryPolicy(initial_interval=timedelta(seconds=1), maximum_interval=timedelta(minutes=1))

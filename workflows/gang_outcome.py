@@ -18,9 +18,9 @@ from temporalio.exceptions import (
     TimeoutType,
 )
 
-from workflows.cluster_models import Allocation, NodeInfo, PreemptNotice
-from workflows.models import Failure, HealthEvent, NodeTrainResult
-from workflows.names import node_task_queue
+from workflows.contracts.cluster_models import Allocation, NodeInfo, PreemptNotice
+from workflows.contracts.models import Failure, HealthEvent, NodeTrainResult
+from workflows.contracts.names import node_task_queue
 
 # How long a live node agent takes at most to answer the liveness probe: the task waits in its
 # queue for one of the agent's idle pollers (milliseconds), the answer is a constant. A node

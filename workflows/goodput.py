@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from datetime import datetime
 
-from workflows.models import AttemptRecord, Goodput
+from workflows.contracts.models import AttemptRecord, Goodput
 
 CAUSES = (
     "queue",

@@ -15,7 +15,7 @@ from temporalio.exceptions import ActivityError
 
 with workflow.unsafe.imports_passed_through():
     from workflows.approval import gate_tags, with_spec
-    from workflows.models import (
+    from workflows.contracts.models import (
         ApprovalPolicy,
         ApprovalPolicyInput,
         CheckpointRef,
@@ -33,8 +33,8 @@ with workflow.unsafe.imports_passed_through():
         TrackingInput,
         TrainingRunInput,
     )
-    from workflows.names import CONTROL_TASK_QUEUE
-    from workflows.spec import RunSpec
+    from workflows.contracts.names import CONTROL_TASK_QUEUE
+    from workflows.contracts.spec import RunSpec
 
 
 class RunEnd:

@@ -12,8 +12,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import TypeVar
 
+from workflows.contracts.models import AttemptRecord, Failure, PreemptionRecord, RunStatus
 from workflows.goodput import account, combine
-from workflows.models import AttemptRecord, Failure, PreemptionRecord, RunStatus
 
 T = TypeVar("T")
 

@@ -11,7 +11,7 @@ later lookup names them as stale in `forgeline status`).
 
 from __future__ import annotations
 
-from workflows.models import HealthEvent
+from workflows.contracts.models import HealthEvent
 
 
 def rollback_step(

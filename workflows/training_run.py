@@ -23,26 +23,14 @@ with workflow.unsafe.imports_passed_through():
     from workflows import search_attributes
     from workflows.approval import refusal
     from workflows.cluster_calls import gang_request, nodes_at_fault, report_nodes
-    from workflows.cluster_models import (
+    from workflows.contracts.cluster_models import (
         Allocation,
         GangRequest,
         GrantCheck,
         PreemptNotice,
         Release,
     )
-    from workflows.gang_outcome import (
-        GangFailed,
-        Preempted,
-        StragglerSwap,
-        cancel_all,
-        describe,
-        failures_of,
-        stopped_early,
-        straggler_swap,
-        tear_down,
-        user_code_failure,
-    )
-    from workflows.models import (
+    from workflows.contracts.models import (
         AttemptLedger,
         AttemptLedgerInput,
         AttemptRecord,
@@ -63,7 +51,7 @@ with workflow.unsafe.imports_passed_through():
         RunStatus,
         TrainingRunInput,
     )
-    from workflows.names import (
+    from workflows.contracts.names import (
         CLUSTER_WORKFLOW_ID,
         CONTROL_TASK_QUEUE,
         GANG_GRANTED_SIGNAL,
@@ -71,6 +59,18 @@ with workflow.unsafe.imports_passed_through():
         PREEMPT_SIGNAL,
         dataset_workflow_id,
         node_task_queue,
+    )
+    from workflows.gang_outcome import (
+        GangFailed,
+        Preempted,
+        StragglerSwap,
+        cancel_all,
+        describe,
+        failures_of,
+        stopped_early,
+        straggler_swap,
+        tear_down,
+        user_code_failure,
     )
     from workflows.run_end import RunEnd
     from workflows.run_records import (

@@ -11,9 +11,9 @@ from temporalio.testing import ActivityEnvironment
 
 from activities.control import ControlActivities
 from infra.settings import Settings
-from infra.store import LocalStore
+from infra.store.local import LocalStore
 from trainer.attempt_clock import AttemptClock
-from workflows.models import AttemptLedger, AttemptLedgerInput
+from workflows.contracts.models import AttemptLedger, AttemptLedgerInput
 
 
 def ledger(control: ControlActivities, kept_step: int | None, at_most: bool) -> AttemptLedger:

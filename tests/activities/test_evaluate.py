@@ -14,8 +14,8 @@ from infra.settings import Settings
 from tests.trainer.conftest import Trainer
 from tests.trainer.test_layouts import TRAIN
 from trainer.manifest import find_latest, manifest_key, read_manifest
-from workflows.models import EvaluateInput
-from workflows.spec import RunSpec
+from workflows.contracts.models import EvaluateInput
+from workflows.contracts.spec import RunSpec
 
 
 def test_an_older_checkpoint_that_does_not_verify_is_left_out_of_the_curve(

@@ -10,7 +10,7 @@ from dataprep.filters import FilterSettings
 from dataprep.settings import SnapshotSettings
 from dataprep.snapshot import prepare_snapshot
 from infra.errors import IntegrityError
-from infra.store import LocalStore
+from infra.store.local import LocalStore
 
 
 def test_a_corrupt_shard_is_named_and_refused(corpus: Path, tmp_path: Path) -> None:

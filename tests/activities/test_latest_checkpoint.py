@@ -10,11 +10,11 @@ from temporalio.testing import ActivityEnvironment
 
 from activities.control import ControlActivities
 from infra.settings import Settings
-from infra.store import LocalStore
+from infra.store.local import LocalStore
 from tests.trainer.test_fencing import commit
 from trainer.manifest import Fences, record_generation
 from trainer.peer_tier import write_peer_manifest
-from workflows.models import CheckpointRef, LatestCheckpointInput
+from workflows.contracts.models import CheckpointRef, LatestCheckpointInput
 
 
 def peer_commit(store: LocalStore, step: int, generation: int) -> str | None:

@@ -21,10 +21,10 @@ from dataprep.settings import SnapshotSettings
 from dataprep.snapshot import prepare_snapshot
 from infra.cache_budget import INDEX
 from infra.settings import SettingsError, load_settings
-from infra.store import LocalStore
+from infra.store.local import LocalStore
 from tests.conftest import SHAKESPEARE
 from trainer.manifest import MANIFEST_FORMAT
-from workflows.models import CheckpointRef
+from workflows.contracts.models import CheckpointRef
 
 
 @dataclass(frozen=True)

@@ -12,10 +12,10 @@ from temporalio.testing import ActivityEnvironment
 
 from activities.node import NodeUnhealthy, _Reporter
 from infra import node_health
-from workflows.cluster_models import Allocation, NodeInfo
+from workflows.contracts.cluster_models import Allocation, NodeInfo
+from workflows.contracts.models import DatasetRef, NodeTrainInput
+from workflows.contracts.spec import RunSpec
 from workflows.gang_outcome import failures_of
-from workflows.models import DatasetRef, NodeTrainInput
-from workflows.spec import RunSpec
 
 NODES = [NodeInfo(node_id=n, rdzv_port=29500, incarnation="a") for n in ("n0", "n1")]
 

@@ -15,11 +15,11 @@ from temporalio.testing import ActivityEnvironment
 
 from activities.control import ControlActivities
 from infra.settings import Settings
-from infra.store import LocalStore
+from infra.store.local import LocalStore
 from tests.trainer.test_fencing import commit
 from trainer.manifest import committed_steps, find_latest, prune
 from trainer.run_identity import pin
-from workflows.models import LatestCheckpointInput
+from workflows.contracts.models import LatestCheckpointInput
 
 
 def _stamp(store: LocalStore, key: str, run_uid: str) -> None:

@@ -28,7 +28,7 @@ from dataprep.readers import ReaderSettings, SplitRule, read_source
 from dataprep.settings import SnapshotSettings
 from dataprep.snapshot import prepare_snapshot
 from dataprep.sources import classify, expand_sources
-from infra.store import LocalStore
+from infra.store.local import LocalStore
 from tests.fuzz_strategies import fuzz
 
 LENIENT = ReaderSettings(max_bad_fraction=1.0)

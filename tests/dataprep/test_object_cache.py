@@ -17,7 +17,7 @@ from dataprep.plan import plan_snapshot
 from dataprep.scan import scan_chunk
 from dataprep.settings import SnapshotSettings
 from dataprep.snapshot import prepare_snapshot, save_plan
-from infra.store import LocalStore
+from infra.store.local import LocalStore
 
 SPEECHES = SnapshotSettings(filters=FilterSettings(min_words=1), shard_tokens=20_000)
 

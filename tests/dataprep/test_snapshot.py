@@ -21,7 +21,7 @@ from dataprep.filters import FilterSettings
 from dataprep.settings import DedupSettings, SnapshotSettings, TokenizerSettings
 from dataprep.snapshot import prepare_snapshot
 from infra.errors import IntegrityError
-from infra.store import LocalStore
+from infra.store.local import LocalStore
 from tests.conftest import REPO, SHAKESPEARE
 from tests.dataprep.corpora import planted_jsonl
 
@@ -174,7 +174,7 @@ def test_a_stage_killed_midway_resumes_where_it_stopped(store: LocalStore, tmp_p
     settings = SnapshotSettings(filters=FilterSettings(min_words=1), chunk_bytes=40_000)
 
     script = (
-        "from pathlib import Path; from infra.store import LocalStore;"
+        "from pathlib import Path; from infra.store.local import LocalStore;"
         "from dataprep.snapshot import prepare_snapshot; from dataprep.settings import *;"
         "from dataprep.filters import FilterSettings;"
         "settings = SnapshotSettings(filters=FilterSettings(min_words=1), chunk_bytes=40_000);"

@@ -24,8 +24,9 @@ from dataprep.settings import SnapshotSettings
 from dataprep.snapshot import Snapshot, commit_snapshot, save_plan
 from dataprep.tokenize_stage import tokenize_chunk, train_tokenizer
 from infra.digest import sha256_bytes
-from infra.s3_store import S3Store
-from infra.store import LocalStore, ObjectStore
+from infra.store.local import LocalStore
+from infra.store.protocol import ObjectStore
+from infra.store.s3 import S3Store
 from tests.conftest import SHAKESPEARE
 from tests.s3_server import new_client
 

@@ -19,11 +19,11 @@ import torch
 
 from infra.mlflow_login import use_local_login
 from infra.processes import free_ports, port_is_open
-from infra.s3_store import S3Store, client_config
 from infra.settings import load_settings
-from infra.store import ObjectStore, fetch_verified
+from infra.store.protocol import ObjectStore, fetch_verified
+from infra.store.s3 import S3Store, client_config
+from infra.store.twin import TwinStore
 from infra.tokens import LOCAL_TOKEN_FILE, TokenStore
-from infra.twin_store import TwinStore
 from tests.conftest import REPO
 from tests.partition import Partition
 from trainer.evaluate import load_model

@@ -21,9 +21,9 @@ from tests.prometheus_text import Samples, samples, value
 from worker.cli_common import ExitCode
 from worker.process_metrics import endpoints
 from worker.temporal_client import connect
-from workflows.api_models import RunList, RunView
-from workflows.cluster_models import Allocation, ClusterState, NodeInfo
-from workflows.names import GANG_GRANTED_SIGNAL
+from workflows.contracts.api_models import RunList, RunView
+from workflows.contracts.cluster_models import Allocation, ClusterState, NodeInfo
+from workflows.contracts.names import GANG_GRANTED_SIGNAL
 
 SCHEMA = REPO / "docs" / "openapi.json"
 

@@ -15,7 +15,7 @@ import pytest
 from forgeline import Client
 from tests.conftest import REPO
 from tests.e2e.conftest import Stack, variant, wait_for
-from workflows.cluster_models import ClusterState
+from workflows.contracts.cluster_models import ClusterState
 
 ARTIFACTS = Path(os.environ.get("FORGELINE_TEST_ARTIFACTS", REPO / "reports" / "test-artifacts"))
 

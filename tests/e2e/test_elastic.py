@@ -10,13 +10,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from infra.store import ObjectStore
+from infra.store.protocol import ObjectStore
 from tests.e2e.conftest import Stack, final_weights, variant, wait_for
 from tests.e2e.faults import gang_of, kill_a_node_of, own_commit
 from trainer.manifest import find_latest
-from workflows.api_models import RunView
-from workflows.cluster_models import ClusterState
-from workflows.models import RunStatus
+from workflows.contracts.api_models import RunView
+from workflows.contracts.cluster_models import ClusterState
+from workflows.contracts.models import RunStatus
 
 pytestmark = pytest.mark.e2e
 
@@ -34,8 +34,8 @@ def losses(store: ObjectStore, run: str) -> list[float]:
 
 
 # Slow: a run that shrinks and grows back on the stack (about 100 s). In make test: the policy
-# that shrinks and grows gangs (tests/workflows/test_elastic.py) and the spec that trains a
-# shrunk gang's global batch (tests/worker/test_specfile.py).
+# that shrinks and grows gangs (tests/workflows/scheduling/test_elastic.py) and the spec that
+# trains a shrunk gang's global batch (tests/worker/test_specfile.py).
 @pytest.mark.slow
 def test_a_run_shrinks_to_min_nodes_and_grows_back(
     stack: Stack, reference: str, tmp_path: Path

@@ -16,7 +16,7 @@ import pytest
 import torch
 from mlflow.tracking import MlflowClient
 
-from infra.store import ObjectStore
+from infra.store.protocol import ObjectStore
 from tests.e2e.conftest import (
     Stack,
     final_weights,

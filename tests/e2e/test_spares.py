@@ -11,9 +11,9 @@ import pytest
 
 from tests.e2e.conftest import Stack, variant, wait_for
 from tests.e2e.faults import gang_of, kill_a_node_of
-from workflows.api_models import RunView
-from workflows.cluster_models import ClusterState, Health
-from workflows.models import Phase, RunStatus
+from workflows.contracts.api_models import RunView
+from workflows.contracts.cluster_models import ClusterState, Health
+from workflows.contracts.models import Phase, RunStatus
 
 pytestmark = pytest.mark.e2e
 

@@ -18,7 +18,7 @@ pytestmark = pytest.mark.e2e
 
 
 # With the slow tests, to keep `make test` within 15 minutes: its parts run faster in
-# tests/infra/test_twin_store.py (replication manifest last, reads and writes on the twin while
+# tests/infra/store/test_twin.py (replication manifest last, reads and writes on the twin while
 # the primary is unreachable, catching up, copies racing prunes) against real S3 servers.
 @pytest.mark.slow
 def test_the_twin_serves_resume_and_evaluation_while_the_primary_is_down(

@@ -21,7 +21,7 @@ from moto.server import ThreadedMotoServer
 
 from infra.local_servers import MLFLOW_SERVER_ENV, mlflow_server_argv, temporal_dev_server_argv
 from infra.processes import free_port, free_ports, http_ok, port_is_open
-from infra.s3_store import S3Store
+from infra.store.s3 import S3Store
 from tests.conftest import REPO
 from tests.e2e.conftest import FORGELINE, s3_client, wait_for
 from tests.hosts.netns import Host, NamespacesUnavailable, Network

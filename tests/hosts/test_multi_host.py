@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from infra.store import ObjectStore
+from infra.store.protocol import ObjectStore
 from tests.e2e.conftest import alive, fetched_checkpoint, variant, wait_for
 from tests.e2e.faults import gang_of
 from tests.hosts.conftest import Cluster

@@ -32,7 +32,7 @@ from infra.capacity_plan import (
     what_would_fit,
     young_interval_s,
 )
-from workflows.cluster_models import ClusterConfig
+from workflows.contracts.cluster_models import ClusterConfig
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 MIXED = PRECISIONS["bf16-mixed"]

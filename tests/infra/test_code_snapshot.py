@@ -12,7 +12,7 @@ from infra import code_snapshot
 from infra.code_snapshot import CodeSnapshotError, collect, fetch, publish
 from infra.errors import IntegrityError
 from infra.requirements import unmet
-from infra.store import LocalStore
+from infra.store.local import LocalStore
 
 
 def make_code(root: Path) -> Path:

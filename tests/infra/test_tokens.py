@@ -24,7 +24,7 @@ from infra.tokens import (
     caller_token,
     ensure_local_admin,
 )
-from workflows.names import NAME_PATTERN
+from workflows.contracts.names import NAME_PATTERN
 
 
 def test_a_token_is_shown_once_and_stored_as_a_hash(tmp_path: Path) -> None:

@@ -15,12 +15,12 @@ from dataprep.filters import FilterSettings
 from dataprep.settings import SnapshotSettings
 from dataprep.snapshot import Snapshot, prepare_snapshot
 from infra.processes import free_port
-from infra.store import LocalStore
+from infra.store.local import LocalStore
 from tests.conftest import SHAKESPEARE
 from trainer.job import ResumePoint, TrainJob
 from trainer.launch import ProgressTail, Rendezvous, printed_stacks, run_ranks
 from trainer.manifest import committed_steps
-from workflows.spec import ModelSpec, RecoverySpec, TrainSpec
+from workflows.contracts.spec import ModelSpec, RecoverySpec, TrainSpec
 
 MODEL = ModelSpec(n_layer=2, n_head=2, n_embd=32, block_size=32)
 

@@ -3,7 +3,7 @@
 import pytest
 
 from trainer.checkpoint_policy import FIRST_AUTO_SAVE_S, CheckpointPolicy, young_daly_interval_s
-from workflows.spec import RecoverySpec, TrainSpec
+from workflows.contracts.spec import RecoverySpec, TrainSpec
 
 
 def test_young_daly_matches_the_planning_arithmetic() -> None:

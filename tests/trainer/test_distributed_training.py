@@ -28,7 +28,7 @@ from trainer.manifest import (
     verify_files,
 )
 from trainer.model import GPT, WEIGHT_LAYOUT, GPTConfig, laid_out_as
-from workflows.spec import TrainSpec
+from workflows.contracts.spec import TrainSpec
 
 TRAIN = TrainSpec(
     steps=120, batch_size=8, learning_rate=3e-3, warmup_steps=10, log_every=5,

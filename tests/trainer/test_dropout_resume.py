@@ -11,7 +11,7 @@ from tests.trainer.conftest import MODEL, Trainer
 from tests.trainer.test_distributed_training import killed_and_resumed, weights
 from tests.trainer.test_layouts import FSDP, TP
 from trainer.manifest import find_latest
-from workflows.spec import TrainSpec
+from workflows.contracts.spec import TrainSpec
 
 DROPOUT = MODEL.model_copy(update={"dropout": 0.1})
 TRAIN = TrainSpec(

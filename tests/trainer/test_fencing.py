@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from infra.digest import sha256_bytes
-from infra.store import LocalStore
+from infra.store.local import LocalStore
 from tests.trainer.conftest import Trainer
 from tests.trainer.test_layouts import TRAIN
 from trainer.checkpoint import Checkpointer, fetch_checkpoint, load_model_weights

@@ -24,7 +24,7 @@ from tests.trainer.test_distributed_training import (
 from trainer.errors import RanksFailed
 from trainer.launch import Rendezvous, run_ranks
 from trainer.manifest import find_latest, manifest_key
-from workflows.spec import TrainSpec
+from workflows.contracts.spec import TrainSpec
 
 TRAIN = TrainSpec(
     steps=40, batch_size=8, learning_rate=3e-3, warmup_steps=5, log_every=5,

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from infra.errors import IntegrityError
-from infra.store import LocalStore
+from infra.store.local import LocalStore
 from tests.trainer.test_fencing import linear
 from trainer.checkpoint import Checkpointer, fetch_checkpoint, load_model_weights
 from trainer.local_copies import LocalCopies

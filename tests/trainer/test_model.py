@@ -17,7 +17,7 @@ from trainer.model import (
     stored_layout,
 )
 from trainer.schedule import learning_rate
-from workflows.spec import ModelSpec
+from workflows.contracts.spec import ModelSpec
 
 CONFIG = GPTConfig(vocab_size=50, n_layer=2, n_head=2, n_embd=32, block_size=16)
 

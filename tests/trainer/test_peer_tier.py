@@ -12,7 +12,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from infra.processes import free_port
-from infra.store import LocalStore
+from infra.store.local import LocalStore
 from trainer.checkpoint import Checkpointer, load_training_state
 from trainer.job import ResumePoint, TrainJob
 from trainer.job_checkpoints import resolve

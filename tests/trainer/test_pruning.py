@@ -9,7 +9,7 @@ from pathlib import Path
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from infra.store import LocalStore
+from infra.store.local import LocalStore
 from tests.trainer.test_fencing import commit
 from trainer.manifest import committed_steps, find_latest, manifest_key, prune, record_generation
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
-from infra.store import LocalStore
+from infra.store.local import LocalStore
 from trainer.rank_logs import LogShipper, pieces, shipped_while_running
 
 

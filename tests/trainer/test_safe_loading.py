@@ -19,7 +19,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
 from dataprep.tokenizer import char_tokenizer
-from infra.store import LocalStore
+from infra.store.local import LocalStore
 from trainer.checkpoint import (
     fetch_checkpoint,
     load_model_weights,

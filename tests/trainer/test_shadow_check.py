@@ -19,7 +19,7 @@ from trainer.shadow_check import (
     settle,
     ties_needed,
 )
-from workflows.spec import RunSpec
+from workflows.contracts.spec import RunSpec
 
 EXAMPLES = Path(__file__).parents[2] / "examples"
 GOOD, BAD, OTHER = (1.0, 2.0), (1.02, 2.0808), (7.0, 9.0)

@@ -17,7 +17,7 @@ from tests.trainer.test_distributed_training import resume_point
 from trainer.attempt_clock import ledger_key
 from trainer.errors import RanksFailed
 from trainer.manifest import commits, find_latest, manifest_key
-from workflows.spec import RecoverySpec, TrainSpec
+from workflows.contracts.spec import RecoverySpec, TrainSpec
 
 TRAIN = TrainSpec(
     steps=40, batch_size=12, grad_accum_steps=2, learning_rate=3e-3, warmup_steps=5,

@@ -13,7 +13,7 @@ import pytest
 from tests.trainer.conftest import Trainer
 from tests.trainer.test_layouts import FSDP
 from trainer.manifest import commits, find_latest
-from workflows.spec import RecoverySpec, TrainSpec
+from workflows.contracts.spec import RecoverySpec, TrainSpec
 
 LONG = TrainSpec(
     steps=120, batch_size=8, learning_rate=3e-3, warmup_steps=5, log_every=20,

@@ -24,7 +24,7 @@ from trainer.checkpoint import fetch_checkpoint, load_model_weights
 from trainer.errors import RanksFailed, UserCodeFailed
 from trainer.job import ResumePoint, TrainJob
 from trainer.manifest import find_latest
-from workflows.spec import RecoverySpec, TrainSpec
+from workflows.contracts.spec import RecoverySpec, TrainSpec
 
 GRU = REPO / "examples" / "byo" / "gru"
 ARGS = {"block": 32, "width": 32, "layers": 1}

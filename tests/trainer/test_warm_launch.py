@@ -16,7 +16,7 @@ from infra.settings import SettingsError, load_settings
 from tests.trainer.conftest import Trainer
 from trainer.launch import RANK_SCRIPT, Rendezvous, run_ranks
 from trainer.warm_launch import LaunchOrder, WarmLauncher
-from workflows.spec import TrainSpec
+from workflows.contracts.spec import TrainSpec
 
 TRAIN = TrainSpec(steps=6, batch_size=4, log_every=1, checkpoint_every=6, warmup_steps=1)
 

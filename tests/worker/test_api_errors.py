@@ -17,7 +17,7 @@ from infra.processes import free_port
 from infra.settings import Settings
 from infra.tokens import TokenStore
 from tests.api_server import serving_api
-from workflows.api_models import SubmitAnswer, SubmitRequest
+from workflows.contracts.api_models import SubmitAnswer, SubmitRequest
 
 
 @pytest.fixture

@@ -35,7 +35,7 @@ from worker import simulate_cli
 from worker.cli import app, outcome
 from worker.cli_common import ExitCode
 from worker.specfile import SpecError, load_spec
-from workflows.names import is_valid_name
+from workflows.contracts.names import is_valid_name
 
 RUNNER = CliRunner()
 Env = dict[str, str | None]  # for CliRunner: None unsets a variable

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from rich.console import Console
 
-from tests.workflows.policy_fixtures import node, running
+from tests.workflows.scheduling.policy_fixtures import node, running
 from worker.cluster_render import jobs_table
-from workflows.cluster_models import ClusterConfig, ClusterState
+from workflows.contracts.cluster_models import ClusterConfig, ClusterState
 
 
 def test_a_yielder_is_shown_with_the_run_it_leaves_for() -> None:

@@ -9,8 +9,8 @@ from infra.replication import Replicated, ReplicationStatus
 from tests.prometheus_text import Samples, samples
 from tests.prometheus_text import value as _one
 from worker.fleet_metrics import NODE_STATES, TwinReading, exposition
-from workflows.api_models import RunView
-from workflows.cluster_models import (
+from workflows.contracts.api_models import RunView
+from workflows.contracts.cluster_models import (
     Allocation,
     ClusterConfig,
     ClusterState,
@@ -20,7 +20,7 @@ from workflows.cluster_models import (
     NodeInfo,
     QueueConfig,
 )
-from workflows.models import CheckpointRef, Goodput, Phase, RunStatus, TrainProgress
+from workflows.contracts.models import CheckpointRef, Goodput, Phase, RunStatus, TrainProgress
 
 NOW = datetime(2026, 12, 5, 12, 0, tzinfo=UTC)
 

@@ -8,7 +8,7 @@ from pathlib import Path
 from infra.settings import Settings
 from tests.worker.test_fleet_metrics import NOW, a_fleet
 from worker.fleet_view import fleet_view
-from workflows.cluster_models import Waiting
+from workflows.contracts.cluster_models import Waiting
 
 SETTINGS = Settings(
     home=Path("/nonexistent"), temporal_ui_url="http://ui:8233/", mlflow_uri="http://mlflow:5000"

@@ -7,7 +7,7 @@ from rich.console import Console
 
 from tests.worker.test_render import training_view
 from worker.live_progress import LiveProgress
-from workflows.models import DatasetProgress, StageProgress
+from workflows.contracts.models import DatasetProgress, StageProgress
 
 
 def _drawn(live: LiveProgress, console: Console) -> str:

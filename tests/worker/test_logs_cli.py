@@ -14,7 +14,7 @@ import pytest
 from forgeline import ApiError, Client
 from infra.processes import free_port
 from infra.settings import Settings
-from infra.store import LocalStore
+from infra.store.local import LocalStore
 from infra.tokens import TokenStore
 from tests.api_server import serving_api
 from tests.e2e.conftest import FORGELINE

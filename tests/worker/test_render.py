@@ -6,7 +6,14 @@ from rich.console import Console
 from infra.settings import Settings
 from worker.render import eta_text, progress_line, runs_table, status_text
 from worker.runs import RunView
-from workflows.models import CheckpointRef, EvalResult, Failure, Phase, RunStatus, TrainProgress
+from workflows.contracts.models import (
+    CheckpointRef,
+    EvalResult,
+    Failure,
+    Phase,
+    RunStatus,
+    TrainProgress,
+)
 
 SETTINGS = Settings(home=Path("/tmp/x"))
 

@@ -11,7 +11,7 @@ from mlflow.entities import Metric
 from mlflow.tracking import MlflowClient
 
 from infra.settings import Settings
-from infra.store import LocalStore
+from infra.store.local import LocalStore
 from trainer.manifest import MANIFEST_FORMAT, manifest_key
 from worker.report import (
     ARTIFACT_PATH,
@@ -22,7 +22,7 @@ from worker.report import (
     mlflow_run_of,
     report_run,
 )
-from workflows.models import (
+from workflows.contracts.models import (
     AttemptLedger,
     AttemptRecord,
     CheckpointRef,

@@ -35,8 +35,8 @@ from tests.worker.leaky_workflow import LEAK_ACTIVITY, LeakyWorkflow
 from trainer.manifest import manifest_key
 from worker.temporal_client import DATA_CONVERTER, TemporalUnreachable, connect, connect_options
 from workflows.cluster_calls import gang_request
-from workflows.cluster_models import Allocation, NodeInfo
-from workflows.models import (
+from workflows.contracts.cluster_models import Allocation, NodeInfo
+from workflows.contracts.models import (
     CheckpointRef,
     DatasetInput,
     DatasetRef,
@@ -51,7 +51,7 @@ from workflows.models import (
     TrackingInput,
     TrainingRunInput,
 )
-from workflows.spec import RunSpec
+from workflows.contracts.spec import RunSpec
 
 SERVER_NAME = "temporal.forgeline.test"  # the only name in the server's certificate
 API_KEY = "tmprl-test-api-key-0123456789abcdef"

@@ -18,8 +18,8 @@ from temporalio.client import Client
 from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.worker import Worker
 
-from workflows.models import NodeTrainInput, NodeTrainResult
-from workflows.names import node_task_queue
+from workflows.contracts.models import NodeTrainInput, NodeTrainResult
+from workflows.contracts.names import node_task_queue
 
 
 async def main(address: str, node_id: str, incarnation: str, started: Path) -> None:

@@ -8,7 +8,7 @@ from temporalio import workflow
 from temporalio.exceptions import ApplicationError
 
 with workflow.unsafe.imports_passed_through():
-    from workflows.models import DatasetInput, DatasetRef
+    from workflows.contracts.models import DatasetInput, DatasetRef
 
 REASON = "SourceError: source /elsewhere/corpus.txt is outside the data roots (/data)"
 

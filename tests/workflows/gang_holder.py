@@ -6,8 +6,8 @@ from __future__ import annotations
 from temporalio import workflow
 
 with workflow.unsafe.imports_passed_through():
-    from workflows.cluster_models import Allocation, GangRequest, PreemptNotice, Release
-    from workflows.names import CLUSTER_WORKFLOW_ID, GANG_GRANTED_SIGNAL, PREEMPT_SIGNAL
+    from workflows.contracts.cluster_models import Allocation, GangRequest, PreemptNotice, Release
+    from workflows.contracts.names import CLUSTER_WORKFLOW_ID, GANG_GRANTED_SIGNAL, PREEMPT_SIGNAL
 
 
 @workflow.defn(name="GangHolder")

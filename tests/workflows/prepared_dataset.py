@@ -6,7 +6,7 @@ from __future__ import annotations
 from temporalio import workflow
 
 with workflow.unsafe.imports_passed_through():
-    from workflows.models import DatasetInput, DatasetRef
+    from workflows.contracts.models import DatasetInput, DatasetRef
 
 DATASET = DatasetRef(
     snapshot_id="0" * 16, manifest_key="datasets/x/MANIFEST.json", manifest_sha256="0" * 64,

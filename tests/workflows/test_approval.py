@@ -9,8 +9,8 @@ from registry.approvals import parse_approvals, rules_for
 from registry.errors import ApprovalsInvalid
 from tests.conftest import REPO
 from workflows.approval import gate_tags, refusal, with_spec
-from workflows.models import ApprovalPolicy, Decision, EvalResult, Phase, RunStatus
-from workflows.spec import RunSpec
+from workflows.contracts.models import ApprovalPolicy, Decision, EvalResult, Phase, RunStatus
+from workflows.contracts.spec import RunSpec
 
 APPROVALS = """
 [defaults]

@@ -5,7 +5,7 @@ from __future__ import annotations
 from datetime import UTC, datetime
 
 from workflows.cluster_calls import nodes_at_fault
-from workflows.models import Failure, HealthEvent
+from workflows.contracts.models import Failure, HealthEvent
 
 AT = datetime(2026, 11, 29, tzinfo=UTC)
 

@@ -17,8 +17,8 @@ from tests.workflows.replaying import write_history
 from tests.workflows.test_cluster_workflow import Harness, node, run_time_skipping
 from tests.workflows.test_training_run_history import RECORD_TO
 from workflows.cluster import ClusterWorkflow
-from workflows.cluster_models import Allocation, ClusterConfig, PreemptNotice
-from workflows.names import CLUSTER_WORKFLOW_ID
+from workflows.contracts.cluster_models import Allocation, ClusterConfig, PreemptNotice
+from workflows.contracts.names import CLUSTER_WORKFLOW_ID
 
 LABEL = "2026-12-04-deadline"
 YIELDING_LABEL = "2026-12-05-reclaim-patience"

@@ -8,7 +8,7 @@ from datetime import UTC, datetime, timedelta
 
 from tests.workflows.test_cluster_workflow import Harness, node, run_scenario
 from workflows.cluster import ClusterWorkflow
-from workflows.cluster_models import ClusterConfig, GangRequest, NodeFailure, Release
+from workflows.contracts.cluster_models import ClusterConfig, GangRequest, NodeFailure, Release
 
 
 def test_a_release_that_requeues_keeps_the_survivors_from_the_queue(

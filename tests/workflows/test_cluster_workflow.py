@@ -19,9 +19,8 @@ from temporalio.worker import Worker
 
 from tests.workflows.conftest import CONTINUE_AS_NEW_AFTER
 from tests.workflows.gang_holder import GangHolder
-from workflows import cluster_ops
 from workflows.cluster import ClusterWorkflow
-from workflows.cluster_models import (
+from workflows.contracts.cluster_models import (
     MAX_ADVERTISED_CACHED,
     Admin,
     Allocation,
@@ -39,7 +38,8 @@ from workflows.cluster_models import (
     QueueConfig,
     Release,
 )
-from workflows.names import CLUSTER_WORKFLOW_ID
+from workflows.contracts.names import CLUSTER_WORKFLOW_ID
+from workflows.scheduling import cluster_ops
 
 T = TypeVar("T")
 

@@ -17,12 +17,13 @@ from temporalio.worker import Worker
 
 from activities.data import DataActivities
 from infra.settings import Settings
-from infra.store import LocalStore, open_store
+from infra.store.factory import open_store
+from infra.store.local import LocalStore
 from tests.conftest import SHAKESPEARE
+from workflows.contracts.models import DatasetInput, DatasetProgress, DatasetRef, DataStageInput
+from workflows.contracts.names import DATA_TASK_QUEUE
+from workflows.contracts.spec import DataSpec, FilterSpec
 from workflows.dataset import STAGES, DatasetSnapshotWorkflow
-from workflows.models import DatasetInput, DatasetProgress, DatasetRef, DataStageInput
-from workflows.names import DATA_TASK_QUEUE
-from workflows.spec import DataSpec, FilterSpec
 
 
 def run_dataset(

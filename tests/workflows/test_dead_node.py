@@ -35,8 +35,8 @@ from tests.workflows.test_training_run_history import (
 )
 from worker.specfile import load_spec
 from workflows.cluster import ClusterWorkflow
-from workflows.cluster_models import ClusterConfig
-from workflows.models import CheckpointRef, NodeTrainInput, NodeTrainResult, Phase
+from workflows.contracts.cluster_models import ClusterConfig
+from workflows.contracts.models import CheckpointRef, NodeTrainInput, NodeTrainResult, Phase
 
 REPO = Path(__file__).resolve().parents[2]
 HEARTBEAT_TIMEOUT_S = 60

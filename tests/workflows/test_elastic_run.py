@@ -30,7 +30,7 @@ from tests.workflows.test_training_run_history import (
 )
 from worker.specfile import load_spec
 from workflows.cluster import ClusterWorkflow
-from workflows.models import NodeStopInput, NodeTrainInput, NodeTrainResult, RunStatus
+from workflows.contracts.models import NodeStopInput, NodeTrainInput, NodeTrainResult, RunStatus
 
 REPO = Path(__file__).resolve().parents[2]
 LABEL = "2026-12-03-elastic"

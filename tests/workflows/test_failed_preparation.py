@@ -16,8 +16,8 @@ from temporalio.worker import Worker
 from tests.workflows.failed_dataset import REASON, FailedDataset
 from tests.workflows.test_training_run_history import Control, Node, _status
 from worker.specfile import load_spec
-from workflows.models import Phase, RunStatus, TrainingRunInput
-from workflows.names import CONTROL_TASK_QUEUE
+from workflows.contracts.models import Phase, RunStatus, TrainingRunInput
+from workflows.contracts.names import CONTROL_TASK_QUEUE
 from workflows.training_run import TrainingRun
 
 REPO = Path(__file__).resolve().parents[2]

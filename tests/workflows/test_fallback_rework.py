@@ -32,7 +32,7 @@ from tests.workflows.test_training_run_history import (
     terminated_after,
 )
 from workflows.cluster import ClusterWorkflow
-from workflows.models import (
+from workflows.contracts.models import (
     AttemptLedger,
     AttemptLedgerInput,
     CheckpointRef,

@@ -6,8 +6,8 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
+from workflows.contracts.models import AttemptLedger, AttemptRecord, LedgerMark
 from workflows.goodput import account
-from workflows.models import AttemptLedger, AttemptRecord, LedgerMark
 
 T0 = datetime(2026, 11, 29, 12, 0, tzinfo=UTC)
 

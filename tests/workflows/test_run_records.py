@@ -7,8 +7,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.workflows.test_goodput import at, failed_then_completed
+from workflows.contracts.models import AttemptRecord, Failure, Phase, PreemptionRecord, RunStatus
+from workflows.contracts.spec import RunSpec
 from workflows.goodput import account
-from workflows.models import AttemptRecord, Failure, Phase, PreemptionRecord, RunStatus
 from workflows.run_records import (
     ATTEMPTS_KEPT,
     KEPT,
@@ -18,7 +19,6 @@ from workflows.run_records import (
     add_skipped,
     failed_in_a_row,
 )
-from workflows.spec import RunSpec
 
 
 def _status() -> RunStatus:

@@ -31,7 +31,7 @@ from tests.workflows.test_training_run_history import (
     terminated_after,
 )
 from workflows.cluster import ClusterWorkflow
-from workflows.models import (
+from workflows.contracts.models import (
     CheckpointRef,
     HealthEvent,
     LatestCheckpointInput,
@@ -40,7 +40,7 @@ from workflows.models import (
     Phase,
     RunStatus,
 )
-from workflows.names import HEALTH_SIGNAL
+from workflows.contracts.names import HEALTH_SIGNAL
 from workflows.suspect_rollback import rollback_step
 
 LABEL = "2026-12-05-suspect-rollback"

@@ -30,8 +30,8 @@ from tests.workflows.test_cluster_workflow import eventually, node
 from worker.runs import resume
 from worker.specfile import load_spec
 from workflows.cluster import ClusterWorkflow
-from workflows.cluster_models import ClusterState, GrantCheck, PreemptNotice
-from workflows.models import (
+from workflows.contracts.cluster_models import ClusterState, GrantCheck, PreemptNotice
+from workflows.contracts.models import (
     ApprovalPolicy,
     ApprovalPolicyInput,
     AttemptLedger,
@@ -50,9 +50,14 @@ from workflows.models import (
     TrackingInput,
     TrainingRunInput,
 )
-from workflows.names import CLUSTER_WORKFLOW_ID, CONTROL_TASK_QUEUE, PREEMPT_SIGNAL, node_task_queue
+from workflows.contracts.names import (
+    CLUSTER_WORKFLOW_ID,
+    CONTROL_TASK_QUEUE,
+    PREEMPT_SIGNAL,
+    node_task_queue,
+)
+from workflows.contracts.spec import RunSpec
 from workflows.run_records import ATTEMPTS_KEPT, KEPT
-from workflows.spec import RunSpec
 from workflows.training_run import TrainingRun
 
 REPO = Path(__file__).resolve().parents[2]

@@ -1,0 +1,445 @@
+"""The cluster as the scheduler sees it: nodes, queues (teams), requests, allocations.
+
+Everything here crosses the wire (signals, queries, continue-as-new), so every field has a
+default where it can, and times are the workflow's deterministic `workflow.now()`.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from enum import StrEnum
+from functools import cached_property
+from typing import Annotated
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    StringConstraints,
+    model_validator,
+)
+
+from workflows.contracts.spec import NAME_PATTERN
+
+Name = Annotated[str, StringConstraints(pattern=NAME_PATTERN)]
+DEFAULT_QUEUE = "default"
+
+
+# --- nodes -------------------------------------------------------------------------------------
+
+# The most dataset snapshots a node advertises (NodeInfo.cached, its most recently used first),
+# and the most the Cluster workflow keeps of any node's list. Every node's list travels in the
+# workflow's state, hence in each continue-as-new input, query answer and grant, which Temporal
+# caps at 2 MB: 8 ids of ~20 characters are ~200 bytes a node, under 0.5 MB at 2,500 nodes. More
+# would buy little: placement only asks whether a node holds the one snapshot a run reads, and
+# the snapshots worth placing a run by are the few its node used last.
+MAX_ADVERTISED_CACHED = 8
+
+
+class NodeInfo(BaseModel):
+    """What a node agent announces when it registers."""
+
+    node_id: str
+    host: str = "127.0.0.1"
+    gpus: int = 1
+    gpu_type: str = "cpu"
+    pod: str = "local"
+    rdzv_port: int = Field(description="port this node serves the rendezvous store on as head")
+    # A grant's rendezvous port is rdzv_port + generation % rdzv_ports: each grant a port of its
+    # own, so a fenced gang's torchrun still sitting on the last one never blocks the next.
+    rdzv_ports: int = Field(default=1, ge=1, le=4096, description="ports from rdzv_port up")
+    incarnation: str = Field(description="changes every time the agent process starts")
+    cached: list[str] = Field(
+        default=[],
+        description="dataset snapshots held whole in the node's cache, most recently used first "
+        f"(the Cluster workflow keeps at most {MAX_ADVERTISED_CACHED})",
+    )
+    memory_bytes: int = Field(default=0, ge=0, description="per GPU (0: not reported)")
+    # What MFU divides by when the spec names no peak: the data sheet's, or measured at start.
+    peak_flops: float = Field(default=0.0, ge=0, description="per GPU / rank slot (0: unknown)")
+
+
+class JoinRequest(BaseModel):
+    """An agent joining the cluster (the `join_node` update): its node, and the incarnation the
+    agent that ran from the same state folder had, which is how a restart on the same host is
+    told from a second host claiming a node that is alive."""
+
+    info: NodeInfo
+    previous_incarnation: str | None = None
+
+
+class Health(StrEnum):
+    HEALTHY = "healthy"
+    DOWN = "down"
+
+
+class Admin(StrEnum):
+    """What an operator decided: take work, take no new work, or give back what it runs."""
+
+    ACTIVE = "active"
+    CORDONED = "cordoned"
+    DRAINING = "draining"
+
+
+class Node(BaseModel):
+    info: NodeInfo
+    health: Health = Health.HEALTHY
+    admin: Admin = Admin.ACTIVE
+    spare: bool = False  # held back for swapping into a gang after a failure
+    jobs: dict[str, int] = {}  # run id -> GPUs it holds here
+    down_reason: str | None = None
+    health_reason: str | None = None  # the node's own check is failing, and why
+
+    @property
+    def used(self) -> int:
+        return sum(self.jobs.values())
+
+    @property
+    def free(self) -> int:
+        return self.info.gpus - self.used
+
+    @property
+    def schedulable(self) -> bool:
+        return self.health == Health.HEALTHY and self.admin == Admin.ACTIVE
+
+    @property
+    def state(self) -> str:
+        """One word for people: down, draining, cordoned, spare, allocated, partial, idle."""
+        if self.health == Health.DOWN:
+            return "down"
+        if self.admin != Admin.ACTIVE:
+            return self.admin.value
+        if self.spare:
+            return "spare"
+        if not self.jobs:
+            return "idle"
+        return "allocated" if self.free == 0 else "partial"
+
+
+# --- queues and configuration ------------------------------------------------------------------
+
+
+class QueueConfig(BaseModel):
+    """A node of the queue tree (an org, or a team under one)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: Name
+    parent: Name | None = None
+    guaranteed_gpus: int = Field(0, ge=0)
+    max_gpus: int | None = Field(None, ge=0, description="None: no ceiling but the cluster")
+
+    @model_validator(mode="after")
+    def _guarantee_fits_ceiling(self) -> QueueConfig:
+        if self.max_gpus is not None and self.guaranteed_gpus > self.max_gpus:
+            raise ValueError(
+                f"queue {self.name}: guaranteed_gpus ({self.guaranteed_gpus}) exceeds "
+                f"max_gpus ({self.max_gpus})"
+            )
+        return self
+
+
+class ClusterConfig(BaseModel):
+    """What `forgeline cluster apply FILE` declares."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    pods: list[Name] = []
+    queues: list[QueueConfig] = []
+    spare_nodes: int = Field(0, ge=0)
+    cost_per_gpu_hour: float = Field(0.0, ge=0)
+    preemption_grace_s: int = Field(120, ge=1, le=86_400)
+    fair_share_half_life_h: float = Field(24.0, gt=0)
+    default_max_runtime_h: float = Field(24.0 * 7, gt=0, description="for requests without one")
+    aging_s: float = Field(3600.0, gt=0, description="waiting this long adds one priority level")
+    # The starvation guard (`Switches.starvation_guard`, on in the default policy). Found in
+    # simulation: with one reservation, the head's, a burst of 1,024-GPU gangs was served one at
+    # a time while every node freed outside that reservation went to younger small jobs, and
+    # gangs waited 45 h; 85 % of the preempted gangs had run less than an hour, just granted
+    # and so the cheapest victims, then granted and preempted again (one 133 times).
+    reserve_after_s: float = Field(
+        6 * 3600.0, gt=0, description="a request waiting this long gets a reservation of its own"
+    )
+    preemption_shield_s: float = Field(
+        3600.0, ge=0, description="a gang granted less than this long ago is not preempted"
+    )
+    preemption_restart_s: float = Field(
+        600.0, ge=0, description="what a preempted gang loses beyond its unsaved work, per GPU"
+    )
+    # Found in simulation: of 1,576 preemptions in three weeks, 650 were reclaims made the
+    # moment the request arrived, on 2,500 nodes where a gang ends every minute or so. Waiting
+    # 15 min first: 406 reclaims, 1,137 preemptions in all.
+    reclaim_after_s: float = Field(
+        900.0,
+        ge=0,
+        description="a request within its team's guarantee waits this long after its "
+        "submission for nodes to free before it preempts borrowers",
+    )
+    # Found in simulation: in a burst of 1,024-GPU gangs, a reservation made at 6 h started when
+    # the running gangs' declared max runtimes said, 27 h later, and eleven gangs waited past
+    # a day while small jobs overtook them on every node freed elsewhere.
+    start_within_s: float = Field(
+        20 * 3600.0,
+        gt=0,
+        description="a reserved request starts by this long after its submission: lower or "
+        "equal priority gangs still on its reserved nodes then are preempted",
+    )
+
+    @model_validator(mode="after")
+    def _tree_is_sound(self) -> ClusterConfig:
+        if self.start_within_s < self.reserve_after_s:
+            # The deadline acts only on reserved requests: below reserve_after_s it would
+            # evict at that moment, with no reservation held for it first.
+            raise ValueError(
+                f"start_within_s ({self.start_within_s:g}) is shorter than reserve_after_s "
+                f"({self.reserve_after_s:g}): a run gets its reservation first, then its "
+                "deadline; raise start_within_s or lower reserve_after_s"
+            )
+        names = [q.name for q in self.queues]
+        duplicates = sorted({n for n in names if names.count(n) > 1})
+        if duplicates:
+            raise ValueError(f"queues declared twice: {', '.join(duplicates)}")
+        known = set(names) | {DEFAULT_QUEUE}
+        for queue in self.queues:
+            if queue.parent is not None and queue.parent not in known:
+                raise ValueError(f"queue {queue.name}: parent {queue.parent!r} is not declared")
+        by_name = {q.name: q for q in self.queues}
+        for queue in self.queues:  # a cycle would make every ancestor walk loop forever
+            seen, current = {queue.name}, queue.parent
+            while current is not None and current in by_name:
+                if current in seen:
+                    raise ValueError(f"queue {queue.name}: its parents form a cycle")
+                seen.add(current)
+                current = by_name[current].parent
+        for parent in self.queues:
+            children = [q for q in self.queues if q.parent == parent.name]
+            promised = sum(c.guaranteed_gpus for c in children)
+            if children and promised > parent.guaranteed_gpus:
+                raise ValueError(
+                    f"queue {parent.name}: its teams are guaranteed {promised} GPUs, more than "
+                    f"its own guarantee of {parent.guaranteed_gpus}"
+                )
+        return self
+
+    def queue(self, name: str) -> QueueConfig:
+        for queue in self.queues:
+            if queue.name == name:
+                return queue
+        return QueueConfig(name=name)  # undeclared teams: no guarantee, no ceiling
+
+    def ancestry(self, name: str) -> list[QueueConfig]:
+        """The queue and its parents, nearest first."""
+        chain, current = [], self.queue(name)
+        while True:
+            chain.append(current)
+            if current.parent is None:
+                return chain
+            current = self.queue(current.parent)
+
+
+# --- requests and allocations ------------------------------------------------------------------
+
+
+class GangRequest(BaseModel):
+    run_id: str
+    nodes: int
+    gpus_per_node: int
+    team: str = DEFAULT_QUEUE
+    gpu_type: str | None = None  # None: any
+    priority: int = 0
+    preemptible: bool = True
+    max_runtime_s: float | None = None  # None: the cluster's default_max_runtime_h
+    cache_items: list[str] = []  # prefer nodes that hold these (dataset snapshots)
+    allow_multi_pod: bool = True
+    recovery: bool = False  # after a failure: may take a spare node
+    # Elastic: a recovering gang that cannot have `nodes` may be granted as few as this.
+    min_nodes: int | None = None
+    submitted_at: datetime | None = None  # first submission: a requeued run keeps its age
+    # Requeued after running (a failure, a preemption): its start deadline counts from when it
+    # was requeued (`waiting_since`), not from its first submission: a victim given that
+    # deadline would evict others at once.
+    started_before: bool = False
+    waiting_since: datetime | None = Field(
+        None,
+        description="for a run queued again after it ran: when the Cluster workflow queued it "
+        "again; it starts by start_within_s after this",
+    )
+
+    @property
+    def gpus(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+
+class Preemption(BaseModel):
+    for_run: str
+    reason: str
+    deadline: datetime
+    grow_to: int | None = None  # not a victim: a shrunk gang stops to grow back to this many
+
+
+class Allocation(BaseModel):
+    run_id: str
+    generation: int
+    nodes: list[NodeInfo]
+    gpus_per_node: int = 1  # as requested; see `held_on` for what each node is booked for
+    team: str = DEFAULT_QUEUE
+    priority: int = 0
+    preemptible: bool = True
+    granted_at: datetime | None = None
+    expected_end: datetime | None = None  # granted_at + max runtime: backfill plans with it
+    last_checkpoint_at: datetime | None = None  # what a preemption of it would lose
+    preempting: Preemption | None = None
+    # The fleet's record when granted (ClusterState.node_seconds, fail_stops).
+    fleet_node_seconds: float = 0.0
+    fleet_fail_stops: int = 0
+    # A gang granted smaller than it asked (elastic): the full request it grows back to.
+    wanted: GangRequest | None = None
+    # Placed on nodes reserved for this run, on the condition that it leaves (preempted, with
+    # its checkpoint) once the reservation could otherwise start: `workflows.scheduling.yielding`.
+    yields_to: str | None = Field(
+        None,
+        description="the run whose reserved nodes this gang was lent: it is preempted, with its "
+        "grace, when that reservation can start",
+    )
+
+    def held_on(self, node: NodeInfo) -> int:
+        """A multi-node gang holds its nodes whole; a single-node job what it asked for."""
+        return node.gpus if len(self.nodes) > 1 else self.gpus_per_node
+
+    @cached_property
+    def gpus(self) -> int:
+        # As the sum of `held_on` over the nodes, computed once (a gang's nodes never change):
+        # quotas and usage ask for this of every allocation on every pass and every release.
+        if len(self.nodes) == 1:
+            return self.gpus_per_node
+        return sum([node.gpus for node in self.nodes])
+
+    def device_peak_flops(self, threads_per_rank: int = 1) -> float | None:
+        """The peak FLOP/s of one of the gang's devices, as their agents reported it (the mean:
+        MFU is then the share of all the gang's FLOP/s the run used). A CPU slot's peak is one
+        thread's, so it scales with the threads each rank runs. None: no agent reported one."""
+        peaks = [
+            node.peak_flops * (threads_per_rank if node.gpu_type == "cpu" else 1)
+            for node in self.nodes
+            if node.peak_flops
+        ]
+        return sum(peaks) / len(peaks) if peaks else None
+
+    @property
+    def rdzv_endpoint(self) -> str:
+        head = self.nodes[0]
+        return f"{head.host}:{head.rdzv_port + self.generation % head.rdzv_ports}"
+
+
+class NodeAdmin(BaseModel):
+    """An operator's change to one node: cordon, drain, or back to active."""
+
+    node_id: str
+    admin: Admin
+
+
+class Release(BaseModel):
+    run_id: str
+    generation: int
+    # The run's next request, queued in the same step as the release: a gang recovering from a
+    # failure keeps its survivors from the queue (a pass between a release and a later request
+    # would grant them to the next run in line).
+    requeue: GangRequest | None = None
+
+
+class GrantCheck(BaseModel):
+    """A grant a run received, to be checked against the Cluster workflow's own allocations:
+    a signal says nothing of who sent it, and only the Cluster's grants hold nodes."""
+
+    run_id: str
+    generation: int
+    nodes: list[tuple[str, str]]  # (node id, incarnation), in the grant's order
+
+
+class NodeFailure(BaseModel):
+    run_id: str
+    generation: int
+    node_id: str
+    reason: str
+    # fail-stop: the node is down until its agent comes back; unhealthy: down until its own
+    # check passes; straggler or corruption: it is cordoned (it takes no new work) until an
+    # operator has looked at it.
+    kind: str = "fail-stop"
+
+
+class NodeHealthReport(BaseModel):
+    """A node agent's own health check changed its verdict (infra.node_health)."""
+
+    node_id: str
+    incarnation: str
+    healthy: bool
+    reason: str = ""
+
+
+class CheckpointCommitted(BaseModel):
+    run_id: str
+    generation: int
+    step: int
+
+
+class PreemptNotice(BaseModel):
+    """Sent to a victim run: checkpoint within `grace_s` and give the gang back."""
+
+    generation: int
+    grace_s: int
+    reason: str
+    # Not a preemption: the run's shrunk gang checkpoints and is granted this many nodes.
+    grow_to: int | None = None
+
+
+class Reservation(BaseModel):
+    run_id: str
+    nodes: list[str]
+    start: datetime  # when the nodes are expected to be free
+
+
+class Claim(BaseModel):
+    """Nodes held for a run that preempted others to get them, until it is granted there: the
+    requeued victim (older, maybe higher priority) must not take them straight back."""
+
+    run_id: str
+    nodes: list[str]
+    until: datetime
+
+
+class Waiting(BaseModel):
+    run_id: str
+    position: int
+    reason: str
+
+
+class ClusterState(BaseModel):
+    config: ClusterConfig = ClusterConfig()
+    nodes: list[Node] = []
+    queue: list[GangRequest] = []
+    allocations: list[Allocation] = []
+    next_generation: int = 1
+    usage: dict[str, float] = {}  # team -> decayed GPU-seconds
+    usage_at: datetime | None = None
+    reservation: Reservation | None = None
+    # Every reservation of the last pass (the head's first): the starvation guard keeps those of
+    # requests waiting past `reserve_after_s`.
+    reservations: list[Reservation] = []
+    waiting: list[Waiting] = []
+    claims: list[Claim] = []
+    # The fleet's failure record, for the runs' checkpoint intervals (checkpoint_every = auto).
+    node_seconds: float = 0.0  # healthy node time observed so far
+    fail_stops: int = 0  # nodes that died under a gang
+    # node id -> node, rebuilt when `nodes` is replaced or grows (nodes are never removed):
+    # never serialised, so a continued-as-new or replayed state rebuilds its own.
+    _by_id: dict[str, Node] = PrivateAttr(default_factory=dict)
+    _indexed: tuple[int, int] = PrivateAttr((0, -1))  # (id of the `nodes` list, its length)
+
+    def node(self, node_id: str) -> Node | None:
+        """The node with this id in one lookup: releases and heartbeats ask per node, and a
+        sweep of 2,500 nodes each time was most of a simulated release's cost."""
+        if self._indexed != (id(self.nodes), len(self.nodes)):
+            self._by_id = {n.info.node_id: n for n in self.nodes}
+            self._indexed = (id(self.nodes), len(self.nodes))
+        return self._by_id.get(node_id)
