@@ -20,7 +20,7 @@ from infra.errors import IntegrityError, ObjectNotFound
 from infra.extras import require_extra
 from infra.settings import Settings
 from registry.approvals import load_approvals, rules_for
-from registry.names import CHECKPOINT_TAG, SERVABLE_TAG
+from registry.lineage_tags import LineageTags
 from registry.tracking import (
     DatasetUsed,
     Registration,
@@ -194,9 +194,9 @@ class ControlActivities:
             activity.heartbeat("checkpoint fetched")
             result = evaluate_checkpoint(
                 checkpoint_folder=folder,
-                model_config=manifest["model_config"],
+                model_config=manifest.network,
                 val_shards=val_shards,
-                dtype=dataset["dtype"],
+                dtype=dataset.dtype,
                 tokenizer_file=cache.tokenizer(dataset),
                 batch_size=train.batch_size,
                 max_batches=train.eval_batches,
@@ -221,9 +221,9 @@ class ControlActivities:
                         older_folder, older_manifest = one.checkpoint(older)
                         loss = checkpoint_val_loss(
                             older_folder,
-                            older_manifest["model_config"],
+                            older_manifest.network,
                             val_shards,
-                            dataset["dtype"],
+                            dataset.dtype,
                             train.batch_size,
                             train.eval_batches,
                         )
@@ -334,39 +334,37 @@ class ControlActivities:
             folder, manifest = cache.checkpoint(inp.checkpoint)
             if inp.code is not None:  # a user's model: its weights, served by its own code
                 artifacts = export_weights(folder, manifest, cache.tokenizer(dataset), Path(tmp))
-                serving = manifest.get("serving")
+                serving = manifest.serving
                 served = user_served_code(cache.code(inp.code), serving) if serving else None
             else:
-                model = load_model(folder, manifest["model_config"])
+                model = load_model(folder, manifest.network)
                 artifacts = export_model(model, cache.tokenizer(dataset), Path(tmp))
                 served = served_code()
             code = code_version()
             packages = installed_packages()
-            lineage = {
-                "forgeline.git_commit": code.commit,
-                "forgeline.git_dirty": str(code.dirty).lower(),
-                "forgeline.dataset_snapshot": inp.dataset.snapshot_id,
-                "forgeline.dataset_manifest_key": inp.dataset.manifest_key,
-                "forgeline.dataset_manifest_sha256": inp.dataset.manifest_sha256,
-                "forgeline.spec_sha256": inp.spec_sha256,
-                CHECKPOINT_TAG: inp.checkpoint.manifest_key,
-                "forgeline.checkpoint_step": str(inp.checkpoint.step),
-                "forgeline.temporal_workflow_id": info.workflow_id,
-                "forgeline.run": inp.run_id,
-                "forgeline.owner": inp.spec.owner,
-                "forgeline.val_loss": f"{inp.evaluation.val_loss:.4f}",
-                "forgeline.val_perplexity": f"{inp.evaluation.perplexity:.4f}",
-                "forgeline.eval_step": str(inp.evaluation.step),
-                "forgeline.packages_sha256": packages_digest(packages),
-                "forgeline.eval_measured_on": inp.evaluation.measured_on,
-                SERVABLE_TAG: "true" if served is not None else "false",
-            }
-            if inp.code is not None:
-                lineage |= {
-                    "forgeline.code_snapshot": inp.code.snapshot_id,
-                    "forgeline.code_manifest_sha256": inp.code.manifest_sha256,
-                    "forgeline.entrypoint": inp.spec.train.entrypoint or "",
-                }
+            user_code = inp.code
+            lineage = LineageTags(
+                git_commit=code.commit,
+                git_dirty=code.dirty,
+                dataset_snapshot=inp.dataset.snapshot_id,
+                dataset_manifest_key=inp.dataset.manifest_key,
+                dataset_manifest_sha256=inp.dataset.manifest_sha256,
+                spec_sha256=inp.spec_sha256,
+                checkpoint_manifest_key=inp.checkpoint.manifest_key,
+                checkpoint_step=inp.checkpoint.step,
+                temporal_workflow_id=info.workflow_id,
+                run=inp.run_id,
+                owner=inp.spec.owner,
+                val_loss=inp.evaluation.val_loss,
+                val_perplexity=inp.evaluation.perplexity,
+                eval_step=inp.evaluation.step,
+                packages_sha256=packages_digest(packages),
+                eval_measured_on=inp.evaluation.measured_on,
+                servable=served is not None,
+                code_snapshot=user_code.snapshot_id if user_code else None,
+                code_manifest_sha256=user_code.manifest_sha256 if user_code else None,
+                entrypoint=(inp.spec.train.entrypoint or "") if user_code else None,
+            ).dump()
             final = inp.training[0] if inp.training else None
             metrics = {
                 "val_loss": inp.evaluation.val_loss,
@@ -415,7 +413,7 @@ class ControlActivities:
                     },
                     metrics=metrics,
                     metric_series={
-                        "train_loss": [(int(s), float(v)) for s, v in manifest["loss_history"]],
+                        "train_loss": manifest.loss_history,
                         "val_loss_by_checkpoint": [
                             (p.step, p.val_loss) for p in inp.evaluation.curve
                         ],

@@ -64,17 +64,17 @@ def snapshot_settings(data: DataSpec) -> SnapshotSettings:
 
 def dataset_ref(snapshot: Snapshot) -> DatasetRef:
     manifest = snapshot.manifest
-    documents = manifest["documents"]
+    documents = manifest.documents
     return DatasetRef(
         snapshot_id=snapshot.snapshot_id,
         manifest_key=snapshot.manifest_key,
         manifest_sha256=snapshot.manifest_sha256,
-        vocab_size=manifest["tokenizer"]["vocab_size"],
-        train_tokens=manifest["splits"]["train"]["tokens"],
-        val_tokens=manifest["splits"]["val"]["tokens"],
-        documents=documents["read"],
-        duplicates_removed=documents["exact_duplicates"] + documents["near_duplicates"],
-        filtered=documents["filtered"],
+        vocab_size=manifest.tokenizer.vocab_size,
+        train_tokens=manifest.splits["train"].tokens,
+        val_tokens=manifest.splits["val"].tokens,
+        documents=documents.read,
+        duplicates_removed=documents.exact_duplicates + documents.near_duplicates,
+        filtered=documents.filtered,
         reused=snapshot.reused,
     )
 

@@ -5,13 +5,15 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from dataprep.dataset_manifest import load_manifest
+from dataprep.dataset_manifest import DatasetManifest, load_manifest
 from infra import code_snapshot
 from infra.cache_budget import CacheBudget, CacheLease, default_budget
 from infra.digest import is_sha256_hex
 from infra.errors import IntegrityError
 from infra.store.protocol import ObjectStore, fetch_verified
+from infra.stored_format import StoredFile
 from trainer.checkpoint import fetch_checkpoint
+from trainer.checkpoint_manifest import CheckpointManifest
 from trainer.local_copies import LocalCopies
 from trainer.manifest import read_manifest
 from workflows.contracts.cluster_models import MAX_ADVERTISED_CACHED
@@ -51,18 +53,18 @@ class NodeCache:
         used first, at most MAX_ADVERTISED_CACHED of them."""
         return self.budget.held_snapshots()[:MAX_ADVERTISED_CACHED]
 
-    def dataset_manifest(self, dataset: DatasetRef) -> dict:
+    def dataset_manifest(self, dataset: DatasetRef) -> DatasetManifest:
         return load_manifest(self.store, dataset.manifest_key, dataset.manifest_sha256)
 
-    def split(self, manifest: dict, split: str) -> list[Path]:
+    def split(self, manifest: DatasetManifest, split: str) -> list[Path]:
         with self.lease() as lease:
             return lease.split(manifest, split)
 
-    def tokenizer(self, manifest: dict) -> Path:
+    def tokenizer(self, manifest: DatasetManifest) -> Path:
         with self.lease() as lease:
             return lease.tokenizer(manifest)
 
-    def checkpoint(self, ref: CheckpointRef) -> tuple[Path, dict]:
+    def checkpoint(self, ref: CheckpointRef) -> tuple[Path, CheckpointManifest]:
         with self.lease() as lease:
             return lease.checkpoint(ref)
 
@@ -87,38 +89,39 @@ class NodeCacheLease:
     def close(self) -> None:
         self.pins.close()
 
-    def dataset_manifest(self, dataset: DatasetRef) -> dict:
+    def dataset_manifest(self, dataset: DatasetRef) -> DatasetManifest:
         return self.cache.dataset_manifest(dataset)
 
-    def split(self, manifest: dict, split: str) -> list[Path]:
+    def split(self, manifest: DatasetManifest, split: str) -> list[Path]:
         try:
-            paths = [self._blob(shard) for shard in manifest["splits"][split]["shards"]]
-            snapshot = manifest.get("snapshot_id")
-            if isinstance(snapshot, str):  # the manifest's sha256 was checked: its own id
-                self.cache.budget.hold_snapshot(snapshot, (f"blobs/{p.name}" for p in paths))
+            paths = [self._blob(shard) for shard in manifest.splits[split].shards]
+            # The manifest's sha256 was checked: the snapshot id is its own.
+            self.cache.budget.hold_snapshot(
+                manifest.snapshot_id, (f"blobs/{p.name}" for p in paths)
+            )
             return paths
         finally:
             self.cache.budget.save()
 
-    def tokenizer(self, manifest: dict) -> Path:
+    def tokenizer(self, manifest: DatasetManifest) -> Path:
         try:
-            return self._blob(manifest["tokenizer"])
+            return self._blob(manifest.tokenizer)
         finally:
             self.cache.budget.save()
 
-    def checkpoint(self, ref: CheckpointRef) -> tuple[Path, dict]:
+    def checkpoint(self, ref: CheckpointRef) -> tuple[Path, CheckpointManifest]:
         """The checkpoint's files in one folder (DCP reads them by name) and its manifest."""
         manifest = read_manifest(self.cache.store, ref.manifest_key)
         rel = "checkpoints/" + ref.manifest_key.rsplit("/", 1)[0]
         folder = self.cache.root / rel
-        size = sum(int(entry.get("bytes", 0)) for entry in manifest["files"])
+        size = sum(entry.bytes for entry in manifest.files)
         try:
             self.pins.admit(rel, size, lambda: self._fetch_checkpoint(manifest, folder, size))
         finally:
             self.cache.budget.save()
         return folder, manifest
 
-    def _fetch_checkpoint(self, manifest: dict, folder: Path, size: int) -> Path:
+    def _fetch_checkpoint(self, manifest: CheckpointManifest, folder: Path, size: int) -> Path:
         copies = self.cache.local_copies
         if copies is None:
             return fetch_checkpoint(self.cache.store, manifest, folder)
@@ -127,7 +130,7 @@ class NodeCacheLease:
         # What a recovery saved: the on-call reads it in the agent's log.
         log.info(
             "checkpoint step %s: %s of %s bytes from this node's own copies, the rest from "
-            "the store", manifest.get("step"), f"{copies.served_bytes - before:,}", f"{size:,}",
+            "the store", manifest.step, f"{copies.served_bytes - before:,}", f"{size:,}",
         )  # fmt: skip
         return folder
 
@@ -145,18 +148,15 @@ class NodeCacheLease:
         finally:
             self.cache.budget.save()
 
-    def _blob(self, entry: dict) -> Path:
-        sha256 = entry["sha256"]
+    def _blob(self, entry: StoredFile) -> Path:
+        sha256 = entry.sha256
         # The name of the cached file comes from a manifest read from the store: only a hex
         # digest may become a path here, never "../" or a name a crafted manifest chose.
         if not is_sha256_hex(sha256):
-            raise IntegrityError(
-                f"{entry.get('key')!r}: manifest sha256 {sha256!r} is not a hex digest"
-            )
+            raise IntegrityError(f"{entry.key!r}: manifest sha256 {sha256!r} is not a hex digest")
         rel = f"blobs/{sha256}"
         dest = self.cache.root / rel
         store = self.cache.store
         return self.pins.admit(
-            rel, int(entry["bytes"]), lambda: fetch_verified(store, entry["key"], dest, sha256,
-                                                             entry["bytes"])
+            rel, entry.bytes, lambda: fetch_verified(store, entry.key, dest, sha256, entry.bytes)
         )  # fmt: skip

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from datetime import UTC, datetime
@@ -26,6 +25,7 @@ from infra import node_health
 from infra.requirements import unmet
 from infra.settings import Settings
 from registry.metric_stream import MetricShipper, MetricSpool
+from trainer.checkpoint_manifest import CheckpointManifest, PeerManifest
 from trainer.errors import RanksFailed, UserCodeFailed
 from trainer.hang import HangWatch
 from trainer.job import CHAOS_FILE, ResumePoint, TrainJob
@@ -206,8 +206,9 @@ class NodeActivities:
         gen_dir = self._generation_dir(inp.run_id, inp.allocation.generation)
         if inp.resume is not None and inp.resume.tier == "peer":
             # The ranks gather the files from the gang's nodes, or fetch the fallback.
-            manifest = json.loads(self.store.get_bytes(inp.resume.manifest_key))
-            stored = manifest.get("model_config") or {}
+            key = inp.resume.manifest_key
+            manifest = PeerManifest.parse(self.store.get_bytes(key), key)
+            stored = manifest.network
             resume = _resume_point(inp.resume, gen_dir / "peer-checkpoint", manifest)
             resume.manifest_file = _keep_beside_job(manifest, gen_dir / "peer-manifest.json")
             if (fallback := inp.resume.fallback) is not None:
@@ -218,14 +219,14 @@ class NodeActivities:
                 )
         elif inp.resume is not None:
             folder, manifest = cache.checkpoint(inp.resume)
-            stored = manifest.get("model_config") or {}
+            stored = manifest.network
             resume = _resume_point(inp.resume, folder, manifest)
         code_dir = self._user_code(inp, cache)
         init_weights = ""
         if inp.init_from is not None and inp.resume is None:
             folder, base = cache.checkpoint(inp.init_from)
             init_weights = str(folder)
-            stored = base.get("model_config") or {}
+            stored = base.network
         spec = inp.spec
         replicate, shard, tensor = spec.parallel.degrees(spec.resources.world_size)
         node_ids = [node.node_id for node in inp.allocation.nodes]
@@ -252,7 +253,7 @@ class NodeActivities:
                 or inp.allocation.device_peak_flops(spec.train.threads_per_rank),
             },
             train_shards=[str(p) for p in shards],
-            dtype=dataset["dtype"],
+            dtype=dataset.dtype,
             store_url=self.store.url,
             twin_store_url=self.settings.twin_store_url,
             staging_dir=str(gen_dir / "staging"),
@@ -450,21 +451,21 @@ async def _heartbeating(work: Awaitable[T], beat: Callable[[], None], every_s: f
         raise
 
 
-def _keep_beside_job(manifest: dict, path: Path) -> str:
+def _keep_beside_job(manifest: CheckpointManifest, path: Path) -> str:
     """A manifest the ranks read from the node's disk rather than each from the store."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(manifest))
+    path.write_bytes(manifest.dump_bytes())
     return str(path)
 
 
-def _resume_point(ref: CheckpointRef, folder: Path, manifest: dict) -> ResumePoint:
+def _resume_point(ref: CheckpointRef, folder: Path, manifest: CheckpointManifest) -> ResumePoint:
     """Where the ranks resume: the checkpoint's step and the loop's state its manifest keeps."""
     return ResumePoint(
         folder=str(folder),
         step=ref.step,
         tokens_seen=ref.tokens_seen,
         manifest_key=ref.manifest_key,
-        loss_history=manifest.get("loss_history", []),
-        samples_seen=manifest.get("samples_seen"),
+        loss_history=[[step, loss] for step, loss in manifest.loss_history],
+        samples_seen=manifest.samples_seen,
         tier=ref.tier,
     )

@@ -33,6 +33,7 @@ from tokenizers import Tokenizer
 from bench.corpus import BenchDoc, build_corpus, ground_truth_pairs, verified_pairs, write_jsonl
 from bench.datatrove_minhash import TreeMemorySampler, run_datatrove_minhash
 from bench.metrics import pairs_from_clusters, precision_recall
+from dataprep.dataset_manifest import DatasetManifest
 from dataprep.dedup_stage import dedup_snapshot
 from dataprep.filters import FilterSettings
 from dataprep.near_dedup import UnionFind
@@ -106,7 +107,7 @@ def run_ours(corpus: Path, workers: int, verify: bool, work: Path, offsets: list
     timed("tokenize", _pool_map, workers, tokenize_chunk, tokenizes)
     run.kept_texts, run.tokenizer_path = _tokenize_input(store, plan, work)
     snapshot = timed("commit", commit_snapshot, store, plan, settings, work / "commit")
-    run.tokens = sum(s["tokens"] for s in snapshot.manifest["splits"].values())
+    run.tokens = sum(s.tokens for s in snapshot.manifest.splits.values())
     run.clusters = _our_clusters(store, snapshot.manifest, plan, offsets)
     return run
 
@@ -127,10 +128,10 @@ def _tokenize_input(store: LocalStore, plan: SnapshotPlan, work: Path) -> tuple[
 
 
 def _our_clusters(
-    store: LocalStore, manifest: dict, plan: SnapshotPlan, offsets: list[int]
+    store: LocalStore, manifest: DatasetManifest, plan: SnapshotPlan, offsets: list[int]
 ) -> dict[int, int]:
     """bench doc_id -> cluster, from the report's (doc_id, duplicate_of) rows."""
-    table = pq.read_table(store.root / manifest["report"]["documents"]["key"]).to_pydict()
+    table = pq.read_table(store.root / manifest.report["documents"].key).to_pydict()
     ours_to_bench = {}
     order = {f.path: i for i, f in enumerate(plan.files)}
     for doc_id, source, position in zip(

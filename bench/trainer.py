@@ -116,11 +116,11 @@ class Measured:
 
 
 def _vocab(snapshot) -> int:
-    return snapshot.manifest["tokenizer"]["vocab_size"]
+    return snapshot.manifest.tokenizer.vocab_size
 
 
 def _train_shards(store: LocalStore, snapshot) -> list[str]:
-    return [str(store.root / s["key"]) for s in snapshot.manifest["splits"]["train"]["shards"]]
+    return [str(store.root / s.key) for s in snapshot.manifest.splits["train"].shards]
 
 
 def trainer_tokens_per_s(
@@ -143,7 +143,7 @@ def trainer_tokens_per_s(
         model={**size.model.architecture(), "vocab_size": _vocab(snapshot)},
         train=train.model_dump(),
         train_shards=_train_shards(store, snapshot),
-        dtype=snapshot.manifest["dtype"],
+        dtype=snapshot.manifest.dtype,
         store_url=store.url,
         staging_dir=str(work / "staging"),
         progress_file=str(work / "progress.jsonl"),
@@ -176,7 +176,7 @@ def bare_tokens_per_s(store: LocalStore, snapshot, size: Size, arch: str) -> Mea
     shard = _train_shards(store, snapshot)[0]
     model = json.dumps({**size.model.architecture(), "vocab_size": _vocab(snapshot)})
     out = subprocess.run(
-        [sys.executable, "-m", "bench.bare_loop", str(shard), snapshot.manifest["dtype"], model,
+        [sys.executable, "-m", "bench.bare_loop", str(shard), snapshot.manifest.dtype, model,
          str(size.batch), str(WARMUP + size.measured_steps), str(THREADS),
          "--warmup", str(WARMUP), "--arch", arch],
         cwd=REPO, capture_output=True, text=True, check=True,

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from dataprep.dataset_manifest import snapshot_files
+from dataprep.dataset_manifest import DatasetManifest
 from dataprep.dedup_stage import dedup_snapshot, scan_records
 from dataprep.errors import EmptyCorpusError
 from dataprep.near_dedup import connect
@@ -36,8 +36,6 @@ from infra.digest import sha256_bytes, sha256_file
 from infra.errors import IntegrityError, ObjectNotFound
 from infra.store.protocol import ObjectStore
 
-MANIFEST_FORMAT = "forgeline.dataset/2"
-
 Progress = Callable[[str], None]
 
 
@@ -46,7 +44,7 @@ class Snapshot:
     snapshot_id: str
     manifest_key: str
     manifest_sha256: str
-    manifest: dict
+    manifest: DatasetManifest
     reused: bool
 
 
@@ -60,7 +58,9 @@ def existing_snapshot(store: ObjectStore, snapshot_id: str) -> Snapshot | None:
         data = store.get_bytes(key)
     except ObjectNotFound:
         return None
-    return Snapshot(snapshot_id, key, sha256_bytes(data), json.loads(data), reused=True)
+    return Snapshot(
+        snapshot_id, key, sha256_bytes(data), DatasetManifest.parse(data, key), reused=True
+    )
 
 
 def save_plan(store: ObjectStore, plan: SnapshotPlan) -> None:
@@ -134,7 +134,8 @@ def commit_snapshot(
         return committed
     _drop_work(store, keys)
     progress(f"snapshot {plan.snapshot_id} committed")
-    return Snapshot(plan.snapshot_id, keys.manifest, sha256_bytes(data), json.loads(data), False)
+    manifest = DatasetManifest.parse(data, keys.manifest)
+    return Snapshot(plan.snapshot_id, keys.manifest, sha256_bytes(data), manifest, False)
 
 
 def _manifest(
@@ -200,7 +201,6 @@ def _manifest(
     report_json = workdir / "report.json"
     report_json.write_text(json.dumps(report, indent=2, default=str))
     manifest = {
-        "format": MANIFEST_FORMAT,
         "snapshot_id": plan.snapshot_id,
         "dataprep_version": DATAPREP_VERSION,
         "settings": plan.identity,
@@ -219,7 +219,7 @@ def _manifest(
             "summary": _report_entry(store, keys, report_json),
         },
     }
-    return json.dumps(manifest, indent=1, sort_keys=True).encode()
+    return DatasetManifest.model_validate(manifest).dump_bytes()
 
 
 def _report_entry(store: ObjectStore, keys: SnapshotKeys, path: Path) -> dict:
@@ -236,9 +236,9 @@ def _committed_elsewhere(
     committed = existing_snapshot(store, snapshot_id)
     if committed is None:
         return None
-    for entry in snapshot_files(committed.manifest):
+    for entry in committed.manifest.files():
         try:
-            if store.digest(entry["key"]) != (entry["bytes"], entry["sha256"]):
+            if store.digest(entry.key) != (entry.bytes, entry.sha256):
                 return None
         except ObjectNotFound:
             return None

@@ -42,9 +42,9 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from infra.digest import sha256_file
 from infra.store.protocol import ObjectStore, fetch_verified
 from trainer import safe_load
+from trainer.checkpoint_manifest import CheckpointFile, CheckpointManifest
 from trainer.local_copies import LocalCopies
 from trainer.manifest import (
-    MANIFEST_FORMAT,
     CommitOutcome,
     Fences,
     checkpoint_prefix,
@@ -250,14 +250,11 @@ class Checkpointer:
             key = f"{prefix}/{path.name}"
             self.store.put_file(key, path)
             mine.append(
-                {
-                    "name": path.name,
-                    "key": key,
-                    "bytes": path.stat().st_size,
-                    "sha256": sha256_file(path),
-                }
+                CheckpointFile(
+                    name=path.name, key=key, bytes=path.stat().st_size, sha256=sha256_file(path)
+                )
             )
-        gathered: list[tuple[bool, list[dict]] | None] = [None] * self.world
+        gathered: list[tuple[bool, list[CheckpointFile]] | None] = [None] * self.world
         dist.all_gather_object(gathered, (fenced, mine), group=self._group)
         fenced = any(part[0] for part in gathered if part is not None)
         key: str | None = None
@@ -272,11 +269,11 @@ class Checkpointer:
         key, fenced, lost = outcome[0]
         if fenced:  # what this rank uploaded will never be named by a manifest
             for entry in mine:
-                self.store.delete(entry["key"])
+                self.store.delete(entry.key)
         elif key is not None and self.local_copies is not None:
-            self.local_copies.keep([(folder / entry["name"], entry["sha256"]) for entry in mine])
+            self.local_copies.keep([(folder / entry.name, entry.sha256) for entry in mine])
             if self.prunes_local_copies:
-                wanted = {e["sha256"] for part in gathered if part for e in part[1]}
+                wanted = {e.sha256 for part in gathered if part for e in part[1]}
                 self.local_copies.prune(wanted)
         shutil.rmtree(folder, ignore_errors=True)
         self.fenced = self.fenced or fenced
@@ -298,29 +295,30 @@ class Checkpointer:
         if outcome is CommitOutcome.ALREADY_THERE:
             return None, f"{key} was already there (another writer of generation {self.generation})"
         if outcome is CommitOutcome.TAKEN_BACK:  # its files go too: nothing stale stays
-            for entry in manifest["files"]:
-                self.store.delete(entry["key"])
+            for entry in manifest.files:
+                self.store.delete(entry.key)
             return None, None
         if self.rollback_points is not None:
             self.rollback_points.committed(key, step)
         prune(self.store, self.run_id, self.keep, self._verified, self.run_uid)
         return key, None
 
-    def _manifest(self, step: int, meta: dict, files: list[dict]) -> dict:
+    def _manifest(self, step: int, meta: dict, files: list[CheckpointFile]) -> CheckpointManifest:
         """What a manifest of either tier says: the run, the step, the layout, the loop's
         state (`meta`: tokens, data cursor, losses), the generation, every file."""
-        return {
-            "format": MANIFEST_FORMAT,
-            "run_id": self.run_id,
-            **({"run_uid": self.run_uid} if self.run_uid else {}),
-            "step": step,
-            "world_size": self.world,
-            "layout": self.layout,
-            "committed_at": datetime.now(UTC).isoformat(),
-            **meta,
-            "generation": self.generation,
-            "files": files,
-        }
+        return CheckpointManifest.model_validate(
+            {
+                "run_id": self.run_id,
+                "run_uid": self.run_uid,
+                "step": step,
+                "world_size": self.world,
+                "layout": self.layout,
+                "committed_at": datetime.now(UTC).isoformat(),
+                **meta,
+                "generation": self.generation,
+                "files": files,
+            }
+        )
 
     def _commit_peer(
         self, written: Future, folder: Path, step: int, meta: dict, started: float
@@ -335,9 +333,11 @@ class Checkpointer:
         fenced = any(flags)
         key: str | None = None
         if not fenced:
-            mine = [(path, {"name": path.name, "bytes": path.stat().st_size,
-                            "sha256": sha256_file(path)})
-                    for path in _files_written_by(folder, self.rank)]  # fmt: skip
+            mine = [
+                (path, CheckpointFile(name=path.name, bytes=path.stat().st_size,
+                                      sha256=sha256_file(path)))
+                for path in _files_written_by(folder, self.rank)
+            ]  # fmt: skip
             files = send_to_peer(self.peer, mine, self._group)
             if self.rank == 0:
                 key = write_peer_manifest(
@@ -349,7 +349,7 @@ class Checkpointer:
             dist.broadcast_object_list(outcome, src=0, group=self._group)
             key, fenced = outcome[0]
             if key is not None and self.peer.local_rank == 0:
-                self.peer.holdings.prune({entry["sha256"] for entry in files})
+                self.peer.holdings.prune({entry.sha256 for entry in files})
         shutil.rmtree(folder, ignore_errors=True)
         self.fenced = self.fenced or fenced
         return SaveReport(step, key, 0.0, time.perf_counter() - started, fenced, peer=True)
@@ -359,26 +359,29 @@ class Checkpointer:
 
 
 def fetch_checkpoint(
-    store: ObjectStore, manifest: dict, dest: Path, local_copies: LocalCopies | None = None
+    store: ObjectStore,
+    manifest: CheckpointManifest,
+    dest: Path,
+    local_copies: LocalCopies | None = None,
 ) -> Path:
     """Every file of a committed checkpoint in `dest`, each checked by sha256: this node's own
     copy where it has one (`local_copies`), else downloaded."""
     dest.mkdir(parents=True, exist_ok=True)
-    for entry in manifest["files"]:
-        local = local_path(dest, entry["name"])
+    for entry in manifest.files:
+        local = local_path(dest, entry.name)
         if local_copies is not None and local_copies.place(entry, local):
             continue
-        fetch_verified(store, entry["key"], local, entry["sha256"], entry["bytes"])
+        fetch_verified(store, entry.key, local, entry.sha256, entry.bytes)
     return dest
 
 
-def vet_metadata(store: ObjectStore, manifest: dict) -> None:
+def vet_metadata(store: ObjectStore, manifest: CheckpointManifest) -> None:
     """Refuse (UnsafeCheckpoint) a committed checkpoint whose DCP metadata would run code when
     unpickled, before any rank is started on it: resume then falls back to the one before, as
     it does for a file whose hash is wrong. (Items are vetted when the ranks load them.)"""
-    for entry in manifest["files"]:
-        if entry.get("name") == METADATA_FILE:
-            safe_load.check_metadata(store.get_bytes(entry["key"]), entry["key"])
+    for entry in manifest.files:
+        if entry.name == METADATA_FILE:
+            safe_load.check_metadata(store.get_bytes(entry.key), entry.key)
 
 
 def local_path(dest: Path, name: object) -> Path:

@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from infra.store.protocol import ObjectStore
-from trainer.manifest import read_manifest
+from trainer.checkpoint_manifest import CheckpointManifest, PeerManifest
 
 # In a job's folder: `forgeline chaos corrupt-grad` writes it, the ranks poison gradients once.
 CHAOS_FILE = "CORRUPT_GRAD"
@@ -31,13 +31,13 @@ class ResumePoint:
     # read this copy (every rank of thousands reading the store at once is a burst of GETs).
     manifest_file: str | None = None
 
-    def manifest(self, store: ObjectStore) -> dict:
+    def manifest(self, store: ObjectStore) -> CheckpointManifest:
         """The checkpoint's manifest: the agent's copy when there is one, else the store's."""
+        # A peer manifest lists holders, not store keys.
+        format = PeerManifest if self.tier == "peer" else CheckpointManifest
         if self.manifest_file is not None:
-            return json.loads(Path(self.manifest_file).read_text())
-        if self.tier == "peer":  # a peer manifest lists holders, not store keys
-            return json.loads(store.get_bytes(self.manifest_key))
-        return read_manifest(store, self.manifest_key)
+            return format.parse(Path(self.manifest_file).read_bytes(), self.manifest_key)
+        return format.parse(store.get_bytes(self.manifest_key), self.manifest_key)
 
 
 @dataclass

@@ -20,6 +20,7 @@ import shutil
 from pathlib import Path
 
 from infra.digest import is_sha256_hex, sha256_file
+from trainer.checkpoint_manifest import CheckpointFile
 
 
 class LocalCopies:
@@ -50,9 +51,9 @@ class LocalCopies:
         partial.write_bytes(data)
         os.replace(partial, kept)
 
-    def holds(self, entry: dict) -> bool:
+    def holds(self, entry: CheckpointFile) -> bool:
         """A copy of the entry is here (not yet verified: `place` does that)."""
-        kept = self._path(entry.get("sha256"))
+        kept = self._path(entry.sha256)
         return kept is not None and kept.is_file()
 
     def prune(self, wanted: set[str]) -> None:
@@ -64,14 +65,14 @@ class LocalCopies:
                 with contextlib.suppress(FileNotFoundError):  # another rank's prune
                     path.unlink()
 
-    def place(self, entry: dict, dest: Path) -> bool:
+    def place(self, entry: CheckpointFile, dest: Path) -> bool:
         """Put this node's copy of a manifest entry at `dest` if it has one that verifies
         (size and sha256): a hard link, so it costs no copy either. A copy that does not
         verify is deleted. False: the store must provide it."""
-        kept = self._path(entry.get("sha256"))
+        kept = self._path(entry.sha256)
         if kept is None or not kept.is_file():
             return False
-        if kept.stat().st_size != int(entry["bytes"]) or sha256_file(kept) != entry["sha256"]:
+        if kept.stat().st_size != entry.bytes or sha256_file(kept) != entry.sha256:
             kept.unlink(missing_ok=True)
             return False
         dest.parent.mkdir(parents=True, exist_ok=True)
@@ -80,5 +81,5 @@ class LocalCopies:
             os.link(kept, dest)
         except OSError:  # another file system: a copy
             shutil.copyfile(kept, dest)
-        self.served_bytes += int(entry["bytes"])
+        self.served_bytes += entry.bytes
         return True

@@ -26,12 +26,12 @@ from dataclasses import dataclass
 from enum import Enum
 
 from infra.errors import IntegrityError, NotOnTwin, ObjectNotFound
-from infra.store.protocol import ObjectStore
+from infra.store.protocol import ObjectStore, verify_stored_files
+from trainer.checkpoint_manifest import CheckpointManifest
 from trainer.errors import CheckpointError
 from trainer.run_identity import belongs, pinned
 
 MANIFEST_NAME = "MANIFEST.json"
-MANIFEST_FORMAT = "forgeline.checkpoint/1"
 _MANIFEST_KEY = re.compile(r"/checkpoints/step-(\d+)/(?:gen-(\d+)/)?MANIFEST\.json$")
 _GENERATION_FOLDER = re.compile(r"/checkpoints/step-\d+/gen-(\d+)/")
 
@@ -88,19 +88,19 @@ def _newest_first(commit: Commit) -> tuple[int, int]:
 @dataclass(frozen=True)
 class CommittedCheckpoint:
     key: str
-    manifest: dict
+    manifest: CheckpointManifest
 
     @property
     def step(self) -> int:
-        return int(self.manifest["step"])
+        return self.manifest.step
 
     @property
     def generation(self) -> int:
-        return int(self.manifest["generation"])
+        return self.manifest.generation
 
     @property
     def tokens_seen(self) -> int:
-        return int(self.manifest["tokens_seen"])
+        return self.manifest.tokens_seen
 
 
 def generation_key(run_id: str, generation: int) -> str:
@@ -158,14 +158,20 @@ class CommitOutcome(Enum):
 
 
 def commit_fenced(
-    store: ObjectStore, key: str, body: dict, run_id: str, run_uid: str, generation: int, step: int
+    store: ObjectStore,
+    key: str,
+    manifest: CheckpointManifest,
+    run_id: str,
+    run_uid: str,
+    generation: int,
+    step: int,
 ) -> CommitOutcome:
     """Put a manifest create-if-absent at `key`, then read the fences and delete it again if a
     later generation resumed from an earlier step. The fence is read after the put, not before:
     a generation paused between the two (SIGSTOP, a frozen host) would otherwise commit after
     a newer one resumed; readers pass over such a manifest anyway, and taking it back leaves
     nothing stale for anyone to read. Both tiers commit this way."""
-    if not store.put_if_absent(key, json.dumps(body, indent=2, sort_keys=True).encode()):
+    if not store.put_if_absent(key, manifest.dump_bytes()):
         return CommitOutcome.ALREADY_THERE
     if Fences.read(store, run_id, run_uid).why_stale(generation, step):
         store.delete(key)
@@ -188,7 +194,7 @@ def counted(store: ObjectStore, run_id: str) -> list[CommittedCheckpoint]:
             continue
         try:
             manifest = read_manifest(store, commit.key)
-            if fences.why_stale(int(manifest["generation"]), commit.step):
+            if fences.why_stale(manifest.generation, commit.step):
                 continue
         except (IntegrityError, ObjectNotFound, ValueError, KeyError):
             continue
@@ -196,25 +202,15 @@ def counted(store: ObjectStore, run_id: str) -> list[CommittedCheckpoint]:
     return list(found.values())
 
 
-def read_manifest(store: ObjectStore, key: str) -> dict:
-    manifest = json.loads(store.get_bytes(key))
-    if manifest.get("format") != MANIFEST_FORMAT:
-        raise IntegrityError(f"{key} is not a {MANIFEST_FORMAT} manifest")
-    return manifest
+def read_manifest(store: ObjectStore, key: str) -> CheckpointManifest:
+    """The store-tier manifest at `key` (StoredFormatError, an IntegrityError, if it is not one
+    this build reads)."""
+    return CheckpointManifest.parse(store.get_bytes(key), key)
 
 
-def verify_files(store: ObjectStore, manifest: dict, what: str = "checkpoint file") -> None:
+def verify_files(store: ObjectStore, manifest: CheckpointManifest) -> None:
     """Check every file the manifest lists is in the store with its recorded size and sha256."""
-    for entry in manifest["files"]:
-        try:
-            size, sha256 = store.digest(entry["key"])
-        except ObjectNotFound:
-            raise IntegrityError(f"{what} {entry['key']} is missing") from None
-        if size != entry["bytes"] or sha256 != entry["sha256"]:
-            raise IntegrityError(
-                f"{what} {entry['key']} is corrupt: expected {entry['bytes']} bytes "
-                f"with sha256 {entry['sha256'][:12]}…, found {size} bytes with {sha256[:12]}…"
-            )
+    verify_stored_files(store, manifest.files, "checkpoint file")
 
 
 # Why resume passes a checkpoint over for an older one. NotOnTwin: the primary is down and one of
@@ -228,7 +224,7 @@ def find_latest(
     run_id: str,
     max_generation: int,
     on_skip: Callable[[str], None] = lambda _: None,
-    vet: Callable[[dict], None] = lambda _: None,
+    vet: Callable[[CheckpointManifest], None] = lambda _: None,
     run_uid: str = "",
     at_most_step: int | None = None,
 ) -> CommittedCheckpoint | None:
@@ -243,13 +239,13 @@ def find_latest(
             continue  # not faulty, only later than asked: nothing to report
         try:
             manifest = read_manifest(store, key)
-            if not belongs(manifest, run_uid):
-                on_skip(f"{key}: another run's (run_uid {manifest.get('run_uid') or 'none'})")
+            if not manifest.belongs_to(run_uid):
+                on_skip(f"{key}: another run's (run_uid {manifest.run_uid or 'none'})")
                 continue
-            if int(manifest["generation"]) > max_generation:
-                on_skip(f"{key}: generation {manifest['generation']} > {max_generation}")
+            if manifest.generation > max_generation:
+                on_skip(f"{key}: generation {manifest.generation} > {max_generation}")
                 continue
-            if stale := fences.why_stale(int(manifest["generation"]), step):
+            if stale := fences.why_stale(manifest.generation, step):
                 on_skip(f"{key}: {stale}")
                 continue
             verify_files(store, manifest)
@@ -341,11 +337,11 @@ def _usability(
 ) -> Usability:
     try:
         manifest = read_manifest(store, key)
-        if not belongs(manifest, run_uid):
+        if not manifest.belongs_to(run_uid):
             return Usability.FOREIGN
-        if fences.why_stale(int(manifest["generation"]), step):
+        if fences.why_stale(manifest.generation, step):
             return Usability.STALE
-        fingerprint = f"{key}@{manifest.get('committed_at')}"
+        fingerprint = f"{key}@{manifest.committed_at}"
         if verified is None or fingerprint not in verified:
             verify_files(store, manifest)
             if verified is not None:
@@ -365,7 +361,7 @@ def load_for_init(store: ObjectStore, key: str, architecture: dict) -> Committed
             f"init_from: no checkpoint manifest at {key} (pruned or never committed?)"
         ) from None
     verify_files(store, manifest)
-    saved = manifest["model_config"]
+    saved = manifest.network
     # Dropout is a training choice, not part of the network's shape.
     differ = sorted(
         name

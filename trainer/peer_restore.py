@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from infra.digest import sha256_bytes
 from trainer.checkpoint import local_path
+from trainer.checkpoint_manifest import CheckpointFile, CheckpointManifest
 from trainer.peer_tier import PeerTier
 
 
@@ -40,21 +41,21 @@ class Inventory:
 
 
 def gather_peer_checkpoint(
-    manifest: dict, tier: PeerTier, dest: Path, group: dist.ProcessGroup
+    manifest: CheckpointManifest, tier: PeerTier, dest: Path, group: dist.ProcessGroup
 ) -> str | None:
     """Every rank calls this. None: `dest` on every node holds every file of the peer
     checkpoint, verified. Otherwise why the tier cannot be used (the same on every rank)."""
-    files = manifest["files"]
+    files = manifest.files
     mine: Inventory | None = None
     if tier.local_rank == 0:
         dest.mkdir(parents=True, exist_ok=True)
         placed, rejected = [], []
         for entry in files:
             held = tier.holdings.holds(entry)
-            if tier.holdings.place(entry, local_path(dest, entry["name"])):
-                placed.append(entry["name"])
+            if tier.holdings.place(entry, local_path(dest, entry.name)):
+                placed.append(entry.name)
             elif held:
-                rejected.append(entry["name"])
+                rejected.append(entry.name)
         mine = Inventory(tier.node_id, placed, rejected)
     gathered: list[Inventory | None] = [None] * dist.get_world_size(group)
     dist.all_gather_object(gathered, mine, group=group)
@@ -71,12 +72,12 @@ def gather_peer_checkpoint(
     if len(leaders) < len(gathered):
         exchange = dist.new_group([dist.get_global_rank(group, r) for r in leaders], backend="gloo")
     for entry in files:
-        lacking = [rank for rank, inv in nodes.items() if entry["name"] not in inv.placed]
+        lacking = [rank for rank, inv in nodes.items() if entry.name not in inv.placed]
         if lacking and me in nodes:
-            source = min(rank for rank, inv in nodes.items() if entry["name"] in inv.placed)
+            source = min(rank for rank, inv in nodes.items() if entry.name in inv.placed)
             sender = dist.get_global_rank(group, source)
             if not _broadcast_file(entry, sender, me in lacking, dest, exchange):
-                corrupt.append(f"{entry['name']} arrived from {nodes[source].node_id} corrupt")
+                corrupt.append(f"{entry.name} arrived from {nodes[source].node_id} corrupt")
     # Also the barrier: the node's other ranks read `dest` only once it is whole.
     verdicts: list[list[str] | None] = [None] * dist.get_world_size(group)
     dist.all_gather_object(verdicts, corrupt, group=group)
@@ -86,35 +87,35 @@ def gather_peer_checkpoint(
     return None
 
 
-def _skipped(manifest: dict, why: str) -> str:
+def _skipped(manifest: CheckpointManifest, why: str) -> str:
     """The one line every rank says, and `forgeline status` lists, when the tier is unusable."""
-    step, generation = manifest["step"], manifest["generation"]
+    step, generation = manifest.step, manifest.generation
     return f"peer checkpoint step {step} (generation {generation}) skipped: {why}"
 
 
-def _why_missing(entry: dict, nodes: dict[int, Inventory]) -> str | None:
+def _why_missing(entry: CheckpointFile, nodes: dict[int, Inventory]) -> str | None:
     """Why no node of the gang placed this file, naming each node said to hold it."""
-    if any(entry["name"] in inv.placed for inv in nodes.values()):
+    if any(entry.name in inv.placed for inv in nodes.values()):
         return None
     present = {inv.node_id: inv for inv in nodes.values()}
     said = []
-    for holder in entry.get("holders", []):
+    for holder in entry.holders:
         if holder not in present:
             said.append(f"{holder} is not in this gang")
-        elif entry["name"] in present[holder].rejected:
+        elif entry.name in present[holder].rejected:
             said.append(f"{holder}'s copy does not verify (size or sha256)")
         else:
             said.append(f"{holder} has no copy")
-    return f"{entry['name']}: " + ", ".join(said or ["no node holds it"])
+    return f"{entry.name}: " + ", ".join(said or ["no node holds it"])
 
 
 def _broadcast_file(
-    entry: dict, source: int, write: bool, dest: Path, group: dist.ProcessGroup
+    entry: CheckpointFile, source: int, write: bool, dest: Path, group: dist.ProcessGroup
 ) -> bool:
     """`source` is a global rank. False when this rank was to write the file and what
     arrived does not verify."""
-    size = int(entry["bytes"])
-    path = local_path(dest, entry["name"])
+    size = entry.bytes
+    path = local_path(dest, entry.name)
     if size == 0:  # gloo broadcasts no empty tensor; there is nothing to send
         if write:
             path.write_bytes(b"")
@@ -127,7 +128,7 @@ def _broadcast_file(
     if not write:
         return True
     received = data.numpy().tobytes()
-    if sha256_bytes(received) != entry["sha256"]:
+    if sha256_bytes(received) != entry.sha256:
         return False
     path.write_bytes(received)
     return True

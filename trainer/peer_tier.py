@@ -19,7 +19,6 @@ Restoring from it (the nodes sending one another what each lacks) is
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -31,11 +30,10 @@ import torch.distributed as dist
 from infra.digest import sha256_bytes
 from infra.errors import IntegrityError, ObjectNotFound
 from infra.store.protocol import ObjectStore
+from trainer.checkpoint_manifest import CheckpointFile, CheckpointManifest, PeerManifest
 from trainer.local_copies import LocalCopies
 from trainer.manifest import CommitOutcome, CommittedCheckpoint, Fences, commit_fenced
-from trainer.run_identity import belongs
 
-PEER_FORMAT = "forgeline.peer-checkpoint/1"
 _PEER_KEY = re.compile(r"/peer/step-(\d+)/gen-(\d+)/MANIFEST\.json$")
 
 
@@ -79,12 +77,12 @@ class _Seat:
 
     node_id: str
     domain: str
-    files: list[dict]  # name, bytes, sha256
+    files: list[CheckpointFile]
 
 
 def send_to_peer(
-    tier: PeerTier, mine: list[tuple[Path, dict]], group: dist.ProcessGroup
-) -> list[dict]:
+    tier: PeerTier, mine: list[tuple[Path, CheckpointFile]], group: dist.ProcessGroup
+) -> list[CheckpointFile]:
     """Every rank calls this: each sends its files to its counterpart on its node's peer, and
     keeps them and what it received in its node's holdings. Returns the manifest's file list,
     each file with the two nodes that now hold it."""
@@ -112,46 +110,49 @@ def send_to_peer(
         # gloo sends no empty tensor: a rank without files sends one byte, which is dropped.
         payload = b"".join(path.read_bytes() for path, _ in mine) or b"\0"
         outgoing = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-        incoming = torch.empty(max(1, sum(int(e["bytes"]) for e in expected)), dtype=torch.uint8)
+        incoming = torch.empty(max(1, sum(e.bytes for e in expected)), dtype=torch.uint8)
         sent = dist.isend(outgoing, to[rank], group=group)
         received = dist.irecv(incoming, source, group=group)
         sent.wait()
         received.wait()
         _hold_received(tier.holdings, incoming.numpy().tobytes(), expected)
-    tier.holdings.keep([(path, entry["sha256"]) for path, entry in mine])
+    tier.holdings.keep([(path, entry.sha256) for path, entry in mine])
     files = []
     for seat in seats:
         assert seat is not None
         holder = nodes[peers[nodes.index(seat.node_id)]]
         for entry in seat.files:
-            files.append({**entry, "holders": sorted({seat.node_id, holder})})
+            files.append(entry.model_copy(update={"holders": sorted({seat.node_id, holder})}))
     return files
 
 
-def _hold_received(holdings: LocalCopies, data: bytes, expected: list[dict]) -> None:
+def _hold_received(holdings: LocalCopies, data: bytes, expected: list[CheckpointFile]) -> None:
     """Split what the predecessor sent into its files, each checked against what it said."""
     at = 0
     for entry in expected:
-        size = int(entry["bytes"])
-        chunk = data[at : at + size]
-        at += size
-        if sha256_bytes(chunk) != entry["sha256"]:
+        chunk = data[at : at + entry.bytes]
+        at += entry.bytes
+        if sha256_bytes(chunk) != entry.sha256:
             raise IntegrityError(
-                f"peer copy of {entry['name']} arrived corrupt: expected sha256 "
-                f"{entry['sha256'][:12]}…, got {sha256_bytes(chunk)[:12]}…"
+                f"peer copy of {entry.name} arrived corrupt: expected sha256 "
+                f"{entry.sha256[:12]}…, got {sha256_bytes(chunk)[:12]}…"
             )
-        holdings.hold(entry["sha256"], chunk)
+        holdings.hold(entry.sha256, chunk)
 
 
 def write_peer_manifest(
-    store: ObjectStore, manifest: dict, run_id: str, step: int, generation: int, run_uid: str
+    store: ObjectStore,
+    manifest: CheckpointManifest,
+    run_id: str,
+    step: int,
+    generation: int,
+    run_uid: str,
 ) -> str | None:
     """Rank 0's commit of a peer checkpoint: the manifest, create-if-absent at this generation's
     own key, taken back if a later generation resumed meanwhile (as for the store tier); then
     every older peer manifest of the run goes. Its key, or None if taken back."""
     key = peer_manifest_key(run_id, step, generation)
-    body = {**manifest, "format": PEER_FORMAT, "tier": "peer"}
-    outcome = commit_fenced(store, key, body, run_id, run_uid, generation, step)
+    outcome = commit_fenced(store, key, manifest.as_peer(), run_id, run_uid, generation, step)
     if outcome is not CommitOutcome.COMMITTED:
         return None
     for older in store.list(f"runs/{run_id}/peer/"):
@@ -177,11 +178,11 @@ def find_peer(
             found.append((int(match.group(1)), int(match.group(2)), key))
     for step, generation, key in sorted(found, reverse=True):
         try:
-            manifest = json.loads(store.get_bytes(key))
-        except (ObjectNotFound, ValueError) as err:
+            manifest = PeerManifest.parse(store.get_bytes(key), key)
+        except (ObjectNotFound, IntegrityError) as err:
             on_skip(f"{key}: {err}")
             continue
-        if manifest.get("format") != PEER_FORMAT or not belongs(manifest, run_uid):
+        if not manifest.belongs_to(run_uid):
             on_skip(f"{key}: not this run's peer manifest")
             continue
         if generation > max_generation:

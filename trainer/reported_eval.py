@@ -12,6 +12,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from trainer.checkpoint_manifest import CheckpointManifest
+
 
 @dataclass(frozen=True)
 class ReportedEval:
@@ -25,16 +27,16 @@ class ReportedEval:
         return math.exp(min(self.val_loss, 700.0))
 
 
-def reported_evaluation(manifest: dict) -> ReportedEval | None:
+def reported_evaluation(manifest: CheckpointManifest) -> ReportedEval | None:
     """The script's newest held-out loss as of this checkpoint, else its last logged train
     loss; None when the manifest holds neither (or only non-finite values)."""
-    found = manifest.get("evaluation")
-    if isinstance(found, dict) and math.isfinite(float(found.get("val_loss", math.nan))):
+    found = manifest.evaluation
+    if found is not None and math.isfinite(float(found.get("val_loss", math.nan))):
         return ReportedEval(
             int(found["step"]), float(found["val_loss"]), int(found.get("val_tokens", 0)),
             "held-out",
         )  # fmt: skip
-    history = [(int(s), float(v)) for s, v in manifest.get("loss_history", []) if math.isfinite(v)]
+    history = [(s, v) for s, v in manifest.loss_history if math.isfinite(v)]
     if history:
         step, loss = history[-1]
         return ReportedEval(step, loss, 0, "train")

@@ -12,6 +12,7 @@ from safetensors.torch import save_file
 
 from infra.requirements import declared
 from trainer.checkpoint import load_model_state
+from trainer.checkpoint_manifest import CheckpointManifest
 from trainer.serving import (
     WEIGHTS_FILE,
     ServedCode,
@@ -24,7 +25,7 @@ USER_ENTRY = Path(__file__).with_name("user_serving_entry.py")
 
 
 def export_weights(
-    checkpoint_folder: Path, manifest: dict, tokenizer_file: Path, dest: Path
+    checkpoint_folder: Path, manifest: CheckpointManifest, tokenizer_file: Path, dest: Path
 ) -> dict[str, str]:
     """The artifacts of a weights-only version, by name; the file names match the built-in
     GPT's, so a version of either kind holds its weights at the same place."""
@@ -32,7 +33,7 @@ def export_weights(
     # DCP loads every tensor into memory of its own: nothing is shared, save_file is enough.
     state = {k: v.contiguous() for k, v in load_model_state(checkpoint_folder).items()}
     save_file(state, str(dest / WEIGHTS_FILE))
-    return write_artifacts(dest, manifest.get("model_config", {}), tokenizer_file)
+    return write_artifacts(dest, manifest.network, tokenizer_file)
 
 
 def user_served_code(code_folder: Path, serving: dict) -> ServedCode:

@@ -109,11 +109,11 @@ def load_report(settings: Settings, snapshot_id: str) -> dict:
         raise DataCliError(
             f"no snapshot {snapshot_id!r} in {store.url}: see `forgeline data prepare SPEC`"
         )
-    report = snapshot.manifest["report"]
-    saved = json.loads(store.get_bytes(report["summary"]["key"]))
+    report = snapshot.manifest.report
+    saved = json.loads(store.get_bytes(report["summary"].key))
     with tempfile.TemporaryDirectory(prefix="forgeline-report-") as tmp:
         table = Path(tmp) / "documents.parquet"
-        store.get_file(report["documents"]["key"], table)
+        store.get_file(report["documents"].key, table)
         con = connect("512MB", Path(tmp) / "spill")
         return {**saved, **summarize(con, table), "manifest_key": snapshot.manifest_key}
 

@@ -7,7 +7,6 @@ with every hash checked against the store now (not just what was recorded then).
 
 from __future__ import annotations
 
-import json
 import re
 import tempfile
 from dataclasses import dataclass
@@ -16,12 +15,15 @@ from typing import Annotated
 
 import typer
 
+from dataprep.dataset_manifest import DatasetManifest
 from infra import code_snapshot
 from infra.digest import sha256_bytes
 from infra.errors import IntegrityError, ObjectNotFound
 from infra.processes import http_ok
 from infra.settings import Settings
-from infra.store.protocol import ObjectStore
+from infra.store.protocol import ObjectStore, verify_stored_files
+from infra.stored_format import StoredFormatError
+from registry.lineage_tags import LineageTags
 from registry.names import CHECKPOINT_TAG, DECISION_TAG, IDEMPOTENCY_TAG
 from trainer.manifest import read_manifest, verify_files
 from worker.cli_common import CliError, ExitCode, check_name, console, get_settings
@@ -99,26 +101,26 @@ def trace(settings: Settings, store: ObjectStore, name: str, version: str) -> li
     tags = found.tags
     if CHECKPOINT_TAG not in tags:
         raise LineageError(f"{name} version {version} has no forgeline lineage tags")
+    try:
+        lineage = LineageTags.read(tags, f"{name} version {found.version}")
+    except StoredFormatError as err:
+        raise LineageError(str(err)) from None
     run = client.get_run(found.run_id)
     aliases = ", ".join(found.aliases) or "none"
-    code = f"git {tags.get('forgeline.git_commit', '?')}"
-    if tags.get("forgeline.git_dirty") == "true":
+    code = f"git {lineage.git_commit}"
+    if lineage.git_dirty:
         code += " (with uncommitted changes)"
-    workflow_id = tags.get("forgeline.temporal_workflow_id", "?")
     history = f"{settings.temporal_ui_url}/namespaces/{settings.temporal_namespace}/workflows"
+    workflow = f"{history}/{lineage.temporal_workflow_id}/{tags.get(IDEMPOTENCY_TAG, '')}"
     return [
         Link("version", f"{name} v{found.version} (aliases: {aliases}); {_decision(tags)}"),
         Link("mlflow run", f"{run.info.run_name} ({found.run_id})"),
-        _checkpoint(store, tags[CHECKPOINT_TAG]),
-        _dataset(
-            store,
-            tags["forgeline.dataset_manifest_key"],
-            tags["forgeline.dataset_manifest_sha256"],
-        ),
+        _checkpoint(store, lineage.checkpoint_manifest_key),
+        _dataset(store, lineage.dataset_manifest_key, lineage.dataset_manifest_sha256),
         Link("code", code),
-        *([_user_code(store, tags)] if "forgeline.code_snapshot" in tags else []),
-        Link("spec", f"sha256 {tags.get('forgeline.spec_sha256', '?')}"),
-        Link("temporal", f"{history}/{workflow_id}/{tags.get(IDEMPOTENCY_TAG, '')}".rstrip("/")),
+        *([_user_code(store, lineage)] if lineage.code_snapshot else []),
+        Link("spec", f"sha256 {lineage.spec_sha256}"),
+        Link("temporal", workflow.rstrip("/")),
     ]
 
 
@@ -136,21 +138,21 @@ def _checkpoint(store: ObjectStore, key: str) -> Link:
     except (IntegrityError, ObjectNotFound) as err:
         return Link("checkpoint", key, str(err))
     detail = (
-        f"{key}: step {manifest['step']}, generation {manifest['generation']}, "
-        f"{len(manifest['files'])} files, {manifest.get('tokens_seen', 0):,} tokens seen"
+        f"{key}: step {manifest.step}, generation {manifest.generation}, "
+        f"{len(manifest.files)} files, {manifest.tokens_seen:,} tokens seen"
     )
     return Link("checkpoint", detail, "ok")
 
 
-def _user_code(store: ObjectStore, tags: dict[str, str]) -> Link:
+def _user_code(store: ObjectStore, lineage: LineageTags) -> Link:
     """The user's code snapshot that trained the version, every file checked against the
     manifest whose digest the version recorded (fetched to a scratch folder: code is small)."""
-    snapshot = tags["forgeline.code_snapshot"]
-    entry = tags.get("forgeline.entrypoint", "?")
+    snapshot = lineage.code_snapshot or ""
+    entry = "?" if lineage.entrypoint is None else lineage.entrypoint
     try:
         with tempfile.TemporaryDirectory(prefix="forgeline-lineage-") as scratch:
             folder = code_snapshot.fetch(
-                store, snapshot, tags.get("forgeline.code_manifest_sha256", ""), Path(scratch)
+                store, snapshot, lineage.code_manifest_sha256 or "", Path(scratch)
             )
             files = sum(1 for p in folder.rglob("*") if p.is_file())
     except (IntegrityError, ObjectNotFound) as err:
@@ -165,20 +167,18 @@ def _dataset(store: ObjectStore, key: str, recorded_sha256: str) -> Link:
         return Link("dataset", key, "the snapshot's manifest is gone from the store")
     if sha256_bytes(data) != recorded_sha256:
         return Link("dataset", key, f"manifest sha256 is not the recorded {recorded_sha256[:12]}…")
-    manifest = json.loads(data)
-    # Every file the snapshot is made of: token shards, tokenizer, per-document report.
-    files = [shard for split in manifest["splits"].values() for shard in split["shards"]]
-    files += [manifest["tokenizer"], *manifest["report"].values()]
     try:
-        verify_files(store, {"files": files}, what="dataset file")
+        manifest = DatasetManifest.parse(data, key)
+        files = manifest.files()
+        verify_stored_files(store, files, "dataset file")
     except IntegrityError as err:
         return Link("dataset", key, str(err))
-    docs = manifest["documents"]
-    sources = ", ".join(s["path"] for s in manifest["sources"])
+    docs = manifest.documents
+    sources = ", ".join(s.path for s in manifest.sources)
     detail = (
-        f"snapshot {manifest['snapshot_id']} from {sources}: {docs['read']:,} documents read, "
-        f"{docs['filtered']:,} filtered, {docs['exact_duplicates'] + docs['near_duplicates']:,} "
-        f"duplicates removed; train {docs['train']:,} / val {docs['val']:,} documents; "
+        f"snapshot {manifest.snapshot_id} from {sources}: {docs.read:,} documents read, "
+        f"{docs.filtered:,} filtered, {docs.exact_duplicates + docs.near_duplicates:,} "
+        f"duplicates removed; train {docs.train:,} / val {docs.val:,} documents; "
         f"{len(files)} files"
     )
     return Link("dataset", detail, "ok")

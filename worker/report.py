@@ -56,7 +56,7 @@ def fetch_checkpoints(store: ObjectStore, run_id: str) -> list[CheckpointMark]:
     """The checkpoints still in the store (pruning keeps the newest few), oldest first."""
     marks = []
     for kept in reversed(counted(store, run_id)):
-        committed = kept.manifest.get("committed_at")
+        committed = kept.manifest.committed_at
         if committed:
             marks.append(CheckpointMark(kept.step, kept.generation, _parse(committed)))
     return marks

@@ -9,11 +9,12 @@ here, once for all of them, so no key escapes a store's root or aliases another.
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Protocol
 
 from infra.digest import sha256_file
-from infra.errors import IntegrityError, InvalidKey
+from infra.errors import IntegrityError, InvalidKey, ObjectNotFound
 
 _KEY_PART = re.compile(r"^[A-Za-z0-9._=-]+$")
 # Temporary files of in-flight writes start with this; no key may, so none is ever listed.
@@ -67,3 +68,29 @@ def fetch_verified(store: ObjectStore, key: str, dest: Path, sha256: str, size: 
             f"got {actual_size} bytes with sha256 {actual_sha[:12]}…"
         )
     return dest
+
+
+class Digested(Protocol):
+    """A file that a manifest or record names: its key, size and sha256."""
+
+    @property
+    def key(self) -> str: ...
+    @property
+    def bytes(self) -> int: ...
+    @property
+    def sha256(self) -> str: ...
+
+
+def verify_stored_files(store: ObjectStore, files: Iterable[Digested], what: str) -> None:
+    """Check every file is in the store with its recorded size and sha256 (IntegrityError,
+    naming the first that is missing or differs)."""
+    for entry in files:
+        try:
+            size, sha256 = store.digest(entry.key)
+        except ObjectNotFound:
+            raise IntegrityError(f"{what} {entry.key} is missing") from None
+        if size != entry.bytes or sha256 != entry.sha256:
+            raise IntegrityError(
+                f"{what} {entry.key} is corrupt: expected {entry.bytes} bytes "
+                f"with sha256 {entry.sha256[:12]}…, found {size} bytes with {sha256[:12]}…"
+            )

@@ -25,7 +25,7 @@ def test_an_older_checkpoint_that_does_not_verify_is_left_out_of_the_curve(
     train = TRAIN.model_copy(update={"steps": 30, "checkpoint_every": 10, "keep_checkpoints": 3})
     trainer.run(trainer.job("curve", train), ranks=1)
     store = trainer.store
-    rotten = read_manifest(store, manifest_key("curve", 10, 1))["files"][0]["key"]
+    rotten = read_manifest(store, manifest_key("curve", 10, 1)).files[0].key
     store.put_bytes(rotten, b"bit rot")
     latest = find_latest(store, "curve", max_generation=1)
     assert latest is not None and latest.step == 30

@@ -12,14 +12,15 @@ from activities.control import ControlActivities
 from infra.settings import Settings
 from infra.store.local import LocalStore
 from tests.trainer.test_fencing import commit
+from trainer.checkpoint_manifest import CheckpointManifest
 from trainer.manifest import Fences, record_generation
 from trainer.peer_tier import write_peer_manifest
 from workflows.contracts.models import CheckpointRef, LatestCheckpointInput
 
 
 def peer_commit(store: LocalStore, step: int, generation: int) -> str | None:
-    manifest = {"run_id": "r", "step": step, "generation": generation, "tokens_seen": step,
-                "files": []}  # fmt: skip
+    manifest = CheckpointManifest(run_id="r", step=step, generation=generation, tokens_seen=step,
+                                  files=[])  # fmt: skip
     return write_peer_manifest(store, manifest, "r", step, generation, run_uid="")
 
 

@@ -23,7 +23,7 @@ from infra.cache_budget import INDEX
 from infra.settings import SettingsError, load_settings
 from infra.store.local import LocalStore
 from tests.conftest import SHAKESPEARE
-from trainer.manifest import MANIFEST_FORMAT
+from trainer.checkpoint_manifest import MANIFEST_FORMAT
 from workflows.contracts.models import CheckpointRef
 
 
@@ -193,6 +193,8 @@ def _put_checkpoint(store: LocalStore, folder: str, size: int) -> _Checkpoint:
     store.put_bytes(key, data)
     manifest = {
         "format": MANIFEST_FORMAT,
+        "step": 10,
+        "generation": 1,
         "files": [
             {
                 "name": "shard-0.bin",

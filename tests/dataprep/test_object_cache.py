@@ -11,6 +11,7 @@ from typing import Any
 import duckdb
 import pytest
 
+from dataprep.dataset_manifest import DatasetManifest
 from dataprep.errors import BadRecordsError, SourceChangedError
 from dataprep.filters import FilterSettings
 from dataprep.plan import plan_snapshot
@@ -22,16 +23,16 @@ from infra.store.local import LocalStore
 SPEECHES = SnapshotSettings(filters=FilterSettings(min_words=1), shard_tokens=20_000)
 
 
-def _documents(store: LocalStore, manifest: dict) -> list[tuple]:
+def _documents(store: LocalStore, manifest: DatasetManifest) -> list[tuple]:
     """The per-document report without the source column (a path here, a URL there)."""
-    path = store.root / manifest["report"]["documents"]["key"]
+    path = store.root / manifest.report["documents"].key
     return duckdb.sql(
         f"SELECT * EXCLUDE (source) FROM read_parquet('{path}') ORDER BY doc_id"
     ).fetchall()
 
 
-def _shards(manifest: dict) -> list[str]:
-    return [s["sha256"] for split in ("train", "val") for s in manifest["splits"][split]["shards"]]
+def _shards(manifest: DatasetManifest) -> list[str]:
+    return [s.sha256 for split in ("train", "val") for s in manifest.splits[split].shards]
 
 
 @pytest.fixture
@@ -73,12 +74,12 @@ def test_a_snapshot_of_objects_holds_the_documents_of_the_same_files(
     assert {row[2] for row in rows} == {"text", "code"} and len(rows) > 50
     # Same documents in the same order: the token shards are the same bytes.
     assert _shards(remote.manifest) == _shards(local.manifest)
-    sources = remote.manifest["sources"]
+    sources = remote.manifest.sources
     assert [s["path"] for s in sources] == [f"s3://{bucket}/{key}" for key in sorted(docs)]
     assert all(set(s) == {"path", "format", "bytes", "etag"} for s in sources)
     by_source = duckdb.sql(
         f"SELECT DISTINCT source FROM read_parquet('{store.root}/"
-        f"{remote.manifest['report']['documents']['key']}') ORDER BY 1"
+        f"{remote.manifest.report['documents'].key}') ORDER BY 1"
     ).fetchall()
     assert [s for (s,) in by_source] == [f"s3://{bucket}/{key}" for key in sorted(docs)]
     # One copy per object version, beside the work folder (a data worker's: see scan_chunk).

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from tokenizers import Tokenizer
 
-from dataprep.dataset_manifest import load_manifest
+from dataprep.dataset_manifest import DatasetManifest, load_manifest
 from dataprep.errors import BadRecordsError, EmptyCorpusError, SourceError
 from dataprep.filters import FilterSettings
 from dataprep.settings import DedupSettings, SnapshotSettings, TokenizerSettings
@@ -37,8 +37,8 @@ def prepare(paths: list[Path], settings: SnapshotSettings, store: LocalStore, tm
     return prepare_snapshot([str(p) for p in paths], settings, store, tmp_path / "work")
 
 
-def documents_table(store: LocalStore, manifest: dict) -> list[dict]:
-    path = store.root / manifest["report"]["documents"]["key"]
+def documents_table(store: LocalStore, manifest: DatasetManifest) -> list[dict]:
+    path = store.root / manifest.report["documents"].key
     cursor = duckdb.sql(f"SELECT * FROM read_parquet('{path}') ORDER BY doc_id")
     return [dict(zip(cursor.columns, row, strict=True)) for row in cursor.fetchall()]
 
@@ -51,21 +51,21 @@ def test_snapshot_is_complete_and_every_file_verifies(
     manifest = snap.manifest
     assert not snap.reused
     # The appended speech and its reformatted copy duplicate the corpus's first speech.
-    assert manifest["documents"]["exact_duplicates"] >= 2
-    train, val = manifest["splits"]["train"], manifest["splits"]["val"]
-    assert 0.05 < val["tokens"] / (train["tokens"] + val["tokens"]) < 0.2
+    assert manifest.documents.exact_duplicates >= 2
+    train, val = manifest.splits["train"], manifest.splits["val"]
+    assert 0.05 < val.tokens / (train.tokens + val.tokens) < 0.2
     for split in (train, val):
-        sizes = [s["tokens"] for s in split["shards"]]
+        sizes = [s.tokens for s in split.shards]
         assert all(n == 20_000 for n in sizes[:-1]) and 0 < sizes[-1] <= 20_000
-        assert sum(sizes) == split["tokens"]
-    for entry in [*train["shards"], *val["shards"], manifest["tokenizer"]]:
-        assert store.digest(entry["key"]) == (entry["bytes"], entry["sha256"])
-    assert manifest["sources"][0]["path"] == str(corpus)
+        assert sum(sizes) == split.tokens
+    for entry in [*train.shards, *val.shards, manifest.tokenizer]:
+        assert store.digest(entry.key) == (entry.bytes, entry.sha256)
+    assert manifest.sources[0].path == str(corpus)
     assert store.list(f"datasets/{snap.snapshot_id}/work/") == []  # intermediates are gone
     rows = documents_table(store, manifest)
-    assert len(rows) == manifest["documents"]["read"]
+    assert len(rows) == manifest.documents.read
     kept = [r for r in rows if r["status"] == "kept"]
-    assert sum(r["tokens"] for r in kept) == train["tokens"] + val["tokens"]
+    assert sum(r["tokens"] for r in kept) == train.tokens + val.tokens
 
 
 def test_tokens_decode_back_to_the_documents(
@@ -73,10 +73,10 @@ def test_tokens_decode_back_to_the_documents(
 ) -> None:
     snap = prepare([corpus], SPEECHES, store, tmp_path)
     manifest = snap.manifest
-    tokenizer = Tokenizer.from_file(str(store.root / manifest["tokenizer"]["key"]))
-    shard = manifest["splits"]["train"]["shards"][0]
-    tokens = np.fromfile(store.root / shard["key"], dtype=manifest["dtype"]).tolist()
-    eod = manifest["tokenizer"]["end_of_document_id"]
+    tokenizer = Tokenizer.from_file(str(store.root / manifest.tokenizer.key))
+    shard = manifest.splits["train"].shards[0]
+    tokens = np.fromfile(store.root / shard.key, dtype=manifest.dtype).tolist()
+    eod = manifest.tokenizer.end_of_document_id
     first = tokens[: tokens.index(eod)]
     assert (
         tokenizer.decode(first) == "First Citizen:\nBefore we proceed any further, hear me speak."
@@ -99,7 +99,7 @@ def test_same_sources_and_settings_reuse_the_snapshot(
         tmp_path,
     )
     assert other.snapshot_id != first.snapshot_id
-    assert other.manifest["tokenizer"]["vocab_size"] == 257
+    assert other.manifest.tokenizer.vocab_size == 257
 
 
 def test_planted_near_duplicates_are_found(store: LocalStore, tmp_path: Path) -> None:
@@ -115,7 +115,7 @@ def test_planted_near_duplicates_are_found(store: LocalStore, tmp_path: Path) ->
     assert all(by_line[line]["status"] == "exact" for line in planted.exact_copies)
     for line in near:  # the copy points at its base, the line just before it
         assert by_line[line]["duplicate_of"] == by_line[line - 1]["doc_id"]
-    report = json.loads((store.root / snap.manifest["report"]["summary"]["key"]).read_bytes())
+    report = json.loads((store.root / snap.manifest.report["summary"].key).read_bytes())
     assert report["documents"]["near_duplicates"] == len(near)
     assert report["dedup"]["verified_pairs"] >= len(near)
     assert report["dedup_examples"][0]["jaccard"] >= 0.8
@@ -135,7 +135,7 @@ def test_mixed_sources_with_bad_records(store: LocalStore, tmp_path: Path) -> No
         reader=SnapshotSettings().reader.__class__(max_bad_fraction=0.05),
     )
     snap = prepare([code, tmp_path / "web.jsonl", SHAKESPEARE], settings, store, tmp_path)
-    report = json.loads((store.root / snap.manifest["report"]["summary"]["key"]).read_bytes())
+    report = json.loads((store.root / snap.manifest.report["summary"].key).read_bytes())
     kinds = {(r["kind"], r["language"]) for r in report["by_kind"]}
     assert {("code", "c"), ("code", "python"), ("text", "")} <= kinds
     assert report["bad_records"]["by_reason"] == {"invalid JSON": 1}
@@ -201,7 +201,7 @@ def test_a_stage_killed_midway_resumes_where_it_stopped(store: LocalStore, tmp_p
         [str(parts)], settings, LocalStore(tmp_path / "clean"), tmp_path / "w3"
     )
     assert resumed.snapshot_id == clean.snapshot_id
-    shards = lambda m: [s["sha256"] for split in m["splits"].values() for s in split["shards"]]  # noqa: E731
+    shards = lambda m: [s.sha256 for split in m.splits.values() for s in split.shards]  # noqa: E731
     assert shards(resumed.manifest) == shards(clean.manifest)
 
 
@@ -210,11 +210,11 @@ def test_bpe_snapshot(corpus: Path, store: LocalStore, tmp_path: Path) -> None:
         filters=FilterSettings(min_words=1), tokenizer=TokenizerSettings(kind="bpe", vocab_size=600)
     )
     snap = prepare([corpus], settings, store, tmp_path)
-    assert snap.manifest["tokenizer"]["kind"] == "bpe"
-    assert snap.manifest["tokenizer"]["vocab_size"] == 600
-    assert snap.manifest["dtype"] == "uint16"
+    assert snap.manifest.tokenizer.kind == "bpe"
+    assert snap.manifest.tokenizer.vocab_size == 600
+    assert snap.manifest.dtype == "uint16"
     # Merges compress: fewer tokens than characters.
-    assert snap.manifest["splits"]["train"]["tokens"] < 0.6 * corpus.stat().st_size
+    assert snap.manifest.splits["train"].tokens < 0.6 * corpus.stat().st_size
 
 
 def test_changed_manifest_is_detected(corpus: Path, store: LocalStore, tmp_path: Path) -> None:

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from dataprep.dataset_manifest import load_manifest, snapshot_files
+from dataprep.dataset_manifest import load_manifest
 from dataprep.dedup_stage import dedup_snapshot
 from dataprep.filters import FilterSettings
 from dataprep.plan import SnapshotPlan, plan_snapshot
@@ -110,8 +110,8 @@ def assert_one_snapshot(store: ObjectStore, commits: list[Snapshot]) -> None:
     assert a.manifest_sha256 == b.manifest_sha256 == sha256_bytes(stored)
     for commit in commits:
         assert load_manifest(store, commit.manifest_key, commit.manifest_sha256) == a.manifest
-    for entry in snapshot_files(a.manifest):
-        assert store.digest(entry["key"]) == (entry["bytes"], entry["sha256"]), entry["key"]
+    for entry in a.manifest.files():
+        assert store.digest(entry.key) == (entry.bytes, entry.sha256), entry.key
     assert store.list(f"datasets/{a.snapshot_id}/work/") == []
 
 

@@ -198,16 +198,16 @@ def fetched_checkpoint(store: ObjectStore, run: str, scratch: Path) -> tuple[Pat
     assert found is not None, f"{run} has no committed checkpoint"
     folder = scratch / f"{run}-step-{found.step}"
     prefix = found.key.rsplit("/", 1)[0] + "/"
-    for entry in found.manifest["files"]:
-        dest = folder / entry["key"].removeprefix(prefix)
-        fetch_verified(store, entry["key"], dest, entry["sha256"], entry["bytes"])
+    for entry in found.manifest.files:
+        dest = folder / entry.key.removeprefix(prefix)
+        fetch_verified(store, entry.key, dest, entry.sha256, entry.bytes)
     return folder, found.manifest
 
 
 def final_weights(stack: Stack, run: str, scratch: Path) -> dict[str, torch.Tensor]:
     """The built-in GPT's weights of the run's last committed checkpoint."""
     folder, manifest = final_checkpoint(stack, run, scratch)
-    return load_model(folder, manifest["model_config"]).state_dict()
+    return load_model(folder, manifest.network).state_dict()
 
 
 def flip_a_byte(store: ObjectStore, key: str) -> bytes:

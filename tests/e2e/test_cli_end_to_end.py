@@ -242,7 +242,7 @@ def test_a_cancelled_run_resumes_from_its_last_checkpoint(stack: Stack, tmp_path
     final = find_latest(store, "tiny-resume", max_generation=10**9)
     assert final is not None and final.step == 1200
     # One loss curve across both executions: the second began where the first's checkpoint was.
-    steps = [s for s, _ in final.manifest["loss_history"]]
+    steps = [s for s, _ in final.manifest.loss_history]
     assert steps == sorted(set(steps)) and steps[-1] == 1200 and steps[0] <= kept, steps[:3]
 
     # A finished run goes back to a step it keeps (keep_checkpoints = 2: 1100 and 1200) and
@@ -270,10 +270,10 @@ def test_a_cancelled_run_resumes_from_its_last_checkpoint(stack: Stack, tmp_path
     status = stack.cli("status", "tiny-resume").stdout
     assert re.search(r"checkpoint +step 1200 \(generation \d+,", status), status
     resized = find_latest(store, "tiny-resume", max_generation=10**9)
-    assert resized is not None and resized.manifest["world_size"] == 1, resized
+    assert resized is not None and resized.manifest.world_size == 1, resized
     # The same global batch (batch_size is all ranks together's): the curve goes on.
-    loss = dict(resized.manifest["loss_history"])
-    before = dict(final.manifest["loss_history"])
+    loss = dict(resized.manifest.loss_history)
+    before = dict(final.manifest.loss_history)
     assert abs(loss[1200] - before[1200]) < 0.05 * before[1200], (loss[1200], before[1200])
 
 
@@ -346,7 +346,7 @@ def test_a_team_reclaims_its_guarantee_and_the_victim_resumes_exactly(
         final = find_latest(store, "borrower", max_generation=10**9)
         expected = find_latest(store, reference, max_generation=10**9)
         assert final is not None and expected is not None
-        assert final.manifest["loss_history"] == expected.manifest["loss_history"]
+        assert final.manifest.loss_history == expected.manifest.loss_history
         weights, theirs = (
             final_weights(stack, "borrower", tmp_path),
             final_weights(stack, reference, tmp_path),

@@ -30,7 +30,7 @@ def status(stack: Stack) -> RunStatus:
 def losses(store: ObjectStore, run: str) -> list[float]:
     final = find_latest(store, run, max_generation=10**9)
     assert final is not None
-    return [loss for _, loss in final.manifest["loss_history"]]
+    return [loss for _, loss in final.manifest.loss_history]
 
 
 # Slow: a run that shrinks and grows back on the stack (about 100 s). In make test: the policy

@@ -112,7 +112,7 @@ def test_three_sigkills_and_a_flipped_byte_change_no_weight(
     final = find_latest(store, "tiny-kill", max_generation=10**9)
     expected = find_latest(store, reference, max_generation=10**9)
     assert final is not None and expected is not None and final.generation >= 4
-    assert final.manifest["loss_history"] == expected.manifest["loss_history"]
+    assert final.manifest.loss_history == expected.manifest.loss_history
     weights, theirs = (
         final_weights(stack, "tiny-kill", tmp_path),
         final_weights(stack, reference, tmp_path),
@@ -189,10 +189,10 @@ def _fenced_when_it_comes_back(
     fences = Fences.read(store, "tiny-pause")
     for commit in commits(store, "tiny-pause"):
         manifest = json.loads(store.get_bytes(commit.key))
-        assert fences.why_stale(manifest["generation"], commit.step) is None, commit
+        assert fences.why_stale(manifest.generation, commit.step) is None, commit
     final = find_latest(store, "tiny-pause", max_generation=10**9)
     assert final is not None and final.step == 200 and final.generation > int(generation)
-    assert [s for s, _ in final.manifest["loss_history"]] == list(range(5, 201, 5))
+    assert [s for s, _ in final.manifest.loss_history] == list(range(5, 201, 5))
     # Its processes are on their way out, not necessarily gone: the new generation can finish
     # first. Having said "stopped", the ranks exit, and their agent stops torchrun after its
     # exit grace (5 s) and kills what is left 10 s after that (trainer.launch).
@@ -243,7 +243,7 @@ def test_corrupt_gradients_are_traced_to_their_node_and_rolled_back(
         final = find_latest(store, "tiny-nan", max_generation=10**9)
         expected = find_latest(store, reference, max_generation=10**9)
         assert final is not None and expected is not None and final.generation > generation
-        assert final.manifest["loss_history"] == expected.manifest["loss_history"]
+        assert final.manifest.loss_history == expected.manifest.loss_history
         weights, theirs = (
             final_weights(stack, "tiny-nan", tmp_path),
             final_weights(stack, reference, tmp_path),

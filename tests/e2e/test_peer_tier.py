@@ -67,7 +67,7 @@ def test_a_dead_node_costs_the_steps_since_the_last_peer_checkpoint(
     final = find_latest(stack.store(), "peer-kill", max_generation=10**9)
     expected = find_latest(stack.store(), reference, max_generation=10**9)
     assert final is not None and expected is not None
-    assert final.manifest["loss_history"] == expected.manifest["loss_history"]
+    assert final.manifest.loss_history == expected.manifest.loss_history
     weights = final_weights(stack, "peer-kill", tmp_path)
     theirs = final_weights(stack, reference, tmp_path)
     assert weights.keys() == theirs.keys()

@@ -76,7 +76,7 @@ def test_the_twin_serves_resume_and_evaluation_while_the_primary_is_down(
     final = find_latest(store, "tiny-twin", max_generation=10**9)
     expected = find_latest(store, reference, max_generation=10**9)
     assert final is not None and expected is not None and final.step == 300
-    assert final.manifest["loss_history"] == expected.manifest["loss_history"]
+    assert final.manifest.loss_history == expected.manifest.loss_history
     weights = final_weights(stack, "tiny-twin", tmp_path)
     theirs = final_weights(stack, reference, tmp_path)
     assert all(torch.equal(weights[k], theirs[k]) for k in theirs)

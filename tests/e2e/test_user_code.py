@@ -101,7 +101,7 @@ def test_your_own_script_recovers_from_a_dead_node_and_is_registered(
     final = find_latest(store, "byo-gru", max_generation=10**9)
     expected = find_latest(store, "byo-ref", max_generation=10**9)
     assert final is not None and expected is not None and final.generation >= 2
-    assert final.manifest["loss_history"] == expected.manifest["loss_history"]
+    assert final.manifest.loss_history == expected.manifest.loss_history
     ours, theirs = weights_of(stack, "byo-gru", tmp_path), weights_of(stack, "byo-ref", tmp_path)
     assert ours.keys() == theirs.keys() and "rnn.weight_ih_l0" in ours
     assert all(torch.equal(ours[k], theirs[k]) for k in theirs)
@@ -132,10 +132,10 @@ def test_the_fsdp_convnet_example_trains_to_approval_and_is_registered(
     assert "AWAITING_APPROVAL" in followed, followed
 
     folder, manifest = final_checkpoint(stack, "byo-convnet", tmp_path)
-    assert manifest["step"] == 12 and manifest["world_size"] == 2
-    assert manifest["layout"] == {"replicate": 1, "shard": 2, "tensor": 1, "strategy": "fsdp",
+    assert manifest.step == 12 and manifest.world_size == 2
+    assert manifest.layout == {"replicate": 1, "shard": 2, "tensor": 1, "strategy": "fsdp",
                                   "world_size": 2}  # fmt: skip
-    assert manifest["evaluation"]["step"] == 12
+    assert manifest.evaluation["step"] == 12
     weights = load_model_state(folder)
     assert weights["blocks.1.conv.weight"].shape == (32, 1, 4)  # whole, not a rank's half
 

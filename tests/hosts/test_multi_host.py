@@ -36,7 +36,7 @@ def spec(tmp_path: Path, name: str) -> Path:
 
 def weights(store: ObjectStore, run: str, scratch: Path) -> dict[str, torch.Tensor]:
     folder, manifest = fetched_checkpoint(store, run, scratch)
-    return load_model(folder, manifest["model_config"]).state_dict()
+    return load_model(folder, manifest.network).state_dict()
 
 
 def progress(cluster: Cluster, run: str) -> list[dict]:
@@ -155,10 +155,10 @@ def test_a_partitioned_host_is_replaced_and_its_ranks_commit_nothing(
     fences = Fences.read(store, "cut")
     for commit in commits(store, "cut"):
         manifest = json.loads(store.get_bytes(commit.key))
-        assert fences.why_stale(manifest["generation"], commit.step) is None, (commit, manifest)
+        assert fences.why_stale(manifest.generation, commit.step) is None, (commit, manifest)
     final, expected = (find_latest(store, run, max_generation=10**9) for run in ("cut", clean))
     assert final is not None and expected is not None and final.generation > generation
-    assert final.manifest["loss_history"] == expected.manifest["loss_history"]
+    assert final.manifest.loss_history == expected.manifest.loss_history
     mine, theirs = weights(store, "cut", tmp_path), weights(store, clean, tmp_path)
     assert all(torch.equal(mine[k], theirs[k]) for k in theirs)
 

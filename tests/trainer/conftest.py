@@ -36,10 +36,7 @@ class Trainer:
 
     @property
     def shards(self) -> list[str]:
-        return [
-            str(self.store.root / s["key"])
-            for s in self.snapshot.manifest["splits"]["train"]["shards"]
-        ]
+        return [str(self.store.root / s.key) for s in self.snapshot.manifest.splits["train"].shards]
 
     def job(
         self,
@@ -61,11 +58,11 @@ class Trainer:
             layout=layout or {},
             model={
                 **model.architecture(),
-                "vocab_size": self.snapshot.manifest["tokenizer"]["vocab_size"],
+                "vocab_size": self.snapshot.manifest.tokenizer.vocab_size,
             },
             train=train.model_dump(),
             train_shards=self.shards,
-            dtype=self.snapshot.manifest["dtype"],
+            dtype=self.snapshot.manifest.dtype,
             store_url=self.store.url,
             staging_dir=str(work / "staging"),
             progress_file=str(work / "progress.jsonl"),

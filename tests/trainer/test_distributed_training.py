@@ -15,6 +15,7 @@ import torch
 from infra.errors import IntegrityError
 from tests.trainer.conftest import MODEL, Trainer
 from trainer.checkpoint import fetch_checkpoint, load_model_weights
+from trainer.checkpoint_manifest import CheckpointManifest
 from trainer.errors import CheckpointError, RanksFailed
 from trainer.evaluate import evaluate_checkpoint
 from trainer.job import ResumePoint, TrainJob
@@ -25,6 +26,7 @@ from trainer.manifest import (
     find_latest,
     load_for_init,
     manifest_key,
+    read_manifest,
     verify_files,
 )
 from trainer.model import GPT, WEIGHT_LAYOUT, GPTConfig, laid_out_as
@@ -45,43 +47,43 @@ def reference_job(trainer: Trainer) -> TrainJob:
 
 
 @pytest.fixture(scope="module")
-def reference(trainer: Trainer, reference_job: TrainJob) -> dict:
+def reference(trainer: Trainer, reference_job: TrainJob) -> CheckpointManifest:
     found = find_latest(trainer.store, "reference", max_generation=1)
     assert found is not None and found.step == 120
     return found.manifest
 
 
-def weights(trainer: Trainer, manifest: dict, tag: str) -> dict[str, torch.Tensor]:
+def weights(trainer: Trainer, manifest: CheckpointManifest, tag: str) -> dict[str, torch.Tensor]:
     folder = fetch_checkpoint(trainer.store, manifest, trainer.root / "fetched" / tag)
-    model = GPT(GPTConfig(**manifest["model_config"]))
+    model = GPT(GPTConfig(**manifest.network))
     load_model_weights(model, folder)
     return model.state_dict()
 
 
-def resume_point(trainer: Trainer, manifest: dict, tag: str, key: str) -> ResumePoint:
+def resume_point(trainer: Trainer, manifest: CheckpointManifest, tag: str, key: str) -> ResumePoint:
     folder = fetch_checkpoint(trainer.store, manifest, trainer.root / "fetched" / tag)
     return ResumePoint(
         folder=str(folder),
-        step=manifest["step"],
-        tokens_seen=manifest["tokens_seen"],
+        step=manifest.step,
+        tokens_seen=manifest.tokens_seen,
         manifest_key=key,
-        loss_history=manifest["loss_history"],
+        loss_history=manifest.loss_history,
     )
 
 
 def test_checkpoints_commit_with_a_manifest_listing_every_file(
-    trainer: Trainer, reference: dict
+    trainer: Trainer, reference: CheckpointManifest
 ) -> None:
     assert committed_steps(trainer.store, "reference") == [120, 100, 80, 60, 40, 20]
-    assert reference["world_size"] == 2 and reference["generation"] == 1
-    assert reference["layout"] == {
+    assert reference.world_size == 2 and reference.generation == 1
+    assert reference.layout == {
         "replicate": 2, "shard": 1, "tensor": 1, "strategy": "ddp", "world_size": 2,
     }  # fmt: skip
-    assert reference["samples_seen"] == 120 * TRAIN.batch_size
-    assert reference["data_cursor"]["samples_seen"] == reference["samples_seen"]
-    assert {f["name"] for f in reference["files"]} >= {".metadata", "__0_0.distcp"}
+    assert reference.samples_seen == 120 * TRAIN.batch_size
+    assert reference.data_cursor["samples_seen"] == reference.samples_seen
+    assert {f.name for f in reference.files} >= {".metadata", "__0_0.distcp"}
     verify_files(trainer.store, reference)
-    assert [s for s, _ in reference["loss_history"]] == list(range(5, 121, 5))
+    assert [s for s, _ in reference.loss_history] == list(range(5, 121, 5))
 
 
 def test_each_logged_step_says_how_much_of_it_the_sdk_took(reference_job: TrainJob) -> None:
@@ -122,11 +124,11 @@ def killed_and_resumed(
     return final
 
 
-def test_killed_run_resumes_exactly(trainer: Trainer, reference: dict) -> None:
+def test_killed_run_resumes_exactly(trainer: Trainer, reference: CheckpointManifest) -> None:
     """SIGKILL the ranks after the first commit; the resumed run matches bit for bit."""
     final = killed_and_resumed(trainer, lambda **kw: trainer.job("killed", TRAIN, **kw), ranks=2)
-    assert final.manifest["loss_history"] == reference["loss_history"]
-    assert final.tokens_seen == reference["tokens_seen"]
+    assert final.manifest.loss_history == reference.loss_history
+    assert final.tokens_seen == reference.tokens_seen
     for name, tensor in weights(trainer, reference, "ref").items():
         assert torch.equal(tensor, weights(trainer, final.manifest, "killed-final")[name]), name
 
@@ -142,27 +144,29 @@ def test_three_ranks_resume_exactly(trainer: Trainer) -> None:
     assert reference is not None and reference.step == 40
     final = killed_and_resumed(trainer, lambda **kw: trainer.job("three-killed", three, **kw),
                                ranks=3)  # fmt: skip
-    assert final.manifest["loss_history"] == reference.manifest["loss_history"]
+    assert final.manifest.loss_history == reference.manifest.loss_history
     ours = weights(trainer, final.manifest, "three-killed-final")
     for name, tensor in weights(trainer, reference.manifest, "three").items():
         assert torch.equal(tensor, ours[name]), name
 
 
-def test_resume_on_a_different_world_size(trainer: Trainer, reference: dict) -> None:
+def test_resume_on_a_different_world_size(trainer: Trainer, reference: CheckpointManifest) -> None:
     """A 2-rank checkpoint resumes on 1 rank: same global batch, same curve (to rounding)."""
     key = manifest_key("reference", 60, generation=1)
     manifest = json.loads(trainer.store.get_bytes(key))
     resume = resume_point(trainer, manifest, "reshard", key)
     trainer.run(trainer.job("reshard", TRAIN, resume=resume, generation=2), ranks=1)
     final = find_latest(trainer.store, "reshard", max_generation=2)
-    assert final is not None and final.manifest["world_size"] == 1
-    ours = dict((int(s), v) for s, v in final.manifest["loss_history"])
-    theirs = dict((int(s), v) for s, v in reference["loss_history"])
+    assert final is not None and final.manifest.world_size == 1
+    ours = dict((int(s), v) for s, v in final.manifest.loss_history)
+    theirs = dict((int(s), v) for s, v in reference.loss_history)
     for step in range(65, 121, 5):
         assert ours[step] == pytest.approx(theirs[step], abs=2e-3), step
 
 
-def test_corrupt_and_torn_checkpoints_fall_back(trainer: Trainer, reference: dict) -> None:
+def test_corrupt_and_torn_checkpoints_fall_back(
+    trainer: Trainer, reference: CheckpointManifest
+) -> None:
     store = trainer.store
     # Copy the reference's last two checkpoints to a new run so the others stay intact.
     for step in (100, 120):
@@ -172,7 +176,7 @@ def test_corrupt_and_torn_checkpoints_fall_back(trainer: Trainer, reference: dic
         if key.endswith("MANIFEST.json"):
             manifest = json.loads(store.get_bytes(key))
             for entry in manifest["files"]:
-                entry["key"] = entry["key"].replace("runs/reference/", "runs/damaged/")
+                entry.key = entry.key.replace("runs/reference/", "runs/damaged/")
             store.put_bytes(key, json.dumps(manifest).encode())
     shard = next(
         k for k in store.list("runs/damaged/checkpoints/step-120/") if k.endswith(".distcp")
@@ -189,24 +193,22 @@ def test_corrupt_and_torn_checkpoints_fall_back(trainer: Trainer, reference: dic
     assert len(skipped) == 1 and shard in skipped[0] and "corrupt" in skipped[0]
     with pytest.raises(IntegrityError, match="is corrupt"):
         fetch_checkpoint(
-            store,
-            json.loads(store.get_bytes(manifest_key("damaged", 120, 1))),
-            trainer.root / "bad",
+            store, read_manifest(store, manifest_key("damaged", 120, 1)), trainer.root / "bad"
         )
     # Manifests from a later generation than the caller's are never used.
     assert find_latest(store, "damaged", max_generation=0) is None
 
 
-def test_evaluation_in_a_plain_process(trainer: Trainer, reference: dict) -> None:
+def test_evaluation_in_a_plain_process(trainer: Trainer, reference: CheckpointManifest) -> None:
     folder = fetch_checkpoint(trainer.store, reference, trainer.root / "fetched" / "eval")
     manifest = trainer.snapshot.manifest
     tokenizer = trainer.root / "tokenizer.json"
-    trainer.store.get_file(manifest["tokenizer"]["key"], tokenizer)
+    trainer.store.get_file(manifest.tokenizer.key, tokenizer)
     result = evaluate_checkpoint(
         checkpoint_folder=folder,
-        model_config=reference["model_config"],
-        val_shards=[trainer.store.root / s["key"] for s in manifest["splits"]["val"]["shards"]],
-        dtype=manifest["dtype"],
+        model_config=reference.network,
+        val_shards=[trainer.store.root / s.key for s in manifest.splits["val"].shards],
+        dtype=manifest.dtype,
         tokenizer_file=tokenizer,
         batch_size=8,
         max_batches=5,
@@ -215,24 +217,26 @@ def test_evaluation_in_a_plain_process(trainer: Trainer, reference: dict) -> Non
         seed=0,
     )
     assert result.val_tokens == 5 * 8 * 32
-    assert 1.0 < result.val_loss < reference["loss_history"][0][1]  # it learned something
+    assert 1.0 < result.val_loss < reference.loss_history[0][1]  # it learned something
     for prompt, sample in zip(["ROMEO:", "JULIET:"], result.samples, strict=True):
         assert sample.startswith(prompt) and len(sample) > len(prompt)
 
 
-def test_fine_tuning_starts_from_a_checkpoint_s_weights(trainer: Trainer, reference: dict) -> None:
+def test_fine_tuning_starts_from_a_checkpoint_s_weights(
+    trainer: Trainer, reference: CheckpointManifest
+) -> None:
     key = manifest_key("reference", 120, generation=1)
-    found = load_for_init(trainer.store, key, reference["model_config"])
+    found = load_for_init(trainer.store, key, reference.network)
     folder = fetch_checkpoint(trainer.store, found.manifest, trainer.root / "fetched" / "init")
     short = TRAIN.model_copy(update={"steps": 10, "warmup_steps": 1, "learning_rate": 1e-4})
     trainer.run(trainer.job("tuned", short, init_weights=str(folder)), ranks=1)
     tuned = find_latest(trainer.store, "tuned", max_generation=1)
     assert tuned is not None and tuned.step == 10
-    scratch_first, trained_last = reference["loss_history"][0][1], reference["loss_history"][-1][1]
+    scratch_first, trained_last = reference.loss_history[0][1], reference.loss_history[-1][1]
     # It starts where the reference ended, far below where training from scratch starts.
-    assert tuned.manifest["loss_history"][0][1] < trained_last + 0.1 < scratch_first - 0.5
+    assert tuned.manifest.loss_history[0][1] < trained_last + 0.1 < scratch_first - 0.5
 
-    other = {**reference["model_config"], "n_layer": 3, "dropout": 0.1}
+    other = {**reference.network, "n_layer": 3, "dropout": 0.1}
     with pytest.raises(CheckpointError, match=r"different network \(n_layer: 2 there, 3 here\)"):
         load_for_init(trainer.store, key, other)
     with pytest.raises(CheckpointError, match="no checkpoint manifest at"):
@@ -269,7 +273,7 @@ def test_a_checkpoint_from_before_the_fused_layout_resumes_in_its_own(trainer: T
     trainer.run(trainer.job("old-layout", first, model=before), ranks=1)
     key = manifest_key("old-layout", 20, generation=1)
     manifest = json.loads(trainer.store.get_bytes(key))
-    stored = {k: v for k, v in manifest["model_config"].items() if k not in WEIGHT_LAYOUT}
+    stored = {k: v for k, v in manifest.network.items() if k not in WEIGHT_LAYOUT}
     resume = resume_point(trainer, manifest, "old-layout", key)
     more = TRAIN.model_copy(update={"steps": 30, "checkpoint_every": 10})
 
@@ -282,4 +286,4 @@ def test_a_checkpoint_from_before_the_fused_layout_resumes_in_its_own(trainer: T
     trainer.run(job, ranks=1)
     final = find_latest(trainer.store, "old-layout", max_generation=3)
     assert final is not None and final.step == 30
-    assert final.manifest["model_config"]["fused_qkv"] is False
+    assert final.manifest.network["fused_qkv"] is False

@@ -31,8 +31,8 @@ def test_a_run_with_dropout_resumes_bitwise(trainer: Trainer, layout: dict | Non
         return trainer.job(name, TRAIN, layout=layout, model=DROPOUT, **fields)
 
     final = killed_and_resumed(trainer, make, ranks=2)
-    assert final.manifest["model_config"]["dropout"] == 0.1
-    assert final.manifest["loss_history"] == clean.manifest["loss_history"]
+    assert final.manifest.network["dropout"] == 0.1
+    assert final.manifest.loss_history == clean.manifest.loss_history
     ours = weights(trainer, final.manifest, f"{name}-final")
     for key, tensor in weights(trainer, clean.manifest, f"{name}-clean").items():
         assert torch.equal(tensor, ours[key]), key

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import Callable
 from pathlib import Path
 
@@ -15,8 +14,8 @@ from infra.store.local import LocalStore
 from tests.trainer.conftest import Trainer
 from tests.trainer.test_layouts import TRAIN
 from trainer.checkpoint import Checkpointer, fetch_checkpoint, load_model_weights
+from trainer.checkpoint_manifest import CheckpointFile, CheckpointManifest
 from trainer.manifest import (
-    MANIFEST_FORMAT,
     Fences,
     checkpoint_prefix,
     commits,
@@ -41,13 +40,12 @@ def commit(
         folder = folder.rsplit("/", 1)[0]
     key = f"{folder}/__0_0.distcp"
     store.put_bytes(key, data)
-    manifest = {
-        "format": MANIFEST_FORMAT, "run_id": run, "step": step, "generation": generation,
-        "tokens_seen": step,
-        "files": [{"name": "__0_0.distcp", "key": key, "bytes": len(data),
-                   "sha256": sha256_bytes(data)}],
-    }  # fmt: skip
-    assert store.put_if_absent(f"{folder}/MANIFEST.json", json.dumps(manifest).encode())
+    manifest = CheckpointManifest(
+        run_id=run, step=step, generation=generation, tokens_seen=step,
+        files=[CheckpointFile(name="__0_0.distcp", key=key, bytes=len(data),
+                              sha256=sha256_bytes(data))],
+    )  # fmt: skip
+    assert store.put_if_absent(f"{folder}/MANIFEST.json", manifest.dump_bytes())
     return f"{folder}/MANIFEST.json"
 
 
@@ -137,7 +135,7 @@ def test_a_superseded_gang_commits_nothing_more_and_stops(trainer: Trainer) -> N
     assert later == []
     found = find_latest(store, "fenced", max_generation=2, run_uid="u1")
     assert found is not None and found.step == resume_step
-    assert found.manifest["run_uid"] == "u1"  # the ranks stamp their run's identity
+    assert found.manifest.run_uid == "u1"  # the ranks stamp their run's identity
 
 
 class ResumedDuringTheCommit(LocalStore):

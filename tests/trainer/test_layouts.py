@@ -21,6 +21,7 @@ from tests.trainer.test_distributed_training import (
     job_processes,
     resume_point,
 )
+from trainer.checkpoint_manifest import CheckpointManifest
 from trainer.errors import RanksFailed
 from trainer.launch import Rendezvous, run_ranks
 from trainer.manifest import find_latest, manifest_key
@@ -35,11 +36,11 @@ TP = {"replicate": 1, "shard": 1, "tensor": 2}
 FSDP_TP = {"replicate": 1, "shard": 2, "tensor": 2}
 
 
-def losses(manifest: dict) -> dict[int, float]:
-    return {int(step): loss for step, loss in manifest["loss_history"]}
+def losses(manifest: CheckpointManifest) -> dict[int, float]:
+    return {int(step): loss for step, loss in manifest.loss_history}
 
 
-def final(trainer: Trainer, run: str, generation: int = 1) -> dict:
+def final(trainer: Trainer, run: str, generation: int = 1) -> CheckpointManifest:
     found = find_latest(trainer.store, run, max_generation=generation)
     assert found is not None and found.step == TRAIN.steps
     return found.manifest
@@ -55,36 +56,36 @@ def sample_log(path: Path) -> dict[int, Counter]:
 
 
 @pytest.fixture(scope="module")
-def ddp(trainer: Trainer) -> dict:
+def ddp(trainer: Trainer) -> CheckpointManifest:
     log = trainer.root / "ddp-samples.log"
     trainer.run(trainer.job("ddp", TRAIN, sample_log=str(log)), ranks=2)
     return final(trainer, "ddp")
 
 
 @pytest.fixture(scope="module")
-def fsdp(trainer: Trainer) -> dict:
+def fsdp(trainer: Trainer) -> CheckpointManifest:
     trainer.run(trainer.job("fsdp", TRAIN, layout=FSDP), ranks=2)
     return final(trainer, "fsdp")
 
 
 @pytest.fixture(scope="module")
-def tp(trainer: Trainer) -> dict:
+def tp(trainer: Trainer) -> CheckpointManifest:
     trainer.run(trainer.job("tp", TRAIN, layout=TP), ranks=2)
     return final(trainer, "tp")
 
 
 def test_every_layout_trains_the_curve_of_plain_data_parallel(
-    trainer: Trainer, ddp: dict, fsdp: dict, tp: dict
+    trainer: Trainer, ddp: CheckpointManifest, fsdp: CheckpointManifest, tp: CheckpointManifest
 ) -> None:
     trainer.run(trainer.job("fsdp-tp", TRAIN, layout=FSDP_TP), ranks=4)
     both = final(trainer, "fsdp-tp")
-    assert fsdp["layout"]["strategy"] == "fsdp" and tp["layout"]["strategy"] == "tp"
-    assert both["layout"]["strategy"] == "fsdp+tp" and both["world_size"] == 4
+    assert fsdp.layout["strategy"] == "fsdp" and tp.layout["strategy"] == "tp"
+    assert both.layout["strategy"] == "fsdp+tp" and both.world_size == 4
     reference = losses(ddp)
     for other in (fsdp, tp, both):
         for step, loss in losses(other).items():
             # Only the order of floating-point reductions differs between layouts.
-            assert loss == pytest.approx(reference[step], abs=1e-4), (other["layout"], step)
+            assert loss == pytest.approx(reference[step], abs=1e-4), (other.layout, step)
 
 
 @pytest.mark.parametrize("source", ["fsdp", "tp"])
@@ -97,14 +98,14 @@ def test_a_sharded_checkpoint_resumes_on_one_plain_rank(
     resume = resume_point(trainer, json.loads(trainer.store.get_bytes(key)), f"{source}-one", key)
     trainer.run(trainer.job(f"{source}-one", TRAIN, resume=resume, generation=2), ranks=1)
     resumed = final(trainer, f"{source}-one", generation=2)
-    assert resumed["layout"]["strategy"] == "single" and resumed["world_size"] == 1
+    assert resumed.layout["strategy"] == "single" and resumed.world_size == 1
     theirs = losses(run)
     for step, loss in losses(resumed).items():
         assert loss == pytest.approx(theirs[step], abs=1e-4), step
 
 
 def test_changing_data_parallel_ranks_neither_skips_nor_repeats_a_sample(
-    trainer: Trainer, ddp: dict
+    trainer: Trainer, ddp: CheckpointManifest
 ) -> None:
     """Resume the 2-rank run's step-20 checkpoint on 1 rank and on 4 FSDP ranks: every later
     step trains on exactly the samples the uninterrupted run did."""
@@ -175,7 +176,9 @@ def test_rank_order_follows_the_allocation_not_arrival(trainer: Trainer) -> None
         assert started["rank"] == index
 
 
-def test_corrupt_gradients_roll_back_to_the_last_checkpoint(trainer: Trainer, ddp: dict) -> None:
+def test_corrupt_gradients_roll_back_to_the_last_checkpoint(
+    trainer: Trainer, ddp: CheckpointManifest
+) -> None:
     """NaN gradients on one rank (`forgeline chaos corrupt-grad`) stop the gang before anything
     is saved; resuming from the last manifest reproduces the clean run exactly."""
     job = trainer.job("corrupt", TRAIN)
@@ -196,7 +199,7 @@ def test_corrupt_gradients_roll_back_to_the_last_checkpoint(trainer: Trainer, dd
     assert verdict == ("corruption", 0, "quarantine", 25)
     found = find_latest(trainer.store, "corrupt", max_generation=1)
     assert found is not None and found.step == 20
-    assert all(math.isfinite(loss) for _, loss in found.manifest["loss_history"])
+    assert all(math.isfinite(loss) for _, loss in found.manifest.loss_history)
     resume = resume_point(trainer, found.manifest, "corrupt", found.key)
     trainer.run(trainer.job("corrupt", TRAIN, resume=resume, generation=2), ranks=2)
-    assert final(trainer, "corrupt", generation=2)["loss_history"] == ddp["loss_history"]
+    assert final(trainer, "corrupt", generation=2).loss_history == ddp.loss_history

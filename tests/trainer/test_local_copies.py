@@ -12,6 +12,7 @@ from infra.errors import IntegrityError
 from infra.store.local import LocalStore
 from tests.trainer.test_fencing import linear
 from trainer.checkpoint import Checkpointer, fetch_checkpoint, load_model_weights
+from trainer.checkpoint_manifest import CheckpointFile
 from trainer.local_copies import LocalCopies
 from trainer.manifest import find_latest
 
@@ -41,13 +42,13 @@ def test_a_node_resumes_from_its_own_copy_and_the_store_serves_what_it_lacks(
         saver.close()
     newest = find_latest(store, "r", max_generation=1)
     assert newest is not None and newest.step == 20
-    files = newest.manifest["files"]
+    files = newest.manifest.files
     # Only the newest commit's files, under their sha256, and nothing left in staging.
-    assert sorted(p.name for p in copies.folder.iterdir()) == sorted(f["sha256"] for f in files)
+    assert sorted(p.name for p in copies.folder.iterdir()) == sorted(f.sha256 for f in files)
     assert not list((tmp_path / "staging").rglob("*.distcp"))
 
     # The node's copies alone: with the store's objects gone, the checkpoint still loads.
-    held = {f["key"]: store.get_bytes(f["key"]) for f in files}
+    held = {f.key: store.get_bytes(f.key) for f in files}
     for key in held:
         store.delete(key)
     local = fetch_checkpoint(store, newest.manifest, tmp_path / "from-copies", copies)
@@ -56,21 +57,21 @@ def test_a_node_resumes_from_its_own_copy_and_the_store_serves_what_it_lacks(
     # What the node lacks or holds corrupted comes from the store, and the bad copy goes.
     for key, data in held.items():
         store.put_bytes(key, data)
-    data_file = next(f for f in files if f["name"].endswith(".distcp"))
-    copy = copies.folder / data_file["sha256"]
+    data_file = next(f for f in files if f.name.endswith(".distcp"))
+    copy = copies.folder / data_file.sha256
     flipped = bytearray(copy.read_bytes())
     flipped[len(flipped) // 2] ^= 0x01
     copy.unlink()  # a new inode: the checkpoint fetched above keeps its own link intact
     copy.write_bytes(bytes(flipped))
-    (copies.folder / next(f for f in files if f is not data_file)["sha256"]).unlink()
+    (copies.folder / next(f for f in files if f is not data_file).sha256).unlink()
     mixed = fetch_checkpoint(store, newest.manifest, tmp_path / "mixed", copies)
     assert torch.equal(weights_of(mixed), model.weight)
     assert not copy.exists()
 
     # Neither a good copy nor a good object: the error names the file, nothing loads.
     copy.write_bytes(bytes(flipped))
-    store.put_bytes(data_file["key"], bytes(flipped))
-    with pytest.raises(IntegrityError, match=data_file["key"]):
+    store.put_bytes(data_file.key, bytes(flipped))
+    with pytest.raises(IntegrityError, match=data_file.key):
         fetch_checkpoint(store, newest.manifest, tmp_path / "neither", copies)
 
 
@@ -79,6 +80,6 @@ def test_a_copy_is_found_only_by_a_hex_digest(tmp_path: Path) -> None:
     (tmp_path / "secret").write_text("not a checkpoint")
     copies = LocalCopies(tmp_path / "copies")
     copies.folder.mkdir()
-    entry = {"name": "__0_0.distcp", "sha256": "../secret", "bytes": 16, "key": "k"}
+    entry = CheckpointFile(name="__0_0.distcp", sha256="../secret", bytes=16, key="k")
     assert not copies.place(entry, tmp_path / "dest" / "__0_0.distcp")
     assert not (tmp_path / "dest").exists()

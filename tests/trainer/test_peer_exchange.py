@@ -13,6 +13,7 @@ import torch.multiprocessing as mp
 
 from infra.digest import sha256_bytes
 from infra.processes import free_port
+from trainer.checkpoint_manifest import CheckpointFile, PeerManifest
 from trainer.local_copies import LocalCopies
 from trainer.peer_restore import gather_peer_checkpoint
 from trainer.peer_tier import PeerTier
@@ -21,13 +22,13 @@ WORLD, PER_NODE = 4, 2
 FILES = {"__0_0.distcp": b"node zero's shard " * 100, "__1_0.distcp": b"node one's shard " * 90}
 
 
-def _manifest() -> dict:
+def _manifest() -> PeerManifest:
     holders = {"__0_0.distcp": ["n0"], "__1_0.distcp": ["n1"]}
     files = [
-        {"name": name, "bytes": len(data), "sha256": sha256_bytes(data), "holders": holders[name]}
+        CheckpointFile(name=name, bytes=len(data), sha256=sha256_bytes(data), holders=holders[name])
         for name, data in FILES.items()
     ]
-    return {"step": 30, "generation": 1, "files": files}
+    return PeerManifest(step=30, generation=1, files=files)
 
 
 def _rank_main(rank: int, root: Path, port: int) -> None:

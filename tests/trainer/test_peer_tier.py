@@ -14,6 +14,7 @@ import torch.multiprocessing as mp
 from infra.processes import free_port
 from infra.store.local import LocalStore
 from trainer.checkpoint import Checkpointer, load_training_state
+from trainer.checkpoint_manifest import PeerManifest
 from trainer.job import ResumePoint, TrainJob
 from trainer.job_checkpoints import resolve
 from trainer.local_copies import LocalCopies
@@ -126,8 +127,8 @@ def _scenarios(rank: int, root: Path) -> None:
     # n1 dies and n2's copy of its data file has a flipped byte.
     dist.barrier(group=group)
     if rank == 2:
-        n1_data = next(f for f in manifest["files"] if f["name"].startswith("__1_"))
-        held = root / "n2" / "peer" / n1_data["sha256"]
+        n1_data = next(f for f in manifest.files if f.name.startswith("__1_"))
+        held = root / "n2" / "peer" / n1_data.sha256
         data = bytearray(held.read_bytes())
         data[len(data) // 2] ^= 0xFF
         held.write_bytes(bytes(data))
@@ -166,7 +167,7 @@ def _scenarios(rank: int, root: Path) -> None:
     late = saver.wait()
     saver.close()
     outcome["fenced"] = late is not None and late.fenced and late.manifest_key is None
-    outcome["n1_files"] = [f["name"] for f in manifest["files"] if f["name"].startswith("__1_")]
+    outcome["n1_files"] = [f.name for f in manifest.files if f.name.startswith("__1_")]
     (root / f"outcome-{rank}.json").write_text(json.dumps(outcome))
 
 
@@ -182,16 +183,17 @@ def test_a_peer_checkpoint_survives_one_dead_node_and_says_why_when_it_cannot(
     in_store = store.list("runs/r/checkpoints/")
     assert "runs/r/checkpoints/step-5/gen-1/MANIFEST.json" in in_store
     assert all(key.startswith("runs/r/checkpoints/step-5/") for key in in_store)
-    manifest = json.loads(store.get_bytes("runs/r/peer/step-20/gen-1/MANIFEST.json"))
-    holders = {f["name"]: f["holders"] for f in manifest["files"]}
+    key = "runs/r/peer/step-20/gen-1/MANIFEST.json"
+    manifest = PeerManifest.parse(store.get_bytes(key), key)
+    holders = {f.name: f.holders for f in manifest.files}
     assert holders["__1_0.distcp"] == ["n1", "n2"] and holders["__2_0.distcp"] == ["n0", "n2"]
     # Each node holds its own shards and its predecessor's, nothing older; n2's copy of n1's
     # shard, flipped, was deleted when it did not verify.
     n2 = {p.name for p in (tmp_path / "n2" / "peer").iterdir()}
-    flipped = next(f["sha256"] for f in manifest["files"] if f["name"] == "__1_0.distcp")
-    assert n2 == {f["sha256"] for f in manifest["files"] if "n2" in f["holders"]} - {flipped}
+    flipped = next(f.sha256 for f in manifest.files if f.name == "__1_0.distcp")
+    assert n2 == {f.sha256 for f in manifest.files if "n2" in f.holders} - {flipped}
     n0 = {p.name for p in (tmp_path / "n0" / "peer").iterdir()}
-    assert n0 == {f["sha256"] for f in manifest["files"] if "n0" in f["holders"]}
+    assert n0 == {f.sha256 for f in manifest.files if "n0" in f.holders}
     for rank, outcome in enumerate(outcomes):
         assert outcome["replaced"] is None and outcome["weights_equal"], outcome
         assert outcome["n1_files"] == ["__1_0.distcp"]

@@ -26,7 +26,8 @@ from trainer.checkpoint import (
     load_training_state,
     vet_metadata,
 )
-from trainer.manifest import MANIFEST_FORMAT, checkpoint_prefix, find_latest, manifest_key
+from trainer.checkpoint_manifest import MANIFEST_FORMAT, CheckpointFile, CheckpointManifest
+from trainer.manifest import checkpoint_prefix, find_latest, manifest_key
 from trainer.model import GPT, GPTConfig
 from trainer.safe_load import METADATA_FILE, UnsafeCheckpoint
 
@@ -147,7 +148,10 @@ def test_a_manifest_cannot_write_a_file_outside_the_checkpoint_folder(tmp_path: 
     dest = tmp_path / "cache" / "deep" / "checkpoint"
     for name in ("../../../.bashrc", "/etc/cron.d/x", "..", ""):
         with pytest.raises(UnsafeCheckpoint, match="not a plain file name"):
-            fetch_checkpoint(store, {"files": [{**entry, "name": name}]}, dest)
+            crafted = {"format": MANIFEST_FORMAT, "step": 1, "generation": 1,
+                       "files": [{**entry, "name": name}]}  # fmt: skip
+            manifest = CheckpointManifest.parse(crafted, "runs/r/checkpoints/step-1/MANIFEST.json")
+            fetch_checkpoint(store, manifest, dest)
     assert not (tmp_path / ".bashrc").exists()
 
 
@@ -178,9 +182,9 @@ def commit(store: LocalStore, run: str, step: int, folder: Path) -> None:
         key = f"{checkpoint_prefix(run, step, 1)}/{path.name}"
         store.put_file(key, path)
         size, sha256 = store.digest(key)
-        files.append({"key": key, "name": path.name, "bytes": size, "sha256": sha256})
-    manifest = {"format": MANIFEST_FORMAT, "step": step, "generation": 1, "files": files}
-    store.put_if_absent(manifest_key(run, step, 1), json.dumps(manifest).encode())
+        files.append(CheckpointFile(key=key, name=path.name, bytes=size, sha256=sha256))
+    manifest = CheckpointManifest(step=step, generation=1, files=files)
+    store.put_if_absent(manifest_key(run, step, 1), manifest.dump_bytes())
 
 
 def test_resume_passes_over_a_checkpoint_whose_metadata_would_run_code(tmp_path: Path) -> None:

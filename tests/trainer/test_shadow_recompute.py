@@ -15,6 +15,7 @@ import pytest
 from tests.trainer.conftest import MODEL, Trainer
 from tests.trainer.test_distributed_training import resume_point
 from trainer.attempt_clock import ledger_key
+from trainer.checkpoint_manifest import CheckpointManifest
 from trainer.errors import RanksFailed
 from trainer.manifest import commits, find_latest, manifest_key
 from workflows.contracts.spec import RecoverySpec, TrainSpec
@@ -43,10 +44,10 @@ def events(job, kind: str) -> list[dict]:
     return [e for e in map(json.loads, lines) if e["event"] == kind]
 
 
-def weights(manifest: dict) -> dict[str, str]:
+def weights(manifest: CheckpointManifest) -> dict[str, str]:
     """The checkpoint's tensor files by name (not by key: the run and generation differ), with
     their sha256 (DCP's `.metadata` names the run's own paths)."""
-    named = {f["key"].rsplit("/", 1)[1]: f["sha256"] for f in manifest["files"]}
+    named = {f.key.rsplit("/", 1)[1]: f.sha256 for f in manifest.files}
     return {name: digest for name, digest in named.items() if not name.startswith(".")}
 
 
@@ -62,7 +63,7 @@ def layout(request: pytest.FixtureRequest) -> str:
 
 
 @pytest.fixture(scope="module")
-def clean(trainer: Trainer, layout: str) -> dict:
+def clean(trainer: Trainer, layout: str) -> CheckpointManifest:
     """A clean run's last manifest: what the rolled-back run must end at, bitwise."""
     name = f"shadow-clean-{layout}"
     job = trainer.job(name, TRAIN, model=DROPOUT, shadow=SHADOW, nodes=NODES,
@@ -73,11 +74,11 @@ def clean(trainer: Trainer, layout: str) -> dict:
     assert ledger["last"]["totals"]["shadow_s"] > 0  # goodput puts it down to its own cause
     found = find_latest(trainer.store, name, max_generation=1)
     assert found is not None and found.step == TRAIN.steps
-    assert found.manifest["layout"]["strategy"].replace("+", "-") == layout
+    assert found.manifest.layout["strategy"].replace("+", "-") == layout
     return found.manifest
 
 
-def resumed_from_10(trainer: Trainer, name: str, layout: str) -> dict:
+def resumed_from_10(trainer: Trainer, name: str, layout: str) -> CheckpointManifest:
     """Generation 2 of the run, from its checkpoint at step 10 to the end: its last manifest."""
     key = manifest_key(name, 10, generation=1)
     resume = resume_point(trainer, json.loads(trainer.store.get_bytes(key)), name, key)
@@ -89,12 +90,12 @@ def resumed_from_10(trainer: Trainer, name: str, layout: str) -> dict:
     return found.manifest
 
 
-def test_a_clean_run_passes_every_check(clean: dict) -> None:
-    assert [step for step, _ in clean["loss_history"]] == [10, 20, 30, 40]
+def test_a_clean_run_passes_every_check(clean: CheckpointManifest) -> None:
+    assert [step for step, _ in clean.loss_history] == [10, 20, 30, 40]
 
 
 def test_the_checks_change_nothing_the_run_computes(
-    trainer: Trainer, clean: dict, layout: str
+    trainer: Trainer, clean: CheckpointManifest, layout: str
 ) -> None:
     """The same run without checks ends bitwise where the checked one did: a recompute draws
     from a forked RNG and leaves the step's gradients (FSDP: its sharded ones) as they were."""
@@ -103,7 +104,7 @@ def test_the_checks_change_nothing_the_run_computes(
     trainer.run(job, ranks=ranks(layout))
     unchecked = find_latest(trainer.store, name, max_generation=1)
     assert unchecked is not None
-    assert unchecked.manifest["loss_history"] == clean["loss_history"]
+    assert unchecked.manifest.loss_history == clean.loss_history
     assert weights(unchecked.manifest) == weights(clean)
 
 
@@ -122,7 +123,7 @@ def verdict_at_30(
 
 
 def test_gradients_two_percent_off_name_their_rank_and_roll_back(
-    trainer: Trainer, clean: dict, layout: str
+    trainer: Trainer, clean: CheckpointManifest, layout: str
 ) -> None:
     # What `forgeline chaos corrupt-grad n0 --finite --scale 1.02 --at-step 30` writes: rank 0
     # computes its gradients 2 % too large at step 30, a checked step (the first buffer it
@@ -145,7 +146,7 @@ def test_gradients_two_percent_off_name_their_rank_and_roll_back(
     final = resumed_from_10(trainer, name, layout)
     # Bitwise the clean run: the same steps from the same (clean) checkpoint, resumed exactly;
     # nothing of the corrupt attempt.
-    assert final["loss_history"] == clean["loss_history"]
+    assert final.loss_history == clean.loss_history
     assert weights(final) == weights(clean)
 
 

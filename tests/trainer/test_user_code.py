@@ -21,6 +21,7 @@ from tests.conftest import REPO
 from tests.trainer.conftest import Trainer
 from tests.trainer.test_distributed_training import job_processes, resume_point
 from trainer.checkpoint import fetch_checkpoint, load_model_weights
+from trainer.checkpoint_manifest import CheckpointManifest
 from trainer.errors import RanksFailed, UserCodeFailed
 from trainer.job import ResumePoint, TrainJob
 from trainer.manifest import find_latest
@@ -43,10 +44,7 @@ def user_train(
 
 
 def user_job(trainer: Trainer, run_id: str, code: Path, train: TrainSpec, **fields) -> TrainJob:
-    val = [
-        str(trainer.store.root / s["key"])
-        for s in trainer.snapshot.manifest["splits"]["val"]["shards"]
-    ]
+    val = [str(trainer.store.root / s.key) for s in trainer.snapshot.manifest.splits["val"].shards]
     return trainer.job(run_id, train, code_dir=str(code), val_shards=val, **fields)
 
 
@@ -60,7 +58,7 @@ def script(code: Path) -> ModuleType:
 
 
 def weights_in(
-    trainer: Trainer, model: nn.Module, manifest: dict, tag: str
+    trainer: Trainer, model: nn.Module, manifest: CheckpointManifest, tag: str
 ) -> dict[str, torch.Tensor]:
     """The checkpoint's weights loaded into the script's own (plain, unsharded) class."""
     load_model_weights(model, fetch_checkpoint(trainer.store, manifest, trainer.root / tag))
@@ -68,15 +66,19 @@ def weights_in(
 
 
 def vocab(trainer: Trainer) -> int:
-    return trainer.snapshot.manifest["tokenizer"]["vocab_size"]
+    return trainer.snapshot.manifest.tokenizer.vocab_size
 
 
-def gru_weights(trainer: Trainer, manifest: dict, tag: str) -> dict[str, torch.Tensor]:
+def gru_weights(
+    trainer: Trainer, manifest: CheckpointManifest, tag: str
+) -> dict[str, torch.Tensor]:
     model = script(GRU).CharGRU(vocab(trainer), ARGS["width"], ARGS["layers"])
     return weights_in(trainer, model, manifest, tag)
 
 
-def convnet_weights(trainer: Trainer, manifest: dict, tag: str) -> dict[str, torch.Tensor]:
+def convnet_weights(
+    trainer: Trainer, manifest: CheckpointManifest, tag: str
+) -> dict[str, torch.Tensor]:
     args = CONV_ARGS
     model = script(CONVNET).ConvLM(vocab(trainer), args["width"], args["layers"], args["kernel"])
     return weights_in(trainer, model, manifest, tag)
@@ -109,14 +111,14 @@ def test_a_user_script_resumes_exactly_after_a_sigkill(trainer: Trainer) -> None
     trainer.run(user_job(trainer, "gru-ref", GRU, train), ranks=2)
     reference = find_latest(trainer.store, "gru-ref", max_generation=1)
     assert reference is not None and reference.step == 40
-    assert reference.manifest["evaluation"]["step"] == 40  # the script's own held-out loss
-    assert reference.manifest["evaluation"]["val_loss"] < reference.manifest["loss_history"][0][1]
+    assert reference.manifest.evaluation["step"] == 40  # the script's own held-out loss
+    assert reference.manifest.evaluation["val_loss"] < reference.manifest.loss_history[0][1]
 
     resume = kill_after_first_commit(trainer, user_job(trainer, "gru-killed", GRU, train), 2)
     trainer.run(user_job(trainer, "gru-killed", GRU, train, resume=resume, generation=2), ranks=2)
     final = find_latest(trainer.store, "gru-killed", max_generation=2)
     assert final is not None and final.step == 40
-    assert final.manifest["loss_history"] == reference.manifest["loss_history"]
+    assert final.manifest.loss_history == reference.manifest.loss_history
     ours, theirs = (
         gru_weights(trainer, final.manifest, "a"),
         gru_weights(trainer, reference.manifest, "b"),
@@ -125,14 +127,14 @@ def test_a_user_script_resumes_exactly_after_a_sigkill(trainer: Trainer) -> None
 
 
 @pytest.fixture(scope="module")
-def convnet_reference(trainer: Trainer) -> dict:
+def convnet_reference(trainer: Trainer) -> CheckpointManifest:
     """The FSDP2 example, fault-free on 2 ranks: its final manifest."""
     train = user_train(CONVNET, args=CONV_ARGS)
     trainer.run(user_job(trainer, "conv-ref", CONVNET, train, layout=FSDP), ranks=2)
     found = find_latest(trainer.store, "conv-ref", max_generation=1)
     assert found is not None and found.step == 40
-    assert found.manifest["layout"]["strategy"] == "fsdp" and found.manifest["world_size"] == 2
-    assert found.manifest["evaluation"]["step"] == 40
+    assert found.manifest.layout["strategy"] == "fsdp" and found.manifest.world_size == 2
+    assert found.manifest.evaluation["step"] == 40
     return found.manifest
 
 
@@ -148,7 +150,7 @@ def convnet_killed(trainer: Trainer) -> ResumePoint:
 # With the slow tests, as the one above.
 @pytest.mark.slow
 def test_an_fsdp_script_resumes_bitwise_on_as_many_ranks(
-    trainer: Trainer, convnet_reference: dict, convnet_killed: ResumePoint
+    trainer: Trainer, convnet_reference: CheckpointManifest, convnet_killed: ResumePoint
 ) -> None:
     train = user_train(CONVNET, args=CONV_ARGS)
     job = user_job(
@@ -157,8 +159,8 @@ def test_an_fsdp_script_resumes_bitwise_on_as_many_ranks(
     trainer.run(job, ranks=2)
     final = find_latest(trainer.store, "conv-killed", max_generation=2)
     assert final is not None and final.step == 40 and final.generation == 2
-    assert final.manifest["loss_history"] == convnet_reference["loss_history"]
-    assert final.manifest["evaluation"] == convnet_reference["evaluation"]
+    assert final.manifest.loss_history == convnet_reference.loss_history
+    assert final.manifest.evaluation == convnet_reference.evaluation
     ours = convnet_weights(trainer, final.manifest, "conv-a")
     theirs = convnet_weights(trainer, convnet_reference, "conv-b")
     assert all(torch.equal(ours[k], theirs[k]) for k in theirs)
@@ -167,7 +169,7 @@ def test_an_fsdp_script_resumes_bitwise_on_as_many_ranks(
 # With the slow tests, as the one above.
 @pytest.mark.slow
 def test_an_fsdp_script_resumes_resharded_onto_one_rank(
-    trainer: Trainer, convnet_reference: dict, convnet_killed: ResumePoint
+    trainer: Trainer, convnet_reference: CheckpointManifest, convnet_killed: ResumePoint
 ) -> None:
     """The 2-rank shards load into one rank (DCP reshards them) and train on to the end."""
     train = user_train(CONVNET, args=CONV_ARGS)
@@ -175,15 +177,15 @@ def test_an_fsdp_script_resumes_resharded_onto_one_rank(
     trainer.run(job, ranks=1)
     final = find_latest(trainer.store, "conv-one", max_generation=2)
     assert final is not None and final.step == 40
-    assert final.manifest["world_size"] == 1
-    ours, theirs = final.manifest["loss_history"], convnet_reference["loss_history"]
+    assert final.manifest.world_size == 1
+    ours, theirs = final.manifest.loss_history, convnet_reference.loss_history
     assert [s for s, _ in ours] == [s for s, _ in theirs]
     for (step, loss), (_, reference) in zip(ours, theirs, strict=True):
         # On one rank a gradient is one mean, not two reduce-scattered halves: only rounding
         # differs (2.4e-7 measured; test_layouts allows the GPT's layouts 1e-4).
         assert loss == pytest.approx(reference, abs=1e-5), step
-    val_loss = convnet_reference["evaluation"]["val_loss"]
-    assert final.manifest["evaluation"]["val_loss"] == pytest.approx(val_loss, abs=1e-5)
+    val_loss = convnet_reference.evaluation["val_loss"]
+    assert final.manifest.evaluation["val_loss"] == pytest.approx(val_loss, abs=1e-5)
 
 
 def broken_script(tmp_path: Path, name: str, text: str) -> Path:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import math
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -12,7 +11,8 @@ from mlflow.tracking import MlflowClient
 
 from infra.settings import Settings
 from infra.store.local import LocalStore
-from trainer.manifest import MANIFEST_FORMAT, manifest_key
+from trainer.checkpoint_manifest import CheckpointManifest
+from trainer.manifest import manifest_key
 from worker.report import (
     ARTIFACT_PATH,
     CheckpointMark,
@@ -228,9 +228,8 @@ def test_fetch_log_and_report_against_a_real_tracking_store(tmp_path: Path) -> N
 
     status = two_attempt_status().model_copy(update={"mlflow_run_id": run_id})
     store = LocalStore(tmp_path / "store")
-    manifest = {"format": MANIFEST_FORMAT, "step": 50, "generation": 2, "files": []}
-    manifest["committed_at"] = at(57).isoformat()
-    store.put_bytes(manifest_key("tiny", 50, 2), json.dumps(manifest).encode())
+    manifest = CheckpointManifest(step=50, generation=2, committed_at=at(57).isoformat(), files=[])
+    store.put_bytes(manifest_key("tiny", 50, 2), manifest.dump_bytes())
     assert fetch_checkpoints(store, "tiny") == [CheckpointMark(50, 2, at(57))]
 
     settings = Settings(home=tmp_path, mlflow_uri=uri, store_url=str(tmp_path / "store"))
