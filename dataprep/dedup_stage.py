@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -18,9 +19,11 @@ from dataprep.near_dedup import (
     verify_pairs,
 )
 from dataprep.plan import SnapshotPlan
+from dataprep.scan import ScanRecord
 from dataprep.settings import SnapshotSettings
 from dataprep.stage_store import (
     SnapshotKeys,
+    StageRecord,
     commit_record,
     done_record,
     file_entry,
@@ -35,17 +38,32 @@ _EXAMPLES = 5
 _SNIPPET = 300
 
 
-def scan_records(store: ObjectStore, plan: SnapshotPlan) -> list[dict]:
+class DedupRecord(StageRecord):
+    """The whole snapshot deduplicated. Files: `removed` (each removed document and the one
+    kept in its place, with the reason: exact or near)."""
+
+    exact_removed: int
+    candidate_pairs: int
+    verified_pairs: int | None  # None: pairs were not verified (dedup.verify = false)
+    near_clusters: int
+    near_removed: int
+    examples: list[dict[str, Any]]  # a few near-duplicate pairs with snippets, for the report
+
+
+def scan_records(store: ObjectStore, plan: SnapshotPlan) -> list[ScanRecord]:
     """Every chunk's scan record; a missing one means the scan stage is not finished."""
     keys = SnapshotKeys(plan.snapshot_id)
     return [
         required_record(
-            store,
-            keys.chunk_record("scan", c.index),
-            f"scan of chunk {c.index}",
+            store, keys.chunk_record("scan", c.index), ScanRecord, f"scan of chunk {c.index}"
         )
         for c in plan.chunks
     ]
+
+
+def dedup_record(store: ObjectStore, keys: SnapshotKeys) -> DedupRecord:
+    """The dedup stage's record, for the stages after it."""
+    return required_record(store, keys.work("dedup", "DONE.json"), DedupRecord, "deduplication")
 
 
 def dedup_snapshot(
@@ -54,15 +72,15 @@ def dedup_snapshot(
     settings: SnapshotSettings,
     workdir: Path,
     progress: Progress = lambda _: None,
-) -> dict:
+) -> DedupRecord:
     keys = SnapshotKeys(plan.snapshot_id)
     record_key = keys.work("dedup", "DONE.json")
-    if (record := done_record(store, record_key)) is not None:
+    if (record := done_record(store, record_key, DedupRecord)) is not None:
         return record
     scans = scan_records(store, plan)
     cache = workdir / "cache"
-    docs = [local_copy(store, r["files"]["docs"], cache) for r in scans]
-    bands = [local_copy(store, r["files"]["bands"], cache) for r in scans]
+    docs = [local_copy(store, r.files["docs"], cache) for r in scans]
+    bands = [local_copy(store, r.files["bands"], cache) for r in scans]
     folder = workdir / "dedup"
     folder.mkdir(parents=True, exist_ok=True)
     dedup = settings.dedup
@@ -101,31 +119,29 @@ def dedup_snapshot(
     )
     _refuse_empty(scans, exact_removed + near_removed)
     examples = _examples(con, near, docs, dedup.minhash.ngram)
-    record = {
-        "exact_removed": exact_removed,
-        "candidate_pairs": candidates,
-        "verified_pairs": verified if dedup.verify else None,
-        "near_clusters": clusters,
-        "near_removed": near_removed,
-        "examples": examples,
-        "files": {
-            "removed": file_entry(store, keys.work("dedup", "removed.parquet"), removed),
-        },
-    }
+    record = DedupRecord(
+        exact_removed=exact_removed,
+        candidate_pairs=candidates,
+        verified_pairs=verified if dedup.verify else None,
+        near_clusters=clusters,
+        near_removed=near_removed,
+        examples=examples,
+        files={"removed": file_entry(store, keys.work("dedup", "removed.parquet"), removed)},
+    )
     return commit_record(store, record_key, record)
 
 
-def _refuse_empty(scans: list[dict], duplicates: int) -> None:
+def _refuse_empty(scans: list[ScanRecord], duplicates: int) -> None:
     """Stop before tokenizer training when nothing is left to train on, saying why."""
-    read = sum(r["documents"] for r in scans)
+    read = sum(r.documents for r in scans)
     if read == 0:
-        bad = sum(sum(r["bad"].values()) for r in scans)
+        bad = sum(sum(r.bad.values()) for r in scans)
         raise EmptyCorpusError(
             f"no documents were read ({bad} bad records): check the files, data.split and "
             "data.text_field"
         )
-    if sum(r["kept"] for r in scans) - duplicates <= 0:
-        filtered = sum(sum(r["filtered"].values()) for r in scans)
+    if sum(r.kept for r in scans) - duplicates <= 0:
+        filtered = sum(sum(r.filtered.values()) for r in scans)
         raise EmptyCorpusError(
             f"every document was removed ({filtered} of {read} by filters, {duplicates} as "
             "duplicates): loosen [data.filters]; `forgeline data report` shows which filter "

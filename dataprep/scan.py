@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
+from pydantic import BaseModel
 
 from dataprep.documents import ReadStats
 from dataprep.filters import build_filters, first_rejection
@@ -23,7 +24,14 @@ from dataprep.normalize import normalize
 from dataprep.object_cache import SourceReader
 from dataprep.plan import SnapshotPlan
 from dataprep.settings import SnapshotSettings
-from dataprep.stage_store import SnapshotKeys, chunk_name, commit_record, done_record, file_entry
+from dataprep.stage_store import (
+    SnapshotKeys,
+    StageRecord,
+    chunk_name,
+    commit_record,
+    done_record,
+    file_entry,
+)
 from infra.store.protocol import ObjectStore
 
 Progress = Callable[[str], None]
@@ -57,6 +65,25 @@ REJECTED_SCHEMA = pa.schema(
 _FLUSH = 2048
 _SNIPPET = 200
 _BIG_DOCUMENT_CHARS = 1 << 20  # announced in a heartbeat before it is filtered and hashed
+
+
+class BadExample(BaseModel):
+    source: str
+    line: int  # where the record starts: 1-based line (JSONL, text), 0-based row (Parquet)
+    reason: str
+
+
+class ScanRecord(StageRecord):
+    """One chunk read, filtered and hashed. Files: `docs` (kept documents with their exact
+    hash and split), `bands` (MinHash band hashes), `rejected` (what a filter removed)."""
+
+    chunk: int
+    records: int
+    documents: int
+    kept: int
+    bad: dict[str, int]  # bad records by reason
+    bad_examples: list[BadExample]
+    filtered: dict[str, int]  # documents removed, by filter
 
 
 def split_of(exact_hash: bytes, val_fraction: float) -> str:
@@ -106,12 +133,12 @@ def scan_chunk(
     workdir: Path,
     progress: Progress = lambda _: None,
     cache: Path | None = None,
-) -> dict:
+) -> ScanRecord:
     """`cache`: where objects (s3 sources) are fetched to. By default beside `workdir`: a data
     worker gives each snapshot a workdir in its own folder, so its snapshots share the copies."""
     keys = SnapshotKeys(plan.snapshot_id)
     record_key = keys.chunk_record("scan", index)
-    if (record := done_record(store, record_key)) is not None:
+    if (record := done_record(store, record_key, ScanRecord)) is not None:
         progress(f"chunk {index} already scanned")
         return record
 
@@ -176,17 +203,16 @@ def scan_chunk(
         name: file_entry(store, keys.work("scan", f"{name}-{chunk_name(index)}.parquet"), t.close())
         for name, t in (("docs", docs), ("bands", bands), ("rejected", rejected))
     }
-    record = {
-        "chunk": index,
-        "records": stats.records,
-        "documents": stats.documents,
-        "kept": docs.rows,
-        "bad": dict(stats.bad),
-        "bad_examples": [
-            {"source": b.source, "line": b.line, "reason": b.reason} for b in stats.examples
-        ],
-        "filtered": dict(removed_by),
-        "files": files,
-    }
+    record = ScanRecord(
+        chunk=index,
+        records=stats.records,
+        documents=stats.documents,
+        kept=docs.rows,
+        bad=dict(stats.bad),
+        bad_examples=[BadExample(source=b.source, line=b.line, reason=b.reason)
+                      for b in stats.examples],
+        filtered=dict(removed_by),
+        files=files,
+    )  # fmt: skip
     progress(f"chunk {index}: {stats.documents} documents, {docs.rows} kept")
     return commit_record(store, record_key, record)

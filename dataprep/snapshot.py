@@ -16,13 +16,19 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from dataprep.dataset_manifest import DatasetManifest
-from dataprep.dedup_stage import dedup_snapshot, scan_records
+from dataprep.dataset_manifest import (
+    DatasetManifest,
+    DocumentCounts,
+    SourceFile,
+    Split,
+    TokenizerFile,
+)
+from dataprep.dedup_stage import dedup_record, dedup_snapshot, scan_records
 from dataprep.errors import EmptyCorpusError
 from dataprep.near_dedup import connect
 from dataprep.plan import DATAPREP_VERSION, SnapshotPlan, plan_snapshot
 from dataprep.report import build_documents_table, summarize
-from dataprep.scan import scan_chunk
+from dataprep.scan import ScanRecord, scan_chunk
 from dataprep.settings import SnapshotSettings
 from dataprep.shards import token_dtype
 from dataprep.stage_store import (
@@ -31,10 +37,18 @@ from dataprep.stage_store import (
     local_copy,
     required_record,
 )
-from dataprep.tokenize_stage import SPLITS, merge_tails, tokenize_chunk, train_tokenizer
+from dataprep.tokenize_stage import (
+    SPLITS,
+    TokenizeRecord,
+    merge_tails,
+    tokenize_chunk,
+    tokenizer_record,
+    train_tokenizer,
+)
 from infra.digest import sha256_bytes, sha256_file
 from infra.errors import IntegrityError, ObjectNotFound
 from infra.store.protocol import ObjectStore
+from infra.stored_format import StoredFile
 
 Progress = Callable[[str], None]
 
@@ -150,79 +164,79 @@ def _manifest(
     keys = SnapshotKeys(plan.snapshot_id)
     cache = workdir / "cache"
     scans = scan_records(store, plan)
-    dedup = required_record(store, keys.work("dedup", "DONE.json"), "deduplication")
-    vocab = required_record(store, keys.work("tokenizer", "DONE.json"), "tokenizer training")
+    dedup = dedup_record(store, keys)
+    vocab = tokenizer_record(store, keys)
     tokenized = [
-        required_record(store, keys.chunk_record("tokenize", c.index), "tokenizing")
+        required_record(store, keys.chunk_record("tokenize", c.index), TokenizeRecord, "tokenizing")
         for c in plan.chunks
     ]
     documents = {
-        "records": sum(r["records"] for r in scans),
-        "read": sum(r["documents"] for r in scans),
-        "bad_records": sum(sum(r["bad"].values()) for r in scans),
-        "filtered": sum(sum(r["filtered"].values()) for r in scans),
-        "exact_duplicates": dedup["exact_removed"],
-        "near_duplicates": dedup["near_removed"],
+        "records": sum(r.records for r in scans),
+        "read": sum(r.documents for r in scans),
+        "bad_records": sum(sum(r.bad.values()) for r in scans),
+        "filtered": sum(sum(r.filtered.values()) for r in scans),
+        "exact_duplicates": dedup.exact_removed,
+        "near_duplicates": dedup.near_removed,
     }
-    kept = {s: sum(t["documents"][s] for t in tokenized) for s in SPLITS}
+    kept = {s: sum(t.documents[s] for t in tokenized) for s in SPLITS}
     _refuse_empty(kept, settings)
 
-    dtype = token_dtype(vocab["vocab_size"])
+    dtype = token_dtype(vocab.vocab_size)
     tails = merge_tails(store, plan, tokenized, dtype, settings.shard_tokens, workdir)
     splits = {
-        s: {
-            "documents": kept[s],
-            "tokens": sum(t["tokens"][s] for t in tokenized),
-            "shards": [shard for t in tokenized for shard in t["shards"][s]] + tails[s],
-        }
+        s: Split(
+            documents=kept[s],
+            tokens=sum(t.tokens[s] for t in tokenized),
+            shards=[shard for t in tokenized for shard in t.shards[s]] + tails[s],
+        )
         for s in SPLITS
     }
-    tokenizer_path = local_copy(store, vocab["files"]["tokenizer"], cache)
+    tokenizer_path = local_copy(store, vocab.files["tokenizer"], cache)
     tokenizer = file_entry(store, keys.final("tokenizer.json"), tokenizer_path)
 
     progress("writing the report")
     con = connect(settings.dedup.memory_limit, workdir / "duckdb-spill")
     table = build_documents_table(
         con,
-        docs=[local_copy(store, r["files"]["docs"], cache) for r in scans],
-        rejected=[local_copy(store, r["files"]["rejected"], cache) for r in scans],
-        removed=local_copy(store, dedup["files"]["removed"], cache),
-        tokens=[local_copy(store, t["files"]["tokens"], cache) for t in tokenized],
+        docs=[local_copy(store, r.files["docs"], cache) for r in scans],
+        rejected=[local_copy(store, r.files["rejected"], cache) for r in scans],
+        removed=local_copy(store, dedup.files["removed"], cache),
+        tokens=[local_copy(store, t.files["tokens"], cache) for t in tokenized],
         out=workdir / "documents.parquet",
     )
     report = {
         "snapshot_id": plan.snapshot_id,
         "documents": documents,
         "bad_records": _bad_records(scans),
-        "dedup": {k: dedup[k] for k in ("candidate_pairs", "verified_pairs", "near_clusters")},
-        "dedup_examples": dedup["examples"],
+        "dedup": dedup.model_dump(include={"candidate_pairs", "verified_pairs", "near_clusters"}),
+        "dedup_examples": dedup.examples,
         **summarize(con, table),
     }
     report_json = workdir / "report.json"
     report_json.write_text(json.dumps(report, indent=2, default=str))
-    manifest = {
-        "snapshot_id": plan.snapshot_id,
-        "dataprep_version": DATAPREP_VERSION,
-        "settings": plan.identity,
-        "sources": [f.manifest_entry() for f in plan.files],
-        "documents": {**documents, "train": kept["train"], "val": kept["val"]},
-        "tokenizer": {
-            "kind": vocab["kind"],
-            "vocab_size": vocab["vocab_size"],
-            "end_of_document_id": vocab["end_of_document_id"],
-            **tokenizer,
-        },
-        "dtype": dtype.name,
-        "splits": splits,
-        "report": {
+    manifest = DatasetManifest(
+        snapshot_id=plan.snapshot_id,
+        dataprep_version=DATAPREP_VERSION,
+        settings=plan.identity,
+        sources=[SourceFile(**f.manifest_entry()) for f in plan.files],
+        documents=DocumentCounts(**documents, train=kept["train"], val=kept["val"]),
+        tokenizer=TokenizerFile(
+            kind=vocab.kind,
+            vocab_size=vocab.vocab_size,
+            end_of_document_id=vocab.end_of_document_id,
+            **tokenizer.model_dump(),
+        ),
+        dtype=dtype.name,
+        splits=splits,
+        report={
             "documents": _report_entry(store, keys, table),
             "summary": _report_entry(store, keys, report_json),
         },
-    }
-    return DatasetManifest.model_validate(manifest).dump_bytes()
+    )
+    return manifest.dump_bytes()
 
 
-def _report_entry(store: ObjectStore, keys: SnapshotKeys, path: Path) -> dict:
+def _report_entry(store: ObjectStore, keys: SnapshotKeys, path: Path) -> StoredFile:
     """Upload a report file under a key of its content: DuckDB's Parquet (its footer names the
     writer's version) may differ between two commits' hosts, and a fixed key would let the
     later one change the bytes the earlier one's committed manifest names."""
@@ -261,12 +275,12 @@ def _refuse_empty(kept: dict[str, int], settings: SnapshotSettings) -> None:
         )
 
 
-def _bad_records(scans: list[dict]) -> dict:
+def _bad_records(scans: list[ScanRecord]) -> dict:
     reasons: dict[str, int] = {}
     for record in scans:
-        for reason, count in record["bad"].items():
+        for reason, count in record.bad.items():
             reasons[reason] = reasons.get(reason, 0) + count
-    examples = [e for record in scans for e in record["bad_examples"]][:20]
+    examples = [e.model_dump() for record in scans for e in record.bad_examples][:20]
     return {"by_reason": reasons, "examples": examples}
 
 

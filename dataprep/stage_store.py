@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any, ClassVar, TypeVar
 
 from infra.digest import sha256_file
-from infra.errors import ObjectNotFound
+from infra.errors import IntegrityError, ObjectNotFound
 from infra.store.local import LocalStore
-from infra.store.protocol import ObjectStore, fetch_verified
+from infra.store.protocol import ObjectStore, fetch_verified, verify_stored_files
+from infra.stored_format import StoredFile, StoredRecord
 
 
 class SnapshotKeys:
@@ -52,46 +54,67 @@ def chunk_name(index: int) -> str:
     return f"{index:05d}"
 
 
-def done_record(store: ObjectStore, key: str) -> dict | None:
+class StageRecord(StoredRecord):
+    """What a stage leaves behind: the files it wrote (key, size, sha256) and its figures.
+    Each stage's record extends this in the module of the stage."""
+
+    VERSION_FIELD: ClassVar[str] = "version"
+    VERSIONS: ClassVar[tuple[Any, ...]] = (1,)
+    WHAT: ClassVar[str] = "stage record"
+
+    version: int = 1
+    files: dict[str, StoredFile]
+
+    @classmethod
+    def _unversioned(cls) -> Any:
+        return 1  # written by a worker from before the records named their version
+
+    def dump_bytes(self) -> bytes:
+        return json.dumps(self.dump(), indent=1, sort_keys=True).encode()
+
+
+Record = TypeVar("Record", bound=StageRecord)
+
+
+def done_record(store: ObjectStore, key: str, kind: type[Record]) -> Record | None:
     """The stage's record if it exists and every file it lists is intact, else None."""
     try:
-        record = json.loads(store.get_bytes(key))
+        raw = store.get_bytes(key)
     except ObjectNotFound:
         return None
-    for entry in record["files"].values():
-        try:
-            if store.digest(entry["key"]) != (entry["bytes"], entry["sha256"]):
-                return None
-        except ObjectNotFound:
-            return None
+    record = kind.parse(raw, key)
+    try:
+        verify_stored_files(store, record.files.values(), "stage file")
+    except IntegrityError:
+        return None
     return record
 
 
-def required_record(store: ObjectStore, key: str, what: str) -> dict:
+def required_record(store: ObjectStore, key: str, kind: type[Record], what: str) -> Record:
     """The record a later stage depends on; its absence means the stages ran out of order."""
-    record = done_record(store, key)
+    record = done_record(store, key, kind)
     if record is None:
         raise RuntimeError(f"{what} has not finished: {key} is missing or incomplete")
     return record
 
 
-def file_entry(store: ObjectStore, key: str, path: Path) -> dict:
+def file_entry(store: ObjectStore, key: str, path: Path) -> StoredFile:
     """Upload `path` to `key` and describe it for a record or manifest."""
     store.put_file(key, path)
-    return {"key": key, "bytes": path.stat().st_size, "sha256": sha256_file(path)}
+    return StoredFile(key=key, bytes=path.stat().st_size, sha256=sha256_file(path))
 
 
-def commit_record(store: ObjectStore, key: str, record: dict) -> dict:
+def commit_record(store: ObjectStore, key: str, record: Record) -> Record:
     """Write the record last; if a concurrent attempt won the race, its record stands."""
-    if store.put_if_absent(key, json.dumps(record, indent=1, sort_keys=True).encode()):
+    if store.put_if_absent(key, record.dump_bytes()):
         return record
-    return json.loads(store.get_bytes(key))
+    return type(record).parse(store.get_bytes(key), key)
 
 
-def local_copy(store: ObjectStore, entry: dict, cache: Path) -> Path:
+def local_copy(store: ObjectStore, entry: StoredFile, cache: Path) -> Path:
     """A local path for a file of a record that `done_record` verified: the store's own file
     when the store is a local folder (no copy), else a download checked by sha256."""
     if isinstance(store, LocalStore):
-        return store.root / entry["key"]
-    dest = cache / entry["sha256"]
-    return fetch_verified(store, entry["key"], dest, entry["sha256"], entry["bytes"])
+        return store.root / entry.key
+    dest = cache / entry.sha256
+    return fetch_verified(store, entry.key, dest, entry.sha256, entry.bytes)

@@ -12,13 +12,16 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from tokenizers import Tokenizer
 
-from dataprep.dedup_stage import scan_records
+from dataprep.dataset_manifest import Shard
+from dataprep.dedup_stage import dedup_record, scan_records
 from dataprep.near_dedup import connect
 from dataprep.plan import SnapshotPlan
+from dataprep.scan import ScanRecord
 from dataprep.settings import SnapshotSettings
-from dataprep.shards import ShardWriter, token_dtype
+from dataprep.shards import ShardFile, ShardWriter, token_dtype
 from dataprep.stage_store import (
     SnapshotKeys,
+    StageRecord,
     chunk_name,
     commit_record,
     done_record,
@@ -32,6 +35,32 @@ from infra.store.protocol import ObjectStore
 Progress = Callable[[str], None]
 SPLITS = ("train", "val")
 _BATCH = 1024
+
+
+class TokenizerRecord(StageRecord):
+    """The tokenizer, trained. Files: `tokenizer` (the tokenizers library's JSON)."""
+
+    kind: str  # "bpe" or "char"
+    vocab_size: int
+    end_of_document_id: int
+
+
+class TokenizeRecord(StageRecord):
+    """One chunk tokenized into full shards (in the snapshot's place already) and, per split,
+    the chunk's last partly filled shard (merged with the other chunks' at commit). Files:
+    `tokens` (tokens per document) and every shard by its file name."""
+
+    chunk: int
+    documents: dict[str, int]  # by split
+    tokens: dict[str, int]  # by split
+    shards: dict[str, list[Shard]]  # full shards, by split
+    tails: dict[str, Shard | None]  # the partial last shard, by split
+
+
+def tokenizer_record(store: ObjectStore, keys: SnapshotKeys) -> TokenizerRecord:
+    """The tokenizer stage's record, for the stages after it."""
+    key = keys.work("tokenizer", "DONE.json")
+    return required_record(store, key, TokenizerRecord, "tokenizer training")
 
 
 def _kept_texts(
@@ -54,15 +83,14 @@ def train_tokenizer(
     settings: SnapshotSettings,
     workdir: Path,
     progress: Progress = lambda _: None,
-) -> dict:
+) -> TokenizerRecord:
     keys = SnapshotKeys(plan.snapshot_id)
     record_key = keys.work("tokenizer", "DONE.json")
-    if (record := done_record(store, record_key)) is not None:
+    if (record := done_record(store, record_key, TokenizerRecord)) is not None:
         return record
     cache = workdir / "cache"
-    docs = [local_copy(store, r["files"]["docs"], cache) for r in scan_records(store, plan)]
-    dedup = required_record(store, keys.work("dedup", "DONE.json"), "deduplication")
-    removed = local_copy(store, dedup["files"]["removed"], cache)
+    docs = [local_copy(store, r.files["docs"], cache) for r in scan_records(store, plan)]
+    removed = local_copy(store, dedup_record(store, keys).files["removed"], cache)
     config = settings.tokenizer
     con = connect(settings.dedup.memory_limit, workdir / "duckdb-spill")
 
@@ -85,13 +113,13 @@ def train_tokenizer(
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / "tokenizer.json"
     tokenizer.save(str(path))
-    record = {
-        "kind": config.kind,
-        "vocab_size": tokenizer.get_vocab_size(),
-        "end_of_document_id": end_of_document_id(tokenizer),
-        "files": {"tokenizer": file_entry(store, keys.work("tokenizer", "tokenizer.json"), path)},
-    }
-    progress(f"{config.kind} tokenizer: {record['vocab_size']} tokens")
+    record = TokenizerRecord(
+        kind=config.kind,
+        vocab_size=tokenizer.get_vocab_size(),
+        end_of_document_id=end_of_document_id(tokenizer),
+        files={"tokenizer": file_entry(store, keys.work("tokenizer", "tokenizer.json"), path)},
+    )
+    progress(f"{config.kind} tokenizer: {record.vocab_size} tokens")
     return commit_record(store, record_key, record)
 
 
@@ -102,21 +130,21 @@ def tokenize_chunk(
     settings: SnapshotSettings,
     workdir: Path,
     progress: Progress = lambda _: None,
-) -> dict:
+) -> TokenizeRecord:
     keys = SnapshotKeys(plan.snapshot_id)
     name = chunk_name(index)
     record_key = keys.chunk_record("tokenize", index)
-    if (record := done_record(store, record_key)) is not None:
+    if (record := done_record(store, record_key, TokenizeRecord)) is not None:
         return record
     cache = workdir / "cache"
-    scan = required_record(store, keys.chunk_record("scan", index), f"scan of chunk {index}")
-    dedup = required_record(store, keys.work("dedup", "DONE.json"), "deduplication")
-    vocab = required_record(store, keys.work("tokenizer", "DONE.json"), "tokenizer training")
-    tokenizer = Tokenizer.from_file(str(local_copy(store, vocab["files"]["tokenizer"], cache)))
-    eod = vocab["end_of_document_id"]
-    dtype = token_dtype(vocab["vocab_size"])
-    docs = local_copy(store, scan["files"]["docs"], cache)
-    removed = local_copy(store, dedup["files"]["removed"], cache)
+    scan_key = keys.chunk_record("scan", index)
+    scan = required_record(store, scan_key, ScanRecord, f"scan of chunk {index}")
+    vocab = tokenizer_record(store, keys)
+    tokenizer = Tokenizer.from_file(str(local_copy(store, vocab.files["tokenizer"], cache)))
+    eod = vocab.end_of_document_id
+    dtype = token_dtype(vocab.vocab_size)
+    docs = local_copy(store, scan.files["docs"], cache)
+    removed = local_copy(store, dedup_record(store, keys).files["removed"], cache)
 
     folder = workdir / "tokenize" / name
     folder.mkdir(parents=True, exist_ok=True)
@@ -144,60 +172,59 @@ def tokenize_chunk(
     files = {
         "tokens": file_entry(store, keys.work("tokenize", f"tokens-{name}.parquet"), tokens_path)
     }
-    shards: dict[str, list[dict]] = {}
-    tails: dict[str, dict | None] = {}
+    shards: dict[str, list[Shard]] = {}
+    tails: dict[str, Shard | None] = {}
     for split, writer in writers.items():
         written = writer.close()
         full = [s for s in written if s.tokens == settings.shard_tokens]
         partial = [s for s in written if s.tokens < settings.shard_tokens]
         shards[split] = []
         for shard in full:
-            entry = {
-                **file_entry(store, keys.shard(shard.path.name), shard.path),
-                "tokens": shard.tokens,
-            }
-            shards[split].append(entry)
-            files[shard.path.name] = entry
+            stored = _stored_shard(store, keys.shard(shard.path.name), shard)
+            shards[split].append(stored)
+            files[shard.path.name] = stored
         tails[split] = None
         for shard in partial:  # at most one: the chunk's last, partly filled shard
-            entry = file_entry(store, keys.work("tokenize", shard.path.name), shard.path)
-            tails[split] = {**entry, "tokens": shard.tokens}
-            files[shard.path.name] = entry
-    record = {
-        "chunk": index,
-        "documents": documents,
-        "tokens": {s: writers[s].tokens for s in SPLITS},
-        "shards": shards,
-        "tails": tails,
-        "files": files,
-    }
-    progress(f"chunk {index}: {sum(record['tokens'].values())} tokens")
+            stored = _stored_shard(store, keys.work("tokenize", shard.path.name), shard)
+            tails[split] = stored
+            files[shard.path.name] = stored
+    record = TokenizeRecord(
+        chunk=index,
+        documents=documents,
+        tokens={s: writers[s].tokens for s in SPLITS},
+        shards=shards,
+        tails=tails,
+        files=files,
+    )
+    progress(f"chunk {index}: {sum(record.tokens.values())} tokens")
     return commit_record(store, record_key, record)
 
 
 def merge_tails(
     store: ObjectStore,
     plan: SnapshotPlan,
-    records: list[dict],
+    records: list[TokenizeRecord],
     dtype: np.dtype,
     shard_tokens: int,
     workdir: Path,
-) -> dict[str, list[dict]]:
+) -> dict[str, list[Shard]]:
     """Pack every chunk's partial last shard, in chunk order, into full shards (the very last
     one of each split may stay partial): the snapshot's only shards that are not full."""
     keys = SnapshotKeys(plan.snapshot_id)
     cache = workdir / "cache"
     folder = workdir / "tails"
     folder.mkdir(parents=True, exist_ok=True)
-    merged: dict[str, list[dict]] = {}
+    merged: dict[str, list[Shard]] = {}
     for split in SPLITS:
         writer = ShardWriter(folder, f"{split}-tail", shard_tokens, dtype)
         for record in records:
-            tail = record["tails"][split]
+            tail = record.tails[split]
             if tail is not None:
                 writer.add(np.fromfile(local_copy(store, tail, cache), dtype=dtype))
-        merged[split] = [
-            {**file_entry(store, keys.shard(s.path.name), s.path), "tokens": s.tokens}
-            for s in writer.close()
-        ]
+        merged[split] = [_stored_shard(store, keys.shard(s.path.name), s) for s in writer.close()]
     return merged
+
+
+def _stored_shard(store: ObjectStore, key: str, shard: ShardFile) -> Shard:
+    """Upload a written shard to `key`, described as a manifest lists it."""
+    return Shard(**file_entry(store, key, shard.path).model_dump(), tokens=shard.tokens)

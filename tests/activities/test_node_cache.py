@@ -52,14 +52,14 @@ def datasets(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Datasets]:
         corpus.write_text(text[i * 90_000 : (i + 1) * 90_000])
         snapshot = prepare_snapshot([str(corpus)], settings, store, root / f"work-{i}")
         manifest = NodeCache(root / "probe", store).dataset_manifest(dataset_ref(snapshot))
-        shards = manifest["splits"]["train"]["shards"]
+        shards = manifest.splits["train"].shards
         assert len(shards) > 1  # eviction is per blob: snapshots of several
         found.append(
             Dataset(
                 snapshot.snapshot_id,
                 manifest,
-                [s["sha256"] for s in shards],
-                sum(s["bytes"] for s in shards),
+                [s.sha256 for s in shards],
+                sum(s.bytes for s in shards),
             )
         )
     assert len({d.snapshot_id for d in found}) == 3

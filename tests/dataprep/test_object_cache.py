@@ -75,8 +75,8 @@ def test_a_snapshot_of_objects_holds_the_documents_of_the_same_files(
     # Same documents in the same order: the token shards are the same bytes.
     assert _shards(remote.manifest) == _shards(local.manifest)
     sources = remote.manifest.sources
-    assert [s["path"] for s in sources] == [f"s3://{bucket}/{key}" for key in sorted(docs)]
-    assert all(set(s) == {"path", "format", "bytes", "etag"} for s in sources)
+    assert [s.path for s in sources] == [f"s3://{bucket}/{key}" for key in sorted(docs)]
+    assert all(set(s.model_dump()) == {"path", "format", "bytes", "etag"} for s in sources)
     by_source = duckdb.sql(
         f"SELECT DISTINCT source FROM read_parquet('{store.root}/"
         f"{remote.manifest.report['documents'].key}') ORDER BY 1"
@@ -130,7 +130,7 @@ def test_a_version_is_fetched_once_and_read_from_the_cache_after(
     # Gone from the bucket, but its copy is that version: a second reader needs no fetch.
     raw.delete_object(Bucket=bucket, Key="docs/a.txt")
     again = scan_chunk(LocalStore(tmp_path / "two"), plan, 0, SPEECHES, tmp_path / "work")
-    assert again["documents"] == first["documents"] == 2
+    assert again.documents == first.documents == 2
 
 
 def test_a_bad_object_is_named_by_its_url_not_its_cached_copy(
@@ -176,5 +176,5 @@ def test_a_local_file_changed_after_planning_is_not_read_under_the_old_id(tmp_pa
     assert not any((tmp_path / "source-cache").rglob("*.txt"))  # its copy is gone
     corpus.write_text("alpha beta gamma\n\ndelta\n")  # as planned again: read, and named by path
     record = scan_chunk(store, plan, 0, SPEECHES, tmp_path / "work")
-    assert record["documents"] == 2
+    assert record.documents == 2
     assert not any((tmp_path / "source-cache").rglob("*.txt"))

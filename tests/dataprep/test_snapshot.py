@@ -219,7 +219,7 @@ def test_bpe_snapshot(corpus: Path, store: LocalStore, tmp_path: Path) -> None:
 
 def test_changed_manifest_is_detected(corpus: Path, store: LocalStore, tmp_path: Path) -> None:
     snap = prepare([corpus], SPEECHES, store, tmp_path)
-    assert load_manifest(store, snap.manifest_key, snap.manifest_sha256)["snapshot_id"]
+    assert load_manifest(store, snap.manifest_key, snap.manifest_sha256).snapshot_id
     tampered = json.loads(store.get_bytes(snap.manifest_key))
     tampered["dtype"] = "uint32"
     (store.root / snap.manifest_key).write_text(json.dumps(tampered))

@@ -26,6 +26,7 @@ from infra.store.twin import TwinStore
 from infra.tokens import LOCAL_TOKEN_FILE, TokenStore
 from tests.conftest import REPO
 from tests.partition import Partition
+from trainer.checkpoint_manifest import CheckpointManifest
 from trainer.evaluate import load_model
 from trainer.manifest import find_latest
 from worker.chaos import trainer_processes
@@ -192,7 +193,9 @@ def final_checkpoint(stack: Stack, run: str, scratch: Path) -> tuple[Path, dict]
     return fetched_checkpoint(stack.store(), run, scratch)
 
 
-def fetched_checkpoint(store: ObjectStore, run: str, scratch: Path) -> tuple[Path, dict]:
+def fetched_checkpoint(
+    store: ObjectStore, run: str, scratch: Path
+) -> tuple[Path, CheckpointManifest]:
     """The run's last committed checkpoint in `store`, fetched: its folder and manifest."""
     found = find_latest(store, run, max_generation=10**9)
     assert found is not None, f"{run} has no committed checkpoint"

@@ -189,7 +189,7 @@ def _fenced_when_it_comes_back(
     fences = Fences.read(store, "tiny-pause")
     for commit in commits(store, "tiny-pause"):
         manifest = json.loads(store.get_bytes(commit.key))
-        assert fences.why_stale(manifest.generation, commit.step) is None, commit
+        assert fences.why_stale(manifest["generation"], commit.step) is None, commit
     final = find_latest(store, "tiny-pause", max_generation=10**9)
     assert final is not None and final.step == 200 and final.generation > int(generation)
     assert [s for s, _ in final.manifest.loss_history] == list(range(5, 201, 5))

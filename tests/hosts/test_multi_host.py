@@ -155,7 +155,7 @@ def test_a_partitioned_host_is_replaced_and_its_ranks_commit_nothing(
     fences = Fences.read(store, "cut")
     for commit in commits(store, "cut"):
         manifest = json.loads(store.get_bytes(commit.key))
-        assert fences.why_stale(manifest.generation, commit.step) is None, (commit, manifest)
+        assert fences.why_stale(manifest["generation"], commit.step) is None, (commit, manifest)
     final, expected = (find_latest(store, run, max_generation=10**9) for run in ("cut", clean))
     assert final is not None and expected is not None and final.generation > generation
     assert final.manifest.loss_history == expected.manifest.loss_history

@@ -153,8 +153,7 @@ def test_three_ranks_resume_exactly(trainer: Trainer) -> None:
 def test_resume_on_a_different_world_size(trainer: Trainer, reference: CheckpointManifest) -> None:
     """A 2-rank checkpoint resumes on 1 rank: same global batch, same curve (to rounding)."""
     key = manifest_key("reference", 60, generation=1)
-    manifest = json.loads(trainer.store.get_bytes(key))
-    resume = resume_point(trainer, manifest, "reshard", key)
+    resume = resume_point(trainer, read_manifest(trainer.store, key), "reshard", key)
     trainer.run(trainer.job("reshard", TRAIN, resume=resume, generation=2), ranks=1)
     final = find_latest(trainer.store, "reshard", max_generation=2)
     assert final is not None and final.manifest.world_size == 1
@@ -176,7 +175,7 @@ def test_corrupt_and_torn_checkpoints_fall_back(
         if key.endswith("MANIFEST.json"):
             manifest = json.loads(store.get_bytes(key))
             for entry in manifest["files"]:
-                entry.key = entry.key.replace("runs/reference/", "runs/damaged/")
+                entry["key"] = entry["key"].replace("runs/reference/", "runs/damaged/")
             store.put_bytes(key, json.dumps(manifest).encode())
     shard = next(
         k for k in store.list("runs/damaged/checkpoints/step-120/") if k.endswith(".distcp")
@@ -272,7 +271,7 @@ def test_a_checkpoint_from_before_the_fused_layout_resumes_in_its_own(trainer: T
     first = TRAIN.model_copy(update={"steps": 20, "checkpoint_every": 10})
     trainer.run(trainer.job("old-layout", first, model=before), ranks=1)
     key = manifest_key("old-layout", 20, generation=1)
-    manifest = json.loads(trainer.store.get_bytes(key))
+    manifest = read_manifest(trainer.store, key)
     stored = {k: v for k, v in manifest.network.items() if k not in WEIGHT_LAYOUT}
     resume = resume_point(trainer, manifest, "old-layout", key)
     more = TRAIN.model_copy(update={"steps": 30, "checkpoint_every": 10})

@@ -24,7 +24,7 @@ from tests.trainer.test_distributed_training import (
 from trainer.checkpoint_manifest import CheckpointManifest
 from trainer.errors import RanksFailed
 from trainer.launch import Rendezvous, run_ranks
-from trainer.manifest import find_latest, manifest_key
+from trainer.manifest import find_latest, manifest_key, read_manifest
 from workflows.contracts.spec import TrainSpec
 
 TRAIN = TrainSpec(
@@ -95,7 +95,7 @@ def test_a_sharded_checkpoint_resumes_on_one_plain_rank(
     """FSDP on 2 ranks → 1 rank, TP 2 → TP 1: DCP reshards the saved DTensors on load."""
     run = request.getfixturevalue(source)
     key = manifest_key(source, 20, generation=1)
-    resume = resume_point(trainer, json.loads(trainer.store.get_bytes(key)), f"{source}-one", key)
+    resume = resume_point(trainer, read_manifest(trainer.store, key), f"{source}-one", key)
     trainer.run(trainer.job(f"{source}-one", TRAIN, resume=resume, generation=2), ranks=1)
     resumed = final(trainer, f"{source}-one", generation=2)
     assert resumed.layout["strategy"] == "single" and resumed.world_size == 1
@@ -114,7 +114,7 @@ def test_changing_data_parallel_ranks_neither_skips_nor_repeats_a_sample(
     for ranks, layout in ((1, {}), (4, {"replicate": 1, "shard": 4, "tensor": 1})):
         run = f"ddp-on-{ranks}"
         log = trainer.root / f"{run}-samples.log"
-        resume = resume_point(trainer, json.loads(trainer.store.get_bytes(key)), run, key)
+        resume = resume_point(trainer, read_manifest(trainer.store, key), run, key)
         job = trainer.job(
             run, TRAIN, resume=resume, generation=2, layout=layout, sample_log=str(log)
         )

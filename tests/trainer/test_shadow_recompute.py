@@ -17,7 +17,7 @@ from tests.trainer.test_distributed_training import resume_point
 from trainer.attempt_clock import ledger_key
 from trainer.checkpoint_manifest import CheckpointManifest
 from trainer.errors import RanksFailed
-from trainer.manifest import commits, find_latest, manifest_key
+from trainer.manifest import commits, find_latest, manifest_key, read_manifest
 from workflows.contracts.spec import RecoverySpec, TrainSpec
 
 TRAIN = TrainSpec(
@@ -81,7 +81,7 @@ def clean(trainer: Trainer, layout: str) -> CheckpointManifest:
 def resumed_from_10(trainer: Trainer, name: str, layout: str) -> CheckpointManifest:
     """Generation 2 of the run, from its checkpoint at step 10 to the end: its last manifest."""
     key = manifest_key(name, 10, generation=1)
-    resume = resume_point(trainer, json.loads(trainer.store.get_bytes(key)), name, key)
+    resume = resume_point(trainer, read_manifest(trainer.store, key), name, key)
     again = trainer.job(name, TRAIN, model=DROPOUT, shadow=SHADOW, nodes=NODES,
                         resume=resume, generation=2, layout=LAYOUTS[layout])  # fmt: skip
     trainer.run(again, ranks=ranks(layout))
