@@ -7,7 +7,6 @@ from __future__ import annotations
 import functools
 import json
 import tempfile
-from dataclasses import asdict
 from pathlib import Path
 
 from temporalio import activity
@@ -93,7 +92,7 @@ def goodput_metrics(goodput: Goodput) -> dict[str, float]:
 def _ledger_mark(mark: Mark | None) -> LedgerMark | None:
     if mark is None:
         return None
-    return LedgerMark(step=mark.step, at=mark.at, **asdict(mark.totals))
+    return LedgerMark(step=mark.step, at=mark.at, **mark.totals.model_dump())
 
 
 class ControlActivities:

@@ -43,14 +43,15 @@ class StoredRecord(BaseModel):
         try:
             data = json.loads(raw) if isinstance(raw, bytes | str) else dict(raw)
         except ValueError as err:
-            raise StoredFormatError(f"{key} is not a {cls.WHAT}: not JSON ({err})") from None
+            why = f"not JSON ({err})"
+            raise StoredFormatError(f"{key} is not a readable {cls.WHAT}: {why}") from None
         if not isinstance(data, dict):
-            raise StoredFormatError(f"{key} is not a {cls.WHAT}: not a JSON object")
+            raise StoredFormatError(f"{key} is not a readable {cls.WHAT}: not a JSON object")
         version = data.get(cls.VERSION_FIELD, cls._unversioned())
         if version not in cls.VERSIONS:
             known = ", ".join(str(v) for v in cls.VERSIONS)
             raise StoredFormatError(
-                f"{key}: a {cls.WHAT} of {cls.VERSION_FIELD} {version!r}, which this build does "
+                f"{key}: {cls.WHAT} of {cls.VERSION_FIELD} {version!r}, which this build does "
                 f"not read (it reads {known}); read it with the Forgeline release that wrote it, "
                 "or upgrade this one"
             )

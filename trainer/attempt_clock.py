@@ -9,19 +9,22 @@ commit, at the end, and at most once a second in between. A background thread do
 (newest wins), so a slow store never stalls a step. A SIGKILL loses at most the last second.
 
 Times are wall-clock (`time.time()`), comparable with the workflow's clock on the same network.
+The ledger is a typed stored record (`version` 1; ledgers from before name none).
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from typing import Any, ClassVar
+
+from pydantic import BaseModel, Field
 
 from infra.processes import started_at
 from infra.store.protocol import ObjectStore
+from infra.stored_format import StoredRecord
 
 FLUSH_EVERY_S = 1.0
 
@@ -30,8 +33,7 @@ def ledger_key(run_id: str, generation: int) -> str:
     return f"runs/{run_id}/attempts/gen-{generation}.json"
 
 
-@dataclass
-class Totals:
+class Totals(BaseModel):
     """Running sums since the ranks were ready, in seconds of wall time."""
 
     steps: int = 0
@@ -42,11 +44,10 @@ class Totals:
     shadow_s: float = 0.0  # part of train_s spent on shadow checks (trainer.shadow_check)
 
     def plus(self, **seconds: float) -> Totals:
-        return Totals(**{k: v + seconds.get(k, 0) for k, v in asdict(self).items()})
+        return Totals(**{k: v + seconds.get(k, 0) for k, v in self.model_dump().items()})
 
 
-@dataclass
-class Mark:
+class Mark(BaseModel):
     """The totals at the end of one step: what a checkpoint of that step secures."""
 
     step: int
@@ -54,20 +55,30 @@ class Mark:
     totals: Totals
 
 
-@dataclass
-class Ledger:
+class Ledger(StoredRecord):
+    """One generation's attempt as rank 0 saw it, kept at `ledger_key`."""
+
+    VERSION_FIELD: ClassVar[str] = "version"
+    VERSIONS: ClassVar[tuple[Any, ...]] = (1,)
+    WHAT: ClassVar[str] = "attempt ledger"
+
+    version: int = 1
     run_id: str
     generation: int
     resume_step: int
     process_started_at: float
     ready_at: float | None = None  # model built, checkpoint loaded: the first step starts
     load_s: float = 0.0  # of which reading the checkpoint
-    commits: list[Mark] = field(default_factory=list)  # committed steps of this generation
+    commits: list[Mark] = Field(default_factory=list)  # committed steps of this generation
     last: Mark | None = None  # the newest step finished
     ended: str | None = None  # done, stopped (why), failed (why); None while it runs
     # When the rank's process started, before its imports (None off Linux): what a restart
     # spends in the interpreter's start and `import torch` is process_started_at - spawned_at.
     spawned_at: float | None = None
+
+    @classmethod
+    def _unversioned(cls) -> Any:
+        return 1  # written before ledgers named their version
 
 
 class AttemptClock:
@@ -83,7 +94,8 @@ class AttemptClock:
         enabled: bool,
     ) -> None:
         self.enabled = enabled
-        self.ledger = Ledger(run_id, generation, resume_step, process_started_at,
+        self.ledger = Ledger(run_id=run_id, generation=generation, resume_step=resume_step,
+                             process_started_at=process_started_at,
                              spawned_at=started_at(os.getpid()))  # fmt: skip
         self.totals = Totals()
         self._pending: dict[int, Mark] = {}  # saves issued, not yet committed
@@ -97,12 +109,12 @@ class AttemptClock:
 
     def step_done(self, step: int, **seconds: float) -> None:
         self.totals = self.totals.plus(steps=1, **seconds)
-        self.ledger.last = Mark(step, time.time(), self.totals)
+        self.ledger.last = Mark(step=step, at=time.time(), totals=self.totals)
         self._flush()
 
     def save_issued(self, step: int) -> None:
         """Called once `step` is finished and its checkpoint is on its way."""
-        self._pending[step] = Mark(step, time.time(), self.totals)
+        self._pending[step] = Mark(step=step, at=time.time(), totals=self.totals)
 
     def add(self, **seconds: float) -> None:
         """Time after the step's mark: its evaluation, its checkpoint's stall."""
@@ -117,7 +129,7 @@ class AttemptClock:
     def end(self, how: str) -> None:
         self.ledger.ended = how
         if self.ledger.last is not None:
-            self.ledger.last = Mark(self.ledger.last.step, time.time(), self.totals)
+            self.ledger.last = Mark(step=self.ledger.last.step, at=time.time(), totals=self.totals)
         self._flush(force=True)
         if self._writer is not None:
             self._writer.close()
@@ -126,21 +138,14 @@ class AttemptClock:
         if self._writer is None or (not force and time.time() - self._flushed_at < FLUSH_EVERY_S):
             return
         self._flushed_at = time.time()
-        self._writer.put(json.dumps(asdict(self.ledger)).encode())
+        self._writer.put(self.ledger.model_dump_json().encode())
 
 
 def read_ledger(store: ObjectStore, run_id: str, generation: int) -> Ledger | None:
     key = ledger_key(run_id, generation)
     if not store.exists(key):
         return None
-    data = json.loads(store.get_bytes(key))
-    marks = [Mark(m["step"], m["at"], Totals(**m["totals"])) for m in data.pop("commits")]
-    last = data.pop("last")
-    return Ledger(
-        **data,
-        commits=marks,
-        last=Mark(last["step"], last["at"], Totals(**last["totals"])) if last else None,
-    )
+    return Ledger.parse(store.get_bytes(key), key)
 
 
 class _NewestWins:

@@ -16,7 +16,11 @@ from worker.cli_common import CliError, ExitCode, console, get_settings
 
 tokens_app = typer.Typer(help="API tokens: who may call Forgeline, with which roles (admins).")
 
+commands = typer.Typer()
+commands.add_typer(tokens_app, name="tokens")
 
+
+@commands.command()
 def api(
     host: Annotated[str, typer.Option(help="0.0.0.0 to accept other machines")] = "127.0.0.1",
     port: Annotated[int, typer.Option(min=1, max=65535)] = 8700,

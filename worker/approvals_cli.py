@@ -20,6 +20,9 @@ approvals_app = typer.Typer(
     help="Who may approve which models, self-approval, the eval gate.", invoke_without_command=True
 )
 
+commands = typer.Typer()
+commands.add_typer(approvals_app, name="approvals")
+
 
 @approvals_app.callback()
 def show(ctx: typer.Context) -> None:

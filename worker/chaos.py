@@ -45,6 +45,9 @@ chaos_app = typer.Typer(
 _JOB_FILE = re.compile(r"[^\0 ]+/job\.json")
 NodeArg = Annotated[str, typer.Argument(help="the node id, as `forgeline nodes` shows it")]
 
+commands = typer.Typer()
+commands.add_typer(chaos_app, name="chaos")
+
 
 def trainer_processes(home: Path, node: str | None = None, run: str | None = None) -> list[int]:
     """Live torchrun and rank processes started by this stack's node agents (one node's, one

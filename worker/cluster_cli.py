@@ -19,6 +19,10 @@ from workflows.contracts.cluster_models import ClusterConfig, ClusterState, Node
 cluster_app = typer.Typer(help="The cluster's configuration: pods, queues, spares.")
 node_app = typer.Typer(help="Take a node out of service or put it back.")
 
+commands = typer.Typer()
+commands.add_typer(cluster_app, name="cluster")
+commands.add_typer(node_app, name="node")
+
 
 def _cluster_state() -> ClusterState:
     return call(api_client(get_settings()).cluster)
@@ -36,6 +40,7 @@ def _printed_as_json(state: ClusterState, as_json: bool) -> bool:
     return as_json
 
 
+@commands.command()
 def nodes(as_json: ClusterJson = False) -> None:
     """The nodes: pod, GPUs in use, state, jobs, cached datasets."""
     state = _cluster_state()
@@ -43,6 +48,7 @@ def nodes(as_json: ClusterJson = False) -> None:
         console.print(nodes_table(state))
 
 
+@commands.command()
 def queues(as_json: ClusterJson = False) -> None:
     """The queues (teams): guaranteed, max, in use, borrowed, pending GPUs."""
     state = _cluster_state()
@@ -57,6 +63,7 @@ def queues(as_json: ClusterJson = False) -> None:
     )
 
 
+@commands.command()
 def jobs(as_json: ClusterJson = False) -> None:
     """Running gangs, and waiting ones with their place in line and why they wait."""
     state = _cluster_state()

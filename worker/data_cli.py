@@ -9,6 +9,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Annotated
 
 import typer
 from rich.console import Console
@@ -18,14 +19,28 @@ from temporalio.common import WorkflowIDConflictPolicy, WorkflowIDReusePolicy
 
 from infra.extras import require_extra
 from infra.settings import Settings
+from worker.cli_common import CliError, console, get_client, get_settings
+from worker.cli_common import run as run_async
+from worker.hosts_cli import data_worker
 from worker.live_progress import LiveProgress
 from worker.render import stage_bars
 from worker.runs import dataset_progress
+from worker.specfile import SpecError, load_spec
 from workflows.contracts.models import DatasetInput, DatasetProgress, DatasetRef
-from workflows.contracts.names import CONTROL_TASK_QUEUE, standalone_dataset_workflow_id
+from workflows.contracts.names import (
+    CONTROL_TASK_QUEUE,
+    InvalidName,
+    check_snapshot_id,
+    standalone_dataset_workflow_id,
+)
 from workflows.contracts.spec import DataSpec
 
 data_app = typer.Typer(help="Prepare dataset snapshots and read their reports.")
+
+commands = typer.Typer()
+commands.add_typer(data_app, name="data")
+# The data worker is a host's process (worker.hosts_cli), started as `forgeline data worker`.
+data_app.command("worker")(data_worker)
 
 
 class DataCliError(Exception):
@@ -171,3 +186,39 @@ def data_summary(ref: DatasetRef) -> str:
         f"removed; train {ref.train_tokens:,} / val {ref.val_tokens:,} tokens, vocab "
         f"{ref.vocab_size:,}"
     )
+
+
+@data_app.command("prepare")
+def data_prepare(
+    spec_file: Annotated[Path, typer.Argument(help="run spec (TOML); only [data] is used")],
+) -> None:
+    """Prepare the spec's dataset snapshot on the data workers (or find it), then report it."""
+    try:
+        spec = load_spec(spec_file)
+    except SpecError as err:
+        raise CliError(f"{spec_file}: {err}") from None
+    settings = get_settings()
+
+    async def go():
+        return await prepare(await get_client(settings), spec.data, console)
+
+    dataset = run_async(go())
+    console.print(data_summary(dataset))
+    render_report(load_report(settings, dataset.snapshot_id), console)
+
+
+@data_app.command("report")
+def data_report(
+    snapshot: Annotated[str, typer.Argument(help="snapshot id (see `forgeline status RUN`)")],
+    out: Annotated[Path | None, typer.Option(help="default: report-SNAPSHOT.json")] = None,
+) -> None:
+    """What happened to every document of a snapshot: per source, filter, dedup and split."""
+    # The id becomes a store key and a file name: a '/' or '..' must not reach either.
+    try:
+        check_snapshot_id(snapshot)
+    except InvalidName as err:
+        raise CliError(str(err)) from None
+    report = load_report(get_settings(), snapshot)
+    render_report(report, console)
+    path = write_report(report, out or Path(f"report-{snapshot}.json"))
+    console.print(f"wrote {path}")

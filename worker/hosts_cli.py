@@ -20,6 +20,8 @@ from worker.cli_common import CliError, check_name, console, get_settings
 from worker.cli_common import run as run_async
 from worker.preflight import apply_overrides, preflight, require_settings
 
+commands = typer.Typer()
+
 TemporalOption = Annotated[
     str | None,
     typer.Option(help="host:port of Temporal's frontend (env FORGELINE_TEMPORAL_ADDRESS)"),
@@ -57,6 +59,7 @@ def _settings_for(
     return settings
 
 
+@commands.command()
 def agent(
     node_id: Annotated[
         str,
@@ -106,6 +109,7 @@ def agent(
     run_async(run_node_agent(settings, node_id, hardware, fabric, pod, ports=ports))
 
 
+@commands.command()
 def control(
     temporal_address: TemporalOption = None,
     namespace: NamespaceOption = None,

@@ -29,6 +29,8 @@ from trainer.manifest import read_manifest, verify_files
 from worker.cli_common import CliError, ExitCode, check_name, console, get_settings
 from worker.serve import ALIAS_PATTERN
 
+commands = typer.Typer()
+
 
 @dataclass(frozen=True)
 class Link:
@@ -45,6 +47,7 @@ class LineageError(Exception):
     """The version is not in the registry, or was not made by forgeline."""
 
 
+@commands.command("lineage")
 def lineage_command(
     name: Annotated[str, typer.Argument(help="registered model name")],
     version: Annotated[str, typer.Argument(help="a version number, or @ALIAS")],

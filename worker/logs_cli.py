@@ -15,6 +15,8 @@ from worker.api_access import api_client, call
 from worker.cli_common import CliError, ExitCode, check_name, get_settings
 from workflows.contracts.api_models import LogPieceView
 
+commands = typer.Typer()
+
 _FOLLOW_POLL_S = 1.0
 
 
@@ -22,6 +24,7 @@ def _header(attempt: int, piece: LogPieceView) -> str:
     return f"==> attempt (generation) {attempt}, {piece.node_id}, {piece.file} <==\n"
 
 
+@commands.command()
 def logs(
     run: Annotated[str, typer.Argument(help="the run's name")],
     node: Annotated[str | None, typer.Option(help="only this node's logs")] = None,

@@ -25,6 +25,8 @@ from worker.specfile import SpecError, load_spec
 from workflows.contracts.cluster_models import ClusterConfig
 from workflows.contracts.spec import RunSpec
 
+commands = typer.Typer()
+
 PrecisionName = Enum("PrecisionName", {name: name for name in PRECISIONS}, type=str)  # type: ignore[misc]
 
 # The char tokenizer's vocabulary is the corpus's alphabet, unknown until data prep: 256 bounds
@@ -243,6 +245,7 @@ def as_json(plan: Plan, given: Inputs) -> dict:
     )  # type: ignore[return-value]
 
 
+@commands.command()
 def plan(
     spec_file: Annotated[Path, typer.Argument(help="run spec (TOML)")],
     cluster: Annotated[

@@ -15,6 +15,9 @@ from worker.cli_common import run as run_async
 
 worker_app = typer.Typer(help="Processes started by `forgeline up` (not for direct use).")
 
+commands = typer.Typer()
+commands.add_typer(worker_app, name="worker", hidden=True)
+
 
 @worker_app.command("control")
 def control_worker() -> None:

@@ -22,6 +22,8 @@ from infra.settings import Settings
 from infra.store.factory import open_store
 from worker.cli_common import CliError, ExitCode, console, get_settings
 
+commands = typer.Typer()
+
 
 def _stores(settings: Settings):  # -> tuple[ObjectStore, ObjectStore]
     if not settings.twin_store_url:
@@ -51,6 +53,7 @@ def run_replicator(settings: Settings, interval_s: float) -> None:
         stop.wait(interval_s)
 
 
+@commands.command()
 def replication(
     runs: Annotated[int, typer.Option(help="how many recent copies to list")] = 10,
 ) -> None:

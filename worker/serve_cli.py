@@ -19,6 +19,8 @@ from worker.serve import (
     wait_in_foreground,
 )
 
+commands = typer.Typer()
+
 _MODEL_HELP = "NAME (alias production), NAME@ALIAS or NAME/VERSION"
 
 
@@ -32,6 +34,7 @@ def _serve_failed(err: ServeError) -> CliError:
     return CliError(str(err))
 
 
+@commands.command()
 def serve(
     model: Annotated[str, typer.Argument(help=_MODEL_HELP)],
     port: Annotated[int | None, typer.Option(min=1, max=65535, help="default: a free one")] = None,
@@ -67,6 +70,7 @@ def serve(
         server.stop()
 
 
+@commands.command()
 def generate(
     model: Annotated[str, typer.Argument(help=_MODEL_HELP)],
     prompt: Annotated[str, typer.Argument(help="text to continue")],

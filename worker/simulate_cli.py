@@ -28,6 +28,8 @@ from worker.cli_common import CliError, console
 from workflows.scheduling.fleet.config import Recovery, SimConfig
 from workflows.scheduling.fleet.report import Report, compare, recovery_steps, run
 
+commands = typer.Typer()
+
 DEFAULT_OUT = Path("reports/simulate")
 
 
@@ -202,6 +204,7 @@ def plot(reports: list[Report], warmup_days: float, path: Path) -> None:
     figure.savefig(path, dpi=110, bbox_inches="tight")
 
 
+@commands.command()
 def simulate(
     config: Annotated[
         Path | None, typer.Option("--config", help="TOML (examples/simulate.toml)")

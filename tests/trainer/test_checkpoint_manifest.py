@@ -71,7 +71,7 @@ def test_a_manifest_this_build_cannot_read_is_refused_naming_the_key_and_field(
 
 def test_bytes_that_are_not_a_json_object_are_refused() -> None:
     for raw in (b"\x00\x01 torn", b"[1, 2]"):
-        with pytest.raises(StoredFormatError, match="not a checkpoint manifest"):
+        with pytest.raises(StoredFormatError, match="not a readable checkpoint manifest"):
             CheckpointManifest.parse(raw, KEY)
 
 
