@@ -13,7 +13,6 @@ from dataprep.errors import EmptyCorpusError
 from dataprep.near_dedup import (
     candidate_pairs,
     cluster_pairs,
-    connect,
     exact_duplicates,
     jaccard,
     verify_pairs,
@@ -21,15 +20,8 @@ from dataprep.near_dedup import (
 from dataprep.plan import SnapshotPlan
 from dataprep.scan import ScanRecord
 from dataprep.settings import SnapshotSettings
-from dataprep.stage_store import (
-    SnapshotKeys,
-    StageRecord,
-    commit_record,
-    done_record,
-    file_entry,
-    local_copy,
-    required_record,
-)
+from dataprep.stage_runner import Needs, Stage, StageRun, run_stage
+from dataprep.stage_store import StageRecord
 from infra.store.protocol import ObjectStore
 
 Progress = Callable[[str], None]
@@ -50,20 +42,9 @@ class DedupRecord(StageRecord):
     examples: list[dict[str, Any]]  # a few near-duplicate pairs with snippets, for the report
 
 
-def scan_records(store: ObjectStore, plan: SnapshotPlan) -> list[ScanRecord]:
-    """Every chunk's scan record; a missing one means the scan stage is not finished."""
-    keys = SnapshotKeys(plan.snapshot_id)
-    return [
-        required_record(
-            store, keys.chunk_record("scan", c.index), ScanRecord, f"scan of chunk {c.index}"
-        )
-        for c in plan.chunks
-    ]
-
-
-def dedup_record(store: ObjectStore, keys: SnapshotKeys) -> DedupRecord:
-    """The dedup stage's record, for the stages after it."""
-    return required_record(store, keys.work("dedup", "DONE.json"), DedupRecord, "deduplication")
+# What the stages after a stage read of it.
+NEEDS_EVERY_SCAN = Needs("scan", ScanRecord, "scan", every_chunk=True)
+NEEDS_DEDUP = Needs("dedup", DedupRecord, "deduplication")
 
 
 def dedup_snapshot(
@@ -73,18 +54,18 @@ def dedup_snapshot(
     workdir: Path,
     progress: Progress = lambda _: None,
 ) -> DedupRecord:
-    keys = SnapshotKeys(plan.snapshot_id)
-    record_key = keys.work("dedup", "DONE.json")
-    if (record := done_record(store, record_key, DedupRecord)) is not None:
-        return record
-    scans = scan_records(store, plan)
-    cache = workdir / "cache"
-    docs = [local_copy(store, r.files["docs"], cache) for r in scans]
-    bands = [local_copy(store, r.files["bands"], cache) for r in scans]
-    folder = workdir / "dedup"
-    folder.mkdir(parents=True, exist_ok=True)
-    dedup = settings.dedup
-    con = connect(dedup.memory_limit, workdir / "duckdb-spill")
+    return run_stage(DEDUP, store, plan, settings, workdir, progress)
+
+
+def _dedup(run: StageRun) -> DedupRecord:
+    """Exact duplicates by hash, then near duplicates: MinHash band candidates, verified by
+    Jaccard, clustered; one document of each cluster is kept."""
+    scans = run.records("scan", ScanRecord)
+    docs = [run.local(r.files["docs"]) for r in scans]
+    bands = [run.local(r.files["bands"]) for r in scans]
+    folder = run.folder("dedup")
+    dedup, progress = run.settings.dedup, run.progress
+    con = run.duckdb()
 
     exact = folder / "exact.parquet"
     exact_removed = exact_duplicates(con, docs, exact) if dedup.exact else _empty(exact)
@@ -126,9 +107,12 @@ def dedup_snapshot(
         near_clusters=clusters,
         near_removed=near_removed,
         examples=examples,
-        files={"removed": file_entry(store, keys.work("dedup", "removed.parquet"), removed)},
+        files={"removed": run.upload(run.keys.work("dedup", "removed.parquet"), removed)},
     )
-    return commit_record(store, record_key, record)
+    return record
+
+
+DEDUP = Stage("dedup", DedupRecord, _dedup, needs=(NEEDS_EVERY_SCAN,))
 
 
 def _refuse_empty(scans: list[ScanRecord], duplicates: int) -> None:

@@ -24,14 +24,8 @@ from dataprep.normalize import normalize
 from dataprep.object_cache import SourceReader
 from dataprep.plan import SnapshotPlan
 from dataprep.settings import SnapshotSettings
-from dataprep.stage_store import (
-    SnapshotKeys,
-    StageRecord,
-    chunk_name,
-    commit_record,
-    done_record,
-    file_entry,
-)
+from dataprep.stage_runner import Stage, StageRun, chunk_folder, run_stage
+from dataprep.stage_store import StageRecord, chunk_name
 from infra.store.protocol import ObjectStore
 
 Progress = Callable[[str], None]
@@ -136,15 +130,15 @@ def scan_chunk(
 ) -> ScanRecord:
     """`cache`: where objects (s3 sources) are fetched to. By default beside `workdir`: a data
     worker gives each snapshot a workdir in its own folder, so its snapshots share the copies."""
-    keys = SnapshotKeys(plan.snapshot_id)
-    record_key = keys.chunk_record("scan", index)
-    if (record := done_record(store, record_key, ScanRecord)) is not None:
-        progress(f"chunk {index} already scanned")
-        return record
+    return run_stage(SCAN, store, plan, settings, workdir, progress, index, cache)
 
-    chunk = plan.chunks[index]
-    folder = workdir / "scan" / chunk_name(index)
-    folder.mkdir(parents=True, exist_ok=True)
+
+def _scan(run: StageRun) -> ScanRecord:
+    """Read the chunk's files, filter, hash for exact and near dedup, assign splits."""
+    assert run.chunk is not None
+    index, settings, progress, keys = run.chunk, run.settings, run.progress, run.keys
+    chunk = run.plan.chunks[index]
+    folder = chunk_folder(run, "scan")
     docs = _Table(folder / "docs.parquet", DOCS_SCHEMA)
     bands = _Table(folder / "bands.parquet", BANDS_SCHEMA)
     rejected = _Table(folder / "rejected.parquet", REJECTED_SCHEMA)
@@ -154,7 +148,7 @@ def scan_chunk(
     stats = ReadStats()
     removed_by: Counter[str] = Counter()
     ordinal = 0
-    sources = SourceReader(cache or workdir.parent / "source-cache")
+    sources = SourceReader(run.source_cache)
     for planned in chunk.files:
         progress(f"chunk {index}: reading {planned.path}")
         for doc in sources.documents(planned, settings.reader, stats):
@@ -200,7 +194,7 @@ def scan_chunk(
                          f"record {doc.position}")  # fmt: skip
 
     files = {
-        name: file_entry(store, keys.work("scan", f"{name}-{chunk_name(index)}.parquet"), t.close())
+        name: run.upload(keys.work("scan", f"{name}-{chunk_name(index)}.parquet"), t.close())
         for name, t in (("docs", docs), ("bands", bands), ("rejected", rejected))
     }
     record = ScanRecord(
@@ -215,4 +209,7 @@ def scan_chunk(
         files=files,
     )  # fmt: skip
     progress(f"chunk {index}: {stats.documents} documents, {docs.rows} kept")
-    return commit_record(store, record_key, record)
+    return record
+
+
+SCAN = Stage("scan", ScanRecord, _scan, per_chunk=True)

@@ -23,7 +23,7 @@ from dataprep.dataset_manifest import (
     Split,
     TokenizerFile,
 )
-from dataprep.dedup_stage import dedup_record, dedup_snapshot, scan_records
+from dataprep.dedup_stage import NEEDS_DEDUP, NEEDS_EVERY_SCAN, DedupRecord, dedup_snapshot
 from dataprep.errors import EmptyCorpusError
 from dataprep.near_dedup import connect
 from dataprep.plan import DATAPREP_VERSION, SnapshotPlan, plan_snapshot
@@ -31,18 +31,20 @@ from dataprep.report import build_documents_table, summarize
 from dataprep.scan import ScanRecord, scan_chunk
 from dataprep.settings import SnapshotSettings
 from dataprep.shards import token_dtype
+from dataprep.stage_runner import Inputs
 from dataprep.stage_store import (
     SnapshotKeys,
     file_entry,
     local_copy,
-    required_record,
 )
 from dataprep.tokenize_stage import (
+    NEEDS_EVERY_TOKENIZE,
+    NEEDS_TOKENIZER,
     SPLITS,
     TokenizeRecord,
+    TokenizerRecord,
     merge_tails,
     tokenize_chunk,
-    tokenizer_record,
     train_tokenizer,
 )
 from infra.digest import sha256_bytes, sha256_file
@@ -163,13 +165,12 @@ def _manifest(
     manifest is a function of the work records, byte for byte, whoever writes it."""
     keys = SnapshotKeys(plan.snapshot_id)
     cache = workdir / "cache"
-    scans = scan_records(store, plan)
-    dedup = dedup_record(store, keys)
-    vocab = tokenizer_record(store, keys)
-    tokenized = [
-        required_record(store, keys.chunk_record("tokenize", c.index), TokenizeRecord, "tokenizing")
-        for c in plan.chunks
-    ]
+    needs = (NEEDS_EVERY_SCAN, NEEDS_DEDUP, NEEDS_TOKENIZER, NEEDS_EVERY_TOKENIZE)
+    inputs = Inputs.read(store, plan, needs, chunk=None)
+    scans = inputs.records("scan", ScanRecord)
+    dedup = inputs.record("dedup", DedupRecord)
+    vocab = inputs.record("tokenizer", TokenizerRecord)
+    tokenized = inputs.records("tokenize", TokenizeRecord)
     documents = {
         "records": sum(r.records for r in scans),
         "read": sum(r.documents for r in scans),

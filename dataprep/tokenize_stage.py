@@ -13,22 +13,13 @@ import pyarrow.parquet as pq
 from tokenizers import Tokenizer
 
 from dataprep.dataset_manifest import Shard
-from dataprep.dedup_stage import dedup_record, scan_records
-from dataprep.near_dedup import connect
+from dataprep.dedup_stage import NEEDS_DEDUP, NEEDS_EVERY_SCAN, DedupRecord
 from dataprep.plan import SnapshotPlan
 from dataprep.scan import ScanRecord
 from dataprep.settings import SnapshotSettings
 from dataprep.shards import ShardFile, ShardWriter, token_dtype
-from dataprep.stage_store import (
-    SnapshotKeys,
-    StageRecord,
-    chunk_name,
-    commit_record,
-    done_record,
-    file_entry,
-    local_copy,
-    required_record,
-)
+from dataprep.stage_runner import Needs, Stage, StageRun, chunk_folder, run_stage
+from dataprep.stage_store import SnapshotKeys, StageRecord, chunk_name, file_entry, local_copy
 from dataprep.tokenizer import build_tokenizer, end_of_document_id
 from infra.store.protocol import ObjectStore
 
@@ -57,10 +48,8 @@ class TokenizeRecord(StageRecord):
     tails: dict[str, Shard | None]  # the partial last shard, by split
 
 
-def tokenizer_record(store: ObjectStore, keys: SnapshotKeys) -> TokenizerRecord:
-    """The tokenizer stage's record, for the stages after it."""
-    key = keys.work("tokenizer", "DONE.json")
-    return required_record(store, key, TokenizerRecord, "tokenizer training")
+NEEDS_TOKENIZER = Needs("tokenizer", TokenizerRecord, "tokenizer training")
+NEEDS_EVERY_TOKENIZE = Needs("tokenize", TokenizeRecord, "tokenizing", every_chunk=True)
 
 
 def _kept_texts(
@@ -84,15 +73,15 @@ def train_tokenizer(
     workdir: Path,
     progress: Progress = lambda _: None,
 ) -> TokenizerRecord:
-    keys = SnapshotKeys(plan.snapshot_id)
-    record_key = keys.work("tokenizer", "DONE.json")
-    if (record := done_record(store, record_key, TokenizerRecord)) is not None:
-        return record
-    cache = workdir / "cache"
-    docs = [local_copy(store, r.files["docs"], cache) for r in scan_records(store, plan)]
-    removed = local_copy(store, dedup_record(store, keys).files["removed"], cache)
-    config = settings.tokenizer
-    con = connect(settings.dedup.memory_limit, workdir / "duckdb-spill")
+    return run_stage(TOKENIZER, store, plan, settings, workdir, progress)
+
+
+def _train_tokenizer(run: StageRun) -> TokenizerRecord:
+    """Learn the vocabulary from the kept documents (BPE: of the train split, up to a budget)."""
+    docs = [run.local(r.files["docs"]) for r in run.records("scan", ScanRecord)]
+    removed = run.local(run.record("dedup", DedupRecord).files["removed"])
+    config = run.settings.tokenizer
+    con = run.duckdb()
 
     def texts() -> Iterator[str]:
         # BPE learns from the train split only (val stays unseen); a char vocabulary covers
@@ -107,20 +96,23 @@ def train_tokenizer(
                 if seen >= budget:
                     return
 
-    progress(f"training the {config.kind} tokenizer")
+    run.progress(f"training the {config.kind} tokenizer")
     tokenizer = build_tokenizer(config.kind, texts(), config.vocab_size)
-    folder = workdir / "tokenizer"
-    folder.mkdir(parents=True, exist_ok=True)
-    path = folder / "tokenizer.json"
+    path = run.folder("tokenizer") / "tokenizer.json"
     tokenizer.save(str(path))
     record = TokenizerRecord(
         kind=config.kind,
         vocab_size=tokenizer.get_vocab_size(),
         end_of_document_id=end_of_document_id(tokenizer),
-        files={"tokenizer": file_entry(store, keys.work("tokenizer", "tokenizer.json"), path)},
+        files={"tokenizer": run.upload(run.keys.work("tokenizer", "tokenizer.json"), path)},
     )
-    progress(f"{config.kind} tokenizer: {record.vocab_size} tokens")
-    return commit_record(store, record_key, record)
+    run.progress(f"{config.kind} tokenizer: {record.vocab_size} tokens")
+    return record
+
+
+TOKENIZER = Stage(
+    "tokenizer", TokenizerRecord, _train_tokenizer, needs=(NEEDS_EVERY_SCAN, NEEDS_DEDUP)
+)
 
 
 def tokenize_chunk(
@@ -131,27 +123,27 @@ def tokenize_chunk(
     workdir: Path,
     progress: Progress = lambda _: None,
 ) -> TokenizeRecord:
-    keys = SnapshotKeys(plan.snapshot_id)
+    return run_stage(TOKENIZE, store, plan, settings, workdir, progress, index)
+
+
+def _tokenize(run: StageRun) -> TokenizeRecord:
+    """Encode the chunk's kept documents into full shards (each document ends with
+    end-of-document) and keep its last, partly filled shard per split apart."""
+    assert run.chunk is not None
+    index, settings, store, keys = run.chunk, run.settings, run.store, run.keys
     name = chunk_name(index)
-    record_key = keys.chunk_record("tokenize", index)
-    if (record := done_record(store, record_key, TokenizeRecord)) is not None:
-        return record
-    cache = workdir / "cache"
-    scan_key = keys.chunk_record("scan", index)
-    scan = required_record(store, scan_key, ScanRecord, f"scan of chunk {index}")
-    vocab = tokenizer_record(store, keys)
-    tokenizer = Tokenizer.from_file(str(local_copy(store, vocab.files["tokenizer"], cache)))
+    vocab = run.record("tokenizer", TokenizerRecord)
+    tokenizer = Tokenizer.from_file(str(run.local(vocab.files["tokenizer"])))
     eod = vocab.end_of_document_id
     dtype = token_dtype(vocab.vocab_size)
-    docs = local_copy(store, scan.files["docs"], cache)
-    removed = local_copy(store, dedup_record(store, keys).files["removed"], cache)
+    docs = run.local(run.record("scan", ScanRecord).files["docs"])
+    removed = run.local(run.record("dedup", DedupRecord).files["removed"])
 
-    folder = workdir / "tokenize" / name
-    folder.mkdir(parents=True, exist_ok=True)
+    folder = chunk_folder(run, "tokenize")
     writers = {s: ShardWriter(folder, f"{s}-{name}", settings.shard_tokens, dtype) for s in SPLITS}
     documents = dict.fromkeys(SPLITS, 0)
     counted: dict[str, list] = {"doc_id": [], "tokens": []}
-    con = connect(settings.dedup.memory_limit, workdir / "duckdb-spill")
+    con = run.duckdb()
     for batch in _kept_texts(con, [docs], removed):
         rows = batch.to_pydict()
         for doc_id, split, encoding in zip(
@@ -169,9 +161,7 @@ def tokenize_chunk(
         tokens_path,
     )
 
-    files = {
-        "tokens": file_entry(store, keys.work("tokenize", f"tokens-{name}.parquet"), tokens_path)
-    }
+    files = {"tokens": run.upload(keys.work("tokenize", f"tokens-{name}.parquet"), tokens_path)}
     shards: dict[str, list[Shard]] = {}
     tails: dict[str, Shard | None] = {}
     for split, writer in writers.items():
@@ -196,8 +186,21 @@ def tokenize_chunk(
         tails=tails,
         files=files,
     )
-    progress(f"chunk {index}: {sum(record.tokens.values())} tokens")
-    return commit_record(store, record_key, record)
+    run.progress(f"chunk {index}: {sum(record.tokens.values())} tokens")
+    return record
+
+
+TOKENIZE = Stage(
+    "tokenize",
+    TokenizeRecord,
+    _tokenize,
+    per_chunk=True,
+    needs=(
+        Needs("scan", ScanRecord, "scan", per_chunk=True),
+        NEEDS_DEDUP,
+        NEEDS_TOKENIZER,
+    ),
+)
 
 
 def merge_tails(

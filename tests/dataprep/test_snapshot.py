@@ -195,7 +195,9 @@ def test_a_stage_killed_midway_resumes_where_it_stopped(store: LocalStore, tmp_p
 
     messages: list[str] = []
     resumed = prepare_snapshot([str(parts)], settings, store, tmp_path / "w2", messages.append)
-    assert sum("already scanned" in m for m in messages) == done_before
+    assert sum(m.startswith("scan of chunk") and m.endswith("already done") for m in messages) == (
+        done_before
+    )
 
     clean = prepare_snapshot(
         [str(parts)], settings, LocalStore(tmp_path / "clean"), tmp_path / "w3"
