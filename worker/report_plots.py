@@ -24,7 +24,7 @@ from worker.report_data import (
     Point,
     by_time,
 )
-from workflows.contracts.models import AttemptRecord, RunStatus
+from workflows.contracts.models import AttemptCause, AttemptOutcome, AttemptRecord, RunStatus
 
 _COLORS = ("tab:blue", "tab:orange", "tab:purple", "tab:brown", "tab:pink", "tab:cyan")
 
@@ -137,7 +137,7 @@ def _generation_at(timestamp_ms: int, attempts: list[AttemptRecord]) -> int | No
 def _resume_lines(ax: Axes, attempts: list[AttemptRecord]) -> None:
     """A dotted line where each restarted generation picked up from its checkpoint."""
     for attempt in attempts:
-        if attempt.after == "start" or attempt.ledger is None:
+        if attempt.after == AttemptCause.START or attempt.ledger is None:
             continue
         step = attempt.ledger.resume_step
         ax.axvline(step, color="grey", ls=":", lw=1)
@@ -220,7 +220,7 @@ def _draw_timeline(
         for kind, start, end in _phases(attempt, now):
             band(row, kind, start, end)
         ledger = attempt.ledger
-        if attempt.after != "start":
+        if attempt.after != AttemptCause.START:
             at = ledger.ready_at if ledger and ledger.ready_at else attempt.granted_at.timestamp()
             where = f"from step {ledger.resume_step}" if ledger else ""
             mark(row, at, _RECOVERY, f"recovered ({attempt.after}): training resumes", where)
@@ -275,7 +275,7 @@ def _phases(attempt: AttemptRecord, now: float) -> list[tuple[str, float, float]
         return [*phases, ("running", ready, ended)]
     secured = min(max(ledger.kept.at, ready), ended) if ledger.kept else ready
     phases.append(("kept", ready, secured))
-    if attempt.outcome == "failed":
+    if attempt.outcome == AttemptOutcome.FAILED:
         heard = min(max(ledger.last.at, secured), ended) if ledger.last else secured
         return [*phases, ("lost", secured, heard), ("detect", heard, ended)]
     return [*phases, ("tail", secured, ended)]

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from datetime import datetime
 
-from workflows.contracts.models import AttemptRecord, Goodput
+from workflows.contracts.models import AttemptCause, AttemptOutcome, AttemptRecord, Goodput
 
 CAUSES = (
     "queue",
@@ -42,8 +42,9 @@ CAUSES = (
 # What the wait for a gang is put down to, by what came before it: after a preemption the run
 # queues like any other; a swap's wait is the straggler's cost; growing back a gang that a
 # failure shrank is part of recovering from that failure.
-_WAIT_CAUSE = {"start": "queue", "failure": "restart", "preemption": "queue", "swap": "straggler",
-               "grow": "restart"}  # fmt: skip
+_WAIT_CAUSE = {AttemptCause.START: "queue", AttemptCause.FAILURE: "restart",
+               AttemptCause.PREEMPTION: "queue", AttemptCause.SWAP: "straggler",
+               AttemptCause.GROW: "restart"}  # fmt: skip
 
 
 def account(attempts: list[AttemptRecord], waited_from: datetime | None = None) -> Goodput | None:
@@ -94,7 +95,7 @@ def combine(earlier: Goodput | None, later: Goodput | None) -> Goodput | None:
 def _split(attempt: AttemptRecord, waited_from: datetime) -> dict[str, float]:
     """One attempt's seconds by cause, from the end of the previous attempt to its own end."""
     assert attempt.ended_at is not None
-    first = attempt.after == "start"
+    first = attempt.after == AttemptCause.START
     spent: dict[str, float] = {}
 
     def add(cause: str, seconds: float) -> None:
@@ -119,7 +120,7 @@ def _split(attempt: AttemptRecord, waited_from: datetime) -> dict[str, float]:
         add("evaluation", kept.eval_s)
         add("other", (secured - ready) - (kept.train_s + kept.stall_s + kept.eval_s))
     heard = secured if last is None else min(max(last.at, secured), ended)
-    if attempt.outcome == "failed":
+    if attempt.outcome == AttemptOutcome.FAILED:
         add("rework", heard - secured)
         add("failure detection", ended - heard)
     else:

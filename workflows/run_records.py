@@ -12,7 +12,13 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import TypeVar
 
-from workflows.contracts.models import AttemptRecord, Failure, PreemptionRecord, RunStatus
+from workflows.contracts.models import (
+    AttemptOutcome,
+    AttemptRecord,
+    Failure,
+    PreemptionRecord,
+    RunStatus,
+)
 from workflows.goodput import account, combine
 
 T = TypeVar("T")
@@ -74,7 +80,7 @@ def failed_in_a_row(status: RunStatus) -> int:
     failed made progress: the failures before it do not count."""
     count = 0
     for attempt in reversed(status.gang_attempts):
-        if attempt.outcome != "failed":
+        if attempt.outcome != AttemptOutcome.FAILED:
             break
         count += 1
         ledger = attempt.ledger

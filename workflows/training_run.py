@@ -31,8 +31,10 @@ with workflow.unsafe.imports_passed_through():
         Release,
     )
     from workflows.contracts.models import (
+        AttemptCause,
         AttemptLedger,
         AttemptLedgerInput,
+        AttemptOutcome,
         AttemptRecord,
         CheckpointRef,
         DatasetInput,
@@ -129,7 +131,7 @@ class TrainingRun(RunEnd):
         self._decision: Decision | None = None
         self._attempt: AttemptRecord | None = None  # the gang attempt under way
         # What the next attempt follows: start, failure, preemption, swap.
-        self._after = carried.after if carried else "start"
+        self._after = carried.after if carried else AttemptCause.START
         self._queued_with_release = False  # the last release queued the next attempt
         # Where the first gang starts, when a person asked (forgeline resume --from); None
         # once it has been fenced there, and the newest checkpoint is this lineage's again.
@@ -267,27 +269,27 @@ class TrainingRun(RunEnd):
             try:
                 results = await self._run_gang(allocation, dataset, resume)
             except GangFailed as failed:
-                await self._close_attempt("failed", kept_step=None)
+                await self._close_attempt(AttemptOutcome.FAILED, kept_step=None)
                 await self._recover(allocation, failed.failures)
                 continue
             except StragglerSwap as swap:
                 # Not a failure either: the gang checkpointed; its slow node is cordoned and
                 # the run continues at once on a spare (or the next compatible node).
-                await self._close_attempt("swapped", kept_step=swap.step)
+                await self._close_attempt(AttemptOutcome.SWAPPED, kept_step=swap.step)
                 await self._swap(allocation, swap)
                 continue
             except Preempted as preempted:
                 if preempted.notice.grow_to is not None:
                     # A shrunk gang checkpointed to grow back: the cluster holds the full
                     # gang's nodes for the request the release carries.
-                    await self._close_attempt("regrown", kept_step=preempted.step)
-                    self._after = "grow"
+                    await self._close_attempt(AttemptOutcome.REGROWN, kept_step=preempted.step)
+                    self._after = AttemptCause.GROW
                     await self._release_gang(requeue=True)
                     continue
                 # Not a failure: no attempt is spent and no backoff; the run queues again with
                 # its original age and resumes from the checkpoint it just committed.
-                await self._close_attempt("preempted", kept_step=preempted.step)
-                self._after = "preemption"
+                await self._close_attempt(AttemptOutcome.PREEMPTED, kept_step=preempted.step)
+                self._after = AttemptCause.PREEMPTION
                 add_preemption(
                     self._status,
                     PreemptionRecord(
@@ -299,7 +301,7 @@ class TrainingRun(RunEnd):
                 )
                 await self._release_gang()
                 continue
-            await self._close_attempt("completed", kept_step=self._spec.train.steps)
+            await self._close_attempt(AttemptOutcome.COMPLETED, kept_step=self._spec.train.steps)
             await self._release_gang()
             final = await self._latest_checkpoint(allocation.generation)
             if final is None or final.step < self._spec.train.steps:
@@ -322,7 +324,7 @@ class TrainingRun(RunEnd):
             dataset.snapshot_id if dataset else None,
             # After a failure or a swap the gang may take a spare or (elastic) shrink; growing
             # back too, should the nodes held for it be gone (a node died meanwhile).
-            recovering=self._after in ("failure", "swap", "grow"),
+            recovering=self._after in (AttemptCause.FAILURE, AttemptCause.SWAP, AttemptCause.GROW),
             submitted_at=self._submitted_at,
             started_before=bool(self._status.gang_attempts),
         )
@@ -379,7 +381,7 @@ class TrainingRun(RunEnd):
             )
             self._status.refused_grants = [*self._status.refused_grants, refused][-5:]
 
-    async def _close_attempt(self, outcome: str, kept_step: int | None) -> None:
+    async def _close_attempt(self, outcome: AttemptOutcome, kept_step: int | None) -> None:
         """The attempt is over: add what its ranks recorded of their time, and recount goodput."""
         attempt = self._attempt
         if attempt is None:
@@ -556,7 +558,7 @@ class TrainingRun(RunEnd):
     async def _recover(self, allocation: Allocation, failures: list[Failure]) -> None:
         """Drain the nodes at fault, give the gang back, and back off if failures repeat."""
         self._set_phase(Phase.RECOVERING)
-        self._after = "failure"
+        self._after = AttemptCause.FAILURE
         add_failures(self._status, failures)
         generation = allocation.generation
         blamed = nodes_at_fault(failures, self._status.health, generation)
@@ -590,7 +592,7 @@ class TrainingRun(RunEnd):
         """Cordon the straggler's node (the cluster keeps its evidence as the reason), give the
         gang back and queue again for one without it."""
         self._set_phase(Phase.RECOVERING)
-        self._after = "swap"
+        self._after = AttemptCause.SWAP
         self._status.swaps += 1
         event = swap.event
         if event.node_id is not None:

@@ -237,6 +237,25 @@ class AttemptLedgerInput(BaseModel):
     kept_at_most: bool = False
 
 
+class AttemptCause(StrEnum):
+    """Why a gang attempt was asked for: what came before it."""
+
+    START = "start"  # the run's first gang
+    FAILURE = "failure"  # the gang before failed (a dead, hung or corrupting node)
+    PREEMPTION = "preemption"  # the gang before was preempted, and the run queued again
+    SWAP = "swap"  # a straggler was swapped out of the gang before
+    GROW = "grow"  # an elastic gang that had shrunk grows back
+
+
+class AttemptOutcome(StrEnum):
+    RUNNING = "running"
+    COMPLETED = "completed"
+    FAILED = "failed"
+    PREEMPTED = "preempted"
+    SWAPPED = "swapped"  # ended to swap a straggler out
+    REGROWN = "regrown"  # an elastic gang stopped to grow back to its full size
+
+
 class AttemptRecord(BaseModel):
     """One gang attempt, as the workflow saw it and as its ranks recorded it."""
 
@@ -245,8 +264,8 @@ class AttemptRecord(BaseModel):
     requested_at: datetime
     granted_at: datetime
     ended_at: datetime | None = None
-    outcome: str = "running"  # completed | failed | preempted | swapped
-    after: str = "start"  # what came before it: start | failure | preemption | swap | grow
+    outcome: AttemptOutcome = AttemptOutcome.RUNNING
+    after: AttemptCause = AttemptCause.START
     ledger: AttemptLedger | None = None
 
 
@@ -465,7 +484,7 @@ class RunCarry(BaseModel):
     submitted_at: datetime  # the run's age in the queue survives the new history
     newest_generation: int = 0
     newest_confirmed: int = 0
-    after: str = "start"  # what the next attempt follows
+    after: AttemptCause = AttemptCause.START  # what the next attempt follows
 
 
 TrainingRunInput.model_rebuild()

@@ -570,10 +570,12 @@ class RunSpec(_Strict):
         world = self.resources.world_size
         replicate, shard, tensor = self.parallel.degrees(world)
         if self.recovery.shadow_every and replicate * shard < 2:
+            # Name every knob behind the count: one node of one GPU leaves one group too.
             raise ValueError(
                 f"recovery.shadow_every ({self.recovery.shadow_every}) compares data-parallel "
-                f"ranks' own gradients, but parallel.tensor ({tensor}) takes all {world} "
-                "ranks: leave two data-parallel groups or more, or set shadow_every = 0"
+                "ranks' own gradients, but there is one data-parallel group: resources.nodes × "
+                f"resources.gpus_per_node ({world}) / parallel.tensor ({tensor}) = 1: use two "
+                "data-parallel groups or more, or set shadow_every = 0"
             )
         return self
 
