@@ -8,15 +8,15 @@ when a data worker starts.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from pathlib import Path
 
-from dataprep.dedup_stage import dedup_snapshot
+from dataprep import stage_runner
+from dataprep.dedup_stage import DEDUP
 from dataprep.filters import FilterSettings
 from dataprep.minhash import MinHashSettings
 from dataprep.plan import plan_snapshot
 from dataprep.readers import ReaderSettings
-from dataprep.scan import scan_chunk
+from dataprep.scan import SCAN
 from dataprep.settings import DedupSettings, SnapshotSettings, TokenizerSettings
 from dataprep.snapshot import (
     Progress,
@@ -27,7 +27,8 @@ from dataprep.snapshot import (
     save_plan,
 )
 from dataprep.source_roots import DataRoots
-from dataprep.tokenize_stage import tokenize_chunk, train_tokenizer
+from dataprep.stage_runner import Stage
+from dataprep.tokenize_stage import TOKENIZE, TOKENIZER
 from infra.store.protocol import ObjectStore
 from workflows.contracts.models import DatasetInput, DatasetPlanRef, DatasetRef, DataStageInput
 from workflows.contracts.spec import DataSpec
@@ -79,12 +80,12 @@ def dataset_ref(snapshot: Snapshot) -> DatasetRef:
     )
 
 
-# The chunked stages by activity name; each runs once per snapshot (chunk None) or per chunk.
-STAGES: dict[str, Callable[..., object]] = {
-    "scan_chunk": scan_chunk,
-    "dedup_dataset": dedup_snapshot,
-    "train_tokenizer": train_tokenizer,
-    "tokenize_chunk": tokenize_chunk,
+# The stages by activity name; each runs once per snapshot (chunk None) or per chunk.
+STAGES: dict[str, Stage] = {
+    "scan_chunk": SCAN,
+    "dedup_dataset": DEDUP,
+    "train_tokenizer": TOKENIZER,
+    "tokenize_chunk": TOKENIZE,
 }
 
 
@@ -110,10 +111,9 @@ def run_stage(
         return
     snapshot_plan = load_plan(store, inp.snapshot_id)
     settings = snapshot_settings(inp.data)
-    if inp.chunk is None:
-        STAGES[stage](store, snapshot_plan, settings, workdir, progress)
-    else:
-        STAGES[stage](store, snapshot_plan, inp.chunk, settings, workdir, progress)
+    stage_runner.run_stage(
+        STAGES[stage], store, snapshot_plan, settings, workdir, progress, inp.chunk
+    )
 
 
 def commit(

@@ -34,14 +34,15 @@ from bench.corpus import BenchDoc, build_corpus, ground_truth_pairs, verified_pa
 from bench.datatrove_minhash import TreeMemorySampler, run_datatrove_minhash
 from bench.metrics import pairs_from_clusters, precision_recall
 from dataprep.dataset_manifest import DatasetManifest
-from dataprep.dedup_stage import dedup_snapshot
+from dataprep.dedup_stage import DEDUP
 from dataprep.filters import FilterSettings
 from dataprep.near_dedup import UnionFind
 from dataprep.plan import SnapshotPlan, plan_snapshot
-from dataprep.scan import scan_chunk
+from dataprep.scan import SCAN
 from dataprep.settings import DedupSettings, SnapshotSettings, TokenizerSettings
 from dataprep.snapshot import commit_snapshot, save_plan
-from dataprep.tokenize_stage import tokenize_chunk, train_tokenizer
+from dataprep.stage_runner import run_stage
+from dataprep.tokenize_stage import TOKENIZE, TOKENIZER
 from infra.store.local import LocalStore
 
 REPO = Path(__file__).resolve().parent.parent
@@ -72,6 +73,10 @@ def _pool_map(workers: int, fn, args: list) -> None:
         list(pool.map(_star, [(fn, arg) for arg in args]))
 
 
+def _quiet(_: str) -> None:
+    """Progress goes nowhere (a module function: the pool's processes get it by name)."""
+
+
 def _star(job: tuple) -> None:
     fn, args = job
     fn(*args)
@@ -99,12 +104,13 @@ def run_ours(corpus: Path, workers: int, verify: bool, work: Path, offsets: list
     plan = timed("plan", plan_snapshot, [str(corpus)], settings)
     save_plan(store, plan)
     chunks = [c.index for c in plan.chunks]
-    scans = [(store, plan, i, settings, work / f"w{i}") for i in chunks]
-    timed("scan", _pool_map, workers, scan_chunk, scans)
-    timed("dedup", dedup_snapshot, store, plan, settings, work / "dedup")
-    timed("tokenizer", train_tokenizer, store, plan, settings, work / "tok")
-    tokenizes = [(store, plan, i, settings, work / f"t{i}") for i in chunks]
-    timed("tokenize", _pool_map, workers, tokenize_chunk, tokenizes)
+    quiet = _quiet
+    scans = [(SCAN, store, plan, settings, work / f"w{i}", quiet, i) for i in chunks]
+    timed("scan", _pool_map, workers, run_stage, scans)
+    timed("dedup", run_stage, DEDUP, store, plan, settings, work / "dedup")
+    timed("tokenizer", run_stage, TOKENIZER, store, plan, settings, work / "tok")
+    tokenizes = [(TOKENIZE, store, plan, settings, work / f"t{i}", quiet, i) for i in chunks]
+    timed("tokenize", _pool_map, workers, run_stage, tokenizes)
     run.kept_texts, run.tokenizer_path = _tokenize_input(store, plan, work)
     snapshot = timed("commit", commit_snapshot, store, plan, settings, work / "commit")
     run.tokens = sum(s.tokens for s in snapshot.manifest.splits.values())

@@ -17,12 +17,9 @@ from dataprep.near_dedup import (
     jaccard,
     verify_pairs,
 )
-from dataprep.plan import SnapshotPlan
 from dataprep.scan import ScanRecord
-from dataprep.settings import SnapshotSettings
-from dataprep.stage_runner import Needs, Stage, StageRun, run_stage
+from dataprep.stage_runner import Needs, Stage, StageRun
 from dataprep.stage_store import StageRecord
-from infra.store.protocol import ObjectStore
 
 Progress = Callable[[str], None]
 REMOVED_SCHEMA = pa.schema([("doc_id", pa.int64()), ("kept", pa.int64())])
@@ -45,16 +42,6 @@ class DedupRecord(StageRecord):
 # What the stages after a stage read of it.
 NEEDS_EVERY_SCAN = Needs("scan", ScanRecord, "scan", every_chunk=True)
 NEEDS_DEDUP = Needs("dedup", DedupRecord, "deduplication")
-
-
-def dedup_snapshot(
-    store: ObjectStore,
-    plan: SnapshotPlan,
-    settings: SnapshotSettings,
-    workdir: Path,
-    progress: Progress = lambda _: None,
-) -> DedupRecord:
-    return run_stage(DEDUP, store, plan, settings, workdir, progress)
 
 
 def _dedup(run: StageRun) -> DedupRecord:

@@ -22,11 +22,8 @@ from dataprep.filters import build_filters, first_rejection
 from dataprep.minhash import BandHasher
 from dataprep.normalize import normalize
 from dataprep.object_cache import SourceReader
-from dataprep.plan import SnapshotPlan
-from dataprep.settings import SnapshotSettings
-from dataprep.stage_runner import Stage, StageRun, chunk_folder, run_stage
+from dataprep.stage_runner import Stage, StageRun, chunk_folder
 from dataprep.stage_store import StageRecord, chunk_name
-from infra.store.protocol import ObjectStore
 
 Progress = Callable[[str], None]
 
@@ -117,20 +114,6 @@ class _Table:
         self.flush()
         self.writer.close()
         return self.path
-
-
-def scan_chunk(
-    store: ObjectStore,
-    plan: SnapshotPlan,
-    index: int,
-    settings: SnapshotSettings,
-    workdir: Path,
-    progress: Progress = lambda _: None,
-    cache: Path | None = None,
-) -> ScanRecord:
-    """`cache`: where objects (s3 sources) are fetched to. By default beside `workdir`: a data
-    worker gives each snapshot a workdir in its own folder, so its snapshots share the copies."""
-    return run_stage(SCAN, store, plan, settings, workdir, progress, index, cache)
 
 
 def _scan(run: StageRun) -> ScanRecord:

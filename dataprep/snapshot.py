@@ -23,15 +23,15 @@ from dataprep.dataset_manifest import (
     Split,
     TokenizerFile,
 )
-from dataprep.dedup_stage import NEEDS_DEDUP, NEEDS_EVERY_SCAN, DedupRecord, dedup_snapshot
+from dataprep.dedup_stage import DEDUP, NEEDS_DEDUP, NEEDS_EVERY_SCAN, DedupRecord
 from dataprep.errors import EmptyCorpusError
 from dataprep.near_dedup import connect
 from dataprep.plan import DATAPREP_VERSION, SnapshotPlan, plan_snapshot
 from dataprep.report import build_documents_table, summarize
-from dataprep.scan import ScanRecord, scan_chunk
+from dataprep.scan import SCAN, ScanRecord
 from dataprep.settings import SnapshotSettings
 from dataprep.shards import token_dtype
-from dataprep.stage_runner import Inputs
+from dataprep.stage_runner import Inputs, run_stage
 from dataprep.stage_store import (
     SnapshotKeys,
     file_entry,
@@ -41,11 +41,11 @@ from dataprep.tokenize_stage import (
     NEEDS_EVERY_TOKENIZE,
     NEEDS_TOKENIZER,
     SPLITS,
+    TOKENIZE,
+    TOKENIZER,
     TokenizeRecord,
     TokenizerRecord,
     merge_tails,
-    tokenize_chunk,
-    train_tokenizer,
 )
 from infra.digest import sha256_bytes, sha256_file
 from infra.errors import IntegrityError, ObjectNotFound
@@ -101,13 +101,25 @@ def prepare_snapshot(
         progress(f"snapshot {plan.snapshot_id} exists; reusing it")
         return found
     save_plan(store, plan)
-    for chunk in plan.chunks:
-        scan_chunk(store, plan, chunk.index, settings, workdir, progress)
-    dedup_snapshot(store, plan, settings, workdir, progress)
-    train_tokenizer(store, plan, settings, workdir, progress)
-    for chunk in plan.chunks:
-        tokenize_chunk(store, plan, chunk.index, settings, workdir, progress)
+    run_every_stage(store, plan, settings, workdir, progress)
     return commit_snapshot(store, plan, settings, workdir, progress)
+
+
+# The stages in their order: each reads only the records of those before it.
+STAGES = (SCAN, DEDUP, TOKENIZER, TOKENIZE)
+
+
+def run_every_stage(
+    store: ObjectStore,
+    plan: SnapshotPlan,
+    settings: SnapshotSettings,
+    workdir: Path,
+    progress: Progress = lambda _: None,
+) -> None:
+    """Every stage but the commit, in this process, chunk after chunk."""
+    for stage in STAGES:
+        for chunk in [c.index for c in plan.chunks] if stage.per_chunk else [None]:
+            run_stage(stage, store, plan, settings, workdir, progress, chunk)
 
 
 def commit_snapshot(

@@ -149,6 +149,10 @@ def run_stage(
     chunk: int | None = None,
     source_cache: Path | None = None,
 ) -> Record:
+    """Run `stage` (for `chunk`, if it runs per chunk) unless its record says it is done.
+    `source_cache`: where sources in a bucket are fetched to; by default beside `workdir` (a
+    data worker gives each snapshot a workdir in its own folder, so its snapshots share the
+    copies)."""
     keys = SnapshotKeys(plan.snapshot_id)
     key = stage.record_key(keys, chunk)
     if (done := done_record(store, key, stage.record)) is not None:

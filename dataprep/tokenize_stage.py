@@ -16,9 +16,8 @@ from dataprep.dataset_manifest import Shard
 from dataprep.dedup_stage import NEEDS_DEDUP, NEEDS_EVERY_SCAN, DedupRecord
 from dataprep.plan import SnapshotPlan
 from dataprep.scan import ScanRecord
-from dataprep.settings import SnapshotSettings
 from dataprep.shards import ShardFile, ShardWriter, token_dtype
-from dataprep.stage_runner import Needs, Stage, StageRun, chunk_folder, run_stage
+from dataprep.stage_runner import Needs, Stage, StageRun, chunk_folder
 from dataprep.stage_store import SnapshotKeys, StageRecord, chunk_name, file_entry, local_copy
 from dataprep.tokenizer import build_tokenizer, end_of_document_id
 from infra.store.protocol import ObjectStore
@@ -66,16 +65,6 @@ def _kept_texts(
     ).to_arrow_reader(_BATCH)
 
 
-def train_tokenizer(
-    store: ObjectStore,
-    plan: SnapshotPlan,
-    settings: SnapshotSettings,
-    workdir: Path,
-    progress: Progress = lambda _: None,
-) -> TokenizerRecord:
-    return run_stage(TOKENIZER, store, plan, settings, workdir, progress)
-
-
 def _train_tokenizer(run: StageRun) -> TokenizerRecord:
     """Learn the vocabulary from the kept documents (BPE: of the train split, up to a budget)."""
     docs = [run.local(r.files["docs"]) for r in run.records("scan", ScanRecord)]
@@ -113,17 +102,6 @@ def _train_tokenizer(run: StageRun) -> TokenizerRecord:
 TOKENIZER = Stage(
     "tokenizer", TokenizerRecord, _train_tokenizer, needs=(NEEDS_EVERY_SCAN, NEEDS_DEDUP)
 )
-
-
-def tokenize_chunk(
-    store: ObjectStore,
-    plan: SnapshotPlan,
-    index: int,
-    settings: SnapshotSettings,
-    workdir: Path,
-    progress: Progress = lambda _: None,
-) -> TokenizeRecord:
-    return run_stage(TOKENIZE, store, plan, settings, workdir, progress, index)
 
 
 def _tokenize(run: StageRun) -> TokenizeRecord:

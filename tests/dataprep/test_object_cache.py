@@ -15,9 +15,10 @@ from dataprep.dataset_manifest import DatasetManifest
 from dataprep.errors import BadRecordsError, SourceChangedError
 from dataprep.filters import FilterSettings
 from dataprep.plan import plan_snapshot
-from dataprep.scan import scan_chunk
+from dataprep.scan import SCAN
 from dataprep.settings import SnapshotSettings
 from dataprep.snapshot import prepare_snapshot, save_plan
+from dataprep.stage_runner import run_stage
 from infra.store.local import LocalStore
 
 SPEECHES = SnapshotSettings(filters=FilterSettings(min_words=1), shard_tokens=20_000)
@@ -82,7 +83,7 @@ def test_a_snapshot_of_objects_holds_the_documents_of_the_same_files(
         f"{remote.manifest.report['documents'].key}') ORDER BY 1"
     ).fetchall()
     assert [s for (s,) in by_source] == [f"s3://{bucket}/{key}" for key in sorted(docs)]
-    # One copy per object version, beside the work folder (a data worker's: see scan_chunk).
+    # One copy per object version, beside the work folder (a data worker's: see run_stage).
     copies = sorted(p.name for p in (tmp_path / "source-cache").rglob("object*"))
     assert copies == ["object.jsonl.gz", "object.py", "object.txt"]
 
@@ -94,7 +95,7 @@ def _planned_then(raw: Any, bucket: str, tmp_path: Path, change: Any) -> None:
     plan = plan_snapshot([f"s3://{bucket}/docs/a.txt"], SPEECHES)
     save_plan(store, plan)
     change()
-    scan_chunk(store, plan, 0, SPEECHES, tmp_path / "work")
+    run_stage(SCAN, store, plan, SPEECHES, tmp_path / "work", chunk=0)
 
 
 def test_an_object_changed_after_planning_is_not_read_under_the_old_id(
@@ -126,10 +127,14 @@ def test_a_version_is_fetched_once_and_read_from_the_cache_after(
 ) -> None:
     raw.put_object(Bucket=bucket, Key="docs/a.txt", Body=b"alpha beta gamma\n\ndelta\n")
     plan = plan_snapshot([f"s3://{bucket}/docs/a.txt"], SPEECHES)
-    first = scan_chunk(LocalStore(tmp_path / "one"), plan, 0, SPEECHES, tmp_path / "work")
+    first = run_stage(
+        SCAN, LocalStore(tmp_path / "one"), plan, SPEECHES, tmp_path / "work", lambda _: None, 0
+    )
     # Gone from the bucket, but its copy is that version: a second reader needs no fetch.
     raw.delete_object(Bucket=bucket, Key="docs/a.txt")
-    again = scan_chunk(LocalStore(tmp_path / "two"), plan, 0, SPEECHES, tmp_path / "work")
+    again = run_stage(
+        SCAN, LocalStore(tmp_path / "two"), plan, SPEECHES, tmp_path / "work", lambda _: None, 0
+    )
     assert again.documents == first.documents == 2
 
 
@@ -155,7 +160,7 @@ def test_the_scan_says_which_file_and_record_it_is_on(tmp_path: Path) -> None:
     plan = plan_snapshot([str(corpus)], SPEECHES)
     save_plan(store, plan)
     said: list[str] = []
-    scan_chunk(store, plan, 0, SPEECHES, tmp_path / "work", said.append)
+    run_stage(SCAN, store, plan, SPEECHES, tmp_path / "work", said.append, chunk=0)
     assert said[0] == f"chunk 0: reading {corpus}"
     assert f"chunk 0: {corpus} record 2 (1,500,000 characters)" in said, said  # its line
 
@@ -170,11 +175,11 @@ def test_a_local_file_changed_after_planning_is_not_read_under_the_old_id(tmp_pa
     save_plan(store, plan)
     corpus.write_text("poison beta gamma\n\ndelta\n")  # as long as before
     with pytest.raises(SourceChangedError) as failed:
-        scan_chunk(store, plan, 0, SPEECHES, tmp_path / "work")
+        run_stage(SCAN, store, plan, SPEECHES, tmp_path / "work", chunk=0)
     message = str(failed.value)
     assert f"source {corpus} changed after this snapshot was planned (sha256 " in message, message
     assert not any((tmp_path / "source-cache").rglob("*.txt"))  # its copy is gone
     corpus.write_text("alpha beta gamma\n\ndelta\n")  # as planned again: read, and named by path
-    record = scan_chunk(store, plan, 0, SPEECHES, tmp_path / "work")
+    record = run_stage(SCAN, store, plan, SPEECHES, tmp_path / "work", chunk=0)
     assert record.documents == 2
     assert not any((tmp_path / "source-cache").rglob("*.txt"))

@@ -16,13 +16,10 @@ from typing import Any
 import pytest
 
 from dataprep.dataset_manifest import load_manifest
-from dataprep.dedup_stage import dedup_snapshot
 from dataprep.filters import FilterSettings
 from dataprep.plan import SnapshotPlan, plan_snapshot
-from dataprep.scan import scan_chunk
 from dataprep.settings import SnapshotSettings
-from dataprep.snapshot import Snapshot, commit_snapshot, save_plan
-from dataprep.tokenize_stage import tokenize_chunk, train_tokenizer
+from dataprep.snapshot import Snapshot, commit_snapshot, run_every_stage, save_plan
 from infra.digest import sha256_bytes
 from infra.store.local import LocalStore
 from infra.store.protocol import ObjectStore
@@ -73,12 +70,7 @@ def prepare_until_commit(store: ObjectStore, sources: Path, workdir: Path) -> Sn
     """Every stage but the commit: the work records both commits read."""
     plan = plan_snapshot([str(sources)], SETTINGS, store.url)
     save_plan(store, plan)
-    for chunk in plan.chunks:
-        scan_chunk(store, plan, chunk.index, SETTINGS, workdir)
-    dedup_snapshot(store, plan, SETTINGS, workdir)
-    train_tokenizer(store, plan, SETTINGS, workdir)
-    for chunk in plan.chunks:
-        tokenize_chunk(store, plan, chunk.index, SETTINGS, workdir)
+    run_every_stage(store, plan, SETTINGS, workdir)
     return plan
 
 
