@@ -332,18 +332,20 @@ def schedule(state: ClusterState, now: datetime, switches: Switches = TODAY) -> 
                 chosen = None  # the nodes it would get hold more than its quota allows
             if chosen:
                 victims, target = chosen
-                deadline = now + timedelta(seconds=config.preemption_grace_s)
+                # Not `deadline`: that name is the start-deadline switch, which a datetime here
+                # once turned on for the rest of the pass (test_start_deadline.py).
+                grace_ends = now + timedelta(seconds=config.preemption_grace_s)
                 # The target nodes are held for this request from now on: nothing else may take
                 # what is free there or what the victims free (an older, requeued victim
                 # would take it straight back, and the request would preempt again).
-                until = deadline + timedelta(seconds=config.preemption_grace_s)
+                until = grace_ends + timedelta(seconds=config.preemption_grace_s)
                 decisions.claims.append(Claim(run_id=request.run_id, nodes=target, until=until))
                 all_claimed = all_claimed.merged(general.split(target))
                 for victim in victims:
                     notice = Preemption(
                         for_run=request.run_id,
                         reason=f"{request.run_id} (team {request.team}) reclaims its guarantee",
-                        deadline=deadline,
+                        deadline=grace_ends,
                     )
                     decisions.preemptions.append((victim.run_id, notice))
                     being_preempted.add(victim.run_id)

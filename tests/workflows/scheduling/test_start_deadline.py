@@ -11,7 +11,7 @@ from pydantic import ValidationError
 
 from tests.workflows.scheduling.policy_fixtures import NOW, node, request, running
 from tests.workflows.scheduling.simulation import TICK, Arrival, Simulator
-from workflows.contracts.cluster_models import ClusterConfig, ClusterState
+from workflows.contracts.cluster_models import ClusterConfig, ClusterState, QueueConfig
 from workflows.scheduling.policy_switches import Switches
 from workflows.scheduling.scheduler import schedule
 
@@ -123,3 +123,30 @@ def test_a_gang_behind_long_runs_starts_by_its_deadline_and_they_resume_after() 
 def test_a_deadline_before_the_reservation_is_refused_with_the_fix() -> None:
     with pytest.raises(ValidationError, match=r"start_within_s \(3600\) is shorter than reserve_"):
         ClusterConfig(reserve_after_s=7200, start_within_s=3600)
+
+
+def test_a_reclaim_earlier_in_the_pass_does_not_turn_the_deadline_on() -> None:
+    """With the deadline off (histories recorded before it, the simulator's older policies), a
+    reservation waits for the declared ends, also when a request before it in the same pass
+    reclaimed its team's guarantee (the reclaim's grace deadline once took the switch's name)."""
+    config = ClusterConfig(
+        start_within_s=LIMIT_H * 3600,
+        queues=[
+            QueueConfig(name="a", guaranteed_gpus=8),
+            QueueConfig(name="b", guaranteed_gpus=24),
+        ],
+    )
+    state = ClusterState(config=config, nodes=[node(f"n{i}") for i in range(4)])
+    for i in range(4):
+        running(state, f"long{i}", [f"n{i}"], team="b", hours_left=30)
+    state.queue = [
+        request("reclaimer", team="a", priority=10, submitted_at=NOW - timedelta(hours=1)),
+        request("big", nodes=4, team="b", submitted_at=NOW - timedelta(hours=7)),
+    ]
+    before = schedule(state, NOW, Switches(start_deadline=False))
+    assert [notice.for_run for _, notice in before.preemptions] == ["reclaimer"]
+    (held,) = before.reservations
+    assert (held.run_id, held.start) == ("big", NOW + timedelta(hours=30))
+    # With the deadline on, the same pass holds it to the deadline.
+    (held,) = schedule(state, NOW).reservations
+    assert held.start == NOW + timedelta(hours=LIMIT_H - 7)
