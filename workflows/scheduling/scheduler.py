@@ -73,7 +73,7 @@ from workflows.scheduling.pool_booking import (
     without,
 )
 from workflows.scheduling.preemption import choose_victims, reclaim_at, reclaims_now
-from workflows.scheduling.quotas import borrowed, check, fair_share_key, in_use
+from workflows.scheduling.quotas import QuotaCheck, borrowed, check, fair_share_key, in_use
 from workflows.scheduling.yielding import may_host_yielders
 
 
@@ -178,239 +178,319 @@ def _pools(
 def schedule(state: ClusterState, now: datetime, switches: Switches = TODAY) -> Decisions:
     """One pass: the cluster runs it with every switch on (`TODAY`); `switches` turns parts
     off for histories recorded before them and for the simulator's weaker policies."""
-    config = state.config
-    default_runtime_s = config.default_max_runtime_h * 3600
-    sweep = _sweep(state.nodes)
-    requests = {r.run_id: r for r in state.queue}
-    # Last pass's reservations of runs still queued (those `keep_reservations` may keep).
-    reserved = (
-        {n for held in state.reservations if held.run_id in requests for n in held.nodes}
-        if switches.spares_off_reservations
-        else set()
-    )
-    decisions = Decisions(spares=choose_spares(sweep.idle, config.spare_nodes, reserved))
-    holders = claim_holders(state)
-    # Claimed nodes are held for their claimant (the first claim on a node wins).
-    owner: dict[str, str] = {}
-    for claim in state.claims:
-        if claim.until > now and claim.run_id in holders:
-            for node_id in claim.nodes:
-                if node_id not in decisions.spares:
-                    owner.setdefault(node_id, claim.run_id)
-    # `all_claimed` grows with this pass's claims.
-    general, spare_capacity, held_for, all_claimed = _pools(sweep.usable, decisions.spares, owner)
-    used = in_use(config, state.allocations)
-    lenders = borrowed(config, state.allocations)
-    running = [a for a in state.allocations if a.preempting is None]
-    granted_now: list[Allocation] = []  # this pass's grants: they free up too, for `reserve`
-    being_preempted = {a.run_id for a in state.allocations if a.preempting}
-    reclaiming = {a.preempting.for_run for a in state.allocations if a.preempting}
-    # Each reservation with the nodes it holds back: only requests that end before its start
-    # may use them. The head of the line's is the first; the guard adds the long-waiting ones'.
-    reservations: list[tuple[Reservation, Capacity]] = []
-    reserved_ids: set[str] = set()
-    # What reservations are made on: built again only after a grant or a reservation (a claim
-    # moves nodes from `general` to `all_claimed`, which leaves the union as it was); with the
-    # guard a pass may make dozens, and copying 2,500 nodes for each was most of a pass.
-    free_later, built_at = Capacity(()), (-1, -1)
+    return SchedulingPass(state, now, switches).run()
 
-    decisions.preemptions += _drain_preemptions(state, sweep.draining, now)
-    being_preempted |= {victim for victim, _ in decisions.preemptions}
-    # The guard keeps last pass's reservations where they still stand, before any other is
-    # made: remade every pass, a reservation went to whoever came first in line that pass (a
-    # requeued victim, a failed gang), and a 1,024-GPU gang's start slipped 25 times, by 28 h.
-    mine: dict[str, tuple[Reservation, Capacity]] = {}  # run id -> its kept reservation
-    deadline = switches.starvation_guard and switches.start_deadline
-    yielding = deadline and switches.yielding_backfill
 
-    def hosts_yielders(reservation: Reservation) -> bool:
+@dataclass(frozen=True)
+class Waits:
+    """Why a request waits this pass (the step that said so decided it)."""
+
+    reason: str
+
+
+@dataclass(frozen=True)
+class Granted:
+    """The request was granted these nodes (the step booked them in the decisions)."""
+
+    nodes: list[str]
+
+
+@dataclass
+class _Candidate:
+    """One request as the pass considers it; the steps fill in what later steps read."""
+
+    position: int
+    request: GangRequest
+    quota: QuotaCheck | None = None
+    kept: tuple[Reservation, Capacity] | None = None  # its reservation from the last pass
+    own: list[Capacity] = field(default_factory=list)  # pools held for it alone
+
+
+class SchedulingPass:
+    """One pass over the queue, in order: for each request the steps run in turn until one
+    decides, with a grant or the reason the request waits.
+
+    1. `admit`: its team's quota allows it, and nothing it must wait for stands first.
+    2. `place`: free nodes, nodes held for it, and (backfill) reserved nodes it would leave
+       before the reservation starts, or as a yielder; spares for recovering gangs.
+    3. `reclaim`: within its team's guarantee, preempt borrowers (after `reclaim_after_s`).
+    4. `reserve`: the head of the line (and with the guard every long-waiting request) holds
+       the nodes it will get, from when they free.
+
+    Before the queue, draining nodes give their gangs notice and the guard keeps last pass's
+    reservations; after it, shrunk elastic gangs grow back on what the queue left free.
+    """
+
+    def __init__(self, state: ClusterState, now: datetime, switches: Switches) -> None:
+        self.state, self.now, self.switches = state, now, switches
+        config = self.config = state.config
+        self.default_runtime_s = config.default_max_runtime_h * 3600
+        sweep = _sweep(state.nodes)
+        self.requests = {r.run_id: r for r in state.queue}
+        # Last pass's reservations of runs still queued (those `keep_reservations` may keep).
+        reserved = (
+            {n for held in state.reservations if held.run_id in self.requests for n in held.nodes}
+            if switches.spares_off_reservations
+            else set()
+        )
+        self.decisions = Decisions(spares=choose_spares(sweep.idle, config.spare_nodes, reserved))
+        holders = claim_holders(state)
+        # Claimed nodes are held for their claimant (the first claim on a node wins).
+        owner: dict[str, str] = {}
+        for claim in state.claims:
+            if claim.until > now and claim.run_id in holders:
+                for node_id in claim.nodes:
+                    if node_id not in self.decisions.spares:
+                        owner.setdefault(node_id, claim.run_id)
+        # `all_claimed` grows with this pass's claims.
+        self.general, self.spare_capacity, self.held_for, self.all_claimed = _pools(
+            sweep.usable, self.decisions.spares, owner
+        )
+        self.draining = sweep.draining
+        self.used = in_use(config, state.allocations)
+        self.lenders = borrowed(config, state.allocations)
+        self.running = [a for a in state.allocations if a.preempting is None]
+        self.granted_now: list[Allocation] = []  # this pass's grants: they free up too
+        self.being_preempted = {a.run_id for a in state.allocations if a.preempting}
+        self.reclaiming = {a.preempting.for_run for a in state.allocations if a.preempting}
+        # Each reservation with the nodes it holds back: only requests that end before its
+        # start may use them. The head of the line's is the first; the guard adds the
+        # long-waiting ones'.
+        self.reservations: list[tuple[Reservation, Capacity]] = []
+        self.reserved_ids: set[str] = set()
+        # What reservations are made on: built again only after a grant or a reservation (a
+        # claim moves nodes from `general` to `all_claimed`, which leaves the union as it
+        # was); with the guard a pass may make dozens, and copying 2,500 nodes for each was
+        # most of a pass.
+        self.free_later, self.built_at = Capacity(()), (-1, -1)
+        self.mine: dict[str, tuple[Reservation, Capacity]] = {}  # run id -> kept reservation
+        self.deadline = switches.starvation_guard and switches.start_deadline
+        self.yielding = self.deadline and switches.yielding_backfill
+        self.patient: set[str] = set()  # within their guarantee, not waited `reclaim_after_s`
+
+    def run(self) -> Decisions:
+        decisions = self.decisions
+        decisions.preemptions += _drain_preemptions(self.state, self.draining, self.now)
+        self.being_preempted |= {victim for victim, _ in decisions.preemptions}
+        if self.switches.starvation_guard:
+            self._keep_reservations()
+        for position, request in enumerate(
+            order(self.state, self.now, self.switches.arrival_order)
+        ):
+            candidate = _Candidate(position, request)
+            for step in (self.admit, self.place, self.reclaim, self.reserve):
+                outcome = step(candidate)
+                if isinstance(outcome, Waits):
+                    decisions.waiting.append(
+                        Waiting(run_id=request.run_id, position=position, reason=outcome.reason)
+                    )
+                if outcome is not None:
+                    break
+        for waiting in decisions.waiting:  # whatever else it waits for, say when it reclaims
+            if waiting.run_id in self.patient:
+                at = reclaim_at(self.requests[waiting.run_id], self.now, self.config)
+                waiting.reason += (
+                    f"; within its team's guarantee, it reclaims from borrowers at "
+                    f"{at.strftime('%H:%M:%S UTC')}"
+                )
+        if self.switches.preemption:
+            _grow_shrunk_gangs(
+                self.state, decisions, self.general, self.used, self.being_preempted, self.now
+            )
+        return decisions
+
+    def _keep_reservations(self) -> None:
+        """The guard keeps last pass's reservations where they still stand, before any other
+        is made: remade every pass, a reservation went to whoever came first in line that pass
+        (a requeued victim, a failed gang), and a 1,024-GPU gang's start slipped 25 times, by
+        28 h."""
+        state, now = self.state, self.now
+        for kept, pool in keep_reservations(state, self.general, self.requests, now, self.deadline):
+            self.reservations.append((kept, pool))
+            self.reserved_ids.update(kept.nodes)
+            self.decisions.reservations.append(kept)
+            self.mine[kept.run_id] = (kept, pool)
+            overdue = clearing(
+                state, kept, self.requests[kept.run_id], now, self.being_preempted,
+                self.deadline, self.yielding,
+            )  # fmt: skip
+            self.decisions.preemptions += overdue
+            self.being_preempted |= {victim for victim, _ in overdue}
+
+    def _hosts_yielders(self, reservation: Reservation) -> bool:
         """A long-waiting request's reservation (kept from pass to pass) that starts later."""
-        owner = requests.get(reservation.run_id)
+        owner = self.requests.get(reservation.run_id)
         return (
-            yielding
+            self.yielding
             and owner is not None
-            and long_waiting(owner, now, config)
-            and may_host_yielders(reservation, now, config)
+            and long_waiting(owner, self.now, self.config)
+            and may_host_yielders(reservation, self.now, self.config)
         )
 
-    if switches.starvation_guard:
-        for kept, pool in keep_reservations(state, general, requests, now, deadline):
-            reservations.append((kept, pool))
-            reserved_ids.update(kept.nodes)
-            decisions.reservations.append(kept)
-            mine[kept.run_id] = (kept, pool)
-            overdue = clearing(
-                state, kept, requests[kept.run_id], now, being_preempted, deadline, yielding
-            )
-            decisions.preemptions += overdue
-            being_preempted |= {victim for victim, _ in overdue}
-
-    patient: set[str] = set()  # within their guarantee, not yet waited `reclaim_after_s`
-
-    def wait(position: int, request: GangRequest, reason: str) -> None:
-        decisions.waiting.append(Waiting(run_id=request.run_id, position=position, reason=reason))
-
-    for position, request in enumerate(order(state, now, switches.arrival_order)):
-        quota = check(config, used, request)
+    def admit(self, candidate: _Candidate) -> Waits | None:
+        request = candidate.request
+        candidate.quota = quota = check(self.config, self.used, request)
         if not quota.allowed:
-            wait(position, request, quota.reason)
-            continue
-        if decisions.reservation is not None and not switches.backfill:
-            wait(position, request, f"no backfill: behind {decisions.reservation.run_id}")
-            continue
-        if request.run_id in reclaiming:
-            wait(
-                position,
-                request,
+            return Waits(quota.reason)
+        reservation = self.decisions.reservation
+        if reservation is not None and not self.switches.backfill:
+            return Waits(f"no backfill: behind {reservation.run_id}")
+        if request.run_id in self.reclaiming:
+            return Waits(
                 "reclaiming its team's guarantee: waiting for the preempted gang to checkpoint "
-                "and release",
+                "and release"
             )
-            continue
-        kept = mine.get(request.run_id)
-        own = [p for p in (held_for.get(request.run_id), kept and kept[1]) if p and p.free]
+        return None
+
+    def place(self, candidate: _Candidate) -> Waits | Granted | None:
+        asked = candidate.request
+        candidate.kept = kept = self.mine.get(asked.run_id)
+        candidate.own = own = [
+            p for p in (self.held_for.get(asked.run_id), kept and kept[1]) if p and p.free
+        ]
         fit = functools.partial(
             find_place,
-            general=general,
+            general=self.general,
             own=own,
-            reservations=reservations,
-            spares=spare_capacity,
-            now=now,
-            default_runtime_s=default_runtime_s,
-            hosts_yielders=hosts_yielders,
-            yield_latest_first=switches.yield_latest_first,
+            reservations=self.reservations,
+            spares=self.spare_capacity,
+            now=self.now,
+            default_runtime_s=self.default_runtime_s,
+            hosts_yielders=self._hosts_yielders,
+            yield_latest_first=self.switches.yield_latest_first,
         )
-        asked = request
-        request, found = largest_fit(request, fit)
-        if found is not None:
-            placed, pools, yields_to = found
-            held = held_gpus(request, pools, placed)
-            # Whole nodes may hold more than was asked for: the quota sees what is booked, and
-            # nodes of exactly the asked size are tried before giving up.
-            booked = check(config, used, request, held)
-            if not booked.allowed and request.nodes > 1:
-                exact = [exact_size(pool, request.gpus_per_node) for pool in pools]
-                fitted = place(request, merged(exact))
-                if fitted is not None:
-                    placed, held = fitted, request.gpus
-                    booked = check(config, used, request, held)
-            if not booked.allowed:
-                wait(
-                    position,
-                    request,
-                    f"placed on whole nodes it would hold {held} GPUs: {booked.reason}",
-                )
-                continue
-            take(request, pools, placed, where_free=yielding)
-            decisions.grants.append((request, placed))
-            if yields_to is not None:
-                decisions.yielding[request.run_id] = yields_to
-            if request.nodes < asked.nodes:
-                decisions.shrunk[request.run_id] = asked
-            for queue in config.ancestry(request.team):
-                used[queue.name] = used.get(queue.name, 0) + held
-            decisions.spares -= set(placed)
-            granted_now.append(_as_allocation(request, pools, placed, now, default_runtime_s))
-            continue
-        may_reclaim = switches.preemption and not quota.borrowing
-        if may_reclaim and not reclaims_now(request, now, config, switches.reclaim_patience):
-            patient.add(request.run_id)
-            may_reclaim = False
-        if may_reclaim:
-            candidates = [
-                a
-                for a in running
-                if a.run_id not in being_preempted
-                and not (switches.starvation_guard and _shielded(a, now, config))
-            ]
-            restart_s, around = 0.0, merged([general, *own])
-            # With the guard, what a victim frees on reserved nodes is not this request's.
-            if switches.starvation_guard:
-                restart_s = config.preemption_restart_s
-                around = without([general, *own], reserved_ids - set(kept[0].nodes if kept else ()))
-            chosen = choose_victims(request, around, candidates, lenders, now, restart_s)
-            if chosen and not _books_within_quota(config, used, request, chosen[1], state.nodes):
-                chosen = None  # the nodes it would get hold more than its quota allows
-            if chosen:
-                victims, target = chosen
-                # Not `deadline`: that name is the start-deadline switch, which a datetime here
-                # once turned on for the rest of the pass (test_start_deadline.py).
-                grace_ends = now + timedelta(seconds=config.preemption_grace_s)
-                # The target nodes are held for this request from now on: nothing else may take
-                # what is free there or what the victims free (an older, requeued victim
-                # would take it straight back, and the request would preempt again).
-                until = grace_ends + timedelta(seconds=config.preemption_grace_s)
-                decisions.claims.append(Claim(run_id=request.run_id, nodes=target, until=until))
-                all_claimed = all_claimed.merged(general.split(target))
-                for victim in victims:
-                    notice = Preemption(
-                        for_run=request.run_id,
-                        reason=f"{request.run_id} (team {request.team}) reclaims its guarantee",
-                        deadline=grace_ends,
-                    )
-                    decisions.preemptions.append((victim.run_id, notice))
-                    being_preempted.add(victim.run_id)
-                names = ", ".join(v.run_id for v in victims)
-                wait(position, request, f"reclaiming its team's guarantee: preempting {names}")
-                continue
+        request, found = largest_fit(asked, fit)
+        candidate.request = request
+        if found is None:
+            return None
+        placed, pools, yields_to = found
+        held = held_gpus(request, pools, placed)
+        # Whole nodes may hold more than was asked for: the quota sees what is booked, and
+        # nodes of exactly the asked size are tried before giving up.
+        booked = check(self.config, self.used, request, held)
+        if not booked.allowed and request.nodes > 1:
+            exact = [exact_size(pool, request.gpus_per_node) for pool in pools]
+            fitted = place(request, merged(exact))
+            if fitted is not None:
+                placed, held = fitted, request.gpus
+                booked = check(self.config, self.used, request, held)
+        if not booked.allowed:
+            return Waits(f"placed on whole nodes it would hold {held} GPUs: {booked.reason}")
+        decisions = self.decisions
+        take(request, pools, placed, where_free=self.yielding)
+        decisions.grants.append((request, placed))
+        if yields_to is not None:
+            decisions.yielding[request.run_id] = yields_to
+        if request.nodes < asked.nodes:
+            decisions.shrunk[request.run_id] = asked
+        for queue in self.config.ancestry(request.team):
+            self.used[queue.name] = self.used.get(queue.name, 0) + held
+        decisions.spares -= set(placed)
+        self.granted_now.append(
+            _as_allocation(request, pools, placed, self.now, self.default_runtime_s)
+        )
+        return Granted(placed)
+
+    def reclaim(self, candidate: _Candidate) -> Waits | None:
+        request, config, now = candidate.request, self.config, self.now
+        assert candidate.quota is not None
+        if not self.switches.preemption or candidate.quota.borrowing:
+            return None
+        if not reclaims_now(request, now, config, self.switches.reclaim_patience):
+            self.patient.add(request.run_id)
+            return None
+        guard = self.switches.starvation_guard
+        candidates = [
+            a
+            for a in self.running
+            if a.run_id not in self.being_preempted and not (guard and _shielded(a, now, config))
+        ]
+        kept, own = candidate.kept, candidate.own
+        restart_s, around = 0.0, merged([self.general, *own])
+        # With the guard, what a victim frees on reserved nodes is not this request's.
+        if guard:
+            restart_s = config.preemption_restart_s
+            others = self.reserved_ids - set(kept[0].nodes if kept else ())
+            around = without([self.general, *own], others)
+        chosen = choose_victims(request, around, candidates, self.lenders, now, restart_s)
+        if chosen and not _books_within_quota(
+            config, self.used, request, chosen[1], self.state.nodes
+        ):
+            chosen = None  # the nodes it would get hold more than its quota allows
+        if not chosen:
+            return None
+        victims, target = chosen
+        grace_ends = now + timedelta(seconds=config.preemption_grace_s)
+        # The target nodes are held for this request from now on: nothing else may take what
+        # is free there or what the victims free (an older, requeued victim would take it
+        # straight back, and the request would preempt again).
+        until = grace_ends + timedelta(seconds=config.preemption_grace_s)
+        self.decisions.claims.append(Claim(run_id=request.run_id, nodes=target, until=until))
+        self.all_claimed = self.all_claimed.merged(self.general.split(target))
+        for victim in victims:
+            notice = Preemption(
+                for_run=request.run_id,
+                reason=f"{request.run_id} (team {request.team}) reclaims its guarantee",
+                deadline=grace_ends,
+            )
+            self.decisions.preemptions.append((victim.run_id, notice))
+            self.being_preempted.add(victim.run_id)
+        names = ", ".join(v.run_id for v in victims)
+        return Waits(f"reclaiming its team's guarantee: preempting {names}")
+
+    def reserve(self, candidate: _Candidate) -> Waits:
+        request, kept, decisions = candidate.request, candidate.kept, self.decisions
         head = decisions.reservation is None
         if kept is not None:  # kept from the last pass: it stands as it was
             decisions.reservation = kept[0] if head else decisions.reservation
-            wait(position, request, "its reservation holds: " + _described(kept[0]))
-            continue
+            return Waits("its reservation holds: " + _described(kept[0]))
         reservation: Reservation | None = None
-        if head or (switches.starvation_guard and long_waiting(request, now, config)):
+        guarded = self.switches.starvation_guard and long_waiting(request, self.now, self.config)
+        if head or guarded:
             # Every gang frees its nodes some day, those being preempted too; claimed nodes
-            # count as free (their claimant takes them now and frees them later), reserved ones
-            # do not (an earlier reservation has them).
-            if built_at != (len(granted_now), len(reserved_ids)):
-                free_later = without([general, all_claimed], reserved_ids)
-                built_at = (len(granted_now), len(reserved_ids))
-            reservation = reserve(request, free_later, state.allocations + granted_now, now)
-            if reservation is not None and deadline and long_waiting(request, now, config):
-                reservation = held_by_deadline(reservation, request, config, now)
-            if reservation is None and head and reserved_ids:
-                wait(position, request, "no capacity: the nodes it needs are reserved")
-                continue
+            # count as free (their claimant takes them now and frees them later), reserved
+            # ones do not (an earlier reservation has them).
+            if self.built_at != (len(self.granted_now), len(self.reserved_ids)):
+                self.free_later = without([self.general, self.all_claimed], self.reserved_ids)
+                self.built_at = (len(self.granted_now), len(self.reserved_ids))
+            allocations = self.state.allocations + self.granted_now
+            reservation = reserve(request, self.free_later, allocations, self.now)
+            if (
+                reservation is not None
+                and self.deadline
+                and long_waiting(request, self.now, self.config)
+            ):
+                reservation = held_by_deadline(reservation, request, self.config, self.now)
+            if reservation is None and head and self.reserved_ids:
+                return Waits("no capacity: the nodes it needs are reserved")
             if reservation is None and head:
-                wait(
-                    position,
-                    request,
+                return Waits(
                     f"needs {request.nodes} node(s) × {request.gpus_per_node} GPU(s)"
                     + (f" of type {request.gpu_type}" if request.gpu_type else "")
-                    + ": more than the cluster's schedulable nodes can ever give",
+                    + ": more than the cluster's schedulable nodes can ever give"
                 )
-                continue
-        if reservation is not None:
-            # The reserved nodes leave the general pool: only short jobs may borrow them.
-            reservations.append((reservation, general.split(reservation.nodes)))
-            reserved_ids.update(reservation.nodes)
-            decisions.reservations.append(reservation)
-            if head:
-                decisions.reservation = reservation
-            overdue = clearing(
-                state, reservation, request, now, being_preempted, deadline, yielding
-            )
-            decisions.preemptions += overdue
-            # With the guard, a later reservation must not stop the same gang again.
-            if switches.starvation_guard:
-                being_preempted |= {victim for victim, _ in overdue}
-            wait(
-                position,
-                request,
-                ("head of the line" if head else "waited past the guard's limit")
-                + ": "
-                + _described(reservation),
-            )
-            continue
-        behind = decisions.reservation.run_id if decisions.reservation else "the reservations"
-        wait(position, request, f"no capacity: behind {behind}'s reservation")
-    for waiting in decisions.waiting:  # whatever else it waits for, say when it reclaims
-        if waiting.run_id in patient:
-            at = reclaim_at(requests[waiting.run_id], now, config).strftime("%H:%M:%S UTC")
-            waiting.reason += f"; within its team's guarantee, it reclaims from borrowers at {at}"
-    if switches.preemption:
-        _grow_shrunk_gangs(state, decisions, general, used, being_preempted, now)
-    return decisions
+        if reservation is None:
+            behind = decisions.reservation.run_id if decisions.reservation else "the reservations"
+            return Waits(f"no capacity: behind {behind}'s reservation")
+        # The reserved nodes leave the general pool: only short jobs may borrow them.
+        self.reservations.append((reservation, self.general.split(reservation.nodes)))
+        self.reserved_ids.update(reservation.nodes)
+        decisions.reservations.append(reservation)
+        if head:
+            decisions.reservation = reservation
+        overdue = clearing(
+            self.state, reservation, request, self.now, self.being_preempted, self.deadline,
+            self.yielding,
+        )  # fmt: skip
+        decisions.preemptions += overdue
+        # With the guard, a later reservation must not stop the same gang again.
+        if self.switches.starvation_guard:
+            self.being_preempted |= {victim for victim, _ in overdue}
+        return Waits(
+            ("head of the line" if head else "waited past the guard's limit")
+            + ": "
+            + _described(reservation)
+        )
 
 
 def _grow_shrunk_gangs(
