@@ -1,6 +1,8 @@
 """The end of a TrainingRun: the MLflow run opened at the start, evaluation, registration, and
-the wait for an authorised decision. A part of the TrainingRun workflow class (deterministic
-workflow code), kept apart so the training loop's file stays readable."""
+the wait for an authorised decision. Deterministic workflow code, run by the TrainingRun
+workflow through a `RunEnd` it makes with what these steps read and write: the run's input,
+spec and status, its way of calling a control-worker activity, of changing phase, and of
+reading the decision its update handler received."""
 
 from __future__ import annotations
 
@@ -38,16 +40,24 @@ with workflow.unsafe.imports_passed_through():
 
 
 class RunEnd:
-    """Steps of TrainingRun after training; the workflow class provides these attributes."""
+    """The steps of a TrainingRun after training (and the MLflow run beside it)."""
 
-    _input: TrainingRunInput
-    _spec: RunSpec
-    _status: RunStatus
-    _decision: Decision | None
-    _control: Callable[..., Awaitable[Any]]  # one control-worker activity, patient retries
-    _set_phase: Callable[[Phase], None]
+    def __init__(
+        self,
+        inp: TrainingRunInput,
+        status: RunStatus,
+        control: Callable[..., Awaitable[Any]],
+        set_phase: Callable[[Phase], None],
+        decision: Callable[[], Decision | None],
+    ) -> None:
+        self._input = inp
+        self._spec: RunSpec = inp.spec
+        self._status = status  # the workflow's own: what these steps set, its query shows
+        self._control = control  # one control-worker activity, with patient retries
+        self._set_phase = set_phase
+        self._decision = decision  # the authorised decision received, if any
 
-    async def _evaluate(self, dataset: DatasetRef, checkpoint: CheckpointRef) -> EvalResult:
+    async def evaluate(self, dataset: DatasetRef, checkpoint: CheckpointRef) -> EvalResult:
         self._set_phase(Phase.EVALUATING)
         evaluation = await self._control(
             "evaluate",
@@ -61,7 +71,7 @@ class RunEnd:
         self._status.evaluation = evaluation
         return evaluation
 
-    async def _register(
+    async def register(
         self,
         dataset: DatasetRef,
         checkpoint: CheckpointRef,
@@ -92,7 +102,7 @@ class RunEnd:
         self._status.model_version = version
         return version
 
-    async def _close_tracking(self, tracking: asyncio.Future[str] | None, status: str) -> None:
+    async def close_tracking(self, tracking: asyncio.Future[str] | None, status: str) -> None:
         """A run that ends without a model ends its MLflow run too (FAILED, or KILLED when
         cancelled), with the reason. Best effort: MLflow being down must not keep the run from
         ending, so a few tries and no more."""
@@ -117,7 +127,7 @@ class RunEnd:
         except ActivityError:
             workflow.logger.warning("could not end MLflow run %s", close.mlflow_run_id)
 
-    def _open_tracking(self) -> asyncio.Task[str] | None:
+    def open_tracking(self) -> asyncio.Task[str] | None:
         """Open the MLflow run that the metrics stream into, beside data preparation."""
         if not workflow.patched("tracking-run"):  # runs started before streaming replay as such
             return None
@@ -134,7 +144,7 @@ class RunEnd:
         )
         return asyncio.ensure_future(opened)
 
-    def _tracking_opened(self) -> asyncio.Future[str] | None:
+    def tracking_opened(self) -> asyncio.Future[str] | None:
         """A continuation's MLflow run, opened by the run it continues: as the task that
         opened it would be once done, so a failure closes it the same way."""
         if self._status.mlflow_run_id is None:
@@ -143,16 +153,16 @@ class RunEnd:
         opened.set_result(self._status.mlflow_run_id)
         return opened
 
-    async def _await_decision(self, version: ModelVersionRef) -> None:
+    async def await_decision(self, version: ModelVersionRef) -> None:
         """Wait for an authorised decision; nobody deciding within the window ends the run."""
         window: timedelta | None = None
         if workflow.patched("approval-rules"):  # earlier runs wait for any decision, forever
-            self._status.approval = await self._approval_rules(version.model_name)
+            self._status.approval = await self.approval_rules(version.model_name)
             window = timedelta(hours=self._spec.registry.approval_window_hours)
             self._status.approval_deadline = workflow.now() + window
         self._set_phase(Phase.AWAITING_APPROVAL)
         try:
-            await workflow.wait_condition(lambda: self._decision is not None, timeout=window)
+            await workflow.wait_condition(lambda: self._decision() is not None, timeout=window)
         except TimeoutError:
             self._set_phase(Phase.EXPIRED)  # first: a decision arriving now is refused
             expiry = Decision(
@@ -160,12 +170,13 @@ class RunEnd:
             )
             await self._record(version, expiry, expired=True)
             return
-        assert self._decision is not None
-        await self._record(version, self._decision)
-        self._status.decision = self._decision
-        self._set_phase(Phase.APPROVED if self._decision.approve else Phase.REJECTED)
+        decision = self._decision()
+        assert decision is not None
+        await self._record(version, decision)
+        self._status.decision = decision
+        self._set_phase(Phase.APPROVED if decision.approve else Phase.REJECTED)
 
-    async def _approval_rules(self, model_name: str) -> ApprovalPolicy:
+    async def approval_rules(self, model_name: str) -> ApprovalPolicy:
         """The operators' rules as they are now (registry.approvals), with the spec's gate."""
         policy = await self._control(
             "approval_policy",

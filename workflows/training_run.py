@@ -99,7 +99,7 @@ _NODE_PICKUP_TIMEOUT = timedelta(seconds=60)
 
 
 @workflow.defn(name="TrainingRun")
-class TrainingRun(RunEnd):
+class TrainingRun:
     @workflow.init
     def __init__(self, inp: TrainingRunInput) -> None:
         self._input = inp
@@ -136,29 +136,31 @@ class TrainingRun(RunEnd):
         # Where the first gang starts, when a person asked (forgeline resume --from); None
         # once it has been fenced there, and the newest checkpoint is this lineage's again.
         self._resume_from = inp.resume_from_step
+        # Evaluation, registration and the decision; the MLflow run beside the whole run.
+        self._end = RunEnd(inp, self._status, self._control, self._set_phase, self._decided)
 
     @workflow.run
     async def run(self, inp: TrainingRunInput) -> RunStatus:
         try:
             if inp.carried is None:
-                tracking = self._open_tracking()  # while the data is prepared
+                tracking = self._end.open_tracking()  # while the data is prepared
                 dataset = await self._prepare()
                 if self._spec.model.init_from:
                     self._status.init_from = await self._resolve_init_from(dataset)
                 if tracking is not None:
                     self._status.mlflow_run_id = await tracking
             else:  # a continuation: preparation and the MLflow run are done, in the status
-                tracking = self._tracking_opened()
+                tracking = self._end.tracking_opened()
                 assert self._status.dataset is not None
                 dataset = self._status.dataset
             checkpoint, results = await self._train(dataset)
-            evaluation = await self._evaluate(dataset, checkpoint)
-            version = await self._register(dataset, checkpoint, evaluation, results)
-            await self._await_decision(version)
+            evaluation = await self._end.evaluate(dataset, checkpoint)
+            version = await self._end.register(dataset, checkpoint, evaluation, results)
+            await self._end.await_decision(version)
         except asyncio.CancelledError:
             self._set_phase(Phase.CANCELLED)
             await self._release_gang()
-            await self._close_tracking(tracking, "KILLED")
+            await self._end.close_tracking(tracking, "KILLED")
             raise
         except (ActivityError, ApplicationError, ChildWorkflowError) as err:
             # A failed dataset snapshot (a child workflow) used to fail the run bare: its status
@@ -168,7 +170,7 @@ class TrainingRun(RunEnd):
             self._status.error = describe(err)
             self._set_phase(Phase.FAILED)
             await self._release_gang()
-            await self._close_tracking(tracking, "FAILED")
+            await self._end.close_tracking(tracking, "FAILED")
             raise ApplicationError(f"run {self._spec.name} failed: {self._status.error}") from err
         return self._status
 
@@ -206,7 +208,7 @@ class TrainingRun(RunEnd):
         if self._status.approval is not None and version is not None:
             # The rules as they are now: an approver listed while the model waited counts, one
             # removed no longer does. A refusal fails this update, not the run.
-            self._status.approval = await self._approval_rules(version.model_name)
+            self._status.approval = await self._end.approval_rules(version.model_name)
             if why := refusal(self._status, self._decision is not None, decision):
                 raise ApplicationError(why)
         self._decision = decision
@@ -624,6 +626,10 @@ class TrainingRun(RunEnd):
         workflow.continue_as_new(
             self._input.model_copy(update={"carried": carry, "resume_from_step": self._resume_from})
         )
+
+    def _decided(self) -> Decision | None:
+        """The authorised decision `decide` received, if any (what `RunEnd` waits for)."""
+        return self._decision
 
     def _set_phase(self, phase: Phase) -> None:
         self._status.phase = phase
