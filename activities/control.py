@@ -55,6 +55,7 @@ from workflows.contracts.models import (
     EvalPoint,
     EvalResult,
     EvaluateInput,
+    FenceInput,
     Goodput,
     InitFromInput,
     LatestCheckpointInput,
@@ -128,18 +129,27 @@ class ControlActivities:
         resume = stored
         # A new gang may resume from a newer peer-tier checkpoint (its files on the nodes),
         # the store's as the fallback; `resume --from` asks for a store checkpoint.
-        if inp.fence and inp.at_most_step is None:
+        if inp.new_gang and inp.at_most_step is None:
             peer = find_peer(self.store, inp.run_id, inp.max_generation, inp.run_uid, skip)
             if peer is not None and (stored is None or peer.step > stored.step):
                 resume = _reference(peer).model_copy(update={"tier": "peer", "fallback": stored})
-        if inp.fence:
-            record_generation(
-                self.store, inp.run_id, inp.max_generation, resume.step if resume else 0,
-                run_uid=inp.run_uid,
+        if inp.fence:  # runs from before fence_generation fence here, in one activity
+            self.fence_generation(
+                FenceInput(run_id=inp.run_id, generation=inp.max_generation,
+                           resume_step=resume.step if resume else 0, run_uid=inp.run_uid)
             )  # fmt: skip
         if resume is None:
             return None
         return resume.model_copy(update={"skipped": skipped})
+
+    @activity.defn(name="fence_generation")
+    def fence_generation(self, inp: FenceInput) -> None:
+        """Record that a generation starts from a step: an older generation still running
+        (a partitioned node, a frozen host) then commits nothing that counts past it.
+        Written once per generation: a retry finds it there."""
+        record_generation(
+            self.store, inp.run_id, inp.generation, inp.resume_step, run_uid=inp.run_uid
+        )
 
     @activity.defn(name="attempt_ledger")
     def attempt_ledger(self, inp: AttemptLedgerInput) -> AttemptLedger | None:
@@ -468,6 +478,7 @@ class ControlActivities:
     def all(self) -> list:
         return [
             self.latest_checkpoint,
+            self.fence_generation,
             self.attempt_ledger,
             self.resolve_init_from,
             self.evaluate,

@@ -41,6 +41,7 @@ with workflow.unsafe.imports_passed_through():
         DatasetRef,
         Decision,
         Failure,
+        FenceInput,
         HealthEvent,
         InitFromInput,
         LatestCheckpointInput,
@@ -451,18 +452,31 @@ class TrainingRun:
     async def _latest_checkpoint(
         self, generation: int, fence: bool = False, at_most_step: int | None = None
     ) -> CheckpointRef | None:
+        """The checkpoint to use: the newest that verifies (for a new gang, `fence`: a newer
+        peer-tier one wins, and the generation is fenced at its step before it starts)."""
+        # The lookup and the fence are two activities; runs from before did both in one.
+        apart = fence and workflow.patched("fence-apart")
         found = await self._control(
             "latest_checkpoint",
             LatestCheckpointInput(
                 run_id=self._spec.name,
                 max_generation=generation,
-                fence=fence,
+                fence=fence and not apart,
+                for_new_gang=apart,
                 run_uid=self._input.run_uid,
                 at_most_step=at_most_step,
             ),
             CheckpointRef | None,
             timeout=timedelta(minutes=10),
         )
+        if apart:
+            fence_at = FenceInput(
+                run_id=self._spec.name,
+                generation=generation,
+                resume_step=found.step if found else 0,
+                run_uid=self._input.run_uid,
+            )
+            await self._control("fence_generation", fence_at, None, timeout=timedelta(minutes=10))
         if found is not None:  # what was passed over stays on record, once
             add_skipped(self._status, found.skipped)
         return found

@@ -15,7 +15,7 @@ from tests.trainer.test_fencing import commit
 from trainer.checkpoint_manifest import CheckpointManifest
 from trainer.manifest import Fences, record_generation
 from trainer.peer_tier import write_peer_manifest
-from workflows.contracts.models import CheckpointRef, LatestCheckpointInput
+from workflows.contracts.models import CheckpointRef, FenceInput, LatestCheckpointInput
 
 
 def peer_commit(store: LocalStore, step: int, generation: int) -> str | None:
@@ -74,3 +74,22 @@ def test_with_no_store_checkpoint_yet_the_fallback_is_the_start(tmp_path: Path) 
     peer_commit(store, 30, generation=1)
     found = latest(control, 2)
     assert found is not None and (found.tier, found.step, found.fallback) == ("peer", 30, None)
+
+
+def test_the_lookup_for_a_new_gang_fences_nothing_and_the_fence_is_its_own_activity(
+    tmp_path: Path,
+) -> None:
+    """Runs since the fence was split off look up (peer tier included) and fence in two
+    activities; the lookup alone records no generation."""
+    store = LocalStore(tmp_path / "store")
+    control = ControlActivities(Settings(home=tmp_path, store_url=str(store.root)))
+    commit(store, "r", 100, generation=1)
+    peer_commit(store, 120, generation=1)
+    inp = LatestCheckpointInput(run_id="r", max_generation=2, for_new_gang=True)
+    found = ActivityEnvironment().run(control.latest_checkpoint, inp)
+    assert found is not None and (found.tier, found.step) == ("peer", 120)
+    assert 2 not in Fences.read(store, "r").resume_steps
+    fence = FenceInput(run_id="r", generation=2, resume_step=found.step)
+    ActivityEnvironment().run(control.fence_generation, fence)
+    ActivityEnvironment().run(control.fence_generation, fence)  # a retry finds it there
+    assert Fences.read(store, "r").resume_steps[2] == 120

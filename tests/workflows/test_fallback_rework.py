@@ -68,7 +68,7 @@ class Ledgers(Control):
     @activity.defn(name="latest_checkpoint")
     async def latest_checkpoint(self, inp: LatestCheckpointInput) -> CheckpointRef | None:
         """For the second gang: generation 1's peer-tier step, the store's as its fallback."""
-        if not (inp.fence and inp.max_generation == 2):
+        if not (inp.new_gang and inp.max_generation == 2):
             return await super().latest_checkpoint(inp)
         stored = CheckpointRef(manifest_key=f"runs/{inp.run_id}/checkpoints/step-{STORE_STEP}/"
                                "gen-1/MANIFEST.json", step=STORE_STEP, generation=1,

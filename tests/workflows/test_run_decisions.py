@@ -19,6 +19,7 @@ from tests.workflows.test_training_run_history import (
     Control,
     _status,
     one_node_spec,
+    record_histories,
     stack_workers,
     start_cluster_and_run,
     terminated_after,
@@ -36,6 +37,10 @@ from workflows.contracts.models import (
 )
 from workflows.contracts.spec import RunSpec
 from workflows.training_run import TrainingRun
+
+# FORGELINE_RECORD_HISTORIES=tests/workflows/histories records the runs' histories: the first
+# with the fence as an activity of its own (`fence-apart`), replayed ever since.
+LABEL = "2026-12-06"
 
 
 class Finisher:
@@ -105,6 +110,7 @@ def decided(
             if decision is not None:
                 await run.execute_update(TrainingRun.decide, decision)
             final = await eventually(lambda: _status(run), lambda s: s.phase.final, timeout=30)
+            await record_histories(f"{LABEL}-{spec.name}", run)
             return final, control.recorded
 
     return asyncio.run(main())

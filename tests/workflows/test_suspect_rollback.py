@@ -101,9 +101,9 @@ class Store(Control):
 
     @activity.defn(name="latest_checkpoint")
     async def latest_checkpoint(self, inp: LatestCheckpointInput) -> CheckpointRef | None:
-        if inp.fence:
+        if inp.new_gang:
             self.fenced_at_most.append(inp.at_most_step)
-        if inp.max_generation >= 2 and not inp.fence:  # after generation 2: the end
+        if inp.max_generation >= 2 and not inp.new_gang:  # after generation 2: the end
             step = STEPS
         else:
             allowed = [s for s in COMMITTED if inp.at_most_step is None or s <= inp.at_most_step]

@@ -39,6 +39,7 @@ from workflows.contracts.models import (
     CheckpointRef,
     EvalResult,
     EvaluateInput,
+    FenceInput,
     LatestCheckpointInput,
     ModelVersionRef,
     NodeStopInput,
@@ -103,6 +104,7 @@ class Control:
     def __init__(self, node: Node) -> None:
         self.node = node
         self.fenced_at_most: list[int | None] = []  # at_most_step of each gang's fenced look
+        self.fences: list[tuple[int, int]] = []  # (generation, resume step) of each fence
 
     @activity.defn(name="open_tracking_run")
     async def open_tracking_run(self, inp: TrackingInput) -> str:
@@ -114,13 +116,17 @@ class Control:
 
     @activity.defn(name="latest_checkpoint")
     async def latest_checkpoint(self, inp: LatestCheckpointInput) -> CheckpointRef | None:
-        if inp.fence:
+        if inp.new_gang:
             self.fenced_at_most.append(inp.at_most_step)
         step = self.node.step
         return CheckpointRef(
             manifest_key=f"runs/{inp.run_id}/checkpoints/step-{step}/MANIFEST.json",
             step=step, generation=inp.max_generation, tokens_seen=step * 64,
         ) if step else None  # fmt: skip
+
+    @activity.defn(name="fence_generation")
+    async def fence_generation(self, inp: FenceInput) -> None:
+        self.fences.append((inp.generation, inp.resume_step))
 
     @activity.defn(name="attempt_ledger")
     async def attempt_ledger(self, inp: AttemptLedgerInput) -> AttemptLedger | None:
@@ -141,6 +147,7 @@ class Control:
     def all(self) -> list:
         return [
             self.open_tracking_run, self.confirm_grant, self.latest_checkpoint,
+            self.fence_generation,
             self.attempt_ledger, self.evaluate, self.register_model, self.approval_policy,
         ]  # fmt: skip
 

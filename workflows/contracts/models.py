@@ -123,7 +123,13 @@ class LatestCheckpointInput(BaseModel):
     fence: bool = Field(
         False,
         description="max_generation is about to start from the checkpoint found: record it, "
-        "so older generations can no longer commit one that counts",
+        "so older generations can no longer commit one that counts (runs since the fence has "
+        "its own activity, fence_generation, pass for_new_gang instead)",
+    )
+    for_new_gang: bool = Field(
+        False,
+        description="a new gang resumes from what is found: a newer peer-tier checkpoint wins, "
+        "with the store's as its fallback",
     )
     run_uid: str = Field(
         "",
@@ -133,6 +139,21 @@ class LatestCheckpointInput(BaseModel):
     at_most_step: int | None = Field(
         None, description="only checkpoints at this step or before (forgeline resume --from)"
     )
+
+    @property
+    def new_gang(self) -> bool:
+        """A new gang resumes from what is found (fenced here, or by fence_generation)."""
+        return self.fence or self.for_new_gang
+
+
+class FenceInput(BaseModel):
+    """Generation `generation` starts from `resume_step`: from now on an older generation's
+    commits count only up to that step (trainer.manifest.record_generation)."""
+
+    run_id: str
+    generation: int
+    resume_step: int
+    run_uid: str = ""
 
 
 class NodeTrainInput(BaseModel):
