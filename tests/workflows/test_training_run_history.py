@@ -74,15 +74,16 @@ STEPS = 100
 class Node:
     """What a node agent's activities do, without ranks: train until asked to stop."""
 
-    def __init__(self) -> None:
+    def __init__(self, finish_after: int = PREEMPTIONS) -> None:
         self.stop: dict[int, asyncio.Event] = defaultdict(asyncio.Event)
         self.step = 0  # where the last attempt stopped: each attempt trains a step further
+        self.finish_after = finish_after  # generations later than this train to the end
 
     @activity.defn(name="train_on_node")
     async def train_on_node(self, inp: NodeTrainInput) -> NodeTrainResult:
         generation = inp.allocation.generation
         done = self.stop[generation]
-        finishing = generation > PREEMPTIONS  # the last attempt trains to the end
+        finishing = generation > self.finish_after  # the last attempt trains to the end
         while not done.is_set() and not finishing:
             activity.heartbeat()
             with contextlib.suppress(TimeoutError):
