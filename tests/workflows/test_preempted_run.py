@@ -6,23 +6,16 @@ this three dozen times, to see the history continue as new.)"""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 
-from temporalio.client import Client
-from temporalio.contrib.pydantic import pydantic_data_converter
-
-from tests.workflows.test_cluster_workflow import eventually, node
+from tests.workflows.test_cluster_workflow import eventually
 from tests.workflows.test_training_run_history import (
     STEPS,
     Control,
     Node,
     _status,
+    on_one_node,
     one_node_spec,
-    stack_workers,
-    start_cluster_and_run,
-    terminated_after,
 )
-from workflows.cluster import ClusterWorkflow
 from workflows.contracts.cluster_models import PreemptNotice
 from workflows.contracts.models import AttemptCause, AttemptOutcome, Phase, RunStatus
 from workflows.contracts.names import PREEMPT_SIGNAL
@@ -34,23 +27,17 @@ def test_a_preempted_run_checkpoints_queues_again_and_resumes(
     spec = one_node_spec("preempted")
 
     async def main() -> tuple[RunStatus, list[int | None], list[int | None]]:
-        client = await Client.connect(temporal_address, data_converter=pydantic_data_converter)
         agent = Node(finish_after=1)
         control = Control(agent)
-        workers = stack_workers(client, task_queue, control,
-                                {"n0": [agent.train_on_node, agent.stop_training]})  # fmt: skip
-        async with contextlib.AsyncExitStack() as stack:
-            cluster, run = await start_cluster_and_run(stack, client, workers, task_queue, spec)
-            async with terminated_after(run, cluster):
-                await cluster.signal(ClusterWorkflow.register_node, node("n0"))
-                training = lambda s: s.phase == Phase.TRAINING and s.generation == 1  # noqa: E731
-                await eventually(lambda: _status(run), training, timeout=30)
-                notice = PreemptNotice(generation=1, grace_s=30, reason="a team reclaims")
-                await run.signal(PREEMPT_SIGNAL, notice)
-                final = await eventually(
-                    lambda: _status(run), lambda s: s.phase == Phase.AWAITING_APPROVAL, timeout=60
-                )
-                return final, control.fenced_at_most, [f for _, f in control.fences]
+        async with on_one_node(temporal_address, task_queue, spec, control, agent) as run:
+            training = lambda s: s.phase == Phase.TRAINING and s.generation == 1  # noqa: E731
+            await eventually(lambda: _status(run), training, timeout=30)
+            notice = PreemptNotice(generation=1, grace_s=30, reason="a team reclaims")
+            await run.signal(PREEMPT_SIGNAL, notice)
+            final = await eventually(
+                lambda: _status(run), lambda s: s.phase == Phase.AWAITING_APPROVAL, timeout=60
+            )
+            return final, control.fenced_at_most, [f for _, f in control.fences]
 
     final, looked, fenced_at = asyncio.run(main())
     assert final.phase == Phase.AWAITING_APPROVAL, final

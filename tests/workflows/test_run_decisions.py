@@ -10,21 +10,17 @@ from collections.abc import AsyncIterator
 
 import pytest
 from temporalio import activity
-from temporalio.client import Client, WorkflowHandle, WorkflowUpdateFailedError
-from temporalio.contrib.pydantic import pydantic_data_converter
+from temporalio.client import WorkflowHandle, WorkflowUpdateFailedError
 
-from tests.workflows.test_cluster_workflow import eventually, node
+from tests.workflows.test_cluster_workflow import eventually
 from tests.workflows.test_training_run_history import (
     STEPS,
     Control,
     _status,
+    on_one_node,
     one_node_spec,
     record_histories,
-    stack_workers,
-    start_cluster_and_run,
-    terminated_after,
 )
-from workflows.cluster import ClusterWorkflow
 from workflows.contracts.models import (
     CloseTrackingInput,
     Decision,
@@ -84,20 +80,14 @@ async def awaiting_decision(
     temporal_address: str, task_queue: str, spec: RunSpec
 ) -> AsyncIterator[tuple[WorkflowHandle, Deciding]]:
     """The run trained (by stand-ins) and waiting for a decision; terminated afterwards."""
-    client = await Client.connect(temporal_address, data_converter=pydantic_data_converter)
     agent = Finisher()
     control = Deciding(agent)
-    workers = stack_workers(client, task_queue, control,
-                            {"n0": [agent.train_on_node, agent.stop_training]})  # fmt: skip
-    async with contextlib.AsyncExitStack() as stack:
-        cluster, run = await start_cluster_and_run(stack, client, workers, task_queue, spec)
-        async with terminated_after(run, cluster):
-            await cluster.signal(ClusterWorkflow.register_node, node("n0"))
-            waiting = await eventually(
-                lambda: _status(run), lambda s: s.phase == Phase.AWAITING_APPROVAL, timeout=60
-            )
-            assert waiting.phase == Phase.AWAITING_APPROVAL, waiting
-            yield run, control
+    async with on_one_node(temporal_address, task_queue, spec, control, agent) as run:
+        waiting = await eventually(
+            lambda: _status(run), lambda s: s.phase == Phase.AWAITING_APPROVAL, timeout=60
+        )
+        assert waiting.phase == Phase.AWAITING_APPROVAL, waiting
+        yield run, control
 
 
 def decided(

@@ -230,6 +230,22 @@ async def start_cluster_and_run(
     return cluster, run
 
 
+@contextlib.asynccontextmanager
+async def on_one_node(
+    temporal_address: str, task_queue: str, spec: RunSpec, control: Control, agent: object
+) -> AsyncIterator[WorkflowHandle]:
+    """The run started on a stack whose one node, n0, has `agent`'s activities; terminated
+    afterwards with the Cluster workflow."""
+    client = await Client.connect(temporal_address, data_converter=pydantic_data_converter)
+    acts = [agent.train_on_node, agent.stop_training]  # type: ignore[attr-defined]
+    workers = stack_workers(client, task_queue, control, {"n0": acts})
+    async with contextlib.AsyncExitStack() as stack:
+        cluster, run = await start_cluster_and_run(stack, client, workers, task_queue, spec)
+        async with terminated_after(run, cluster):
+            await cluster.signal(ClusterWorkflow.register_node, node("n0"))
+            yield run
+
+
 def one_node_spec(name: str) -> RunSpec:
     """The tiny spec on one node, `STEPS` steps: the runs these tests drive by hand."""
     spec = load_spec(REPO / "examples" / "tiny.toml")

@@ -456,10 +456,8 @@ class SchedulingPass:
             allocations = self.state.allocations + self.granted_now
             reservation = reserve(request, self.free_later, allocations, self.now)
             if (
-                reservation is not None
-                and self.deadline
-                and long_waiting(request, self.now, self.config)
-            ):
+                reservation is not None and self.deadline and guarded
+            ):  # the deadline needs the guard
                 reservation = held_by_deadline(reservation, request, self.config, self.now)
             if reservation is None and head and self.reserved_ids:
                 return Waits("no capacity: the nodes it needs are reserved")
