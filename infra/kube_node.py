@@ -6,7 +6,12 @@ own labels and its node's name, never the node's labels, so the agents' DaemonSe
 an init container (infra/deploy/kubernetes/agents.yaml) with a service account that may `get`
 nodes, and the agent reads the file it writes:
 
-    python -m infra.kube_node --label topology.kubernetes.io/zone --out /run/forgeline/pod
+    python -m infra.kube_node --label topology.kubernetes.io/zone --out /run/forgeline/pod \
+        --levels block=example.com/block,rack=example.com/rack \
+        --topology-out /run/forgeline/topology
+
+`--levels` maps the cluster file's levels inside a pod to node labels; the second file is then
+the agent's `--topology` ("block=b1,rack=r3"), empty when no levels are given.
 
 Standard library only: it runs before anything else of Forgeline's is needed.
 """
@@ -33,19 +38,23 @@ class NodeLabelError(Exception):
     """The node or its label cannot be read; the message names the node, the label and the fix."""
 
 
-def node_label(node: str, label: str, api: str, token: str, ca_file: Path | None) -> str:
-    """The value of `label` on `node`, asked of the API server at `api`."""
+def node_labels(node: str, api: str, token: str, ca_file: Path | None) -> dict[str, str]:
+    """Every label of `node`, asked of the API server at `api`."""
     url = f"{api.rstrip('/')}/api/v1/nodes/{urllib.parse.quote(node, safe='')}"
     request = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"})
     context = ssl.create_default_context(cafile=str(ca_file)) if ca_file else None
     try:
         with urllib.request.urlopen(request, timeout=TIMEOUT_S, context=context) as response:
-            labels = json.loads(response.read()).get("metadata", {}).get("labels", {})
+            return json.loads(response.read()).get("metadata", {}).get("labels", {})
     except urllib.error.HTTPError as err:
         hint = " (the service account needs `get` on nodes)" if err.code == 403 else ""
         raise NodeLabelError(f"node {node}: the API server answered {err.code}{hint}") from None
     except (urllib.error.URLError, OSError, ValueError) as err:
         raise NodeLabelError(f"node {node}: cannot read it from {api} ({err})") from None
+
+
+def label_value(labels: dict[str, str], node: str, label: str) -> str:
+    """`label`'s value as a Forgeline name; the error says how to label the node."""
     value = labels.get(label)
     if not value:
         raise NodeLabelError(
@@ -66,6 +75,12 @@ def main(argv: list[str] | None = None) -> int:
         default=os.environ.get("NODE_NAME", ""),
         help="default: $NODE_NAME (spec.nodeName from the downward API)",
     )
+    parser.add_argument(
+        "--levels",
+        default="",
+        help="the cluster's levels as node labels: block=example.com/block,rack=example.com/rack",
+    )
+    parser.add_argument("--topology-out", type=Path, help="file to write the agent's --topology to")
     parser.add_argument("--api", default=IN_CLUSTER_API)
     parser.add_argument("--service-account", type=Path, default=SERVICE_ACCOUNT)
     args = parser.parse_args(argv)
@@ -74,16 +89,38 @@ def main(argv: list[str] | None = None) -> int:
     account: Path = args.service_account
     ca_file = account / "ca.crt"
     try:
+        levels = parse_levels(args.levels)
         token = (account / "token").read_text().strip()
-        value = node_label(args.node, args.label, args.api, token,
-                           ca_file if ca_file.is_file() else None)  # fmt: skip
+        labels = node_labels(args.node, args.api, token, ca_file if ca_file.is_file() else None)
+        value = label_value(labels, args.node, args.label)
+        position = ",".join(
+            f"{level}={label_value(labels, args.node, label)}" for level, label in levels
+        )
     except (NodeLabelError, OSError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(value)
     print(f"node {args.node}: {args.label}={value}")
+    if args.topology_out is not None:
+        args.topology_out.parent.mkdir(parents=True, exist_ok=True)
+        args.topology_out.write_text(position)
+        print(f"node {args.node}: topology {position or '(no levels)'}")
     return 0
+
+
+def parse_levels(text: str) -> list[tuple[str, str]]:
+    """ "block=example.com/block,rack=example.com/rack" as (level, label) pairs."""
+    pairs = []
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        level, sep, label = part.partition("=")
+        if not sep or not level or not label:
+            raise NodeLabelError(
+                f"--levels: {part!r} is not LEVEL=LABEL: write it as "
+                "block=example.com/block,rack=example.com/rack"
+            )
+        pairs.append((level.strip(), label.strip()))
+    return pairs
 
 
 if __name__ == "__main__":

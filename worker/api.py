@@ -56,10 +56,11 @@ from worker.fleet_metrics import exposition, twin_status
 from worker.fleet_view import fleet_view
 from worker.idempotency import MAX_KEY_CHARS, IdempotencyKeys
 from worker.runs import (
+    ClusterLacks,
     RunNotFound,
     cluster_state,
     list_run_names,
-    refuse_unknown_gpu_type,
+    refuse_what_the_cluster_lacks,
     submit,
     submitted_spec,
     view,
@@ -241,9 +242,9 @@ def make_app(settings: Settings) -> FastAPI:
         await asyncio.to_thread(check_code, settings.open_store(), spec, body.code)
         client = await temporal()
         try:
-            await refuse_unknown_gpu_type(client, spec)
-        except CliError as err:
-            raise ApiError(422, "invalid_spec", str(err), field="resources.gpu_type") from None
+            await refuse_what_the_cluster_lacks(client, spec)
+        except ClusterLacks as err:
+            raise ApiError(422, "invalid_spec", str(err), field=err.field) from None
         await refuse_another_team_s_model(settings, spec)
         digest = spec_sha256(spec)
         if idempotency_key is not None:

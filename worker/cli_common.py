@@ -91,3 +91,18 @@ def check_name(name: str, what: str = "run name") -> str:
         return names.check_name(name, what)
     except names.InvalidName as err:
         raise CliError(str(err)) from None
+
+
+def parse_topology(text: str) -> dict[str, str]:
+    """An agent's `--topology`: "block=b1,rack=r3", where the node sits inside its pod, one
+    unit per level of the cluster file's `levels`."""
+    topology: dict[str, str] = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        level, sep, unit = part.partition("=")
+        if not sep or not level.strip() or not unit.strip():
+            raise CliError(f"--topology: {part!r} is not LEVEL=UNIT: write it as block=b1,rack=r3")
+        level = check_name(level.strip(), "topology level")
+        if level in topology:
+            raise CliError(f"--topology: level {level!r} is given twice")
+        topology[level] = check_name(unit.strip(), f"{level} name")
+    return topology

@@ -6,13 +6,17 @@ from rich.table import Table
 
 from workflows.contracts.cluster_models import ClusterState
 from workflows.scheduling.quotas import borrowed, in_use
+from workflows.scheduling.topology import landed
 
 
 def nodes_table(state: ClusterState) -> Table:
     table = Table(title="nodes")
+    # Where each node sits inside its pod, when the fabric is described at all.
+    placed = bool(state.config.levels) or any(n.info.topology for n in state.nodes)
     for column in (
         "node",
         "pod",
+        *(["position"] if placed else []),
         "address",
         "type",
         "GPUs used",
@@ -26,6 +30,7 @@ def nodes_table(state: ClusterState) -> Table:
         table.add_row(
             node.info.node_id,
             node.info.pod,
+            *([_position(node.info.topology, state.config.levels)] if placed else []),
             node.info.host,
             node.info.gpu_type,
             f"{node.used}/{node.info.gpus}",
@@ -35,6 +40,14 @@ def nodes_table(state: ClusterState) -> Table:
             _short(node.down_reason or ""),
         )
     return table
+
+
+def _position(topology: dict[str, str], levels: list[str]) -> str:
+    """A node's units inside its pod, in the cluster's order of levels: "b1/r3"; a level it
+    reports no unit for shows as "?" (placement counts it as a unit of its own)."""
+    if not levels:
+        return ", ".join(f"{level}={unit}" for level, unit in sorted(topology.items())) or "-"
+    return "/".join(topology.get(level, "?") for level in levels)
 
 
 def _short(note: str, width: int = 60) -> str:
@@ -76,8 +89,11 @@ def jobs_table(state: ClusterState) -> Table:
     table = Table(title="jobs")
     for column in ("job", "team", "GPUs", "priority", "state", "position", "why / where"):
         table.add_column(column)
+    levels = tuple(state.config.levels)
     for allocation in sorted(state.allocations, key=lambda a: a.run_id):
         where = ", ".join(n.node_id for n in allocation.nodes)
+        if len(allocation.nodes) > 1:  # a one-node job is inside every unit there is
+            where += f" · {landed(allocation.nodes, levels)}"
         if allocation.preempting:
             what = f"preempting ({allocation.preempting.reason}) on {where}"
         else:

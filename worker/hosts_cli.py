@@ -16,7 +16,7 @@ import typer
 
 from infra.extras import require_extra
 from infra.settings import Settings
-from worker.cli_common import CliError, check_name, console, get_settings
+from worker.cli_common import CliError, check_name, console, get_settings, parse_topology
 from worker.cli_common import run as run_async
 from worker.preflight import apply_overrides, preflight, require_settings
 
@@ -72,6 +72,13 @@ def agent(
     pod: Annotated[
         str, typer.Option(envvar="FORGELINE_POD", help="the fabric island (pod) this node is in")
     ] = "default",
+    topology: Annotated[
+        str,
+        typer.Option(
+            envvar="FORGELINE_TOPOLOGY",
+            help="where this node sits inside its pod, by the cluster's levels: block=b1,rack=r3",
+        ),
+    ] = "",
     advertise_address: Annotated[
         str | None,
         typer.Option(
@@ -94,6 +101,7 @@ def agent(
 
     node_id = check_name(node_id, "node id")
     pod = check_name(pod, "pod")
+    position = parse_topology(topology)
     try:
         ports = RendezvousPorts.parse(rdzv_ports)
     except ValueError as err:
@@ -106,7 +114,9 @@ def agent(
     console.print(
         f"node {node_id}: {hardware.describe()}; peers reach it at {address} ({fabric.interface})"
     )
-    run_async(run_node_agent(settings, node_id, hardware, fabric, pod, ports=ports))
+    run_async(
+        run_node_agent(settings, node_id, hardware, fabric, pod, ports=ports, topology=position)
+    )
 
 
 @commands.command()

@@ -124,6 +124,22 @@ def inputs_for(spec: RunSpec, hardware: Hardware, vocab: int | None, precision: 
     )
 
 
+def _placement(spec: RunSpec) -> tuple[str, str]:
+    """Where the gang may go in the fabric (resources.topology), and why it matters."""
+    resources = spec.resources
+    level, wait = resources.topology, resources.topology_wait_min
+    if resources.nodes == 1:
+        return "one node", "a gang's nodes are whole"
+    if level is None:
+        spread = "any pods" if resources.allow_multi_pod else "one pod"
+        return "packed", f"the smallest unit that holds it, else the fewest units; {spread}"
+    if wait is None:
+        return f"one {level}", "required: it waits for a whole one (resources.topology)"
+    if wait == 0:
+        return f"one {level} if free", f"else the fewest {level}s at once (topology_wait_min = 0)"
+    return f"one {level}", f"waits {wait:g} min for one, then the fewest {level}s"
+
+
 def _table(spec: RunSpec, plan: Plan, given: Inputs) -> Table:
     notes, hardware = given.notes, given.hardware
     table = Table(title=f"plan for {spec.name}: {notes['layout']}")
@@ -141,6 +157,7 @@ def _table(spec: RunSpec, plan: Plan, given: Inputs) -> Table:
             f"{p.per_param} B/param = weights + grads + master + moments = {per}",
         ),
         ("micro-batch per rank", f"{plan.micro_batch} × {spec.model.block_size} tokens", ""),
+        ("placement", *_placement(spec)),
     ]
     rows += [(f"  {name} / GPU", _gib(v), "") for name, v in m.parts().items() if v]
     rows += [

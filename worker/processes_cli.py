@@ -10,7 +10,7 @@ from typing import Annotated
 
 import typer
 
-from worker.cli_common import check_name, get_settings
+from worker.cli_common import check_name, get_settings, parse_topology
 from worker.cli_common import run as run_async
 
 worker_app = typer.Typer(help="Processes started by `forgeline up` (not for direct use).")
@@ -47,6 +47,9 @@ def node_agent(
     node_id: Annotated[str, typer.Option()],
     gpus: Annotated[int, typer.Option(min=1)] = 1,
     pod: Annotated[str, typer.Option(help="fabric island this node belongs to")] = "local",
+    topology: Annotated[
+        str, typer.Option(help="where it sits inside its pod: block=b1,rack=r3")
+    ] = "",
     incarnation: Annotated[str | None, typer.Option()] = None,
     peak_flops: Annotated[
         float | None,
@@ -64,6 +67,11 @@ def node_agent(
     hardware = discover(slots=gpus, cpu_only=True, measured_peak=peak_flops)
     run_async(
         run_node_agent(
-            get_settings(), node_id, hardware, pod=check_name(pod, "pod"), incarnation=incarnation
+            get_settings(),
+            node_id,
+            hardware,
+            pod=check_name(pod, "pod"),
+            incarnation=incarnation,
+            topology=parse_topology(topology),
         )
     )

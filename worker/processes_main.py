@@ -115,6 +115,7 @@ async def run_node_agent(
     pod: str = "local",
     incarnation: str | None = None,
     ports: RendezvousPorts | None = None,
+    topology: dict[str, str] | None = None,
 ) -> None:
     node_dir = settings.home / "nodes" / node_id
     previous = previous_incarnation(node_dir, node_id)  # refused here while it still runs
@@ -133,6 +134,7 @@ async def run_node_agent(
         memory_bytes=hardware.memory_bytes,
         peak_flops=hardware.peak_flops,
         pod=pod,
+        topology=topology or {},
         rdzv_port=ports.first,
         rdzv_ports=ports.count,
         incarnation=incarnation or uuid.uuid4().hex,

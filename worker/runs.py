@@ -28,12 +28,21 @@ from workflows.contracts.models import (
 )
 from workflows.contracts.names import CLUSTER_WORKFLOW_ID, CONTROL_TASK_QUEUE
 from workflows.contracts.spec import RunSpec
+from workflows.scheduling import topology
 
 QUERY_TIMEOUT = timedelta(seconds=10)
 
 
 class RunNotFound(Exception):
     pass
+
+
+class ClusterLacks(CliError):
+    """A spec asks for what no node of the cluster has; `field` is the spec field to change."""
+
+    def __init__(self, message: str, field: str) -> None:
+        super().__init__(message)
+        self.field = field
 
 
 # One view of a run for the CLI, the API and the client: the API's own model.
@@ -56,19 +65,28 @@ async def cluster_state(client: Client) -> ClusterState:
     )
 
 
-async def refuse_unknown_gpu_type(client: Client, spec: RunSpec) -> None:
-    """A spec that asks for a `gpu_type` no registered node reports would wait forever: refuse
-    it before it starts, with the types the agents do report (NVML's names, e.g.
-    `h100-80gb-hbm3`). A cluster with no node registered yet is not judged."""
-    wanted = spec.resources.gpu_type
-    if wanted is None:
+async def refuse_what_the_cluster_lacks(client: Client, spec: RunSpec) -> None:
+    """A spec that asks for a `gpu_type` no registered node reports, or a topology level the
+    cluster file does not declare, would wait forever: refuse it before it starts, with what
+    the cluster has (the agents' NVML names, e.g. `h100-80gb-hbm3`; the declared levels). A
+    cluster with no node registered yet is not judged on GPU types."""
+    wanted, level = spec.resources.gpu_type, spec.resources.topology
+    if wanted is None and level is None:
         return
     state = await cluster_state(client)
+    if level is not None and level not in topology.names(state.config.levels):
+        raise ClusterLacks(
+            f"resources.topology = {level!r} is a level this cluster does not declare: its "
+            f"levels are {', '.join(topology.names(state.config.levels))} (the cluster file's "
+            "`levels`); use one of them or leave it unset",
+            "resources.topology",
+        )
     reported = sorted({node.info.gpu_type for node in state.nodes})
-    if reported and wanted not in reported:
-        raise CliError(
+    if wanted is not None and reported and wanted not in reported:
+        raise ClusterLacks(
             f"resources.gpu_type = {wanted!r} is a type no node reports: the nodes report "
-            f"{', '.join(reported)}; use one of them (`forgeline nodes`) or leave it unset"
+            f"{', '.join(reported)}; use one of them (`forgeline nodes`) or leave it unset",
+            "resources.gpu_type",
         )
 
 

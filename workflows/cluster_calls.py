@@ -32,6 +32,10 @@ def gang_request(
         max_runtime_s=resources.max_runtime_h * 3600 if resources.max_runtime_h else None,
         cache_items=[snapshot_id] if snapshot_id else [],
         allow_multi_pod=resources.allow_multi_pod,
+        topology=resources.topology,
+        topology_wait_s=(
+            None if resources.topology_wait_min is None else resources.topology_wait_min * 60
+        ),
         # After a failure or a swap the gang may take a spare instead of waiting.
         recovery=recovering,
         min_nodes=resources.min_nodes,

@@ -86,6 +86,10 @@ def test_a_run_through_the_api_and_who_may_do_what(stack: Stack, tmp_path: Path)
     bad = tmp_path / "bad.toml"
     bad.write_text(spec.read_text().replace("steps = 40", 'steps = "many"'))
     assert refused(lambda: alice.submit(bad), 422, "invalid_spec").field == "train.steps"
+    racked = tmp_path / "racked.toml"  # the local stack's cluster file declares no levels
+    racked.write_text(spec.read_text().replace("[resources]\n", '[resources]\ntopology = "rack"\n'))
+    error = refused(lambda: alice.submit(racked), 422, "invalid_spec")
+    assert error.field == "resources.topology" and "its levels are pod" in error.message
     assert "via-api" not in [r.status.name for r in dave.runs()]  # nothing reached Temporal
 
     run = alice.submit(spec, idempotency_key="notebook-cell-7")

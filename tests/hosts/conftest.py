@@ -56,7 +56,10 @@ class Cluster:
         return process
 
     def start_agent(self, host: Host) -> None:
-        argv = host.argv(FORGELINE, "agent", "--node-id", host.name, "--gpus", "1", "--pod", "p0")
+        argv = host.argv(
+            FORGELINE, "agent", "--node-id", host.name, "--gpus", "1", "--pod", "p0",
+            "--topology", f"block=b0,rack=r-{host.name}",  # each host a rack of its own
+        )  # fmt: skip
         self.start(f"agent-{host.name}", argv, self.root / host.name)
 
     def home_of(self, host: Host) -> Path:

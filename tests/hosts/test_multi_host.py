@@ -107,6 +107,10 @@ def test_a_gpu_type_no_agent_reports_is_refused_before_the_run_starts(
         refused.stdout
     )
     assert "no run named" in cluster.cli("status", "wants-h100", check=False).stdout
+    # Where each agent said its node sits (--topology), as the cluster holds it.
+    nodes = cluster.cli("nodes").stdout
+    for host in cluster.network.hosts:
+        assert re.search(rf"{host.name} .* block=b0, rack=r-{host.name} ", nodes), nodes
 
 
 # With the slow tests, to keep `make test` within 15 minutes: the bridge test above keeps

@@ -169,6 +169,8 @@ checkpoint_every = "auto"
 [resources]
 nodes = 512
 gpus_per_node = 8
+topology = "block"
+topology_wait_min = 15
 [parallel]
 tensor = 8
 shard = 1
@@ -208,6 +210,7 @@ def test_the_plan_command(tmp_path: Path) -> None:
 
     table = runner.invoke(app, ["plan", str(tmp_path / "big.toml")])
     assert "does NOT fit" in table.output and "would fit" in table.output
+    assert "waits 15 min for one, then the fewest blocks" in table.output
 
     # A user's script declares no shape: its spec's [model] would be a plan of something else.
     own = runner.invoke(app, ["plan", str(EXAMPLES / "byo" / "gru.toml")])

@@ -13,7 +13,10 @@ from infra.kube_node import main
 from tests.http_server import serving
 
 LABEL = "topology.kubernetes.io/zone"
-NODES = {"gpu-a": {LABEL: "EU-West-1a"}, "gpu-b": {}}
+NODES = {
+    "gpu-a": {LABEL: "EU-West-1a", "example.com/block": "B7", "example.com/rack": "r12"},
+    "gpu-b": {},
+}
 
 
 class FakeApiServer(BaseHTTPRequestHandler):
@@ -50,10 +53,12 @@ def account(tmp_path: Path, token: str = "sa-token") -> Path:
     return folder
 
 
-def label_of(node: str, api: str, tmp_path: Path, folder: Path) -> tuple[int, Path]:
+def label_of(
+    node: str, api: str, tmp_path: Path, folder: Path, more: list[str] = ()
+) -> tuple[int, Path]:
     out = tmp_path / "run" / "pod"
     argv = ["--label", LABEL, "--out", str(out), "--node", node, "--api", api,
-            "--service-account", str(folder)]  # fmt: skip
+            "--service-account", str(folder), *more]  # fmt: skip
     return main(argv), out
 
 
@@ -61,6 +66,25 @@ def test_the_node_s_label_becomes_a_valid_pod_name(api: str, tmp_path: Path) -> 
     code, out = label_of("gpu-a", api, tmp_path, account(tmp_path))
     assert code == 0
     assert out.read_text() == "eu-west-1a"  # lowercase, as Forgeline's names are
+
+
+def test_the_node_s_level_labels_become_the_agent_s_topology(api: str, tmp_path: Path) -> None:
+    placed = tmp_path / "run" / "topology"
+    levels = ["--levels", "block=example.com/block, rack=example.com/rack",
+              "--topology-out", str(placed)]  # fmt: skip
+    folder = account(tmp_path)
+    code, _ = label_of("gpu-a", api, tmp_path, folder, levels)
+    assert code == 0 and placed.read_text() == "block=b7,rack=r12"
+    # No levels (the settings' default): an empty file, which the agent reads as no topology.
+    code, _ = label_of("gpu-a", api, tmp_path, folder, ["--levels", "", "--topology-out",
+                       str(placed)])  # fmt: skip
+    assert code == 0 and placed.read_text() == ""
+
+
+def test_a_level_label_the_node_lacks_is_named(api: str, tmp_path: Path, capsys) -> None:
+    levels = ["--levels", "rack=example.com/row", "--topology-out", str(tmp_path / "t")]
+    code, _ = label_of("gpu-a", api, tmp_path, account(tmp_path), levels)
+    assert code == 1 and "node gpu-a has no label example.com/row" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(

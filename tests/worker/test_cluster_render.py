@@ -1,12 +1,14 @@
-"""`forgeline cluster`'s jobs table says which gangs run on lent, reserved nodes."""
+"""`forgeline jobs` and `nodes`: which gangs run on lent, reserved nodes, and where in the fabric
+each gang landed or waits to."""
 
 from __future__ import annotations
 
 from rich.console import Console
 
-from tests.workflows.scheduling.policy_fixtures import node, running
-from worker.cluster_render import jobs_table
+from tests.workflows.scheduling.policy_fixtures import NOW, node, request, running
+from worker.cluster_render import jobs_table, nodes_table
 from workflows.contracts.cluster_models import ClusterConfig, ClusterState
+from workflows.scheduling.cluster_ops import run_pass
 
 
 def test_a_yielder_is_shown_with_the_run_it_leaves_for() -> None:
@@ -19,3 +21,38 @@ def test_a_yielder_is_shown_with_the_run_it_leaves_for() -> None:
              if line.count("│") > 2}  # fmt: skip
     assert "lent: leaves when big can start" in lines["filler"]
     assert "lent" not in lines["plain"]
+
+
+def _rows(table) -> dict[str, str]:
+    console = Console(record=True, width=250)
+    console.print(table)
+    return {line.split("│")[1].strip(): line for line in console.export_text().splitlines()
+            if line.count("│") > 2}  # fmt: skip
+
+
+def test_jobs_say_which_unit_a_gang_landed_in_and_which_one_it_waits_for() -> None:
+    layout = [("n1", "r1"), ("n2", "r1"), ("n3", "r2"), ("n4", "r2"), ("n5", "r2")]
+    state = ClusterState(config=ClusterConfig(levels=["block", "rack"]))
+    for name, rack in layout:
+        each = node(name)
+        each.info.topology = {"block": "b1", "rack": rack}
+        state.nodes.append(each)
+    state.queue = [
+        request("pair", nodes=2, topology="rack"),
+        request("trio", nodes=3, topology="rack", priority=-1),
+        request("later", nodes=3, topology="rack", priority=-2),  # both racks are taken
+    ]
+    run_pass(state, NOW)
+    jobs = _rows(jobs_table(state))
+    assert "n1, n2 · rack p0/b1/r1" in jobs["pair"]  # the smaller rack that holds it
+    assert "n3, n4, n5 · rack p0/b1/r2" in jobs["trio"]
+    assert "waiting" in jobs["later"] and "3 node(s) in one rack reserved" in jobs["later"]
+    nodes = _rows(nodes_table(state))
+    assert "b1/r2" in nodes["n5"]
+
+
+def test_the_nodes_table_has_no_position_column_without_levels() -> None:
+    state = ClusterState(config=ClusterConfig(), nodes=[node("n0")])
+    console = Console(record=True, width=250)
+    console.print(nodes_table(state))
+    assert "position" not in console.export_text()

@@ -15,7 +15,7 @@ import pytest
 from infra.processes import free_port, free_ports
 from tests.e2e.conftest import FORGELINE
 from tests.http_server import serving
-from worker.cli_common import ExitCode
+from worker.cli_common import CliError, ExitCode, parse_topology
 
 BAD_INPUT, DOWN, NOT_FOUND = ExitCode.BAD_INPUT, ExitCode.DOWN, ExitCode.NOT_FOUND
 
@@ -97,3 +97,15 @@ def test_up_starts_no_local_server_behind_settings_that_point_elsewhere(tmp_path
     assert f"temporal      external at 127.0.0.1:{temporal}" in done.stdout, done.stdout
     assert f"MLflow at http://127.0.0.1:{mlflow}" in _one_error_line(done, DOWN, alone=False)
     assert not list((tmp_path / "run").glob("*.pid")), "a local server was started"
+
+
+def test_an_agent_s_topology_is_level_equals_unit(tmp_path: Path) -> None:
+    line = _one_error_line(
+        forgeline(tmp_path, "agent", "--node-id", "gpu-7", "--topology", "block=b1,rack"),
+        BAD_INPUT,
+    )
+    assert "--topology: 'rack' is not LEVEL=UNIT: write it as block=b1,rack=r3" in line
+    with pytest.raises(CliError, match="level 'rack' is given twice"):
+        parse_topology("rack=a,rack=b")
+    assert parse_topology(" block=b1, rack=r3 ") == {"block": "b1", "rack": "r3"}
+    assert parse_topology("") == {}

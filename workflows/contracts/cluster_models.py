@@ -24,6 +24,9 @@ from workflows.contracts.spec import NAME_PATTERN
 
 Name = Annotated[str, StringConstraints(pattern=NAME_PATTERN)]
 DEFAULT_QUEUE = "default"
+# The two levels every cluster has: its pods, and the nodes inside (ClusterConfig.levels lie in
+# between).
+TOPOLOGY_EDGES = ("pod", "node")
 
 
 # --- nodes -------------------------------------------------------------------------------------
@@ -56,6 +59,11 @@ class NodeInfo(BaseModel):
         f"(the Cluster workflow keeps at most {MAX_ADVERTISED_CACHED})",
     )
     memory_bytes: int = Field(default=0, ge=0, description="per GPU (0: not reported)")
+    topology: dict[Name, Name] = Field(
+        default={},
+        description="where the node sits inside its pod, by the cluster's levels: level -> "
+        "unit, e.g. {'block': 'b1', 'rack': 'r3'} (from the agent's --topology)",
+    )
     # What MFU divides by when the spec names no peak: the data sheet's, or measured at start.
     peak_flops: float = Field(default=0.0, ge=0, description="per GPU / rank slot (0: unknown)")
 
@@ -146,6 +154,11 @@ class ClusterConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     pods: list[Name] = []
+    levels: list[Name] = Field(
+        default=[],
+        description="the fabric's levels inside a pod, widest first (e.g. block, rack): a gang "
+        "goes in the smallest unit that holds it at the lowest level it can",
+    )
     queues: list[QueueConfig] = []
     spare_nodes: int = Field(0, ge=0)
     cost_per_gpu_hour: float = Field(0.0, ge=0)
@@ -185,6 +198,18 @@ class ClusterConfig(BaseModel):
         description="a reserved request starts by this long after its submission: lower or "
         "equal priority gangs still on its reserved nodes then are preempted",
     )
+
+    @model_validator(mode="after")
+    def _levels_are_distinct(self) -> ClusterConfig:
+        for level in self.levels:
+            if level in TOPOLOGY_EDGES:
+                raise ValueError(
+                    f"levels: {level!r} is always there (the pod above every level, the node "
+                    "below): declare only the levels in between, such as block and rack"
+                )
+            if self.levels.count(level) > 1:
+                raise ValueError(f"levels: {level!r} is declared twice")
+        return self
 
     @model_validator(mode="after")
     def _tree_is_sound(self) -> ClusterConfig:
@@ -252,6 +277,11 @@ class GangRequest(BaseModel):
     max_runtime_s: float | None = None  # None: the cluster's default_max_runtime_h
     cache_items: list[str] = []  # prefer nodes that hold these (dataset snapshots)
     allow_multi_pod: bool = True
+    # All of the gang inside one unit of this level ("pod" or one of ClusterConfig.levels)...
+    topology: str | None = None
+    # ...for this long after it was queued (None: for ever), then the fewest units: a gang that
+    # only prefers one rack (0) or is willing to wait a while for one.
+    topology_wait_s: float | None = Field(None, ge=0)
     recovery: bool = False  # after a failure: may take a spare node
     # Elastic: a recovering gang that cannot have `nodes` may be granted as few as this.
     min_nodes: int | None = None

@@ -311,6 +311,19 @@ class ResourcesSpec(_Strict):
         None, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$", description="e.g. h100; None: any"
     )
     allow_multi_pod: bool = True
+    topology: str | None = Field(
+        None,
+        pattern=NAME_PATTERN,
+        description='all of the gang inside one unit of this level: "pod", or a level the '
+        'cluster file declares, such as "rack"; None: packed as tightly as the idle nodes allow',
+    )
+    topology_wait_min: float | None = Field(
+        None,
+        ge=0,
+        le=7 * 24 * 60,
+        description="with topology: wait at most this long for one unit, then take the fewest "
+        "units (0: only prefer it); None: wait for one unit as long as it takes",
+    )
     min_nodes: int | None = Field(
         None,
         ge=1,
@@ -322,6 +335,25 @@ class ResourcesSpec(_Strict):
     @property
     def world_size(self) -> int:
         return self.nodes * self.gpus_per_node
+
+    @model_validator(mode="after")
+    def _topology_is_a_level(self) -> ResourcesSpec:
+        if self.topology == "node":
+            raise ValueError(
+                'resources.topology = "node" asks for one node: set resources.nodes = 1 '
+                '(a gang\'s nodes are whole), or name a wider level such as "rack"'
+            )
+        if self.topology_wait_min is not None and self.topology is None:
+            raise ValueError(
+                "resources.topology_wait_min is set without resources.topology: name the level "
+                'to wait for (such as "rack"), or leave topology_wait_min out'
+            )
+        if self.topology == "pod" and not self.allow_multi_pod and self.topology_wait_min:
+            raise ValueError(
+                "resources.allow_multi_pod = false already keeps the gang in one pod for ever: "
+                "drop topology_wait_min, or allow_multi_pod"
+            )
+        return self
 
     @model_validator(mode="after")
     def _min_nodes_at_most_nodes(self) -> ResourcesSpec:

@@ -100,7 +100,9 @@ def keep_reservations(
             continue
         if not long_waiting(requests[old.run_id], now, state.config):
             continue
-        whole = Capacity((general.info[i], general.info[i].gpus) for i in old.nodes)
+        whole = Capacity(
+            ((general.info[i], general.info[i].gpus) for i in old.nodes), general.levels
+        )
         if place(requests[old.run_id], whole) is None:
             continue  # it asks for something else now (another size or GPU type)
         ends = [

@@ -23,7 +23,13 @@ def without(pools: list[Capacity], node_ids: set[str]) -> Capacity:
     free GPU, and the running gangs that `reserve` and `choose_victims` give back would free
     it again, so a second reservation or a reclaim could take a reserved node."""
     return Capacity(
-        (pool.info[i], free) for pool in pools for i, free in pool.free.items() if i not in node_ids
+        (
+            (pool.info[i], free)
+            for pool in pools
+            for i, free in pool.free.items()
+            if i not in node_ids
+        ),
+        pools[0].levels if pools else (),
     )
 
 
@@ -37,7 +43,8 @@ def merged(pools: list[Capacity]) -> Capacity:
 
 def exact_size(pool: Capacity, gpus: int) -> Capacity:
     return Capacity(
-        (pool.info[i], free) for i, free in pool.free.items() if pool.info[i].gpus == gpus
+        ((pool.info[i], free) for i, free in pool.free.items() if pool.info[i].gpus == gpus),
+        pool.levels,
     )
 
 

@@ -74,6 +74,7 @@ from workflows.scheduling.pool_booking import (
 )
 from workflows.scheduling.preemption import choose_victims, reclaim_at, reclaims_now
 from workflows.scheduling.quotas import QuotaCheck, borrowed, check, fair_share_key, in_use
+from workflows.scheduling.topology import in_force, one_unit, unknown_level
 from workflows.scheduling.yielding import may_host_yielders
 
 
@@ -154,10 +155,13 @@ def _sweep(nodes: list[Node]) -> _Sweep:
 
 
 def _pools(
-    usable: list[tuple[NodeInfo, int]], spares: set[str], owner: dict[str, str]
+    usable: list[tuple[NodeInfo, int]],
+    spares: set[str],
+    owner: dict[str, str],
+    levels: tuple[str, ...],
 ) -> tuple[Capacity, Capacity, dict[str, Capacity], Capacity]:
     """The schedulable nodes' free GPUs: the general pool (neither spare nor claimed), the spare
-    pool, what is held for each claimant, and all that is claimed."""
+    pool, what is held for each claimant, and all that is claimed; all placed by `levels`."""
     general: list[tuple[NodeInfo, int]] = []
     spare: list[tuple[NodeInfo, int]] = []
     claimed: list[tuple[NodeInfo, int]] = []
@@ -171,8 +175,13 @@ def _pools(
             general.append(entry)
     held_for: dict[str, Capacity] = {}
     for info, free in claimed:
-        held_for.setdefault(owner[info.node_id], Capacity(())).add(info, free)
-    return Capacity(general), Capacity(spare), held_for, Capacity(claimed)
+        held_for.setdefault(owner[info.node_id], Capacity((), levels)).add(info, free)
+    return (
+        Capacity(general, levels),
+        Capacity(spare, levels),
+        held_for,
+        Capacity(claimed, levels),
+    )
 
 
 def schedule(state: ClusterState, now: datetime, switches: Switches = TODAY) -> Decisions:
@@ -226,7 +235,8 @@ class SchedulingPass:
         config = self.config = state.config
         self.default_runtime_s = config.default_max_runtime_h * 3600
         sweep = _sweep(state.nodes)
-        self.requests = {r.run_id: r for r in state.queue}
+        # Each request as placed now: a topology it waited for long enough is only preferred.
+        self.requests = {r.run_id: in_force(r, now) for r in state.queue}
         # Last pass's reservations of runs still queued (those `keep_reservations` may keep).
         reserved = (
             {n for held in state.reservations if held.run_id in self.requests for n in held.nodes}
@@ -244,7 +254,7 @@ class SchedulingPass:
                         owner.setdefault(node_id, claim.run_id)
         # `all_claimed` grows with this pass's claims.
         self.general, self.spare_capacity, self.held_for, self.all_claimed = _pools(
-            sweep.usable, self.decisions.spares, owner
+            sweep.usable, self.decisions.spares, owner, tuple(config.levels)
         )
         self.draining = sweep.draining
         self.used = in_use(config, state.allocations)
@@ -262,7 +272,7 @@ class SchedulingPass:
         # claim moves nodes from `general` to `all_claimed`, which leaves the union as it
         # was); with the guard a pass may make dozens, and copying 2,500 nodes for each was
         # most of a pass.
-        self.free_later, self.built_at = Capacity(()), (-1, -1)
+        self.free_later, self.built_at = Capacity((), tuple(config.levels)), (-1, -1)
         self.mine: dict[str, tuple[Reservation, Capacity]] = {}  # run id -> kept reservation
         self.deadline = switches.starvation_guard and switches.start_deadline
         self.yielding = self.deadline and switches.yielding_backfill
@@ -277,7 +287,7 @@ class SchedulingPass:
         for position, request in enumerate(
             order(self.state, self.now, self.switches.arrival_order)
         ):
-            candidate = _Candidate(position, request)
+            candidate = _Candidate(position, self.requests[request.run_id])
             for step in (self.admit, self.place, self.reclaim, self.reserve):
                 outcome = step(candidate)
                 if isinstance(outcome, Waits):
@@ -332,6 +342,9 @@ class SchedulingPass:
         candidate.quota = quota = check(self.config, self.used, request)
         if not quota.allowed:
             return Waits(quota.reason)
+        never = unknown_level(request, tuple(self.config.levels))
+        if never is not None:
+            return Waits(never)
         reservation = self.decisions.reservation
         if reservation is not None and not self.switches.backfill:
             return Waits(f"no backfill: behind {reservation.run_id}")
@@ -443,7 +456,7 @@ class SchedulingPass:
         head = decisions.reservation is None
         if kept is not None:  # kept from the last pass: it stands as it was
             decisions.reservation = kept[0] if head else decisions.reservation
-            return Waits("its reservation holds: " + _described(kept[0]))
+            return Waits("its reservation holds: " + _described(kept[0], request))
         reservation: Reservation | None = None
         guarded = self.switches.starvation_guard and long_waiting(request, self.now, self.config)
         if head or guarded:
@@ -465,6 +478,7 @@ class SchedulingPass:
                 return Waits(
                     f"needs {request.nodes} node(s) × {request.gpus_per_node} GPU(s)"
                     + (f" of type {request.gpu_type}" if request.gpu_type else "")
+                    + one_unit(request)
                     + ": more than the cluster's schedulable nodes can ever give"
                 )
         if reservation is None:
@@ -487,7 +501,7 @@ class SchedulingPass:
         return Waits(
             ("head of the line" if head else "waited past the guard's limit")
             + ": "
-            + _described(reservation)
+            + _described(reservation, request)
         )
 
 
@@ -518,9 +532,10 @@ def _grow_shrunk_gangs(
         decisions.claims.append(grow_claim(allocation.run_id, target, deadline, grace_s))
 
 
-def _described(reservation: Reservation) -> str:
+def _described(reservation: Reservation, request: GangRequest) -> str:
     return (
-        f"{len(reservation.nodes)} node(s) reserved from {reservation.start:%Y-%m-%d %H:%M:%S} UTC"
+        f"{len(reservation.nodes)} node(s){one_unit(request)} reserved from "
+        f"{reservation.start:%Y-%m-%d %H:%M:%S} UTC"
     )
 
 

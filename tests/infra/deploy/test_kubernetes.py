@@ -126,5 +126,10 @@ def test_the_agents_get_the_node_s_island_address_and_gpus() -> None:
     (label_reader,) = [c for c in spec["initContainers"] if "infra.kube_node" in c["command"]]
     out = label_reader["command"][label_reader["command"].index("--out") + 1]
     assert argv[argv.index("--pod") + 1] == f"$$(cat {out})"
+    command = label_reader["command"]
+    placed = command[command.index("--topology-out") + 1]
+    assert argv[argv.index("--topology") + 1] == f"$$(cat {placed})"
+    assert command[command.index("--levels") + 1] == "$(FORGELINE_TOPOLOGY_LABELS)"
+    assert "FORGELINE_TOPOLOGY_LABELS" in BY_KIND["ConfigMap"]["data"]
     assert importlib.util.find_spec("infra.kube_node") is not None
     assert "FORGELINE_POD_LABEL" in BY_KIND["ConfigMap"]["data"]
