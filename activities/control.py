@@ -74,6 +74,7 @@ def _reference(found: CommittedCheckpoint) -> CheckpointRef:
         step=found.step,
         generation=found.generation,
         tokens_seen=found.tokens_seen,
+        bytes=sum(entry.bytes for entry in found.manifest.files),
     )
 
 

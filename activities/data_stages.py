@@ -77,6 +77,8 @@ def dataset_ref(snapshot: Snapshot) -> DatasetRef:
         duplicates_removed=documents.exact_duplicates + documents.near_duplicates,
         filtered=documents.filtered,
         reused=snapshot.reused,
+        bytes=manifest.tokenizer.bytes
+        + sum(shard.bytes for split in manifest.splits.values() for shard in split.shards),
     )
 
 

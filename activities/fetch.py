@@ -17,6 +17,7 @@ from trainer.checkpoint_manifest import CheckpointManifest
 from trainer.local_copies import LocalCopies
 from trainer.manifest import read_manifest
 from workflows.contracts.cluster_models import MAX_ADVERTISED_CACHED
+from workflows.contracts.held_items import MAX_ADVERTISED_HELD, checkpoint_folder_item
 from workflows.contracts.models import CheckpointRef, CodeRef, DatasetRef
 
 log = logging.getLogger(__name__)
@@ -49,9 +50,19 @@ class NodeCache:
         return NodeCacheLease(self, self.budget.lease())
 
     def held_snapshots(self) -> list[str]:
-        """What this node advertises: the dataset snapshots it holds whole, the most recently
-        used first, at most MAX_ADVERTISED_CACHED of them."""
+        """The dataset snapshots it holds whole, the most recently used first, at most
+        MAX_ADVERTISED_CACHED of them (what agents before `held` advertised)."""
         return self.budget.held_snapshots()[:MAX_ADVERTISED_CACHED]
+
+    def held(self) -> dict[str, int]:
+        """What this node advertises (`NodeInfo.held`): the dataset snapshots and checkpoints it
+        holds whole, by id with their bytes, the most recently used first, at most
+        MAX_ADVERTISED_HELD of them."""
+        held: dict[str, int] = {}
+        for key, size in self.budget.held_whole()[:MAX_ADVERTISED_HELD]:
+            folder = key.removeprefix("checkpoints/")
+            held[checkpoint_folder_item(folder) if folder != key else key] = size
+        return held
 
     def dataset_manifest(self, dataset: DatasetRef) -> DatasetManifest:
         return load_manifest(self.store, dataset.manifest_key, dataset.manifest_sha256)
@@ -63,6 +74,20 @@ class NodeCache:
     def tokenizer(self, manifest: DatasetManifest) -> Path:
         with self.lease() as lease:
             return lease.tokenizer(manifest)
+
+    def warm(self, manifest_key: str, hot: list[str]) -> int:
+        """Fetch the checkpoint at `manifest_key` (verified) for runs to come, and keep the
+        checkpoints whose ids are in `hot` over the rest when room is made; its bytes."""
+        ref = CheckpointRef(manifest_key=manifest_key, step=0, generation=0, tokens_seen=0)
+        _folder, manifest = self.checkpoint(ref)
+        wanted = set(hot)
+        self.budget.keep_hot(
+            key for key, _ in self.budget.held_whole()
+            if key.startswith("checkpoints/")
+            and checkpoint_folder_item(key.removeprefix("checkpoints/")) in wanted
+        )  # fmt: skip
+        self.budget.save()
+        return sum(entry.bytes for entry in manifest.files)
 
     def checkpoint(self, ref: CheckpointRef) -> tuple[Path, CheckpointManifest]:
         with self.lease() as lease:

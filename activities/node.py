@@ -35,7 +35,7 @@ from trainer.manifest import read_manifest
 from trainer.model import laid_out_as
 from trainer.rank_logs import LogShipper, shipped_while_running
 from trainer.warm_launch import WarmLauncher
-from workflows.contracts.cluster_models import CheckpointCommitted
+from workflows.contracts.cluster_models import CheckpointCommitted, WarmInput
 from workflows.contracts.models import (
     CheckpointRef,
     HealthEvent,
@@ -66,7 +66,7 @@ class NodeActivities:
         self,
         settings: Settings,
         node_id: str,
-        on_cache_changed: Callable[[list[str]], Awaitable[None]] | None = None,
+        on_cache_changed: Callable[[dict[str, int]], Awaitable[None]] | None = None,
         fabric: Fabric = LOOPBACK,
         incarnation: str = "",
     ) -> None:
@@ -74,8 +74,8 @@ class NodeActivities:
         self.node_id = node_id
         self.incarnation = incarnation  # this agent process's, as it registered (NodeInfo)
         self.fabric = fabric  # the address this node advertises and its interface
-        # Called with the dataset snapshots this node holds (NodeCache.held_snapshots) after
-        # each job's fetch, which may have brought one in or evicted others.
+        # Called with what this node holds (NodeCache.held: datasets, checkpoints) after each
+        # job's fetch, which may have brought one in or evicted others.
         self.on_cache_changed = on_cache_changed
         self.store = settings.open_store()
         self.workdir = settings.home / "nodes" / node_id
@@ -117,7 +117,7 @@ class NodeActivities:
                 self._prepare_job(inp, cache), lambda: reporter.beat("fetching")
             )
         if self.on_cache_changed is not None:
-            await self.on_cache_changed(self.cache.held_snapshots())
+            await self.on_cache_changed(self.cache.held())
         rdzv = Rendezvous(
             endpoint=allocation.rdzv_endpoint,
             run_id=f"{inp.run_id}-g{generation}",
@@ -173,6 +173,19 @@ class NodeActivities:
         down: they stay spooled and the shipper sends them when it is back."""
         if self.shipper.running:
             await asyncio.to_thread(self.shipper.deliver, METRICS_DELIVERY_S)
+
+    @activity.defn(name="warm_cache")
+    async def warm_cache(self, inp: WarmInput) -> int:
+        """The hot pool: fetch a base model into this node's cache ahead of the fine-tunes
+        that will ask for it (workflows.scheduling.hot_pool), then say what the node holds."""
+        with domain_errors():
+            size = await _heartbeating(
+                asyncio.to_thread(self.cache.warm, inp.manifest_key, inp.hot),
+                lambda: activity.heartbeat("fetching"),
+            )
+        if self.on_cache_changed is not None:
+            await self.on_cache_changed(self.cache.held())
+        return size
 
     @activity.defn(name="node_alive")
     async def node_alive(self) -> str:

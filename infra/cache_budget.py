@@ -44,6 +44,10 @@ class Entry(BaseModel):
     # (wall-clock time can tie, or jump back); 0 for what was found on disk but not in the index.
     used: int = 0
     used_at: float = 0.0  # when, for people reading the index
+    # When it was brought in from outside (0: found on disk by an index that did not know it);
+    # a job that found it here leaves this as it was: a node that held what a run needed
+    # fetched nothing, which this records.
+    fetched_at: float = 0.0
 
 
 class HeldSnapshot(BaseModel):
@@ -57,6 +61,9 @@ class CacheIndex(BaseModel):
     counter: int = 0
     entries: dict[str, Entry] = {}
     snapshots: dict[str, HeldSnapshot] = {}
+    # Entries the cluster wants kept (its hot pool's base models): room is made from the others
+    # first, least recently used first, and only then from these.
+    hot: list[str] = []
 
 
 def default_budget(root: Path) -> int:
@@ -89,6 +96,37 @@ class CacheBudget:
         with self._lock:
             held = self._index.snapshots.items()
             return [s for s, _ in sorted(held, key=lambda item: (-item[1].used, item[0]))]
+
+    def held_whole(self) -> list[tuple[str, int]]:
+        """What a run could find here whole, most recently used first: each dataset snapshot
+        (by id, its blobs' bytes together) and each checkpoint (by its entry,
+        `checkpoints/<store folder>`)."""
+        with self._lock:
+            entries = self._index.entries
+            found = [
+                (snapshot, sum(entries[b].bytes for b in held.blobs), held.used)
+                for snapshot, held in self._index.snapshots.items()
+            ]
+            found += [
+                (rel, entry.bytes, entry.used)
+                for rel, entry in entries.items()
+                if rel.startswith("checkpoints/")
+            ]
+        return [(key, size) for key, size, _ in sorted(found, key=lambda f: (-f[2], f[0]))]
+
+    def keep_hot(self, rels: Iterable[str]) -> None:
+        """Mark exactly `rels` as hot (what was hot and is not named goes back to plain LRU)."""
+        with self._lock:
+            hot = sorted(set(rels) & self._index.entries.keys())
+            if hot != self._index.hot:
+                self._index.hot = hot
+                self._dirty = True
+
+    def entry(self, rel: str) -> Entry | None:
+        """What the index records of `rel` (a copy)."""
+        with self._lock:
+            found = self._index.entries.get(rel)
+            return None if found is None else found.model_copy()
 
     def hold_snapshot(self, snapshot_id: str, blobs: Iterable[str]) -> None:
         """Record that `blobs` (entries already in the cache) are `snapshot_id`'s files."""
@@ -154,9 +192,11 @@ class CacheBudget:
                     self._forget(rel)
                 else:
                     self._index.counter += 1
+                    now = time.time()
                     self._index.entries[rel] = Entry(
-                        bytes=size, used=self._index.counter, used_at=time.time()
-                    )
+                        bytes=size, used=self._index.counter, used_at=now,
+                        fetched_at=held.fetched_at if held else now,
+                    )  # fmt: skip
                     if size > expected_bytes:  # bigger than announced: room after the fact
                         over = not self._make_room(0, rel) or over
                 self._dirty = True
@@ -168,15 +208,17 @@ class CacheBudget:
         return sum(entry.bytes for entry in self._index.entries.values())
 
     def _make_room(self, needed: int, for_rel: str) -> bool:
-        """Evict, least recently used first, what no lease holds until `needed` more bytes
-        fit; whether they do."""
+        """Evict what no lease holds until `needed` more bytes fit: what is not hot first, then
+        what is, each least recently used first; whether they fit."""
         total = self._total()
         if total + needed <= self.budget_bytes:
             return True
-        by_age = sorted(
-            self._index.entries.items(), key=lambda item: (item[1].used, item[1].used_at, item[0])
+        hot = set(self._index.hot)
+        by_value = sorted(
+            self._index.entries.items(),
+            key=lambda item: (item[0] in hot, item[1].used, item[1].used_at, item[0]),
         )
-        for rel, entry in by_age:
+        for rel, entry in by_value:
             if total + needed <= self.budget_bytes:
                 return True
             if self._pins[rel] or rel == for_rel:
@@ -184,8 +226,8 @@ class CacheBudget:
             _remove(self.root, rel)
             self._forget(rel)
             total -= entry.bytes
-            log.info("cache %s: evicted %s (%d bytes, least recently used)", self.root, rel,
-                     entry.bytes)  # fmt: skip
+            log.info("cache %s: evicted %s (%d bytes, least recently used%s)", self.root, rel,
+                     entry.bytes, ", hot" if rel in hot else "")  # fmt: skip
         return total + needed <= self.budget_bytes
 
     def _say_over(self, needed: int, for_rel: str) -> None:
@@ -200,6 +242,8 @@ class CacheBudget:
 
     def _forget(self, rel: str) -> None:
         self._index.entries.pop(rel, None)
+        if rel in self._index.hot:
+            self._index.hot = [h for h in self._index.hot if h != rel]
         self._index.snapshots = {
             s: held for s, held in self._index.snapshots.items() if rel not in held.blobs
         }
@@ -220,13 +264,14 @@ class CacheBudget:
         entries: dict[str, Entry] = {}
         for rel, (size, mtime) in _scan(self.root).items():
             known = recorded.entries.get(rel)
-            entries[rel] = Entry(bytes=size, used=known.used, used_at=known.used_at) if known \
+            entries[rel] = known.model_copy(update={"bytes": size}) if known \
                 else Entry(bytes=size, used=0, used_at=mtime)  # fmt: skip
         snapshots = {
             s: held for s, held in recorded.snapshots.items() if set(held.blobs) <= entries.keys()
         }
         counter = max([recorded.counter, *(e.used for e in entries.values())])
-        index = CacheIndex(counter=counter, entries=entries, snapshots=snapshots)
+        hot = [rel for rel in recorded.hot if rel in entries]
+        index = CacheIndex(counter=counter, entries=entries, snapshots=snapshots, hot=hot)
         self._dirty = index != recorded
         return index
 

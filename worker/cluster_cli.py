@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Annotated
 
@@ -12,7 +13,7 @@ from pydantic import ValidationError
 from infra.toml_files import read_toml
 from worker.api_access import api_client, call
 from worker.cli_common import CliError, check_name, console, get_settings
-from worker.cluster_render import jobs_table, nodes_table, queues_table
+from worker.cluster_render import hot_pool_lines, jobs_table, nodes_table, queues_table
 from worker.specfile import explain_errors
 from workflows.contracts.cluster_models import ClusterConfig, ClusterState, Node
 
@@ -61,6 +62,8 @@ def queues(as_json: ClusterJson = False) -> None:
     console.print(
         f"cluster: {used}/{total} GPUs in use, {cost:,.2f} per hour at the configured rate"
     )
+    for line in hot_pool_lines(state, datetime.now(UTC)):
+        console.print(line)
 
 
 @commands.command()

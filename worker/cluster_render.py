@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+from datetime import UTC, datetime
+
 from rich.table import Table
 
 from workflows.contracts.cluster_models import ClusterState
+from workflows.scheduling import hot_pool
 from workflows.scheduling.quotas import borrowed, in_use
 from workflows.scheduling.topology import landed
 
 
-def nodes_table(state: ClusterState) -> Table:
+def nodes_table(state: ClusterState, now: datetime | None = None) -> Table:
     table = Table(title="nodes")
+    hot = set(hot_pool.targets(state, now or datetime.now(UTC))) if hot_pool.on(state) else set()
     # Where each node sits inside its pod, when the fabric is described at all.
     placed = bool(state.config.levels) or any(n.info.topology for n in state.nodes)
     for column in (
@@ -22,7 +26,7 @@ def nodes_table(state: ClusterState) -> Table:
         "GPUs used",
         "state",
         "jobs",
-        "cached",
+        "holds",
         "note",
     ):
         table.add_column(column)
@@ -36,7 +40,7 @@ def nodes_table(state: ClusterState) -> Table:
             f"{node.used}/{node.info.gpus}",
             node.state,
             ", ".join(f"{run} ({gpus})" for run, gpus in sorted(node.jobs.items())) or "-",
-            ", ".join(node.info.cached) or "-",
+            _holds(node.info.holdings, hot),
             _short(node.down_reason or ""),
         )
     return table
@@ -50,9 +54,44 @@ def _position(topology: dict[str, str], levels: list[str]) -> str:
     return "/".join(topology.get(level, "?") for level in levels)
 
 
+def _holds(held: dict[str, int], hot: set[str], shown: int = 3) -> str:
+    """What a node's cache holds whole, with sizes, the hot pool's models marked:
+    "ckpt-9c0d… (140 MB, hot), 4f2a…e1 (1.2 GB)"."""
+    items = []
+    for item, size in held.items():
+        notes = ([_size(size)] if size else []) + (["hot"] if item in hot else [])
+        items.append(f"{item} ({', '.join(notes)})" if notes else item)
+    more = f", +{len(items) - shown}" if len(items) > shown else ""
+    return ", ".join(items[:shown]) + more or "-"
+
+
+def _size(n: int) -> str:
+    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.3g} {unit}"
+    return f"{n} B"
+
+
 def _short(note: str, width: int = 60) -> str:
     """A node's note in one table line; the whole story is in the run's `forgeline status`."""
     return note if len(note) <= width else note[: width - 1] + "…"
+
+
+def hot_pool_lines(state: ClusterState, now: datetime) -> list[str]:
+    """What the hot pool holds where, against its targets, and the disk it takes."""
+    if not hot_pool.on(state):
+        return []
+    view = hot_pool.pool_view(state, now)
+    lines = [
+        f"hot pool: {view.nodes_holding} of {view.schedulable} nodes hold a hot base model "
+        f"(hot_fraction {state.config.hot_fraction:g}), {_size(view.bytes_held)} of node disk "
+        f"held for it, {view.warming} node(s) fetching now"
+    ]
+    lines += [
+        f"  {item}: on {holders} of {target} node(s), {_size(held)}"
+        for item, holders, target, held in view.models
+    ]
+    return lines
 
 
 def queues_table(state: ClusterState) -> Table:

@@ -122,7 +122,7 @@ async def run_node_agent(
     metrics = ProcessMetrics(settings.home, node_id)
     client = await reach_temporal(settings, metrics.runtime)
     # The list agents kept before the cache had a budget: it only grew, so it is not the truth
-    # (the cache's own index is, activities.fetch.NodeCache.held_snapshots).
+    # (the cache's own index is, activities.fetch.NodeCache.held).
     (node_dir / "cache" / "snapshots.json").unlink(missing_ok=True)
     # On the local stack any free port will do: the agents share one machine's ports.
     ports = ports or RendezvousPorts(free_port())
@@ -140,18 +140,18 @@ async def run_node_agent(
         incarnation=incarnation or uuid.uuid4().hex,
     )
 
-    async def on_cache_changed(held: list[str]) -> None:
-        # Tell the scheduler, which places runs of these snapshots here first, what the node
+    async def on_cache_changed(held: dict[str, int]) -> None:
+        # Tell the scheduler, which places runs where the least must be fetched, what the node
         # holds now: one fetched, or others evicted to make room. Only the set matters to it,
         # so a mere change of order costs no update.
         nonlocal info
-        if set(held) != set(info.cached):
-            info = info.model_copy(update={"cached": held})
+        if held.keys() != info.held.keys():
+            info = info.model_copy(update={"held": held})
             await join(client, node_dir, info, previous)
 
     node_health.repaired(node_dir)  # a new incarnation runs on a repaired node
     activities = NodeActivities(settings, node_id, on_cache_changed, fabric, info.incarnation)
-    info = info.model_copy(update={"cached": activities.cache.held_snapshots()})
+    info = info.model_copy(update={"held": activities.cache.held()})
     # No writer of this node's spool is alive yet: what a crashed predecessor left open is
     # sealed, so it is deleted once shipped. The shipper lives as long as the agent.
     seal_abandoned(activities.metrics_dir)
@@ -168,7 +168,12 @@ async def run_node_agent(
     worker = Worker(
         client,
         task_queue=node_task_queue(node_id),
-        activities=[activities.train_on_node, activities.stop_training, activities.node_alive],
+        activities=[
+            activities.train_on_node,
+            activities.stop_training,
+            activities.node_alive,
+            activities.warm_cache,
+        ],
         # Send every heartbeat within a second: progress shows live and cancellation
         # reaches the ranks fast (the default throttle is 0.8 × the heartbeat timeout).
         max_heartbeat_throttle_interval=timedelta(seconds=1),

@@ -16,7 +16,8 @@ import contextlib
 from datetime import datetime, timedelta
 
 from temporalio import workflow
-from temporalio.exceptions import ApplicationError
+from temporalio.common import RetryPolicy
+from temporalio.exceptions import ActivityError, ApplicationError
 
 with workflow.unsafe.imports_passed_through():
     from workflows.contracts.cluster_models import (
@@ -34,9 +35,11 @@ with workflow.unsafe.imports_passed_through():
         NodeHealthReport,
         NodeInfo,
         Release,
+        WarmInput,
     )
-    from workflows.contracts.names import GANG_GRANTED_SIGNAL
+    from workflows.contracts.names import GANG_GRANTED_SIGNAL, node_task_queue
     from workflows.scheduling import cluster_ops as ops
+    from workflows.scheduling import hot_pool
     from workflows.scheduling.cluster_ops import REVOKE_MARGIN
     from workflows.scheduling.policy_switches import Switches
 
@@ -50,6 +53,7 @@ class ClusterWorkflow:
         self._state = state or ClusterState()
         self._outbox: list[tuple[str, str, object]] = []  # (run id, signal, argument)
         self._dirty = True
+        self._warming: set[asyncio.Future[None]] = set()  # the hot pool's fetches in flight
 
     @workflow.run
     async def run(self, state: ClusterState | None = None) -> None:
@@ -61,6 +65,7 @@ class ClusterWorkflow:
                 )
             self._dirty = False
             self._pass(workflow.now())
+            self._warm_hot_models(workflow.now())
             while self._outbox:
                 run_id, signal, argument = self._outbox.pop(0)
                 await self._send(run_id, signal, argument)
@@ -69,6 +74,8 @@ class ClusterWorkflow:
                 # The next run starts bounded even from a state this one inherited unbounded:
                 # nothing of this run reads the state after its last command.
                 ops.bound_cached(self._state)
+                # Fetches in flight are this run's activities: the next plans them again.
+                self._state.warming = {}
                 workflow.continue_as_new(self._state)
 
     def _should_continue_as_new(self) -> bool:
@@ -155,6 +162,8 @@ class ClusterWorkflow:
             # none, and replay under the policy they were recorded with.
             if request.started_before and workflow.patched("requeue-deadline"):
                 request = request.model_copy(update={"waiting_since": workflow.now()})
+            # Counted with the pool off too: turned on, it starts from what is asked for.
+            hot_pool.record_demand(self._state, request, workflow.now())
             self._state.queue.append(request)
             self._dirty = True
 
@@ -277,6 +286,39 @@ class ClusterWorkflow:
             # Its generation is retired, so anything it still sends is ignored.
             workflow.logger.warning("revoked %s: grace period over", allocation.run_id)
         self._outbox.extend(messages)
+
+    def _warm_hot_models(self, now: datetime) -> None:
+        """Tell idle nodes to fetch the hot base models short of holders (`hot_pool`). Each
+        fetch runs on its node as an activity the loop does not wait for; the node says what it
+        holds when done (it joins again), and a fetch that fails is planned again later."""
+        # Patched: a pass of a history from before the pool starts no activity.
+        if not hot_pool.on(self._state) or not workflow.patched("hot-pool"):
+            return
+        plan = hot_pool.warm_plan(self._state, now)
+        hot = sorted(hot_pool.targets(self._state, now))
+        for warm in plan:
+            workflow.logger.info("warming %s on %s", warm.item, warm.node_id)
+            fetch = asyncio.ensure_future(self._warm(warm, hot))
+            self._warming.add(fetch)  # held until done: a task nothing refers to may vanish
+            fetch.add_done_callback(self._warming.discard)
+
+    async def _warm(self, warm: hot_pool.Warm, hot: list[str]) -> None:
+        try:
+            await workflow.execute_activity(
+                "warm_cache",
+                WarmInput(manifest_key=warm.manifest_key, hot=hot),
+                task_queue=node_task_queue(warm.node_id),
+                start_to_close_timeout=hot_pool.WARM_TIMEOUT,
+                heartbeat_timeout=timedelta(minutes=2),
+                retry_policy=RetryPolicy(maximum_attempts=1),
+            )
+        except ActivityError as err:
+            workflow.logger.warning("warming %s on %s failed: %s", warm.item, warm.node_id, err)
+        finally:
+            held = self._state.warming.get(warm.node_id)
+            if held is not None and held.item == warm.item:
+                del self._state.warming[warm.node_id]
+            self._dirty = True
 
     async def _send(self, run_id: str, signal: str, argument: object) -> None:
         try:

@@ -19,6 +19,8 @@ def gang_request(
     recovering: bool,
     submitted_at: datetime,
     started_before: bool = False,
+    needs: dict[str, int] | None = None,
+    base_model: str | None = None,
 ) -> GangRequest:
     resources = spec.resources
     return GangRequest(
@@ -31,6 +33,8 @@ def gang_request(
         preemptible=resources.preemptible,
         max_runtime_s=resources.max_runtime_h * 3600 if resources.max_runtime_h else None,
         cache_items=[snapshot_id] if snapshot_id else [],
+        needs=needs or {},
+        base_model=base_model,
         allow_multi_pod=resources.allow_multi_pod,
         topology=resources.topology,
         topology_wait_s=(

@@ -30,6 +30,7 @@ with workflow.unsafe.imports_passed_through():
         PreemptNotice,
         Release,
     )
+    from workflows.contracts.held_items import checkpoint_item
     from workflows.contracts.models import (
         AttemptCause,
         AttemptLedger,
@@ -330,7 +331,20 @@ class TrainingRun:
             recovering=self._after in (AttemptCause.FAILURE, AttemptCause.SWAP, AttemptCause.GROW),
             submitted_at=self._submitted_at,
             started_before=bool(self._status.gang_attempts),
+            needs=self._needs(),
+            base_model=self._status.init_from.manifest_key if self._status.init_from else None,
         )
+
+    def _needs(self) -> dict[str, int]:
+        """What each node of the gang will fetch, by id with bytes: the dataset, and the base
+        model until the run has a checkpoint of its own (it resumes from that instead)."""
+        needs: dict[str, int] = {}
+        if (dataset := self._status.dataset) is not None:
+            needs[dataset.snapshot_id] = dataset.bytes
+        base = self._status.init_from
+        if base is not None and self._status.last_checkpoint is None:
+            needs[checkpoint_item(base.manifest_key)] = base.bytes
+        return needs
 
     async def _acquire_gang(self) -> Allocation:
         self._grant = None

@@ -24,6 +24,7 @@ from infra.settings import SettingsError, load_settings
 from infra.store.local import LocalStore
 from tests.conftest import SHAKESPEARE
 from trainer.checkpoint_manifest import MANIFEST_FORMAT
+from workflows.contracts.held_items import checkpoint_item
 from workflows.contracts.models import CheckpointRef
 
 
@@ -208,3 +209,50 @@ def _put_checkpoint(store: LocalStore, folder: str, size: int) -> _Checkpoint:
     store.put_bytes(manifest_key, json.dumps(manifest).encode())
     ref = CheckpointRef(manifest_key=manifest_key, step=10, generation=1, tokens_seen=0)
     return _Checkpoint(ref, len(data))
+
+
+def test_what_a_node_advertises_with_sizes_and_its_record_of_fetches(
+    datasets: Datasets, tmp_path: Path
+) -> None:
+    """`held()` lists datasets and checkpoints by the ids runs ask with, with their bytes, the
+    most recently used first; a checkpoint found in the cache is not fetched again, and its
+    entry says when it was fetched (unchanged) and when it was used (later)."""
+    store, (a, _b, _c) = datasets
+    base = _put_checkpoint(store, "runs/base/checkpoints/step-10", 50_000)
+    cache = NodeCache(tmp_path / "cache", store, budget_bytes=10 * a.bytes)
+    cache.split(a.manifest, "train")
+    cache.checkpoint(base.ref)
+    item = checkpoint_item(base.ref.manifest_key)
+    assert cache.held() == {item: base.size, a.snapshot_id: a.bytes}
+    rel = "checkpoints/runs/base/checkpoints/step-10"
+    first = cache.budget.entry(rel)
+    assert first is not None and first.fetched_at > 0
+
+    again = NodeCache(tmp_path / "cache", store, budget_bytes=10 * a.bytes)  # a new agent
+    again.split(a.manifest, "train")  # the dataset, used last
+    assert list(again.held()) == [a.snapshot_id, item]
+    again.checkpoint(base.ref)
+    second = again.budget.entry(rel)
+    assert second is not None and second.fetched_at == first.fetched_at
+    assert second.used > first.used
+
+
+@pytest.mark.parametrize("hot", [True, False])
+def test_a_hot_base_model_is_evicted_after_what_is_not_hot(
+    datasets: Datasets, tmp_path: Path, hot: bool
+) -> None:
+    """The hot pool's model, warmed first (so used longest ago), stays when room is made for
+    a dataset; the dataset used since goes instead. Not hot, it goes first, as LRU says."""
+    store, (a, _b, c) = datasets
+    base = _put_checkpoint(store, "runs/base/checkpoints/step-10", 50_000)
+    item = checkpoint_item(base.ref.manifest_key)
+    cache = NodeCache(tmp_path / "cache", store, budget_bytes=base.size + a.bytes + c.bytes - 1)
+    assert cache.warm(base.ref.manifest_key, [item] if hot else []) == base.size
+    cache.split(a.manifest, "train")
+    cache.split(c.manifest, "train")  # over budget: one of base and A leaves
+    held = cache.held()
+    assert c.snapshot_id in held
+    if hot:
+        assert item in held and a.snapshot_id not in held
+    else:
+        assert item not in held and a.snapshot_id in held

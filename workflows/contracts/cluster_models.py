@@ -20,6 +20,7 @@ from pydantic import (
     model_validator,
 )
 
+from workflows.contracts.held_items import MAX_ADVERTISED_HELD
 from workflows.contracts.spec import NAME_PATTERN
 
 Name = Annotated[str, StringConstraints(pattern=NAME_PATTERN)]
@@ -59,6 +60,12 @@ class NodeInfo(BaseModel):
         f"(the Cluster workflow keeps at most {MAX_ADVERTISED_CACHED})",
     )
     memory_bytes: int = Field(default=0, ge=0, description="per GPU (0: not reported)")
+    held: dict[str, int] = Field(
+        default={},
+        description="what the node's cache holds whole, by id (dataset snapshots, checkpoints: "
+        "workflows.contracts.held_items) with its bytes, most recently used first (the Cluster "
+        f"workflow keeps at most {MAX_ADVERTISED_HELD}); agents before it sent only `cached`",
+    )
     topology: dict[Name, Name] = Field(
         default={},
         description="where the node sits inside its pod, by the cluster's levels: level -> "
@@ -66,6 +73,11 @@ class NodeInfo(BaseModel):
     )
     # What MFU divides by when the spec names no peak: the data sheet's, or measured at start.
     peak_flops: float = Field(default=0.0, ge=0, description="per GPU / rank slot (0: unknown)")
+
+    @property
+    def holdings(self) -> dict[str, int]:
+        """What the node holds, by id, with bytes (0: not said, from an agent before `held`)."""
+        return self.held or dict.fromkeys(self.cached, 0)
 
 
 class JoinRequest(BaseModel):
@@ -199,6 +211,16 @@ class ClusterConfig(BaseModel):
         "equal priority gangs still on its reserved nodes then are preempted",
     )
 
+    # The hot pool (workflows.scheduling.hot_pool): a share of the nodes keeps the most
+    # requested base models on local disk, fetched ahead of the fine-tunes that will need them.
+    hot_fraction: float = Field(
+        0.0, ge=0, le=1, description="share of the nodes that hold a hot base model (0: no pool)"
+    )
+    hot_models: int = Field(4, ge=1, le=16, description="the most base models kept hot")
+    hot_half_life_h: float = Field(
+        24.0, gt=0, description="a base model's requests count half after this long"
+    )
+
     @model_validator(mode="after")
     def _levels_are_distinct(self) -> ClusterConfig:
         for level in self.levels:
@@ -276,6 +298,16 @@ class GangRequest(BaseModel):
     preemptible: bool = True
     max_runtime_s: float | None = None  # None: the cluster's default_max_runtime_h
     cache_items: list[str] = []  # prefer nodes that hold these (dataset snapshots)
+    needs: dict[str, int] = Field(
+        default={},
+        description="what every node of the gang reads, by id (workflows.contracts.held_items) "
+        "with its bytes: placement goes where the least must be fetched",
+    )
+    base_model: str | None = Field(
+        None,
+        description="a fine-tune's base: the manifest key of the checkpoint it starts from (its "
+        "id and bytes are in `needs`); the hot pool counts the requests for each",
+    )
     allow_multi_pod: bool = True
     # All of the gang inside one unit of this level ("pod" or one of ClusterConfig.levels)...
     topology: str | None = None
@@ -444,6 +476,30 @@ class Waiting(BaseModel):
     reason: str
 
 
+class ModelDemand(BaseModel):
+    """How much a base model is asked for: requests, halving every `hot_half_life_h`."""
+
+    manifest_key: str
+    bytes: int = 0
+    weight: float = 0.0
+    at: datetime  # when `weight` was last brought up to date
+
+
+class Warming(BaseModel):
+    """A node told to fetch a hot base model into its cache, ahead of demand."""
+
+    item: str
+    until: datetime  # given up (and planned again) if the node has not said it holds it by then
+
+
+class WarmInput(BaseModel):
+    """The `warm_cache` activity on one node: fetch this checkpoint into the node's cache and
+    keep it (and the other hot models it holds) over what is not hot when room is made."""
+
+    manifest_key: str
+    hot: list[str] = Field(description="the ids of every hot base model (held_items)")
+
+
 class ClusterState(BaseModel):
     config: ClusterConfig = ClusterConfig()
     nodes: list[Node] = []
@@ -461,6 +517,8 @@ class ClusterState(BaseModel):
     # The fleet's failure record, for the runs' checkpoint intervals (checkpoint_every = auto).
     node_seconds: float = 0.0  # healthy node time observed so far
     fail_stops: int = 0  # nodes that died under a gang
+    demand: dict[str, ModelDemand] = {}  # base model id -> its requests (the hot pool)
+    warming: dict[str, Warming] = {}  # node id -> what it was told to fetch
     # node id -> node, rebuilt when `nodes` is replaced or grows (nodes are never removed):
     # never serialised, so a continued-as-new or replayed state rebuilds its own.
     _by_id: dict[str, Node] = PrivateAttr(default_factory=dict)

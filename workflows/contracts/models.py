@@ -69,6 +69,7 @@ class DatasetRef(BaseModel):
     duplicates_removed: int
     filtered: int = 0
     reused: bool = False
+    bytes: int = 0  # every shard and the tokenizer: what a node fetches (0: not known)
 
 
 class DatasetPlanRef(BaseModel):
@@ -110,6 +111,7 @@ class CheckpointRef(BaseModel):
     # and `fallback` is the store checkpoint to resume from if the new gang lacks some.
     tier: str = "store"
     fallback: CheckpointRef | None = None
+    bytes: int = 0  # its files together, as its manifest lists them (0: not known)
 
 
 class InitFromInput(BaseModel):

@@ -17,6 +17,7 @@ from workflows.contracts.cluster_models import (
     NodeInfo,
     PreemptNotice,
 )
+from workflows.contracts.held_items import MAX_ADVERTISED_HELD
 from workflows.contracts.names import GANG_GRANTED_SIGNAL, PREEMPT_SIGNAL
 from workflows.scheduling.elastic import claim_holders
 from workflows.scheduling.policy_switches import TODAY, Switches
@@ -34,17 +35,19 @@ def node(state: ClusterState, node_id: str) -> Node | None:
 
 
 def bounded(info: NodeInfo) -> NodeInfo:
-    """`info` with at most MAX_ADVERTISED_CACHED snapshots, the first (agents list the most
-    recently used first): an old agent's or a hostile one's list cannot grow the state."""
-    if len(info.cached) <= MAX_ADVERTISED_CACHED:
+    """`info` with at most MAX_ADVERTISED_CACHED snapshots and MAX_ADVERTISED_HELD held
+    entries, the first (agents list the most recently used first): an old agent's or a hostile
+    one's list cannot grow the state."""
+    if len(info.cached) <= MAX_ADVERTISED_CACHED and len(info.held) <= MAX_ADVERTISED_HELD:
         return info
-    return info.model_copy(update={"cached": info.cached[:MAX_ADVERTISED_CACHED]})
+    held = dict(list(info.held.items())[:MAX_ADVERTISED_HELD])
+    return info.model_copy(update={"cached": info.cached[:MAX_ADVERTISED_CACHED], "held": held})
 
 
 def as_granted(info: NodeInfo) -> NodeInfo:
     """A node as a gang carries it: where it is and its GPUs, not what it caches (nothing
     reads that of an allocation, which travels to the run and into every node's input)."""
-    return info.model_copy(update={"cached": []}) if info.cached else info
+    return info.model_copy(update={"cached": [], "held": {}}) if info.cached or info.held else info
 
 
 def bound_cached(state: ClusterState) -> None:

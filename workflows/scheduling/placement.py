@@ -18,6 +18,7 @@ from collections import defaultdict
 from collections.abc import Iterable
 
 from workflows.contracts.cluster_models import GangRequest, NodeInfo
+from workflows.contracts.held_items import bytes_to_fetch
 from workflows.scheduling.topology import Path, choose, depth_of, path
 
 _PREFERENCE_SCAN = 64  # how deep a bucket is searched for a node holding the run's data
@@ -139,45 +140,66 @@ def _types(capacity: Capacity, wanted: str | None) -> list[str]:
     return sorted(types) if wanted is None else [wanted] if wanted in types else []
 
 
-def _preferred(ids: Iterable[str], capacity: Capacity, cached: set[str]) -> list[str]:
-    """Nodes holding the run's data first, then by id (replays choose the same nodes)."""
-    ordered = sorted(ids)
-    if not cached:
-        return ordered
-    return sorted(ordered, key=lambda i: not cached & set(capacity.info[i].cached))
+class _Fetch:
+    """What a node would have to fetch for a request: the bytes of what the run reads
+    (`GangRequest.needs`) that the node does not hold. A request from before `needs` names only
+    its dataset (`cache_items`), which then costs 1 where it is missing: the tie-break it was."""
+
+    def __init__(self, request: GangRequest, capacity: Capacity) -> None:
+        self.needs = request.needs or dict.fromkeys(request.cache_items, 0)
+        self.by_bytes = bool(request.needs)  # placement goes by bytes first, not by packing
+        self.capacity = capacity
+
+    def __call__(self, node_id: str) -> int:
+        if not self.needs:
+            return 0
+        return bytes_to_fetch(self.needs, self.capacity.info[node_id].holdings)
+
+    def order(self, ids: Iterable[str]) -> list[str]:
+        """The nodes that fetch least first, then by id (replays choose the same nodes)."""
+        ordered = sorted(ids)
+        return sorted(ordered, key=self) if self.needs else ordered
+
+    def least(self, ids: set[str], count: int) -> int:
+        """The bytes the `count` nodes of `ids` that fetch least would fetch together."""
+        return sum(sorted(map(self, ids))[:count]) if self.needs else 0
 
 
 def place(request: GangRequest, capacity: Capacity) -> list[str] | None:
     """Node ids for the whole gang, or None: never part of one."""
-    cached = set(request.cache_items)
+    fetch = _Fetch(request, capacity)
     if request.nodes == 1:
-        return _best_fit(request, capacity, cached)
+        return _best_fit(request, capacity, fetch)
     for gpu_type in _types(capacity, request.gpu_type):
-        chosen = _whole_nodes(request, capacity, gpu_type, cached)
+        chosen = _whole_nodes(request, capacity, gpu_type, fetch)
         if chosen is not None:
             return chosen
     return None
 
 
-def _best_fit(request: GangRequest, capacity: Capacity, cached: set[str]) -> list[str] | None:
-    best: tuple[int, bool, str] | None = None
+def _best_fit(request: GangRequest, capacity: Capacity, fetch: _Fetch) -> list[str] | None:
+    """The node with the fewest free GPUs that holds the job, the one holding its data among
+    those. A request that says what it reads in bytes goes where the least must be fetched
+    first (a base model's copy costs minutes at every start), then by the fewest free GPUs."""
+    best: tuple[int, int, str] | None = None
     for gpu_type in _types(capacity, request.gpu_type):
         for free in range(request.gpus_per_node, capacity.largest[gpu_type] + 1):
             bucket = capacity.by_free.get((gpu_type, free))
             if not bucket:
                 continue
-            candidates = sorted(bucket)[:_PREFERENCE_SCAN] if cached else [min(bucket)]
+            candidates = sorted(bucket)[:_PREFERENCE_SCAN] if fetch.needs else [min(bucket)]
             for node_id in candidates:
-                miss = not (cached & set(capacity.info[node_id].cached))
-                key = (free, miss, node_id)
+                cost = fetch(node_id)
+                key = (cost, free, node_id) if fetch.by_bytes else (free, cost, node_id)
                 if best is None or key < best:
                     best = key
-            break  # the smallest fitting free count of this type is found
+            if not fetch.by_bytes:
+                break  # the smallest fitting free count of this type is found
     return None if best is None else [best[2]]
 
 
 def _whole_nodes(
-    request: GangRequest, capacity: Capacity, gpu_type: str, cached: set[str]
+    request: GangRequest, capacity: Capacity, gpu_type: str, fetch: _Fetch
 ) -> list[str] | None:
     """Whole idle nodes; of the smallest size that holds `gpus_per_node` first, since a gang
     books its nodes whole and GPUs it does not use are lost to everyone else."""
@@ -192,14 +214,14 @@ def _whole_nodes(
         exact = {
             pod: {i for i in ids if capacity.info[i].gpus == size} for pod, ids in pods.items()
         }
-        chosen = _in_pods(request, capacity, {p: ids for p, ids in exact.items() if ids}, cached)
+        chosen = _in_pods(request, capacity, {p: ids for p, ids in exact.items() if ids}, fetch)
         if chosen is not None:
             return chosen
-    return _in_pods(request, capacity, pods, cached) if len(sizes) > 1 else None
+    return _in_pods(request, capacity, pods, fetch) if len(sizes) > 1 else None
 
 
 def _in_pods(
-    request: GangRequest, capacity: Capacity, pods: dict[str, set[str]], cached: set[str]
+    request: GangRequest, capacity: Capacity, pods: dict[str, set[str]], fetch: _Fetch
 ) -> list[str] | None:
     levels = capacity.levels
     by_path: dict[Path, set[str]] = {}
@@ -217,7 +239,8 @@ def _in_pods(
     return choose(
         by_path,
         request.nodes,
-        lambda ids: _preferred(ids, capacity, cached),
+        fetch.order,
         required_depth=required,
         across_pods=request.allow_multi_pod,
+        fetched=fetch.least if fetch.by_bytes else None,
     )

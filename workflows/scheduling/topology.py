@@ -24,6 +24,7 @@ from workflows.contracts.cluster_models import GangRequest, NodeInfo
 
 Path = tuple[str, ...]  # (pod, unit at each level, widest first)
 Order = Callable[[set[str]], list[str]]  # the nodes of one unit, the ones to take first first
+Fetched = Callable[[set[str], int], int]  # bytes the best `count` nodes of a set would fetch
 
 
 def path(info: NodeInfo, levels: tuple[str, ...]) -> Path:
@@ -71,9 +72,12 @@ def choose(
     order: Order,
     required_depth: int | None = None,
     across_pods: bool = True,
+    fetched: Fetched | None = None,
 ) -> list[str] | None:
     """`count` of the nodes in `by_path` as the module says, or None. `required_depth`: the
-    gang must fit one unit of that depth (0: a pod)."""
+    gang must fit one unit of that depth (0: a pod). `fetched`: between the units of the
+    lowest level that hold the gang, the one where its nodes fetch the fewest bytes wins
+    (then the smallest): topology first, then what must be copied."""
     if sum(len(ids) for ids in by_path.values()) < count:
         return None
     depth = len(next(iter(by_path)))
@@ -81,9 +85,13 @@ def choose(
         if required_depth is not None and k < required_depth:
             return None
         units = _units(by_path, k)
-        fitting = [(len(ids), prefix) for prefix, ids in units.items() if len(ids) >= count]
+        fitting = [
+            (fetched(ids, count) if fetched else 0, len(ids), prefix)
+            for prefix, ids in units.items()
+            if len(ids) >= count
+        ]
         if fitting:
-            _, prefix = min(fitting)  # the smallest that holds it; by name between equals
+            *_, prefix = min(fitting)  # the smallest that holds it; by name between equals
             inside = {p: ids for p, ids in by_path.items() if p[: k + 1] == prefix}
             return _fewest(inside, count, k + 1, order)
     if required_depth is not None or not across_pods:
