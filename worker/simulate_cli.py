@@ -24,6 +24,7 @@ from rich.table import Table
 from infra.capacity_plan import daly_interval_s
 from infra.extras import require_extra
 from infra.toml_files import read_toml
+from worker import simulate_hot_pool as hot_pool
 from worker.cli_common import CliError, console
 from workflows.scheduling.fleet.config import Recovery, SimConfig
 from workflows.scheduling.fleet.report import Report, compare, recovery_steps, run
@@ -218,6 +219,12 @@ def simulate(
         bool,
         typer.Option("--recovery", help="recovery as it was, then each gain of the stack"),
     ] = False,
+    compare_hot_pool: Annotated[
+        bool,
+        typer.Option(
+            "--hot-pool", help="fine-tunes: placement blind to base models, by bytes, + hot pool"
+        ),
+    ] = False,
     out: Annotated[Path, typer.Option(help="where the PNG goes")] = DEFAULT_OUT,
 ) -> None:
     """Simulate the datacenter through the real scheduling policy: utilisation, goodput, waits."""
@@ -230,9 +237,14 @@ def simulate(
         settings = SimConfig.model_validate(settings.model_dump() | updates)
     except ValidationError as err:
         raise CliError(f"--days/--seed: {err.errors()[0]['msg']}") from err
-    if compare_policies and compare_recovery:
-        raise CliError("--compare and --recovery: choose one comparison")
+    if compare_policies + compare_recovery + compare_hot_pool > 1:
+        raise CliError("--compare, --recovery and --hot-pool: choose one comparison")
     started = time.perf_counter()
+    if compare_hot_pool:
+        steps = hot_pool.run_steps(settings)
+        console.print(hot_pool.table(steps))
+        console.print(f"{len(steps)} placements in {time.perf_counter() - started:.1f} s")
+        return
     if compare_recovery:
         steps = _run_steps(settings)
         console.print(_recovery_comparison(steps, settings.recovery))

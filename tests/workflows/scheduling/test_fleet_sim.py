@@ -290,6 +290,9 @@ def test_cli_report_and_compare(cli: typer.Typer, tmp_path: Path) -> None:
     done = runner.invoke(cli, ["simulate", "--config", str(path), "--recovery"])
     assert done.exit_code == 0, done.output
     assert "+ peer tier (the model)" in done.output and "elastic" in done.output
+    done = runner.invoke(cli, ["simulate", "--config", str(path), "--hot-pool"])
+    assert done.exit_code == 0, done.output
+    assert "by bytes to fetch" in done.output and "copied ahead of demand" in done.output
     done = runner.invoke(cli, ["simulate", "--config", str(path), "--recovery", "--compare"])
     assert done.exit_code != 0 and "choose one" in str(done.exception)
     bad = tmp_path / "bad.toml"

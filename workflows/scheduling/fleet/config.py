@@ -247,6 +247,41 @@ def _queues() -> list[QueueConfig]:
     ]
 
 
+class BaseModels(_Strict):
+    """Fine-tunes from base models in the store, and the hot pool that keeps those models on
+    nodes (`workflows.scheduling.hot_pool`). No fine-tunes by default: the workload of every
+    other report stays as it was; `forgeline simulate --hot-pool` compares the pool off and on
+    with `COMPARED_SHARE` of the small jobs fine-tunes if this says none."""
+
+    fine_tune_share: float = Field(
+        0.0, ge=0, le=1, description="of the jobs of up to max_gpus GPUs: fine-tunes"
+    )
+    max_gpus: int = Field(32, ge=1, description="fine-tunes are jobs of at most this many GPUs")
+    models: int = Field(24, ge=1, le=1000, description="distinct base models")
+    popularity: float = Field(1.1, gt=0, description="Zipf exponent: model k is used ∝ 1/k^s")
+    # Assumed: weights in bf16 for 8 B and 70 B parameter models, seven small ones in ten.
+    sizes_gb: list[float] = Field([16.0, 140.0], min_length=1)
+    size_weights: list[float] = Field([0.7, 0.3], min_length=1)
+    # Assumed: a node's share of the store's bandwidth, 10 Gbit/s.
+    fetch_gb_per_s: float = Field(1.25, gt=0)
+    node_cache_gb: float = Field(1_000.0, gt=0, description="of base models, per node")
+    hot_fraction: float = Field(0.0, ge=0, le=1, description="the pool's share of nodes; 0: off")
+    hot_models: int = Field(4, ge=1, le=16)
+    # False: requests do not say what they read, as before placement counted bytes to fetch
+    # (a fine-tune then lands wherever packing puts it).
+    place_by_bytes: bool = True
+
+    @model_validator(mode="after")
+    def _weights_match(self) -> BaseModels:
+        if len(self.size_weights) != len(self.sizes_gb):
+            raise ValueError("base_models: size_weights needs one weight per sizes_gb entry")
+        return self
+
+
+COMPARED_SHARE = 0.5  # of the small jobs, when `--hot-pool` compares and the config has none
+COMPARED_HOT_FRACTION = 0.25  # the pool's share of nodes, when the config has none
+
+
 class SimConfig(_Strict):
     days: float = Field(21.0, gt=0)
     warmup_days: float = Field(2.0, ge=0, description="not measured: the cluster fills up")
@@ -261,6 +296,7 @@ class SimConfig(_Strict):
     fleet: Fleet = Fleet()
     failures: Failures = Failures()
     recovery: Recovery = Recovery()
+    base_models: BaseModels = BaseModels()
     checkpoint_interval_s: float = Field(
         1_800.0, gt=0, description="used when no interval rule (Young/Daly) is passed in"
     )
@@ -294,6 +330,8 @@ class SimConfig(_Strict):
             aging_s=fleet.aging_s,
             fair_share_half_life_h=fleet.fair_share_half_life_h,
             reclaim_after_s=fleet.reclaim_after_s,
+            hot_fraction=self.base_models.hot_fraction,
+            hot_models=self.base_models.hot_models,
         )
 
     @property

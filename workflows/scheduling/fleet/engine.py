@@ -28,10 +28,12 @@ from workflows.contracts.cluster_models import (
 )
 from workflows.contracts.names import GANG_GRANTED_SIGNAL, PREEMPT_SIGNAL
 from workflows.scheduling import cluster_ops as ops
+from workflows.scheduling import hot_pool
+from workflows.scheduling.fleet.base_models import FetchLedger, NodeCaches, manifest_key
 from workflows.scheduling.fleet.config import POLICIES, SimConfig
 from workflows.scheduling.fleet.idle import IdleLedger
 from workflows.scheduling.fleet.progress import Attempt, IntervalRule, SavePlan, save_plan
-from workflows.scheduling.fleet.workload import DAY, Job, Outage
+from workflows.scheduling.fleet.workload import DAY, Job, Outage, base_sizes_gb
 from workflows.scheduling.scheduler import schedule
 
 START = datetime(2026, 1, 5, tzinfo=UTC)  # a Monday; only differences matter
@@ -118,6 +120,7 @@ class Outcome:
     still_waiting: list[str] = field(default_factory=list)
     idle: IdleLedger = field(default_factory=lambda: IdleLedger(0.0))
     preemption_cost: PreemptionCost = field(default_factory=PreemptionCost)
+    fetches: FetchLedger | None = None  # with fine-tunes in the workload
 
 
 class Simulation:
@@ -150,6 +153,11 @@ class Simulation:
         self.recovering: set[str] = set()  # failed, asking again: a spare may serve them
         self.failing: set[tuple[str, int]] = set()  # (run, generation): dead node not noticed
         self.growing: set[str] = set()  # shrunk gangs that stopped to have their full size back
+        # Base models on the nodes, when the workload has fine-tunes.
+        self.caches: NodeCaches | None = None
+        if any(job.base is not None for job in jobs):
+            self.caches = NodeCaches(self.nodes, config.base_models, base_sizes_gb(config))
+            self.out.fetches = self.caches.ledger
         self.now_s = 0.0
         self.dirty = False
         self._events: list[tuple[float, int, str, object]] = []
@@ -230,6 +238,12 @@ class Simulation:
             node = self.nodes[payload]  # type: ignore[index]
             node.health, node.down_reason = Health.HEALTHY, None
             self.dirty = True
+        elif kind == "warmed":  # a node told to fetch a hot base model holds it
+            index, item = payload  # type: ignore[misc]
+            assert self.caches is not None
+            self.state.warming.pop(self.nodes[index].info.node_id, None)
+            self.caches.warmed(index, item, self._hot())
+            self.dirty = True
 
     # --- the runs' side ----------------------------------------------------------------------
 
@@ -243,22 +257,29 @@ class Simulation:
             record.requeued_s = at
         expected = attempt.end - attempt.granted
         elastic = self.config.recovery.min_nodes
-        self.state.queue.append(
-            GangRequest(
-                run_id=job.run_id,
-                nodes=nodes,
-                gpus_per_node=per_node,
-                team=job.team,
-                priority=job.priority,
-                max_runtime_s=expected * self.config.runtime_estimate,
-                recovery=recovery,
-                min_nodes=math.ceil(nodes * elastic) if nodes > 1 and elastic < 1 else None,
-                submitted_at=self._at(job.submit_s),
-                started_before=requeued,
-                # As the Cluster workflow's enqueue sets it.
-                waiting_since=self._at(at) if requeued and self.policy.requeue_deadline else None,
-            )
+        base: dict[str, object] = {}
+        if self.caches is not None and job.base is not None and record.kept_s == 0:
+            # Until it has a checkpoint of its own, a fine-tune reads its base model.
+            base = {"base_model": manifest_key(job.base)}
+            if self.config.base_models.place_by_bytes:
+                base["needs"] = self.caches.need(job.base)
+        request = GangRequest(
+            run_id=job.run_id,
+            nodes=nodes,
+            gpus_per_node=per_node,
+            team=job.team,
+            priority=job.priority,
+            max_runtime_s=expected * self.config.runtime_estimate,
+            recovery=recovery,
+            min_nodes=math.ceil(nodes * elastic) if nodes > 1 and elastic < 1 else None,
+            submitted_at=self._at(job.submit_s),
+            started_before=requeued,
+            # As the Cluster workflow's enqueue sets it.
+            waiting_since=self._at(at) if requeued and self.policy.requeue_deadline else None,
+            **base,
         )
+        self.state.queue.append(request)
+        hot_pool.record_demand(self.state, request, self._at(at))  # as the Cluster's enqueue
         self.out.max_queue = max(self.out.max_queue, len(self.state.queue))
         self.dirty = True
 
@@ -267,7 +288,13 @@ class Simulation:
         return (1, gpus) if gpus <= per_node else (-(-gpus // per_node), per_node)
 
     def _attempt(
-        self, record: JobRecord, granted: float, *, warm: bool = False, rate: float = 1.0
+        self,
+        record: JobRecord,
+        granted: float,
+        *,
+        warm: bool = False,
+        rate: float = 1.0,
+        fetch_s: float = 0.0,
     ) -> Attempt:
         job = record.job
         if record.plan is None:
@@ -277,6 +304,7 @@ class Simulation:
             record.plan = save_plan(job.save_s, mtbf_s, self.config.recovery, rule)
         # A recovering gang's agents have the run's interpreter, data and code ready.
         restart = job.restart_s * (self.config.recovery.warm_restart if warm else 1.0)
+        restart += fetch_s  # the base model's copy, where a node of the gang lacked it
         return Attempt(granted, restart, record.plan, job.work_s - record.kept_s, rate)
 
     def _end(
@@ -368,6 +396,26 @@ class Simulation:
             elif signal == PREEMPT_SIGNAL:
                 self._preempted(run_id)
         self.out.idle.after_pass(state, self.now_s)
+        if self.caches is not None:
+            self._warm()
+
+    def _hot(self) -> set[str]:
+        return set(hot_pool.targets(self.state, self._at(self.now_s)))
+
+    def _warm(self) -> None:
+        """As the Cluster workflow after its pass: idle nodes fetch hot base models."""
+        assert self.caches is not None
+        self.caches.sample(self.now_s, self._hot(), self.config.warmup_days * DAY)
+        if not hot_pool.on(self.state):
+            return
+        for warm in hot_pool.warm_plan(self.state, self._at(self.now_s)):
+            index = self.by_id[warm.node_id]
+            size = self.caches.sizes_gb[self.caches.model_of[warm.item]]
+            self._push(
+                self.now_s + size / self.config.base_models.fetch_gb_per_s,
+                "warmed",
+                (index, warm.item),
+            )
 
     def _note_checkpoints(self) -> None:
         """The runs' `checkpoint_committed` signals: preemption prefers the freshest saves."""
@@ -402,13 +450,29 @@ class Simulation:
             record.first_grant_s = self.now_s
         warm = recovery or allocation.run_id in self.growing
         self.growing.discard(allocation.run_id)
-        attempt = self._attempt(record, self.now_s, warm=warm, rate=rate)
+        fetch_s = self._fetch_base(record, allocation)
+        attempt = self._attempt(record, self.now_s, warm=warm, rate=rate, fetch_s=fetch_s)
         if record.restart_owed_by_yielder is not None:
             restart_gpu_s = record.job.gpus * rate * attempt.restart
             self.out.preemption_cost.add(record.restart_owed_by_yielder, restart_gpu_s)
             record.restart_owed_by_yielder = None
         self.attempts[allocation.run_id] = (attempt, allocation.generation)
         self._push(attempt.end, "end", (allocation.run_id, allocation.generation))
+
+    def _fetch_base(self, record: JobRecord, allocation: Allocation) -> float:
+        """A fine-tune without a checkpoint of its own waits for its base model on every node
+        of its gang; then they hold it."""
+        model = record.job.base
+        if self.caches is None or model is None or record.kept_s > 0:
+            return 0.0
+        indices = [self.by_id[n.node_id] for n in allocation.nodes]
+        fetch_s = self.caches.fetch_s(indices, model)
+        ledger = self.caches.ledger
+        (ledger.start_fetch_s if record.attempts == 1 else ledger.restart_fetch_s).append(fetch_s)
+        hot = self._hot()
+        for index in indices:
+            self.caches.hold(index, model, hot)
+        return fetch_s
 
     def _preempted(self, run_id: str) -> None:
         attempt, generation = self.attempts[run_id]

@@ -13,7 +13,15 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from workflows.scheduling.fleet.config import BEFORE, PolicyName, Recovery, SimConfig
+from workflows.scheduling.fleet.base_models import FetchFigures
+from workflows.scheduling.fleet.config import (
+    BEFORE,
+    COMPARED_HOT_FRACTION,
+    COMPARED_SHARE,
+    PolicyName,
+    Recovery,
+    SimConfig,
+)
 from workflows.scheduling.fleet.engine import JobRecord, Outcome, simulate
 from workflows.scheduling.fleet.progress import IntervalRule
 from workflows.scheduling.fleet.workload import DAY, jobs, outages
@@ -80,6 +88,7 @@ class Report:
     idle: dict[str, float]
     hourly_allocation: list[float] = field(repr=False)
     hourly_useful: list[float] = field(repr=False)
+    fetches: FetchFigures | None = None  # with fine-tunes in the workload
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -133,6 +142,7 @@ def report(outcome: Outcome) -> Report:
         big_runs=[_big(r, end_s) for r in big],
         hourly_allocation=list(map(_ratio, trace.allocated, trace.healthy)),
         hourly_useful=list(map(_ratio, trace.useful, trace.healthy)),
+        fetches=FetchFigures.of(outcome.fetches, percentile) if outcome.fetches else None,
     )
 
 
@@ -196,6 +206,23 @@ def _big(record: JobRecord, end_s: float) -> BigRun:
 def run(config: SimConfig, interval: IntervalRule | None = None) -> Report:
     """Draw the workload and failures from the config's seed, simulate, report."""
     return report(simulate(config, jobs(config), outages(config), interval))
+
+
+def hot_pool_steps(config: SimConfig) -> list[SimConfig]:
+    """The same fine-tune workload three ways (`--hot-pool`): placement blind to base models
+    (as before it counted bytes to fetch), placement by bytes to fetch, and with the hot pool."""
+    bases = config.base_models
+    share = bases.fine_tune_share or COMPARED_SHARE
+    on = bases.hot_fraction or COMPARED_HOT_FRACTION
+    steps = [(False, 0.0), (True, 0.0), (True, on)]
+    return [
+        config.model_copy(
+            update={"base_models": bases.model_copy(update={
+                "fine_tune_share": share, "place_by_bytes": by_bytes, "hot_fraction": fraction,
+            })}
+        )
+        for by_bytes, fraction in steps
+    ]  # fmt: skip
 
 
 def compare(config: SimConfig, interval: IntervalRule | None = None) -> list[Report]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from workflows.scheduling.fleet.config import JobClass, SimConfig
 
@@ -30,6 +30,7 @@ class Job:
     priority: int
     save_s: float
     restart_s: float
+    base: int | None = None  # a fine-tune: the base model it starts from (an index)
 
 
 @dataclass(frozen=True)
@@ -63,7 +64,31 @@ def jobs(config: SimConfig) -> list[Job]:
                 break
             drawn.append(_job(job_class, rng, by_team, t, count))
             count += 1
-    return sorted(drawn, key=lambda j: (j.submit_s, j.run_id))
+    return _with_bases(config, sorted(drawn, key=lambda j: (j.submit_s, j.run_id)))
+
+
+def _with_bases(config: SimConfig, drawn: list[Job]) -> list[Job]:
+    """Make `fine_tune_share` of the small jobs fine-tunes, of base models drawn by a Zipf law
+    (a stream of its own: the other draws stay as they were)."""
+    bases = config.base_models
+    if bases.fine_tune_share == 0:
+        return drawn
+    rng = random.Random(f"{config.seed}/bases")
+    weights = [1 / (k + 1) ** bases.popularity for k in range(bases.models)]
+    models = range(bases.models)
+    return [
+        replace(job, base=rng.choices(models, weights)[0])
+        if job.gpus <= bases.max_gpus and rng.random() < bases.fine_tune_share
+        else job
+        for job in drawn
+    ]
+
+
+def base_sizes_gb(config: SimConfig) -> list[float]:
+    """Each base model's size, drawn once from the seed."""
+    bases = config.base_models
+    rng = random.Random(f"{config.seed}/base-sizes")
+    return [rng.choices(bases.sizes_gb, bases.size_weights)[0] for _ in range(bases.models)]
 
 
 def _job(
