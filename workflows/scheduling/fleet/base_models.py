@@ -11,9 +11,11 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from datetime import datetime
 
-from workflows.contracts.cluster_models import Node
+from workflows.contracts.cluster_models import Allocation, ClusterState, Node
 from workflows.contracts.held_items import checkpoint_item
+from workflows.scheduling import hot_pool
 from workflows.scheduling.fleet.config import BaseModels
 
 GB = 1e9
@@ -44,12 +46,56 @@ class NodeCaches:
         self.items = [checkpoint_item(manifest_key(m)) for m in range(len(sizes_gb))]
         self.model_of = {item: m for m, item in enumerate(self.items)}
         self.held: list[OrderedDict[int, None]] = [OrderedDict() for _ in nodes]
+        self.index_of = {n.info.node_id: i for i, n in enumerate(nodes)}
         self.ledger = FetchLedger()
         self._sampled_at = 0.0
 
-    def need(self, model: int) -> dict[str, int]:
-        """A request's `needs` for a fine-tune of `model`."""
-        return {self.items[model]: int(self.sizes_gb[model] * GB)}
+    # --- what the engine asks -------------------------------------------------------------
+
+    def request_fields(self, model: int, kept_s: float) -> dict[str, object]:
+        """A fine-tune's request fields: until it has a checkpoint of its own it reads its base
+        model (and says so in bytes, unless the placement compared is blind to it)."""
+        if kept_s > 0:
+            return {}
+        fields: dict[str, object] = {"base_model": manifest_key(model)}
+        if self.config.place_by_bytes:
+            fields["needs"] = {self.items[model]: int(self.sizes_gb[model] * GB)}
+        return fields
+
+    def gang_granted(
+        self, state: ClusterState, now: datetime, model: int, allocation: Allocation, attempt: int
+    ) -> float:
+        """Seconds the gang waits for `model` on its slowest node (attempt 1: its start); then
+        every node of it holds the model."""
+        indices = [self.index_of[n.node_id] for n in allocation.nodes]
+        fetch_s = self.fetch_s(indices, model)
+        (self.ledger.start_fetch_s if attempt == 1 else self.ledger.restart_fetch_s).append(fetch_s)
+        hot = _hot(state, now)
+        for index in indices:
+            self.hold(index, model, hot)
+        return fetch_s
+
+    def after_pass(
+        self, state: ClusterState, now_s: float, now: datetime, warmup_s: float
+    ) -> list[tuple[float, int, str]]:
+        """What the pool holds is sampled; the nodes it tells to warm, as (when each holds
+        the model, node index, model id)."""
+        self.sample(now_s, _hot(state, now), warmup_s)
+        if not hot_pool.on(state):
+            return []
+        return [
+            (now_s + self.sizes_gb[self.model_of[w.item]] / self.config.fetch_gb_per_s,
+             self.index_of[w.node_id], w.item)
+            for w in hot_pool.warm_plan(state, now)
+        ]  # fmt: skip
+
+    def warmed(self, state: ClusterState, index: int, item: str, now: datetime) -> None:
+        """A node told to warm holds the model now (and is warming no more)."""
+        state.warming.pop(self.nodes[index].info.node_id, None)
+        self.ledger.warmed_gb += self.sizes_gb[self.model_of[item]]
+        self.hold(index, self.model_of[item], _hot(state, now))
+
+    # --- the caches -----------------------------------------------------------------------
 
     def fetch_s(self, indices: list[int], model: int) -> float:
         """Seconds until every node of a gang holds `model`: the slowest's copy."""
@@ -71,11 +117,6 @@ class NodeCaches:
             self.items[m]: int(self.sizes_gb[m] * GB) for m in reversed(cache)
         }
 
-    def warmed(self, index: int, item: str, hot: set[str]) -> None:
-        model = self.model_of[item]
-        self.ledger.warmed_gb += self.sizes_gb[model]
-        self.hold(index, model, hot)
-
     def sample(self, now_s: float, hot: set[str], from_s: float) -> None:
         """Integrate what the hot models take on the nodes up to `now_s` (after `from_s`)."""
         span = now_s - max(self._sampled_at, from_s)
@@ -91,6 +132,10 @@ class NodeCaches:
         self.ledger.hot_gb_s += gb * span
         self.ledger.hot_nodes_s += nodes * span
         self.ledger.measured_s += span
+
+
+def _hot(state: ClusterState, now: datetime) -> set[str]:
+    return set(hot_pool.targets(state, now))
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,7 @@ from workflows.contracts.cluster_models import (
 from workflows.contracts.names import GANG_GRANTED_SIGNAL, PREEMPT_SIGNAL
 from workflows.scheduling import cluster_ops as ops
 from workflows.scheduling import hot_pool
-from workflows.scheduling.fleet.base_models import FetchLedger, NodeCaches, manifest_key
+from workflows.scheduling.fleet.base_models import FetchLedger, NodeCaches
 from workflows.scheduling.fleet.config import POLICIES, SimConfig
 from workflows.scheduling.fleet.idle import IdleLedger
 from workflows.scheduling.fleet.progress import Attempt, IntervalRule, SavePlan, save_plan
@@ -241,8 +241,7 @@ class Simulation:
         elif kind == "warmed":  # a node told to fetch a hot base model holds it
             index, item = payload  # type: ignore[misc]
             assert self.caches is not None
-            self.state.warming.pop(self.nodes[index].info.node_id, None)
-            self.caches.warmed(index, item, self._hot())
+            self.caches.warmed(self.state, index, item, self._at(self.now_s))
             self.dirty = True
 
     # --- the runs' side ----------------------------------------------------------------------
@@ -257,12 +256,9 @@ class Simulation:
             record.requeued_s = at
         expected = attempt.end - attempt.granted
         elastic = self.config.recovery.min_nodes
-        base: dict[str, object] = {}
-        if self.caches is not None and job.base is not None and record.kept_s == 0:
-            # Until it has a checkpoint of its own, a fine-tune reads its base model.
-            base = {"base_model": manifest_key(job.base)}
-            if self.config.base_models.place_by_bytes:
-                base["needs"] = self.caches.need(job.base)
+        base = {}
+        if self.caches is not None and job.base is not None:
+            base = self.caches.request_fields(job.base, record.kept_s)
         request = GangRequest(
             run_id=job.run_id,
             nodes=nodes,
@@ -396,26 +392,10 @@ class Simulation:
             elif signal == PREEMPT_SIGNAL:
                 self._preempted(run_id)
         self.out.idle.after_pass(state, self.now_s)
-        if self.caches is not None:
-            self._warm()
-
-    def _hot(self) -> set[str]:
-        return set(hot_pool.targets(self.state, self._at(self.now_s)))
-
-    def _warm(self) -> None:
-        """As the Cluster workflow after its pass: idle nodes fetch hot base models."""
-        assert self.caches is not None
-        self.caches.sample(self.now_s, self._hot(), self.config.warmup_days * DAY)
-        if not hot_pool.on(self.state):
-            return
-        for warm in hot_pool.warm_plan(self.state, self._at(self.now_s)):
-            index = self.by_id[warm.node_id]
-            size = self.caches.sizes_gb[self.caches.model_of[warm.item]]
-            self._push(
-                self.now_s + size / self.config.base_models.fetch_gb_per_s,
-                "warmed",
-                (index, warm.item),
-            )
+        if self.caches is not None:  # as the Cluster workflow after its pass: warming
+            warmup_s = self.config.warmup_days * DAY
+            for done_s, index, item in self.caches.after_pass(state, self.now_s, now, warmup_s):
+                self._push(done_s, "warmed", (index, item))
 
     def _note_checkpoints(self) -> None:
         """The runs' `checkpoint_committed` signals: preemption prefers the freshest saves."""
@@ -450,7 +430,12 @@ class Simulation:
             record.first_grant_s = self.now_s
         warm = recovery or allocation.run_id in self.growing
         self.growing.discard(allocation.run_id)
-        fetch_s = self._fetch_base(record, allocation)
+        fetch_s = 0.0
+        if self.caches is not None and record.job.base is not None and record.kept_s == 0:
+            # A fine-tune without a checkpoint of its own waits for its base model.
+            fetch_s = self.caches.gang_granted(
+                self.state, self._at(self.now_s), record.job.base, allocation, record.attempts
+            )
         attempt = self._attempt(record, self.now_s, warm=warm, rate=rate, fetch_s=fetch_s)
         if record.restart_owed_by_yielder is not None:
             restart_gpu_s = record.job.gpus * rate * attempt.restart
@@ -458,21 +443,6 @@ class Simulation:
             record.restart_owed_by_yielder = None
         self.attempts[allocation.run_id] = (attempt, allocation.generation)
         self._push(attempt.end, "end", (allocation.run_id, allocation.generation))
-
-    def _fetch_base(self, record: JobRecord, allocation: Allocation) -> float:
-        """A fine-tune without a checkpoint of its own waits for its base model on every node
-        of its gang; then they hold it."""
-        model = record.job.base
-        if self.caches is None or model is None or record.kept_s > 0:
-            return 0.0
-        indices = [self.by_id[n.node_id] for n in allocation.nodes]
-        fetch_s = self.caches.fetch_s(indices, model)
-        ledger = self.caches.ledger
-        (ledger.start_fetch_s if record.attempts == 1 else ledger.restart_fetch_s).append(fetch_s)
-        hot = self._hot()
-        for index in indices:
-            self.caches.hold(index, model, hot)
-        return fetch_s
 
     def _preempted(self, run_id: str) -> None:
         attempt, generation = self.attempts[run_id]
