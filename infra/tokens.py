@@ -21,6 +21,7 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from infra.digest import sha256_bytes
+from infra.durable import replace_durably
 from infra.identity import Identity, canonical_person, canonical_role
 
 TOKENS_FILE = "tokens.json"
@@ -148,14 +149,13 @@ class TokenStore:
 
 
 def write_private(path: Path, data: bytes) -> None:
-    """Replace `path` whole or not at all (fsynced), readable by its owner only."""
+    """Replace `path` whole or not at all, readable by its owner only, and durably: a revoked
+    token must stay revoked after a power cut, so the rename is synced into its folder too."""
     tmp = path.with_name(f".{path.name}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "wb") as out:
         out.write(data)
-        out.flush()
-        os.fsync(out.fileno())
-    tmp.replace(path)
+    replace_durably(tmp, path)
 
 
 LOCAL_TOKEN_FILE = "token"

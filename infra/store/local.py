@@ -21,6 +21,7 @@ import tempfile
 from pathlib import Path
 
 from infra.digest import sha256_file
+from infra.durable import fsync_path, replace_durably
 from infra.errors import ObjectNotFound
 from infra.store.protocol import TMP_PREFIX, validate_key
 
@@ -57,30 +58,30 @@ class LocalStore:
             folder = folder.parent
         for new in reversed(missing):
             new.mkdir(exist_ok=True)
-            _fsync(new.parent)
+            fsync_path(new.parent)
 
     def put_bytes(self, key: str, data: bytes) -> None:
         tmp = self._staged(key)
         tmp.write_bytes(data)
-        _replace_durably(tmp, self._path(key))
+        replace_durably(tmp, self._path(key))
 
     def put_file(self, key: str, path: Path) -> None:
         tmp = self._staged(key)
         shutil.copyfile(path, tmp)
-        _replace_durably(tmp, self._path(key))
+        replace_durably(tmp, self._path(key))
 
     def put_if_absent(self, key: str, data: bytes) -> bool:
         """Write `data` under `key` only if nothing is there; True when this call created it."""
         tmp, final = self._staged(key), self._path(key)
         try:
             tmp.write_bytes(data)
-            _fsync(tmp)  # the link must never name data that a crash could still take back
+            fsync_path(tmp)  # the link must never name data that a crash could still take back
             os.link(tmp, final)
         except FileExistsError:
             return False
         finally:
             tmp.unlink(missing_ok=True)
-        _fsync(final.parent)  # the commit counts from here: its name is on the disk
+        fsync_path(final.parent)  # the commit counts from here: its name is on the disk
         return True
 
     def get_bytes(self, key: str) -> bytes:
@@ -134,19 +135,3 @@ class LocalStore:
 
     def reachable(self) -> bool:
         return self.root.is_dir()  # a folder: there, or its disk is gone
-
-
-def _fsync(path: Path) -> None:
-    """Flush a file's data, or a folder's entries, from the page cache to the disk."""
-    fd = os.open(path, os.O_RDONLY)  # read-only suffices: fsync flushes the inode, not the fd
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _replace_durably(tmp: Path, final: Path) -> None:
-    """Rename a written temporary file into place: data first, then the name, both durable."""
-    _fsync(tmp)
-    os.replace(tmp, final)
-    _fsync(final.parent)

@@ -24,6 +24,7 @@ from infra.tokens import (
     caller_token,
     ensure_local_admin,
 )
+from tests.infra.store.test_local_durability import strace
 from workflows.contracts.names import NAME_PATTERN
 
 
@@ -102,3 +103,27 @@ def test_the_local_user_gets_one_admin_token(tmp_path: Path) -> None:
     TokenStore(tmp_path).revoke(first.token_id)
     again = ensure_local_admin(tmp_path, "alice")  # a revoked one is replaced
     assert again.token_id != first.token_id and len(TokenStore(tmp_path).records()) == 2
+
+
+REVOKE = """
+import sys
+from pathlib import Path
+from infra.tokens import TokenStore
+TokenStore(Path(sys.argv[1])).revoke(sys.argv[2])
+"""
+
+
+def test_a_revocation_is_on_the_disk_before_it_returns(tmp_path: Path) -> None:
+    """Traced with strace: the new tokens file's data is fsynced before its rename and the
+    folder after it. Before, the folder was never synced: after a power cut the old file, with
+    the token still active, could come back."""
+    home = tmp_path / "state"
+    _, record = TokenStore(home).create("bob", ["operate"], created_by="root")
+    calls = strace(REVOKE, home, Path(record.id), log=tmp_path / "revoke.strace")
+    final = home.resolve() / TOKENS_FILE
+    (rename,) = [i for i, c in enumerate(calls) if c.name == "rename" and c.paths[-1] == final]
+    synced = {c.paths for c in calls[:rename] if c.name in ("fsync", "fdatasync")}
+    assert (calls[rename].paths[0],) in synced, "the data was not fsynced before the rename"
+    after = [c.paths for c in calls[rename + 1 :] if c.name in ("fsync", "fdatasync")]
+    assert (final.parent,) in after, "the folder was not fsynced after the rename"
+    assert TokenStore(home).records()[0].revoked_at is not None
