@@ -51,6 +51,7 @@ from worker.api_rules import (
     refuse_another_team_s_model,
     require,
 )
+from worker.api_team_rights import refuse_what_the_team_may_not
 from worker.cli_common import CliError, get_client
 from worker.fleet_metrics import exposition, twin_status
 from worker.fleet_view import fleet_view
@@ -245,6 +246,7 @@ def make_app(settings: Settings) -> FastAPI:
             await refuse_what_the_cluster_lacks(client, spec)
         except ClusterLacks as err:
             raise ApiError(422, "invalid_spec", str(err), field=err.field) from None
+        await refuse_what_the_team_may_not(client, spec, who)
         await refuse_another_team_s_model(settings, spec)
         digest = spec_sha256(spec)
         if idempotency_key is not None:

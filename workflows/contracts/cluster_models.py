@@ -149,6 +149,15 @@ class QueueConfig(BaseModel):
     parent: Name | None = None
     guaranteed_gpus: int = Field(0, ge=0)
     max_gpus: int | None = Field(None, ge=0, description="None: no ceiling but the cluster")
+    # Priority is the scheduler's first sort key across every team: without an allowance any
+    # submitter could jump every queue. The API refuses a run above it unless an admin submits.
+    max_priority: int = Field(
+        0,
+        ge=0,
+        le=100,
+        description="the highest resources.priority this team's runs may ask for (an admin "
+        "may submit above it)",
+    )
 
     @model_validator(mode="after")
     def _guarantee_fits_ceiling(self) -> QueueConfig:
