@@ -18,7 +18,10 @@ SERVABLE_TAG = "forgeline.servable"
 DECISION_TAG = "forgeline.decision"
 # On a registered model: the team whose runs registered it first, and only they since.
 TEAM_TAG = "forgeline.team"
-# On a version: JSON {path in the version's model folder: sha256} of every file Forgeline put
-# there (weights, tokenizer, config), taken as they were registered. `serve` and `generate`
-# check the files they load against it: a version whose files changed since is not served.
+# On a version: JSON {path in the version's model folder: sha256} of the files Forgeline put
+# there (weights, tokenizer, config), taken as they were registered. All that versions from
+# before MODEL_FILES_TAG carry: `serve` and `generate` check those three and say the rest is not.
 ARTIFACTS_TAG = "forgeline.artifacts_sha256"
+# On a version: the sha256 of its run's model_files.json, the record of every file of its model
+# folder (registry.model_files): `serve` and `generate` load a folder only when it matches whole.
+MODEL_FILES_TAG = "forgeline.model_files_sha256"

@@ -12,7 +12,7 @@ import shutil
 import tempfile
 import time
 import warnings
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -21,12 +21,15 @@ from typing import TYPE_CHECKING, Any
 import mlflow
 from mlflow.data.dataset_source_registry import resolve_dataset_source
 from mlflow.data.meta_dataset import MetaDataset
-from mlflow.entities import Metric, Param, RunTag
+from mlflow.entities import FileInfo, Metric, Param, RunTag
 from mlflow.entities.model_registry import ModelVersion
+from mlflow.store.artifact.artifact_repo import ArtifactRepository
+from mlflow.store.artifact.artifact_repository_registry import get_artifact_repository
 from mlflow.tracking import MlflowClient
 
-from infra.digest import sha256_file
+from infra.digest import sha256_bytes, sha256_file
 from registry.errors import ModelOfAnotherTeam, VersionNotFound
+from registry.model_files import MODEL_FILES_ARTIFACT, ModelFile, ModelFiles
 from registry.names import (
     ARTIFACTS_TAG,
     CANDIDATE,
@@ -34,6 +37,7 @@ from registry.names import (
     DECISION_TAG,
     EXPERIMENT,
     IDEMPOTENCY_TAG,
+    MODEL_FILES_TAG,
     PRODUCTION,
     TEAM_TAG,
 )
@@ -160,6 +164,7 @@ def register(tracking_uri: str, reg: Registration) -> RegisteredVersion:
             for path in reg.artifacts.values():
                 mlflow.log_artifact(path, artifact_path="model")
             source, model_id = f"{run.info.artifact_uri}/model", None
+            location = source
         else:
             with tempfile.TemporaryDirectory(prefix="forgeline-code-") as code:
                 shipped = stage_modules(reg.code_modules, Path(code)) + list(reg.code_files)
@@ -173,6 +178,13 @@ def register(tracking_uri: str, reg: Registration) -> RegisteredVersion:
                     pip_requirements=reg.pip_requirements,
                 )
             source, model_id = info.model_uri, info.model_id
+            location = client.get_logged_model(model_id).artifact_location
+        # Every file of the folder, its code and MLmodel too, recorded before the version
+        # exists: a version is never without its record.
+        files = record_model_files(location, artifact_paths(reg))
+        record = files.dump_bytes()
+        mlflow.log_text(record.decode(), MODEL_FILES_ARTIFACT)
+    recorded = files.by_path()
     version = client.create_model_version(
         name=model_name,
         source=source,
@@ -181,19 +193,48 @@ def register(tracking_uri: str, reg: Registration) -> RegisteredVersion:
         tags={
             **reg.version_tags,
             IDEMPOTENCY_TAG: reg.idempotency_key,
-            ARTIFACTS_TAG: json.dumps(artifact_digests(reg), sort_keys=True),
+            # Still written: a build from before the full record checks these three files.
+            ARTIFACTS_TAG: json.dumps(
+                {path: recorded[path].sha256 for path in artifact_paths(reg)}, sort_keys=True
+            ),
+            MODEL_FILES_TAG: sha256_bytes(record),
         },
     )
     client.set_registered_model_alias(reg.model_name, CANDIDATE, version.version)
     return RegisteredVersion(reg.model_name, version.version, run_id)
 
 
-def artifact_digests(reg: Registration) -> dict[str, str]:
-    """Where each artifact lands in the version's model folder, and its sha256: a pyfunc
+def artifact_paths(reg: Registration) -> dict[str, Path]:
+    """Where each artifact lands in the version's model folder, and its file here: a pyfunc
     model keeps them under artifacts/, a weights-only version at the folder's top."""
     folder = "artifacts/" if reg.python_model is not None else ""
     files = [Path(path) for path in reg.artifacts.values()]
-    return {f"{folder}{path.name}": sha256_file(path) for path in files}
+    return {f"{folder}{path.name}": path for path in files}
+
+
+def record_model_files(location: str, uploaded: Mapping[str, Path]) -> ModelFiles:
+    """Every file the model folder at `location` holds as stored, with its size and sha256.
+    The weights were hashed here rather than fetched back (`uploaded`: the same bytes, unless
+    the store holds another size); everything MLflow wrote (MLmodel, code, requirements) is
+    fetched and hashed, as it is small."""
+    repo = get_artifact_repository(location)
+    files = []
+    with tempfile.TemporaryDirectory(prefix="forgeline-record-") as scratch:
+        for entry in _every_file(repo, ""):
+            local = uploaded.get(entry.path)
+            if local is None or local.stat().st_size != entry.file_size:
+                local = Path(repo.download_artifacts(entry.path, scratch))
+            size = local.stat().st_size
+            files.append(ModelFile(path=entry.path, bytes=size, sha256=sha256_file(local)))
+    return ModelFiles(files=files)
+
+
+def _every_file(repo: ArtifactRepository, path: str) -> Iterator[FileInfo]:
+    for entry in repo.list_artifacts(path):
+        if entry.is_dir:
+            yield from _every_file(repo, entry.path)
+        else:
+            yield entry
 
 
 def stage_modules(modules: Iterable[str], dest: Path) -> list[str]:

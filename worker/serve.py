@@ -30,7 +30,7 @@ from infra.extras import require_extra
 from infra.processes import ManagedProcess, free_port, http_ok, port_is_open
 from registry.names import DECISION_TAG, PRODUCTION, SERVABLE_TAG
 from worker.cli_common import check_name
-from worker.verified_model import UnverifiedModel, fetch_verified
+from worker.verified_model import UnverifiedModel, VerifiedFolder, fetch_verified
 
 # MLflow's own rule for aliases (letters, digits, `_`, `-`); checked here so a typo is refused
 # before it becomes part of a models:/ URI.
@@ -214,8 +214,11 @@ def start_server(
     # One folder (and log, and pid file) per port: two servers of one model may run side by side.
     process = ManagedProcess(home, f"serve-{ref.name}-{port}")
     scratch = home / "serving" / process.name
-    folder = _verified_folder(tracking_uri, ref, version, scratch)
-    say(f"starting the model server for {ref} (version {version}, files verified) from {folder}")
+    verified = _verified_folder(tracking_uri, ref, version, scratch)
+    folder = verified.path
+    say(
+        f"starting the model server for {ref} (version {version}, {verified.summary}) from {folder}"
+    )
     bin_dir = Path(sys.executable).parent
     argv = [
         str(bin_dir / "mlflow"),
@@ -276,7 +279,12 @@ def curl_example(url: str, prompt: str = "ROMEO:", max_new_tokens: int = 100) ->
 
 
 def generate_local(
-    tracking_uri: str, ref: ModelRef, prompt: str, max_new_tokens: int, seed: int
+    tracking_uri: str,
+    ref: ModelRef,
+    prompt: str,
+    max_new_tokens: int,
+    seed: int,
+    say: Callable[[str], None] = lambda _: None,
 ) -> str:
     """Load the registered model into this process and continue `prompt`.
 
@@ -294,13 +302,15 @@ def generate_local(
     importlib.import_module("trainer")
     version = check_registered(tracking_uri, ref)
     with tempfile.TemporaryDirectory(prefix="forgeline-generate-") as scratch:
-        folder = _verified_folder(tracking_uri, ref, version, Path(scratch))
-        model = mlflow.pyfunc.load_model(str(folder))
+        verified = _verified_folder(tracking_uri, ref, version, Path(scratch))
+        if verified.unchecked:  # said before its code runs, not only after
+            say(f"{ref} (version {version}): {verified.summary}")
+        model = mlflow.pyfunc.load_model(str(verified.path))
         (text,) = model.predict([prompt], params={"max_new_tokens": max_new_tokens, "seed": seed})
     return text
 
 
-def _verified_folder(tracking_uri: str, ref: ModelRef, version: str, dest: Path) -> Path:
+def _verified_folder(tracking_uri: str, ref: ModelRef, version: str, dest: Path) -> VerifiedFolder:
     shutil.rmtree(dest, ignore_errors=True)  # a folder a stopped server left: fetched afresh
     dest.mkdir(parents=True)
     try:

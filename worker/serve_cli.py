@@ -3,6 +3,7 @@ answering prompts (worker.serve does the work)."""
 
 from __future__ import annotations
 
+import functools
 import signal
 from typing import Annotated
 
@@ -87,7 +88,10 @@ def generate(
         if url:
             text = generate_remote(url, prompt, max_new_tokens, seed)
         else:
-            text = generate_local(get_settings().mlflow_uri, ref, prompt, max_new_tokens, seed)
+            uri = get_settings().mlflow_uri
+            # Notes go to stderr: stdout is the model's text and nothing else.
+            say = functools.partial(typer.echo, err=True)
+            text = generate_local(uri, ref, prompt, max_new_tokens, seed, say=say)
     except ServeError as err:
         raise _serve_failed(err) from None
     typer.echo(text)  # exactly the model's text: no markup, emoji codes or wrapping

@@ -23,12 +23,14 @@ from tokenizers import Tokenizer
 from typer.testing import CliRunner
 
 from infra.processes import free_port, port_is_open
-from registry.names import ARTIFACTS_TAG, EXPERIMENT, PRODUCTION
+from registry.model_files import files_in
+from registry.names import ARTIFACTS_TAG, EXPERIMENT, MODEL_FILES_TAG, PRODUCTION
 from registry.tracking import record_decision, register
 from tests.registry import test_tracking
 from worker.cli import app
 from worker.cli_common import CliError
 from worker.serve import ModelRef, ServeError, check_registered, generate_local, parse_ref
+from worker.verified_model import fetch_verified
 
 REPO = Path(__file__).resolve().parents[2]
 MODEL = "tiny-lm"  # the name `registration()` registers under
@@ -218,11 +220,69 @@ def test_a_version_whose_files_changed_after_registration_is_not_loaded(
     )
     assert "is not the file it was registered with" in str(served.exception), served.output
     assert not list((tmp_path / "run").glob("*.pid"))  # refused before a server started
-    # A record of the digests that was removed, or edited into nonsense, is refused too.
+    # A version from before the record of every file has only the three digests: a record of
+    # them that was removed, or edited into nonsense, is refused too.
+    client.delete_model_version_tag(MODEL, changed.version, MODEL_FILES_TAG)
     for tag in ("", "[1, 2]", '{"../../etc/passwd": "0"}'):
         client.set_model_version_tag(MODEL, changed.version, ARTIFACTS_TAG, tag)
         with pytest.raises(ServeError, match="carries no valid record of its files' digests"):
             generate_local(registry.tracking_uri, ref, PROMPT, NEW_TOKENS, SEED)
+
+
+def test_a_version_whose_serving_code_changed_after_registration_is_not_loaded(
+    registry: Registry, artifacts: dict[str, str], tmp_path: Path
+) -> None:
+    """Registration records every file of the model folder, not only the weights: the serving
+    code swapped in the artifact store, a module planted beside it, or the requirements
+    removed, and `generate` and `serve` refuse it, naming the file."""
+    swapped = register(registry.tracking_uri, test_tracking.registration(artifacts, "swapped"))
+    client = MlflowClient(tracking_uri=registry.tracking_uri, registry_uri=registry.tracking_uri)
+    folder = _stored_folder(client, swapped.version)
+    ref = parse_ref(f"{MODEL}/{swapped.version}")
+    verified = fetch_verified(registry.tracking_uri, MODEL, swapped.version, tmp_path / "ok")
+    assert verified.summary == f"all {verified.files} files verified"
+    assert {"MLmodel", "requirements.txt", "serving_entry.py"} <= set(files_in(verified.path))
+
+    entry = folder / "serving_entry.py"
+    original = entry.read_bytes()
+    entry.write_bytes(original + b"\nimport os  # anything at all, run as whoever loads it\n")
+    with pytest.raises(ServeError, match=r"serving_entry.py is not the file it was registered"):
+        generate_local(registry.tracking_uri, ref, PROMPT, NEW_TOKENS, SEED)
+    served = CliRunner().invoke(
+        app, ["serve", str(ref)], env={**registry.env(), "FORGELINE_HOME": str(tmp_path)}
+    )
+    assert "serving_entry.py is not the file it was registered" in str(served.exception)
+    assert not list((tmp_path / "run").glob("*.pid"))  # refused before a server started
+    entry.write_bytes(original)
+
+    planted = folder / "code" / "tqdm.py"
+    planted.write_text("print('planted')\n")
+    with pytest.raises(ServeError, match=r"code/tqdm.py is in its model folder but not in the"):
+        generate_local(registry.tracking_uri, ref, PROMPT, NEW_TOKENS, SEED)
+    planted.unlink()
+
+    (folder / "requirements.txt").unlink()
+    with pytest.raises(ServeError, match=r"requirements.txt is missing, though its registration"):
+        generate_local(registry.tracking_uri, ref, PROMPT, NEW_TOKENS, SEED)
+    # The record itself is held to its tagged digest: an edited one is refused.
+    client.set_model_version_tag(MODEL, swapped.version, MODEL_FILES_TAG, "0" * 64)
+    with pytest.raises(ServeError, match=r"is not the record its registration made"):
+        generate_local(registry.tracking_uri, ref, PROMPT, NEW_TOKENS, SEED)
+
+
+def test_a_version_from_before_the_record_says_which_files_went_unchecked(
+    registry: Registry, artifacts: dict[str, str], tmp_path: Path
+) -> None:
+    older = register(registry.tracking_uri, test_tracking.registration(artifacts, "older"))
+    client = MlflowClient(tracking_uri=registry.tracking_uri, registry_uri=registry.tracking_uri)
+    client.delete_model_version_tag(MODEL, older.version, MODEL_FILES_TAG)  # as registered before
+    verified = fetch_verified(registry.tracking_uri, MODEL, older.version, tmp_path)
+    assert {"MLmodel", "requirements.txt", "serving_entry.py"} <= set(verified.unchecked)
+    assert not any(path.startswith("artifacts/") for path in verified.unchecked)
+    assert verified.summary.startswith(
+        "files verified only in part: its weights, config and tokenizer; registered before "
+        "Forgeline recorded every file, so these were not checked: MLmodel, code/"
+    )
 
 
 def test_model_references() -> None:
