@@ -14,7 +14,7 @@ from typing import Any, ClassVar, TypeVar
 from infra.digest import sha256_file
 from infra.errors import IntegrityError, ObjectNotFound
 from infra.store.local import LocalStore
-from infra.store.protocol import ObjectStore, fetch_verified, verify_stored_files
+from infra.store.protocol import ObjectStore, check_claimed_files, fetch_verified
 from infra.stored_format import StoredFile, StoredRecord
 
 
@@ -77,14 +77,15 @@ Record = TypeVar("Record", bound=StageRecord)
 
 
 def done_record(store: ObjectStore, key: str, kind: type[Record]) -> Record | None:
-    """The stage's record if it exists and every file it lists is intact, else None."""
+    """The stage's record if it exists and every file it lists is there whole (as the store
+    claims: the bytes are hashed when a later stage fetches them), else None."""
     try:
         raw = store.get_bytes(key)
     except ObjectNotFound:
         return None
     record = kind.parse(raw, key)
     try:
-        verify_stored_files(store, record.files.values(), "stage file")
+        check_claimed_files(store, record.files.values(), "stage file")
     except IntegrityError:
         return None
     return record

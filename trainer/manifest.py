@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from enum import Enum
 
 from infra.errors import IntegrityError, NotOnTwin, ObjectNotFound
-from infra.store.protocol import ObjectStore, verify_stored_files
+from infra.store.protocol import ObjectStore, check_claimed_files
 from trainer.checkpoint_manifest import CheckpointManifest
 from trainer.errors import CheckpointError
 from trainer.run_identity import belongs, pinned
@@ -208,9 +208,12 @@ def read_manifest(store: ObjectStore, key: str) -> CheckpointManifest:
     return CheckpointManifest.parse(store.get_bytes(key), key)
 
 
-def verify_files(store: ObjectStore, manifest: CheckpointManifest) -> None:
-    """Check every file the manifest lists is in the store with its recorded size and sha256."""
-    verify_stored_files(store, manifest.files, "checkpoint file")
+def check_checkpoint_claims(store: ObjectStore, manifest: CheckpointManifest) -> None:
+    """Check every file the manifest lists is in the store with the size and sha256 the store
+    claims for it (one HEAD each on S3): whole, not proven. Cheap enough for every resume and
+    prune; the bytes themselves are hashed when a gang fetches them (fetch_checkpoint), and
+    `forgeline lineage` hashes them (verify_stored_files)."""
+    check_claimed_files(store, manifest.files, "checkpoint file")
 
 
 # Why resume passes a checkpoint over for an older one. NotOnTwin: the primary is down and one of
@@ -248,7 +251,7 @@ def find_latest(
             if stale := fences.why_stale(manifest.generation, step):
                 on_skip(f"{key}: {stale}")
                 continue
-            verify_files(store, manifest)
+            check_checkpoint_claims(store, manifest)
             vet(manifest)
         except PASSED_OVER as err:
             on_skip(f"{key}: {err}")
@@ -343,7 +346,7 @@ def _usability(
             return Usability.STALE
         fingerprint = f"{key}@{manifest.committed_at}"
         if verified is None or fingerprint not in verified:
-            verify_files(store, manifest)
+            check_checkpoint_claims(store, manifest)
             if verified is not None:
                 verified.add(fingerprint)
     except (IntegrityError, ObjectNotFound, ValueError, KeyError):
@@ -360,7 +363,7 @@ def load_for_init(store: ObjectStore, key: str, architecture: dict) -> Committed
         raise CheckpointError(
             f"init_from: no checkpoint manifest at {key} (pruned or never committed?)"
         ) from None
-    verify_files(store, manifest)
+    check_checkpoint_claims(store, manifest)
     saved = manifest.network
     # Dropout is a training choice, not part of the network's shape.
     differ = sorted(

@@ -25,7 +25,7 @@ from infra.store.protocol import ObjectStore, verify_stored_files
 from infra.stored_format import StoredFormatError
 from registry.lineage_tags import LineageTags
 from registry.names import CHECKPOINT_TAG, DECISION_TAG, IDEMPOTENCY_TAG
-from trainer.manifest import read_manifest, verify_files
+from trainer.manifest import read_manifest
 from worker.cli_common import CliError, ExitCode, check_name, console, get_settings
 from worker.serve import ALIAS_PATTERN
 
@@ -137,7 +137,7 @@ def _decision(tags: dict[str, str]) -> str:
 def _checkpoint(store: ObjectStore, key: str) -> Link:
     try:
         manifest = read_manifest(store, key)
-        verify_files(store, manifest)
+        verify_stored_files(store, manifest.files, "checkpoint file")  # the bytes, hashed
     except (IntegrityError, ObjectNotFound) as err:
         return Link("checkpoint", key, str(err))
     detail = (

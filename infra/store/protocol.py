@@ -9,7 +9,7 @@ here, once for all of them, so no key escapes a store's root or aliases another.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Protocol
 
@@ -46,7 +46,17 @@ class ObjectStore(Protocol):
     def get_bytes(self, key: str) -> bytes: ...
     def get_file(self, key: str, dest: Path) -> None: ...
     def exists(self, key: str) -> bool: ...
-    def digest(self, key: str) -> tuple[int, str]: ...
+    def digest(self, key: str) -> tuple[int, str]:
+        """(size, sha256) of the bytes stored under `key`, hashed from those bytes: what a
+        check of content asks."""
+        ...
+
+    def claimed_digest(self, key: str) -> tuple[int, str]:
+        """(size, sha256) as the writer recorded it (on S3 its metadata: one HEAD, and anyone
+        who can put an object can claim any hash). For callers that hash the bytes when they
+        fetch them anyway (fetch_verified), or only decide whether to copy; never proof."""
+        ...
+
     def list(self, prefix: str) -> list[str]: ...
     def delete(self, key: str) -> None: ...
     def reachable(self) -> bool:
@@ -82,11 +92,24 @@ class Digested(Protocol):
 
 
 def verify_stored_files(store: ObjectStore, files: Iterable[Digested], what: str) -> None:
-    """Check every file is in the store with its recorded size and sha256 (IntegrityError,
-    naming the first that is missing or differs)."""
+    """Check every file is in the store with its recorded size and sha256, hashing the stored
+    bytes (IntegrityError, naming the first that is missing or differs)."""
+    _compare_stored_files(store.digest, files, what)
+
+
+def check_claimed_files(store: ObjectStore, files: Iterable[Digested], what: str) -> None:
+    """The same against what the store claims each file holds (`claimed_digest`): a cheap check
+    that every file is there and was written whole, for readers that hash the bytes when they
+    fetch them (resume, pruning, a stage's done-record); not a check of content."""
+    _compare_stored_files(store.claimed_digest, files, what)
+
+
+def _compare_stored_files(
+    digest_of: Callable[[str], tuple[int, str]], files: Iterable[Digested], what: str
+) -> None:
     for entry in files:
         try:
-            size, sha256 = store.digest(entry.key)
+            size, sha256 = digest_of(entry.key)
         except ObjectNotFound:
             raise IntegrityError(f"{what} {entry.key} is missing") from None
         if size != entry.bytes or sha256 != entry.sha256:

@@ -11,8 +11,10 @@ The S3 semantics this store relies on, and what it adds where they fall short:
   That is `put_if_absent`, the manifest commit. Servers without it answer 501/400 or ignore the
   header; `put_if_absent` detects that once and falls back (see there for the limit).
 - User metadata comes back with HEAD and with GET, in the same response as the bytes. Every put
-  stores the content's sha256 as `x-amz-meta-sha256`, so `digest` is one HEAD, and a GET's bytes
-  are checked against the hash of that very object version.
+  stores the content's sha256 as `x-amz-meta-sha256`, and a GET's bytes are checked against the
+  hash of that very object version. The metadata is a claim (any writer can set any hash), so
+  `digest` streams and hashes the bytes; `claimed_digest` is the one HEAD, for callers that
+  hash the bytes when they fetch them anyway.
 - Flexible checksums (`x-amz-checksum-sha256`): the server checks the upload against it and
   refuses a body damaged in transit. They guard one transfer; the metadata sha256 guards the
   content end to end, whatever the server does with checksum headers.
@@ -254,13 +256,19 @@ class S3Store:
             return False
 
     def digest(self, key: str) -> tuple[int, str]:
-        """(size, sha256) from a HEAD; objects put by other tools are streamed and hashed."""
+        """(size, sha256) of the object's bytes, streamed and hashed: its metadata is only what
+        the writer claimed, and whoever can put an object can claim any hash."""
+        with self._errors(key):  # a GET's 404 says NoSuchKey or NoSuchBucket, unlike a HEAD's
+            response = self._client.get_object(Bucket=self.bucket, Key=self._object_key(key))
+            return _size_and_sha256(response["Body"])
+
+    def claimed_digest(self, key: str) -> tuple[int, str]:
+        """(size, sha256) from one HEAD: the sha256 the writer put in the metadata. Objects put
+        by other tools carry none and are streamed and hashed."""
         head = self._require(key)
         if head.sha256:
             return head.size, head.sha256
-        with self._errors(key):
-            response = self._client.get_object(Bucket=self.bucket, Key=self._object_key(key))
-            return _size_and_sha256(response["Body"])
+        return self.digest(key)
 
     def list(self, prefix: str) -> list[str]:
         """Every key under `prefix`, a folder-like prefix ("runs/x/"; "" for all), sorted."""

@@ -150,6 +150,9 @@ class TwinStore:
     def digest(self, key: str) -> tuple[int, str]:
         return self._read(key, lambda store: store.digest(key))
 
+    def claimed_digest(self, key: str) -> tuple[int, str]:
+        return self._read(key, lambda store: store.claimed_digest(key))
+
     def reachable(self) -> bool:
         return self.primary.reachable() or self.twin.reachable()
 

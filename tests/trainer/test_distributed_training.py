@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from infra.errors import IntegrityError
+from infra.store.protocol import verify_stored_files
 from tests.trainer.conftest import MODEL, Trainer
 from trainer.checkpoint import fetch_checkpoint, load_model_weights
 from trainer.checkpoint_manifest import CheckpointManifest
@@ -27,7 +28,6 @@ from trainer.manifest import (
     load_for_init,
     manifest_key,
     read_manifest,
-    verify_files,
 )
 from trainer.model import GPT, WEIGHT_LAYOUT, GPTConfig, laid_out_as
 from workflows.contracts.spec import TrainSpec
@@ -82,7 +82,7 @@ def test_checkpoints_commit_with_a_manifest_listing_every_file(
     assert reference.samples_seen == 120 * TRAIN.batch_size
     assert reference.data_cursor["samples_seen"] == reference.samples_seen
     assert {f.name for f in reference.files} >= {".metadata", "__0_0.distcp"}
-    verify_files(trainer.store, reference)
+    verify_stored_files(trainer.store, reference.files, "checkpoint file")
     assert [s for s, _ in reference.loss_history] == list(range(5, 121, 5))
 
 

@@ -14,6 +14,7 @@ import subprocess
 import sys
 import uuid
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +27,12 @@ from botocore.httpsession import URLLib3Session
 from infra.errors import IntegrityError, InvalidKey, ObjectNotFound, StoreError
 from infra.store.factory import open_store
 from infra.store.local import LocalStore
-from infra.store.protocol import ObjectStore, fetch_verified
+from infra.store.protocol import (
+    ObjectStore,
+    check_claimed_files,
+    fetch_verified,
+    verify_stored_files,
+)
 from infra.store.s3 import SHA256_META, MiB, S3Store
 from tests.infra.conftest import new_client
 
@@ -35,6 +41,15 @@ PREFIX = "team/store"
 SMALL_PARTS = TransferConfig(
     multipart_threshold=5 * MiB, multipart_chunksize=5 * MiB, max_concurrency=4
 )
+
+
+@dataclass(frozen=True)
+class ListedFile:
+    """A file as a manifest lists it."""
+
+    key: str
+    bytes: int
+    sha256: str
 
 
 def s3_store(bucket: str, **options: Any) -> S3Store:
@@ -178,6 +193,22 @@ def test_digest_of_an_object_without_our_metadata(s3: S3Store, raw: Any, tmp_pat
     assert s3.get_bytes("ext/data.bin") == data
     s3.get_file("ext/data.bin", tmp_path / "data.bin")
     assert (tmp_path / "data.bin").read_bytes() == data
+
+
+def test_digest_hashes_the_bytes_not_the_writers_claim(s3: S3Store, raw: Any) -> None:
+    """Anyone who can put an object can put any sha256 in its metadata. Before, digest returned
+    that claim, so the content checks (`forgeline lineage`) passed bytes that were swapped:
+    now digest hashes what is stored, and only claimed_digest, asked for by name, trusts it."""
+    s3.put_bytes("d/shard.bin", b"good")
+    swapped = {"Bucket": s3.bucket, "Key": f"{PREFIX}/d/shard.bin", "Body": b"evil"}
+    raw.put_object(**swapped, Metadata={SHA256_META: sha(b"good")})
+    assert s3.digest("d/shard.bin") == (4, sha(b"evil"))
+    assert s3.claimed_digest("d/shard.bin") == (4, sha(b"good"))
+    file = ListedFile(key="d/shard.bin", bytes=4, sha256=sha(b"good"))
+    check_claimed_files(s3, [file], "shard")  # the claim matches: this check cannot tell
+    found = sha(b"evil")[:12]
+    with pytest.raises(IntegrityError, match=rf"shard d/shard\.bin is corrupt.*{found}"):
+        verify_stored_files(s3, [file], "shard")
 
 
 def test_tampered_object_is_refused(s3: S3Store, raw: Any, tmp_path: Path) -> None:
