@@ -19,11 +19,11 @@ from infra.errors import IntegrityError, ObjectNotFound
 from infra.extras import require_extra
 from infra.settings import Settings
 from registry.approvals import load_approvals, rules_for
+from registry.fine_tune_sources import readable_checkpoint
 from registry.lineage_tags import LineageTags
 from registry.tracking import (
     DatasetUsed,
     Registration,
-    checkpoint_of,
     close_run,
     open_run,
     register,
@@ -187,7 +187,9 @@ class ControlActivities:
         with domain_errors():
             key = inp.source
             if key.startswith("models:/"):
-                _version, key = checkpoint_of(self.settings.mlflow_uri, inp.source)
+                # Checked again here, not only at submission: an alias may have moved since.
+                team = inp.team or None
+                _version, key = readable_checkpoint(self.settings.mlflow_uri, inp.source, team)
             return _reference(load_for_init(self.store, key, inp.architecture))
 
     @activity.defn(name="evaluate")

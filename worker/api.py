@@ -42,7 +42,7 @@ from infra.tokens import TokenStore
 from registry.approvals import ApprovalsFile, approvals_toml, install_approvals, load_approvals
 from registry.errors import ApprovalsInvalid
 from worker import cluster_actions, run_actions
-from worker.api_code import CodeRefused, check_code, publish_upload, upload_body
+from worker.api_code import UPLOAD_CAP, CodeRefused, check_code, publish_upload
 from worker.api_logs import BadCursor, LogQuery, read_logs
 from worker.api_rules import (
     ApiError,
@@ -51,11 +51,13 @@ from worker.api_rules import (
     refuse_another_team_s_model,
     require,
 )
-from worker.api_team_rights import refuse_what_the_team_may_not
+from worker.api_rules import error_response as _error
+from worker.api_team_rights import conflicting_spec, refuse_what_the_team_may_not
 from worker.cli_common import CliError, get_client
 from worker.fleet_metrics import exposition, twin_status
 from worker.fleet_view import fleet_view
 from worker.idempotency import MAX_KEY_CHARS, IdempotencyKeys
+from worker.request_limits import limit_requests
 from worker.runs import (
     ClusterLacks,
     RunNotFound,
@@ -66,7 +68,7 @@ from worker.runs import (
     submitted_spec,
     view,
 )
-from worker.specfile import spec_differences, spec_sha256
+from worker.specfile import spec_sha256
 from workflows.contracts.api_models import (
     ApproveRequest,
     ErrorBody,
@@ -98,10 +100,6 @@ PAGE_HEADERS = {
     "style-src 'unsafe-inline'; img-src 'self' data:",
     "Referrer-Policy": "no-referrer",
 }
-
-
-def _error(status: int, detail: ErrorDetail) -> JSONResponse:
-    return JSONResponse(ErrorBody(error=detail).model_dump(), status_code=status)
 
 
 def make_app(settings: Settings) -> FastAPI:
@@ -138,6 +136,7 @@ def make_app(settings: Settings) -> FastAPI:
     )
 
     app.state.tokens = TokenStore(settings.home)
+    limit_requests(app, app.state.tokens, {("POST", f"/{API_VERSION}/code"): UPLOAD_CAP})
 
     @app.exception_handler(ApiError)
     async def api_error(_: Request, err: ApiError) -> JSONResponse:
@@ -209,7 +208,7 @@ def make_app(settings: Settings) -> FastAPI:
         `Client.submit` send): published as a content-addressed snapshot; its answer goes into
         the submit's `code`."""
         require(who.may_submit_somewhere(), who, "upload code", "submit:TEAM")
-        data = await upload_body(request)
+        data = await request.body()  # within UPLOAD_CAP: worker/request_limits.py
         return await asyncio.to_thread(publish_upload, settings.open_store(), data)
 
     async def owner_or_operator(name: str, who: Identity, verb: str) -> None:
@@ -246,7 +245,7 @@ def make_app(settings: Settings) -> FastAPI:
             await refuse_what_the_cluster_lacks(client, spec)
         except ClusterLacks as err:
             raise ApiError(422, "invalid_spec", str(err), field=err.field) from None
-        await refuse_what_the_team_may_not(client, spec, who)
+        await refuse_what_the_team_may_not(client, settings, spec, who)
         await refuse_another_team_s_model(settings, spec)
         digest = spec_sha256(spec)
         if idempotency_key is not None:
@@ -263,15 +262,7 @@ def make_app(settings: Settings) -> FastAPI:
         _handle, started = await submit(client, spec, digest, body.code)
         current = await run_view(spec.name)
         if not started and current.status.spec_sha256 != digest:
-            before = await submitted_spec(client, spec.name)
-            changed = spec_differences(before, spec) if before else []
-            raise ApiError(
-                409,
-                "conflict",
-                f"run {spec.name} exists with another spec: {'; '.join(changed) or 'it differs'}",
-                field=changed[0].split(":")[0] if changed else None,
-                fix="give the new spec another name to start a new run",
-            )
+            raise conflicting_spec(spec.name, await submitted_spec(client, spec.name), spec)
         answer = SubmitAnswer(created=started, run=current)
         return JSONResponse(answer.model_dump(mode="json"), status_code=201 if started else 200)
 

@@ -9,16 +9,20 @@ import re
 import tempfile
 from pathlib import Path
 
-from fastapi import Request
-
 from infra import code_snapshot
 from infra.errors import ObjectNotFound
 from infra.store.protocol import ObjectStore
+from worker.request_limits import BodyCap
 from workflows.contracts.models import CodeRef
 from workflows.contracts.spec import RunSpec
 
-# A snapshot's limit and room for the tar's headers: a bigger body is refused unread.
+# A snapshot's limit and room for the tar's headers: a bigger body is refused as it streams in
+# (worker/request_limits.py), unread when its Content-Length says so.
 MAX_UPLOAD_BYTES = code_snapshot.MAX_TOTAL_BYTES + 16 * 2**20
+UPLOAD_CAP = BodyCap(
+    MAX_UPLOAD_BYTES,
+    "point train.code at the training code only, or list the rest in .gitignore",
+)
 _SNAPSHOT_ID = re.compile(r"[0-9a-f]{32}")
 _UPLOAD_FIX = "upload the folder with POST /v1/code (`forgeline run` and Client.submit do)"
 
@@ -27,28 +31,6 @@ class CodeRefused(Exception):
     def __init__(self, status: int, message: str, fix: str = _UPLOAD_FIX) -> None:
         super().__init__(message)
         self.status, self.fix = status, fix
-
-
-async def upload_body(request: Request) -> bytes:
-    """The request's body, refused (413) as soon as it outgrows a snapshot."""
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > MAX_UPLOAD_BYTES:
-        raise _too_big()
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > MAX_UPLOAD_BYTES:
-            raise _too_big()
-        chunks.append(chunk)
-    return b"".join(chunks)
-
-
-def _too_big() -> CodeRefused:
-    return CodeRefused(
-        413,
-        f"the code upload is over {MAX_UPLOAD_BYTES // 2**20} MiB",
-        fix="point train.code at the training code only, or list the rest in .gitignore",
-    )
 
 
 def publish_upload(store: ObjectStore, data: bytes) -> CodeRef:

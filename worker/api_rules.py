@@ -8,16 +8,20 @@ import asyncio
 from typing import Annotated
 
 from fastapi import Depends, Header, Request
+from fastapi.responses import JSONResponse
 
 from infra.identity import Identity, InvalidIdentity, canonical_person
 from infra.settings import Settings
 from infra.tokens import TokenError, TokenStore
 from worker.specfile import SpecError, check_sources, parse_spec
-from workflows.contracts.api_models import ErrorDetail
+from workflows.contracts.api_models import ErrorBody, ErrorDetail
 from workflows.contracts.spec import RunSpec
 
 # Who to ask for a token, in every 401.
 _ASK_FOR_A_TOKEN = "ask an admin for a token (`forgeline tokens create PERSON --role ...`)"
+# Where a request's identity is kept once its token was checked (the request's scope state), so
+# that a token checked before the body was read is not checked again (worker/request_limits.py).
+IDENTITY = "forgeline.identity"
 
 
 class ApiError(Exception):
@@ -29,8 +33,13 @@ class ApiError(Exception):
         self.detail = ErrorDetail(code=code, message=message, field=field, fix=fix)
 
 
-def caller(request: Request, authorization: Annotated[str | None, Header()] = None) -> Identity:
-    """The identity of the request's bearer token; 401 without one that is valid now."""
+def error_response(status: int, detail: ErrorDetail) -> JSONResponse:
+    return JSONResponse(ErrorBody(error=detail).model_dump(), status_code=status)
+
+
+def authenticate(tokens: TokenStore, authorization: str | None) -> Identity:
+    """The identity of a bearer token (the Authorization header's value); 401 without one that
+    is valid now."""
     if not authorization or not authorization.lower().startswith("bearer "):
         raise ApiError(
             401,
@@ -38,11 +47,18 @@ def caller(request: Request, authorization: Annotated[str | None, Header()] = No
             "no token: send the header `Authorization: Bearer <token>`",
             fix=_ASK_FOR_A_TOKEN,
         )
-    tokens: TokenStore = request.app.state.tokens
     try:
         return tokens.authenticate(authorization[len("bearer ") :])
     except TokenError as err:
         raise ApiError(401, "unauthenticated", str(err), fix=_ASK_FOR_A_TOKEN) from None
+
+
+def caller(request: Request, authorization: Annotated[str | None, Header()] = None) -> Identity:
+    """The identity of the request's bearer token; 401 without one that is valid now."""
+    checked = request.scope.get("state", {}).get(IDENTITY)
+    if isinstance(checked, Identity):
+        return checked
+    return authenticate(request.app.state.tokens, authorization)
 
 
 # Module level, so that FastAPI resolves it in the handlers' (postponed) annotations.

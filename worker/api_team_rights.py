@@ -1,14 +1,21 @@
-"""What a submitter's team may ask of the cluster, checked at submission: a priority within
-the team's allowance (the cluster file's `max_priority`). Every refusal is an `ApiError` that
-names the field, the allowance and who may go past it."""
+"""What a submitter's team may ask for and learn, checked at submission: a priority within the
+team's allowance (the cluster file's `max_priority`); weights to start from (`model.init_from`)
+that the team may read: its own runs' checkpoints, its own models' versions, or versions another
+team approved; and, when a run's name is taken, which keys of the other spec differ, never its
+values. Every refusal is an `ApiError` that names the field and what to do."""
 
 from __future__ import annotations
 
+import asyncio
+
 from temporalio.client import Client
+from temporalio.service import RPCError, RPCStatusCode
 
 from infra.identity import Identity
+from infra.settings import Settings
 from worker.api_rules import ApiError
-from worker.runs import cluster_state
+from worker.runs import cluster_state, submitted_spec
+from worker.specfile import differing_keys
 from workflows.contracts.cluster_models import ClusterConfig
 from workflows.contracts.spec import RunSpec
 
@@ -36,9 +43,95 @@ def refuse_priority_above_allowance(spec: RunSpec, who: Identity, config: Cluste
     )
 
 
-async def refuse_what_the_team_may_not(client: Client, spec: RunSpec, who: Identity) -> None:
-    """The submission's team rights, before the run starts. Every allowance is at least 0, so
-    a priority of 0 or less needs no look at the cluster's configuration."""
+def refuse_another_team_s_run(spec: RunSpec, run: str, team_of_run: str | None) -> None:
+    """`model.init_from` names a checkpoint of `run` by its store key: only a run of the
+    submitter's team may be started from so (`team_of_run` None: no run of that name is known,
+    so whose it is cannot be told either)."""
+    team = spec.resources.team
+    if team_of_run == team:
+        return
+    whose = f"run {run!r} belongs to team {team_of_run!r}"
+    if team_of_run is None:
+        whose = f"no run {run!r} is known"
+    raise ApiError(
+        403,
+        "forbidden",
+        f"model.init_from {spec.model.init_from!r}: {whose}; a run of team {team!r} may start "
+        "from its own team's runs' checkpoints, its team's registered models, or a version "
+        "another team approved",
+        field="model.init_from",
+        fix="name a checkpoint of one of your team's runs, or a registered version "
+        "(models:/NAME/VERSION) your team may read",
+    )
+
+
+async def _team_of_run(client: Client, run: str) -> str | None:
+    """The team `run` was submitted to, as Temporal recorded its start (None: no such run, or
+    its history is gone)."""
+    try:
+        before = await submitted_spec(client, run)
+    except RPCError as err:
+        if err.status != RPCStatusCode.NOT_FOUND:
+            raise
+        return None
+    return before.resources.team if before is not None else None
+
+
+async def _refuse_unreadable_version(settings: Settings, uri: str, team: str) -> None:
+    """A registered version the team may not read is refused now rather than when the run
+    resolves it, hours of queueing later. An MLflow that does not answer, or a version not
+    there yet, is left to the run's own check (the resolve_init_from activity decides)."""
+    # Here, not at the top: importing MLflow takes a second and most submissions never do.
+    from mlflow.exceptions import MlflowException
+
+    from registry.errors import ModelOfAnotherTeam, VersionNotFound
+    from registry.fine_tune_sources import readable_checkpoint
+
+    found = asyncio.to_thread(readable_checkpoint, settings.mlflow_uri, uri, team)
+    try:
+        # MLflow's client retries an unreachable server for minutes: a submit does not wait.
+        await asyncio.wait_for(found, timeout=10)
+    except (MlflowException, VersionNotFound, TimeoutError):
+        return
+    except ModelOfAnotherTeam as err:
+        raise ApiError(
+            403,
+            "forbidden",
+            str(err),
+            field="model.init_from",
+            fix="name a version of your team's models, or one another team approved",
+        ) from None
+
+
+async def refuse_what_the_team_may_not(
+    client: Client, settings: Settings, spec: RunSpec, who: Identity
+) -> None:
+    """The submission's team rights, before the run starts: its priority (every allowance is
+    at least 0, so 0 or less needs no look at the cluster's configuration) and the weights it
+    starts from."""
     if spec.resources.priority > 0 and not who.is_admin:
         config = (await cluster_state(client)).config
         refuse_priority_above_allowance(spec, who, config)
+    source = spec.model.init_from
+    if source is None:
+        return
+    if source.startswith("models:/"):
+        await _refuse_unreadable_version(settings, source, spec.resources.team)
+    else:  # runs/RUN/checkpoints/…: the spec has checked the form
+        run = source.split("/", 2)[1]
+        refuse_another_team_s_run(spec, run, await _team_of_run(client, run))
+
+
+def conflicting_spec(name: str, before: RunSpec | None, after: RunSpec) -> ApiError:
+    """The 409 for a name taken by another spec: it names the keys that differ and not their
+    values, since the run that holds the name may be another team's (its data sources, its
+    model's shape are not the caller's to read)."""
+    changed = differing_keys(before, after) if before is not None else []
+    return ApiError(
+        409,
+        "conflict",
+        f"run {name} exists with another spec: "
+        + (f"it differs in {', '.join(changed)}" if changed else "it differs"),
+        field=changed[0] if changed else None,
+        fix="give the new spec another name to start a new run",
+    )

@@ -254,14 +254,11 @@ def spec_sha256(spec: RunSpec) -> str:
     return hashlib.sha256(json.dumps(spec.model_dump(), sort_keys=True).encode()).hexdigest()
 
 
-def spec_differences(before: RunSpec, after: RunSpec) -> list[str]:
-    """Every key whose value differs, as `key: before -> after` (dotted as in the TOML)."""
+def differing_keys(before: RunSpec, after: RunSpec) -> list[str]:
+    """Every key whose value differs (dotted as in the TOML), without the values: `before`
+    may be another team's spec."""
     old, new = _flat(before.model_dump(mode="json")), _flat(after.model_dump(mode="json"))
-    return [
-        f"{key}: {_quote(old.get(key))} -> {_quote(new.get(key))}"
-        for key in sorted(old.keys() | new.keys())
-        if old.get(key) != new.get(key)
-    ]
+    return [key for key in sorted(old.keys() | new.keys()) if old.get(key) != new.get(key)]
 
 
 def _flat(data: dict, prefix: str = "") -> dict[str, object]:

@@ -458,6 +458,7 @@ class TrainingRun:
             InitFromInput(
                 source=model.init_from or "",
                 architecture={**model.architecture(), "vocab_size": dataset.vocab_size},
+                team=self._spec.resources.team,
             ),
             CheckpointRef,
             timeout=timedelta(minutes=10),

@@ -13,6 +13,8 @@ from mlflow.tracking import MlflowClient
 
 from dataprep.tokenizer import char_tokenizer
 from registry.errors import ModelOfAnotherTeam, VersionNotFound
+from registry.fine_tune_sources import readable_checkpoint
+from registry.names import DECISION_TAG, TEAM_TAG
 from registry.tracking import (
     CANDIDATE,
     CHECKPOINT_TAG,
@@ -257,3 +259,67 @@ def test_a_model_belongs_to_the_team_that_registered_it_first(
     client.create_registered_model("older")
     register(tracking_uri, dataclasses.replace(mine, model_name="older", idempotency_key="t4"))
     assert model_team(client, "older") == "nlp"
+
+
+# Which registered versions a team may fine-tune from (registry.fine_tune_sources): its own
+# team's models at any version, another team's only at an approved version.
+
+
+def _team_version(client: MlflowClient, model: str, run: str, decision: str | None = None) -> str:
+    tags = {CHECKPOINT_TAG: f"runs/{run}/checkpoints/step-10/gen-1/MANIFEST.json"}
+    if decision is not None:
+        tags[DECISION_TAG] = decision
+    return str(client.create_model_version(model, f"file:///nowhere/{run}", tags=tags).version)
+
+
+@pytest.fixture(scope="module")
+def registry(tracking_uri: str) -> str:
+    """Team a's model `a-lm` (version 1 undecided), team b's `b-lm` (version 1 approved, 2 its
+    candidate, undecided), and `old-lm`, registered before models had teams (1 rejected), in
+    the module's registry."""
+    uri = tracking_uri
+    client = MlflowClient(tracking_uri=uri, registry_uri=uri)
+    client.create_registered_model("a-lm", tags={TEAM_TAG: "a"})
+    client.create_registered_model("b-lm", tags={TEAM_TAG: "b"})
+    client.create_registered_model("old-lm")
+    _team_version(client, "a-lm", "a-run")
+    _team_version(client, "b-lm", "b-released", decision="approved")
+    candidate = _team_version(client, "b-lm", "b-candidate")
+    client.set_registered_model_alias("b-lm", "candidate", candidate)
+    _team_version(client, "old-lm", "old-run", decision="rejected")
+    return uri
+
+
+def test_a_team_starts_from_its_own_models_and_from_versions_others_approved(
+    registry: str,
+) -> None:
+    own = readable_checkpoint(registry, "models:/a-lm/1", "a")
+    assert own[1] == "runs/a-run/checkpoints/step-10/gen-1/MANIFEST.json"
+    released = readable_checkpoint(registry, "models:/b-lm/1", "a")
+    assert released[1] == "runs/b-released/checkpoints/step-10/gen-1/MANIFEST.json"
+    candidate = readable_checkpoint(registry, "models:/b-lm@candidate", "b")
+    assert candidate[1] == "runs/b-candidate/checkpoints/step-10/gen-1/MANIFEST.json"
+
+
+@pytest.mark.parametrize(
+    ("uri", "owner", "decision"),
+    [
+        ("models:/b-lm@candidate", "team 'b'", "none"),
+        ("models:/b-lm/2", "team 'b'", "none"),
+        ("models:/old-lm/1", "no team", "rejected"),
+    ],
+)
+def test_another_team_s_unapproved_version_is_refused_naming_whose_it_is(
+    registry: str, uri: str, owner: str, decision: str
+) -> None:
+    with pytest.raises(ModelOfAnotherTeam) as refused:
+        readable_checkpoint(registry, uri, "a")
+    message = str(refused.value)
+    assert message.startswith(f"model.init_from {uri!r}: model ")
+    assert f"belongs to {owner}" in message and f"(decision: {decision})" in message
+    assert "a run of team 'a' may start from its own team's models" in message
+
+
+def test_a_run_from_before_runs_said_their_team_is_not_checked(registry: str) -> None:
+    unchecked = readable_checkpoint(registry, "models:/b-lm/2", None)
+    assert unchecked[1] == "runs/b-candidate/checkpoints/step-10/gen-1/MANIFEST.json"

@@ -117,6 +117,11 @@ class CheckpointRef(BaseModel):
 class InitFromInput(BaseModel):
     source: str = Field(description="model.init_from as the spec has it")
     architecture: dict = Field(description="the run's network: GPTConfig fields and vocab_size")
+    team: str = Field(
+        "",
+        description="the run's team: a registered version of another team's model must be "
+        'approved to start from ("": a run from before runs said it, not checked)',
+    )
 
 
 class LatestCheckpointInput(BaseModel):
@@ -314,6 +319,18 @@ class Sample(BaseModel):
     text: str
 
 
+class EvalSource(StrEnum):
+    """Who measured a run's eval loss: Forgeline from the final checkpoint (the built-in
+    trainer's), or the run's own script (`run.report_eval`), which the gate cannot check."""
+
+    PLATFORM = "platform"
+    SCRIPT = "script"
+
+
+# How every place that shows a script's eval loss (the gate, status, reports) says so.
+SELF_REPORTED = "self-reported by the run's script"
+
+
 class EvalResult(BaseModel):
     step: int
     val_loss: float
@@ -326,6 +343,16 @@ class EvalResult(BaseModel):
     # "held-out": the validation split; "train": a user's script reported no held-out loss, and
     # this is its last training loss (trainer.reported_eval).
     measured_on: str = "held-out"
+    # Who measured it (None: an evaluation from before this was recorded).
+    source: EvalSource | None = None
+
+    @property
+    def self_reported(self) -> bool:
+        """The run's own script reported this loss: nothing Forgeline measured backs it.
+        Before `source` was recorded, only a script's evaluation could be a training loss."""
+        if self.source is None:
+            return self.measured_on == "train"
+        return self.source == EvalSource.SCRIPT
 
 
 class Goodput(BaseModel):
