@@ -93,7 +93,19 @@ class ClusterWorkflow:
 
     @workflow.signal
     def register_node(self, info: NodeInfo) -> None:
-        """Agents before `join_node` (kept: recorded histories hold it)."""
+        """Agents before `join_node` (kept: recorded histories hold it). A signal cannot be
+        refused, so one that would take a live node from its agent is dropped: the same rule
+        as `join_node`'s validator, without the successor's word (a signal has none). Patched:
+        before, it replaced the live node, and histories from then replay so."""
+        node = self._node(info.node_id)
+        held = node is not None and _held_by_another(node, info.incarnation, None)
+        if held and workflow.patched("register-keeps-live-node"):
+            workflow.logger.warning(
+                "register_node for %s dropped: it is alive under another agent; an agent "
+                "takes over a live node with join_node, naming the incarnation it follows",
+                info.node_id,
+            )
+            return
         self._register(info)
 
     @workflow.update
@@ -108,10 +120,10 @@ class ClusterWorkflow:
     def _not_a_live_node_of_another_agent(self, join: JoinRequest) -> None:
         # Refused in the validator: nothing reaches the history, and the live node is untouched.
         node = self._node(join.info.node_id)
-        if node is None or node.health == Health.DOWN:
-            return
-        if node.info.incarnation in (join.info.incarnation, join.previous_incarnation):
-            return  # this agent again, or its successor on the same host
+        if node is None or not _held_by_another(
+            node, join.info.incarnation, join.previous_incarnation
+        ):
+            return  # a new node, a down one, this agent again, or its successor on the same host
         raise ApplicationError(
             f"node {join.info.node_id} is alive under another agent (at {node.info.host}, "
             f"{node.state}): give this agent its own --node-id, or stop that agent first",
@@ -329,3 +341,10 @@ class ClusterWorkflow:
             if held is not None:
                 self._free(held)
                 self._dirty = True
+
+
+def _held_by_another(node: Node, incarnation: str, previous: str | None) -> bool:
+    """Whether `node` is alive under an agent other than the one of `incarnation` (or its
+    successor, which names the incarnation `previous` it follows): a down node may be taken
+    by any agent."""
+    return node.health != Health.DOWN and node.info.incarnation not in (incarnation, previous)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import sys
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -19,6 +20,7 @@ from temporalio.worker import Worker
 
 from tests.workflows.conftest import CONTINUE_AS_NEW_AFTER
 from tests.workflows.gang_holder import GangHolder
+from tests.workflows.replaying import write_history
 from workflows.cluster import ClusterWorkflow
 from workflows.contracts.cluster_models import (
     MAX_ADVERTISED_CACHED,
@@ -250,7 +252,7 @@ def test_a_death_reported_after_the_agent_restarted_leaves_the_new_one_up(
     async def scenario(h: Harness) -> None:
         grant = await h.gang_of_two()
         # n0's agent dies and is restarted (a new incarnation) before the run reports it.
-        await h.cluster.signal(ClusterWorkflow.register_node, node("n0", incarnation="b"))
+        await join(h, node("n0", incarnation="b"), previous="a")
         died = NodeFailure(
             run_id="run-a", generation=grant.generation, node_id="n0", reason="heartbeat"
         )
@@ -289,6 +291,40 @@ def test_a_second_agent_cannot_join_as_a_live_node(temporal_address: str, task_q
         await h.cluster.signal(ClusterWorkflow.node_stopped, node("n0", incarnation="b"))
         await h.state(lambda s: s.nodes[0].health == Health.DOWN)
         assert (await join(h, impostor)).info.host == "198.18.0.9"
+
+    run_scenario(temporal_address, task_queue, scenario)
+
+
+def test_the_old_register_signal_cannot_take_a_live_node(
+    temporal_address: str, task_queue: str
+) -> None:
+    """Issue 44, finding 13: `register_node` (agents before `join_node`) for a live node under
+    another incarnation replaced it: another agent took over a node whose gang still ran. Now
+    it is dropped as `join_node` refuses it; the node's own agent and a down node still may."""
+
+    async def scenario(h: Harness) -> None:
+        first = node("n0", incarnation="a").model_copy(update={"host": "198.18.0.2"})
+        await h.cluster.signal(ClusterWorkflow.register_node, first)
+        impostor = node("n0", incarnation="x").model_copy(update={"host": "198.18.0.9"})
+        await h.cluster.signal(ClusterWorkflow.register_node, impostor)
+        await h.cluster.signal(ClusterWorkflow.register_node, node("n1"))  # handled after it
+        kept, _ = (await h.state(lambda s: len(s.nodes) == 2)).nodes
+        assert (kept.info.host, kept.info.incarnation) == ("198.18.0.2", "a")
+        again = first.model_copy(update={"cached": ["snap"]})  # the same agent, more cached
+        await h.cluster.signal(ClusterWorkflow.register_node, again)
+        await h.state(lambda s: s.nodes[0].info.cached == ["snap"])
+        await h.cluster.signal(ClusterWorkflow.node_stopped, first)
+        await h.cluster.signal(ClusterWorkflow.register_node, impostor)
+        taken, _ = (await h.state(lambda s: s.nodes[0].info.incarnation == "x")).nodes
+        assert (taken.info.host, taken.health) == ("198.18.0.9", Health.HEALTHY)
+        # FORGELINE_RECORD_HISTORIES=tests/workflows/histories: the replay test's history
+        # (test_training_run_history.RECORD_TO, not imported: that module imports this one).
+        if record := os.environ.get("FORGELINE_RECORD_HISTORIES"):
+            label = "2026-12-06-register-live"
+            write_history(
+                await h.cluster.fetch_history(),
+                Path(record) / f"{label}_Cluster_{CLUSTER_WORKFLOW_ID}",
+            )
 
     run_scenario(temporal_address, task_queue, scenario)
 
