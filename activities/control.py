@@ -54,6 +54,7 @@ from workflows.contracts.models import (
     DecisionInput,
     EvalPoint,
     EvalResult,
+    EvalSource,
     EvaluateInput,
     FenceInput,
     Goodput,
@@ -95,6 +96,41 @@ def _ledger_mark(mark: Mark | None) -> LedgerMark | None:
     if mark is None:
         return None
     return LedgerMark(step=mark.step, at=mark.at, **mark.totals.model_dump())
+
+
+def version_lineage(
+    inp: RegisterInput, workflow_id: str, packages: list[str], servable: bool
+) -> LineageTags:
+    """What a registered version records of where it came from, its eval loss's source
+    included: a script's own report is tagged as such, so no one reads it as measured."""
+    code = code_version()
+    user_code = inp.code
+    evaluation = inp.evaluation
+    return LineageTags(
+        git_commit=code.commit,
+        git_dirty=code.dirty,
+        dataset_snapshot=inp.dataset.snapshot_id,
+        dataset_manifest_key=inp.dataset.manifest_key,
+        dataset_manifest_sha256=inp.dataset.manifest_sha256,
+        spec_sha256=inp.spec_sha256,
+        checkpoint_manifest_key=inp.checkpoint.manifest_key,
+        checkpoint_step=inp.checkpoint.step,
+        temporal_workflow_id=workflow_id,
+        run=inp.run_id,
+        owner=inp.spec.owner,
+        val_loss=evaluation.val_loss,
+        val_perplexity=evaluation.perplexity,
+        eval_step=evaluation.step,
+        packages_sha256=packages_digest(packages),
+        eval_measured_on=evaluation.measured_on,
+        # An evaluation from before its source was recorded came from the script on every
+        # run of a user's code, and from Forgeline on the built-in trainer's.
+        eval_source=evaluation.source or ("script" if user_code else "platform"),
+        servable=servable,
+        code_snapshot=user_code.snapshot_id if user_code else None,
+        code_manifest_sha256=user_code.manifest_sha256 if user_code else None,
+        entrypoint=(inp.spec.train.entrypoint or "") if user_code else None,
+    )
 
 
 class ControlActivities:
@@ -262,6 +298,7 @@ class ControlActivities:
             ],
             curve=sorted(curve, key=lambda point: point.step),
             curve_left_out=left_out,
+            source=EvalSource.PLATFORM,
         )
 
     def _reported_evaluation(self, inp: EvaluateInput) -> EvalResult:
@@ -292,6 +329,7 @@ class ControlActivities:
             sample="",
             curve=sorted({p.step: p for p in curve}.values(), key=lambda point: point.step),
             measured_on=final.measured_on,
+            source=EvalSource.SCRIPT,  # the gate and the version say so: nothing checks it
         )
 
     @activity.defn(name="close_tracking_run")
@@ -352,31 +390,8 @@ class ControlActivities:
                 model = load_model(folder, manifest.network)
                 artifacts = export_model(model, cache.tokenizer(dataset), Path(tmp))
                 served = served_code()
-            code = code_version()
             packages = installed_packages()
-            user_code = inp.code
-            lineage = LineageTags(
-                git_commit=code.commit,
-                git_dirty=code.dirty,
-                dataset_snapshot=inp.dataset.snapshot_id,
-                dataset_manifest_key=inp.dataset.manifest_key,
-                dataset_manifest_sha256=inp.dataset.manifest_sha256,
-                spec_sha256=inp.spec_sha256,
-                checkpoint_manifest_key=inp.checkpoint.manifest_key,
-                checkpoint_step=inp.checkpoint.step,
-                temporal_workflow_id=info.workflow_id,
-                run=inp.run_id,
-                owner=inp.spec.owner,
-                val_loss=inp.evaluation.val_loss,
-                val_perplexity=inp.evaluation.perplexity,
-                eval_step=inp.evaluation.step,
-                packages_sha256=packages_digest(packages),
-                eval_measured_on=inp.evaluation.measured_on,
-                servable=served is not None,
-                code_snapshot=user_code.snapshot_id if user_code else None,
-                code_manifest_sha256=user_code.manifest_sha256 if user_code else None,
-                entrypoint=(inp.spec.train.entrypoint or "") if user_code else None,
-            ).dump()
+            lineage = version_lineage(inp, info.workflow_id, packages, served is not None).dump()
             final = inp.training[0] if inp.training else None
             metrics = {
                 "val_loss": inp.evaluation.val_loss,

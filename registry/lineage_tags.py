@@ -14,7 +14,7 @@ speed).
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 from pydantic import ConfigDict
 
@@ -53,6 +53,9 @@ class LineageTags(StoredRecord):
     packages_sha256: str | None = None  # of packages.txt, the installed packages
     eval_step: int | None = None
     eval_measured_on: str | None = None  # "held-out", or "train": the script reported no eval
+    # Who measured val_loss: "platform" (Forgeline, from the final checkpoint) or "script" (the
+    # run's own script reported it: self-reported, and the gate judged it as given).
+    eval_source: Literal["platform", "script"] | None = None
     servable: bool = True  # False: weights and lineage only (the script gave no way to serve)
     # A user's training code (absent on a version of the built-in trainer).
     code_snapshot: str | None = None

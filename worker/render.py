@@ -8,7 +8,14 @@ from rich.table import Table
 
 from infra.settings import Settings
 from worker.runs import RunView
-from workflows.contracts.models import DatasetProgress, Goodput, Phase, RunStatus, Sample
+from workflows.contracts.models import (
+    SELF_REPORTED,
+    DatasetProgress,
+    Goodput,
+    Phase,
+    RunStatus,
+    Sample,
+)
 
 
 def _num(value: float | None, fmt: str) -> str:
@@ -72,6 +79,8 @@ def progress_line(view: RunView) -> str:
         line += f"  ckpt {committed}"
     if status.evaluation:
         line += f"  val_loss {status.evaluation.val_loss:.4f}"
+        if status.evaluation.self_reported:
+            line += " (self-reported)"
     if status.model_version:
         mv = status.model_version
         line += f"  model {mv.model_name} v{mv.version}"
@@ -153,6 +162,8 @@ def status_text(view: RunView, settings: Settings) -> str:
             if e.measured_on == "held-out"
             else f"the last training loss, step {e.step}: the script reports no held-out loss"
         )
+        if e.self_reported:
+            measured += f" ({SELF_REPORTED})"
         lines.append(
             f"evaluation     val_loss {e.val_loss:.4f}  perplexity {e.perplexity:.2f}  {measured}"
         )
@@ -215,6 +226,12 @@ def approval_lines(s: RunStatus) -> list[str]:
             passed = s.evaluation is not None and s.evaluation.val_loss <= policy.max_val_loss
             verdict = "passes" if passed else "FAILS: approval needs --override-gate and a --note"
             lines.append(f"eval gate      val_loss <= {policy.max_val_loss:g}: {verdict}")
+        if s.evaluation is not None and s.evaluation.self_reported:
+            # What the approver decides on: a number nothing of Forgeline's measured.
+            lines.append(
+                f"eval source    val_loss {s.evaluation.val_loss:.4f} is {SELF_REPORTED}, "
+                "not measured by Forgeline: check the run's code before you trust it"
+            )
         if s.approval_deadline is not None:
             lines.append(f"expires        {s.approval_deadline:%Y-%m-%d %H:%M:%S %Z}")
     if s.phase == Phase.EXPIRED:

@@ -24,7 +24,13 @@ from worker.report_data import (
     Point,
     by_time,
 )
-from workflows.contracts.models import AttemptCause, AttemptOutcome, AttemptRecord, RunStatus
+from workflows.contracts.models import (
+    SELF_REPORTED,
+    AttemptCause,
+    AttemptOutcome,
+    AttemptRecord,
+    RunStatus,
+)
 
 _COLORS = ("tab:blue", "tab:orange", "tab:purple", "tab:brown", "tab:pink", "tab:cyan")
 
@@ -56,6 +62,8 @@ def loss_figure(status: RunStatus, metrics: Metrics, missing: list[str]) -> Figu
             steps, values = zip(*curve, strict=True)
             ax.plot(steps, values, "s-", c="darkred", ms=4, label="val loss of kept checkpoints")
         label = f"val loss {e.val_loss:.4f}, perplexity {e.perplexity:.2f} (final evaluation)"
+        if e.self_reported:
+            label = f"val loss {e.val_loss:.4f} ({SELF_REPORTED})"
         ax.scatter([e.step], [e.val_loss], marker="*", s=220, c="tab:red", zorder=5, label=label)
     if not (drew or kept or val):
         missing.append(f"no loss in MLflow yet ({LOSS}, {KEPT_LOSS})")

@@ -16,7 +16,7 @@ from worker.report_data import (
     first_line,
     mlflow_run_of,
 )
-from workflows.contracts.models import AttemptRecord, RunStatus
+from workflows.contracts.models import SELF_REPORTED, AttemptRecord, RunStatus
 
 
 def summary(status: RunStatus, metrics: Metrics, report: Report) -> str:
@@ -41,7 +41,11 @@ def summary(status: RunStatus, metrics: Metrics, report: Report) -> str:
     if s.evaluation:
         e = s.evaluation
         rows += [
-            ("val loss", f"{e.val_loss:.4f} (step {e.step}, {e.val_tokens:,} tokens)"),
+            (
+                "val loss",
+                f"{e.val_loss:.4f} (step {e.step}, {e.val_tokens:,} tokens)"
+                + (f", {SELF_REPORTED}" if e.self_reported else ""),
+            ),
             ("val perplexity", f"{e.perplexity:.2f}"),
         ]
     else:

@@ -21,6 +21,7 @@ from worker.live_progress import LiveProgress
 from worker.render import progress_line, run_link, runs_table, status_text
 from worker.specfile import SpecError, load_spec
 from worker.stack_cli import print_links
+from workflows.approval import measured_loss
 from workflows.contracts.api_models import RunList, RunView
 from workflows.contracts.models import Phase, RunStatus
 
@@ -175,6 +176,8 @@ def _decided(name: str, reason: str, decide: Callable[[Client], RunView]) -> Non
     )
     if status.phase == Phase.APPROVED and mv:
         console.print(f"alias 'production' -> {mv.model_name} version {mv.version}")
+    if status.evaluation is not None and status.evaluation.self_reported:
+        console.print(f"its {measured_loss(status.evaluation)}: Forgeline did not measure it")
 
 
 @commands.command()

@@ -8,7 +8,14 @@ and the run's spec, which may only make the bar stricter.
 
 from __future__ import annotations
 
-from workflows.contracts.models import ApprovalPolicy, Decision, EvalResult, Phase, RunStatus
+from workflows.contracts.models import (
+    SELF_REPORTED,
+    ApprovalPolicy,
+    Decision,
+    EvalResult,
+    Phase,
+    RunStatus,
+)
 from workflows.contracts.spec import RunSpec
 
 
@@ -79,8 +86,7 @@ def _not_authorised(status: RunStatus, policy: ApprovalPolicy, decision: Decisio
 def _gate_refusal(status: RunStatus, policy: ApprovalPolicy, decision: Decision) -> str | None:
     if not decision.approve or gate_passed(policy, status.evaluation):
         return None
-    loss = status.evaluation.val_loss if status.evaluation else None
-    measured = f"val loss {loss:.4f}" if loss is not None else "no evaluation"
+    measured = measured_loss(status.evaluation)
     if not decision.override_gate:
         return (
             f"run {status.name} fails its eval gate: {measured}, the gate is at most "
@@ -88,6 +94,15 @@ def _gate_refusal(status: RunStatus, policy: ApprovalPolicy, decision: Decision)
             "with --note saying why"
         )
     return None
+
+
+def measured_loss(evaluation: EvalResult | None) -> str:
+    """The eval loss as the gate judged it, saying so when the run's script reported it: the
+    approver should know that no measurement of Forgeline's backs it."""
+    if evaluation is None:
+        return "no evaluation"
+    loss = f"val loss {evaluation.val_loss:.4f}"
+    return f"{loss} ({SELF_REPORTED})" if evaluation.self_reported else loss
 
 
 def _listed(policy: ApprovalPolicy) -> str:

@@ -14,7 +14,7 @@ from infra.settings import Settings
 from tests.trainer.conftest import Trainer
 from tests.trainer.test_layouts import TRAIN
 from trainer.manifest import find_latest, manifest_key, read_manifest
-from workflows.contracts.models import EvaluateInput
+from workflows.contracts.models import EvalSource, EvaluateInput
 from workflows.contracts.spec import RunSpec
 
 
@@ -42,6 +42,7 @@ def test_an_older_checkpoint_that_does_not_verify_is_left_out_of_the_curve(
     )
     evaluation = ActivityEnvironment().run(control.evaluate, inp)
     assert evaluation.step == 30 and evaluation.val_loss > 0
+    assert evaluation.source == EvalSource.PLATFORM  # measured here, not reported by the run
     assert [point.step for point in evaluation.curve] == [20, 30]
     (note,) = evaluation.curve_left_out
     assert note.startswith("step 10: ") and "corrupt" in note, note

@@ -117,6 +117,7 @@ def test_run_to_approval_and_the_registered_model(stack: Stack, tmp_path: Path) 
     manifest = json.loads(store.get_bytes(tags["forgeline.dataset_manifest_key"]))
     assert manifest["snapshot_id"] == tags["forgeline.dataset_snapshot"]
     assert float(tags["forgeline.val_loss"]) == pytest.approx(val_loss, abs=1e-4)
+    assert tags["forgeline.eval_source"] == "platform"  # measured by Forgeline, not the run
     assert tags["forgeline.gate"] == "overridden" and tags["forgeline.gate_max_val_loss"] == "1"
     assert len(tags["forgeline.packages_sha256"]) == 64
     # One MLflow run from start to registration: the ranks' metrics streamed in while they

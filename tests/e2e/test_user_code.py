@@ -60,6 +60,7 @@ def registered_with_its_code(stack: Stack, model: str, metric: str, servable: bo
     assert tags["forgeline.entrypoint"] == "train.py"
     assert re.fullmatch(r"[0-9a-f]{32}", tags["forgeline.code_snapshot"])
     assert tags["forgeline.eval_measured_on"] == "held-out"
+    assert tags["forgeline.eval_source"] == "script"  # self-reported: the gate says so
     assert tags["forgeline.servable"] == str(servable).lower()
     assert client.get_metric_history(version.run_id, f"train/{metric}")
     if servable:  # a pyfunc model: the user's code and the weights among its artifacts

@@ -29,6 +29,7 @@ def test_tags_written_before_the_type_read_back_and_write_back_the_same() -> Non
     assert (lineage.checkpoint_step, lineage.eval_step) == (400, 400)
     assert lineage.git_dirty is True and lineage.servable is True
     assert lineage.val_loss == pytest.approx(2.3649) and lineage.code_snapshot is None
+    assert lineage.eval_source is None  # registered before who measured it was recorded
     # Registration's own tags (its idempotency key, the artifacts' digests) are not lineage.
     lineage_only = {k: v for k, v in tags.items() if k not in (IDEMPOTENCY_TAG, ARTIFACTS_TAG)}
     assert lineage.dump() == {**lineage_only, "forgeline.lineage_format": "1"}
@@ -40,10 +41,12 @@ def test_a_version_of_a_user_s_script_carries_its_code() -> None:
         "forgeline.code_snapshot": "0123456789abcdef0123456789abcdef",
         "forgeline.code_manifest_sha256": "ab" * 32,
         "forgeline.entrypoint": "train.py",
+        "forgeline.eval_source": "script",
         SERVABLE_TAG: "false",
     }
     lineage = LineageTags.read(tags, WHERE)
     assert (lineage.entrypoint, lineage.servable) == ("train.py", False)
+    assert lineage.eval_source == "script"
     assert LineageTags.read(lineage.dump(), WHERE) == lineage
 
 

@@ -7,8 +7,10 @@ from infra.settings import Settings
 from worker.render import eta_text, progress_line, runs_table, status_text
 from worker.runs import RunView
 from workflows.contracts.models import (
+    ApprovalPolicy,
     CheckpointRef,
     EvalResult,
+    EvalSource,
     Failure,
     Phase,
     RunStatus,
@@ -104,6 +106,31 @@ def test_an_evaluation_says_what_it_was_measured_on() -> None:
     text = status_text(view, SETTINGS)
     assert "the last training loss, step 600: the script reports no held-out loss" in text
     assert "on 0 tokens" not in text and "sample " not in text  # no empty sample line
+
+
+def test_a_loss_the_run_s_script_reported_is_shown_as_self_reported_to_the_approver() -> None:
+    view = training_view()
+    measured = EvalResult(
+        step=600, val_loss=1.5, perplexity=4.48, val_tokens=8192, sample="",
+        source=EvalSource.PLATFORM,
+    )  # fmt: skip
+    view.status.phase = Phase.AWAITING_APPROVAL
+    view.status.approval = ApprovalPolicy(max_val_loss=2.0, source="approvals.toml: team x")
+    view.status.evaluation = measured
+    assert "self-reported" not in status_text(view, SETTINGS) + progress_line(view)
+    view.status.evaluation = measured.model_copy(update={"source": EvalSource.SCRIPT})
+    lines = status_text(view, SETTINGS).splitlines()
+    assert any(
+        line.startswith("evaluation     val_loss 1.5000")
+        and line.endswith("on 8,192 tokens at step 600 (self-reported by the run's script)")
+        for line in lines
+    )
+    assert "eval gate      val_loss <= 2: passes" in lines
+    assert (
+        "eval source    val_loss 1.5000 is self-reported by the run's script, not measured by "
+        "Forgeline: check the run's code before you trust it"
+    ) in lines
+    assert "val_loss 1.5000 (self-reported)" in progress_line(view)
 
 
 def test_status_says_when_an_elastic_run_trains_on_fewer_nodes() -> None:

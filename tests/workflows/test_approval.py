@@ -9,7 +9,15 @@ from registry.approvals import parse_approvals, rules_for
 from registry.errors import ApprovalsInvalid
 from tests.conftest import REPO
 from workflows.approval import gate_tags, refusal, with_spec
-from workflows.contracts.models import ApprovalPolicy, Decision, EvalResult, Phase, RunStatus
+from workflows.contracts.models import (
+    SELF_REPORTED,
+    ApprovalPolicy,
+    Decision,
+    EvalResult,
+    EvalSource,
+    Phase,
+    RunStatus,
+)
 from workflows.contracts.spec import RunSpec
 
 APPROVALS = """
@@ -91,6 +99,29 @@ def test_with_no_list_anyone_but_the_submitter_may_approve() -> None:
     assert refusal(status, False, Decision(approver="alice", approve=True)) is not None
     selfish = ApprovalPolicy(allow_self_approval=True, source="approvals.toml: team x")
     assert refusal(waiting(policy=selfish), False, Decision(approver="alice", approve=True)) is None
+
+
+def test_the_gate_says_when_the_loss_it_judges_was_reported_by_the_run_s_script() -> None:
+    """A user's script reports its own eval loss: the gate still judges it, and says whose
+    number it is, so nobody takes it for one Forgeline measured."""
+    policy = policy_for("tiny", "research")
+    plain = Decision(approver="dave", approve=True)
+    measured = waiting(val_loss=2.71, policy=policy)
+    assert measured.evaluation is not None
+    measured.evaluation.source = EvalSource.PLATFORM
+    refused = refusal(measured, False, plain)
+    assert refused is not None and "val loss 2.7100, the gate" in refused
+    assert SELF_REPORTED not in refused
+    scripted = waiting(val_loss=2.71, policy=policy)
+    assert scripted.evaluation is not None
+    scripted.evaluation.source = EvalSource.SCRIPT
+    refused = refusal(scripted, False, plain)
+    assert refused is not None
+    assert "val loss 2.7100 (self-reported by the run's script), the gate is at most 2.5" in refused
+    # An evaluation from before the source was recorded: a training loss was always a script's.
+    scripted.evaluation.source = None
+    scripted.evaluation.measured_on = "train"
+    assert SELF_REPORTED in (refusal(scripted, False, plain) or "")
 
 
 def test_the_eval_gate_refuses_approval_unless_overridden_with_a_reason() -> None:
