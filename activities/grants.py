@@ -20,13 +20,10 @@ class GrantActivities:
     @activity.defn(name="confirm_grant")
     async def confirm_grant(self, check: GrantCheck) -> bool:
         """True when the Cluster workflow holds exactly this allocation for the run: its
-        generation and its nodes (and their agents' incarnations)."""
+        generation, its nodes (and their agents' incarnations), their hosts and rendezvous
+        ports."""
         state = await self.client.get_workflow_handle(CLUSTER_WORKFLOW_ID).query(
             "state", result_type=ClusterState, rpc_timeout=timedelta(seconds=20)
         )
         held = next((a for a in state.allocations if a.run_id == check.run_id), None)
-        return (
-            held is not None
-            and held.generation == check.generation
-            and [(n.node_id, n.incarnation) for n in held.nodes] == check.nodes
-        )
+        return held is not None and check.holds(held)

@@ -383,11 +383,7 @@ class TrainingRun:
             offer = self._offered.pop(0)
             if offer.generation <= self._newest_confirmed:
                 continue  # stale, or a duplicate of one already used
-            check = GrantCheck(
-                run_id=offer.run_id,
-                generation=offer.generation,
-                nodes=[(n.node_id, n.incarnation) for n in offer.nodes],
-            )
+            check = GrantCheck.of(offer)  # its nodes, their agents and addresses
             if await self._control("confirm_grant", check, bool, timedelta(seconds=30)):
                 self._newest_confirmed = offer.generation
                 return offer

@@ -18,6 +18,7 @@ from temporalio.service import RPCError
 from temporalio.testing import WorkflowEnvironment
 from temporalio.worker import Worker
 
+from activities.grants import GrantActivities
 from tests.workflows.conftest import CONTINUE_AS_NEW_AFTER
 from tests.workflows.gang_holder import GangHolder
 from tests.workflows.replaying import write_history
@@ -29,6 +30,7 @@ from workflows.contracts.cluster_models import (
     ClusterConfig,
     ClusterState,
     GangRequest,
+    GrantCheck,
     Health,
     JoinRequest,
     Node,
@@ -325,6 +327,32 @@ def test_the_old_register_signal_cannot_take_a_live_node(
                 await h.cluster.fetch_history(),
                 Path(record) / f"{label}_Cluster_{CLUSTER_WORKFLOW_ID}",
             )
+
+    run_scenario(temporal_address, task_queue, scenario)
+
+
+def test_a_grant_is_confirmed_only_where_the_cluster_placed_it(
+    temporal_address: str, task_queue: str
+) -> None:
+    """Issue 44, finding 13: `confirm_grant` compared a grant's generation, nodes and their
+    incarnations, not where they are: a forged grant of the right nodes with the head at
+    another host or rendezvous port was confirmed, and the gang's ranks would meet there."""
+
+    async def scenario(h: Harness) -> None:
+        grant = await h.gang_of_two()
+        confirm = GrantActivities(h.client).confirm_grant
+        assert await confirm(GrantCheck.of(grant))
+        head, other = grant.nodes
+        for moved in (
+            {"host": "198.18.0.66"},
+            {"rdzv_port": 31337},
+            {"rdzv_ports": 7},
+            {"incarnation": "x"},
+        ):
+            forged = grant.model_copy(update={"nodes": [head.model_copy(update=moved), other]})
+            assert not await confirm(GrantCheck.of(forged)), moved
+        # A check the run scheduled before addresses were compared still confirms its grant.
+        assert await confirm(GrantCheck.of(grant).model_copy(update={"addresses": None}))
 
     run_scenario(temporal_address, task_queue, scenario)
 

@@ -426,6 +426,27 @@ class GrantCheck(BaseModel):
     run_id: str
     generation: int
     nodes: list[tuple[str, str]]  # (node id, incarnation), in the grant's order
+    # Where each node is reached, in the same order: (host, rdzv_port, rdzv_ports). The head's
+    # make the gang's rendezvous endpoint, so a grant of the right nodes at another address
+    # would send the ranks to whoever listens there. None: a check scheduled before they were.
+    addresses: list[tuple[str, int, int]] | None = None
+
+    @classmethod
+    def of(cls, grant: Allocation) -> GrantCheck:
+        return cls(
+            run_id=grant.run_id,
+            generation=grant.generation,
+            nodes=[(n.node_id, n.incarnation) for n in grant.nodes],
+            addresses=[(n.host, n.rdzv_port, n.rdzv_ports) for n in grant.nodes],
+        )
+
+    def holds(self, held: Allocation) -> bool:
+        """Whether the cluster's allocation `held` is exactly this grant: its run, generation,
+        nodes, their agents' incarnations, and where the ranks will meet."""
+        expected = GrantCheck.of(held)
+        if self.addresses is None:
+            expected.addresses = None
+        return expected == self
 
 
 class NodeFailure(BaseModel):
