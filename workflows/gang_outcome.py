@@ -21,6 +21,7 @@ from temporalio.exceptions import (
 from workflows.contracts.cluster_models import Allocation, NodeInfo, PreemptNotice
 from workflows.contracts.models import Failure, HealthEvent, NodeTrainResult
 from workflows.contracts.names import node_task_queue
+from workflows.contracts.spec import RecoverySpec
 
 # How long a live node agent takes at most to answer the liveness probe: the task waits in its
 # queue for one of the agent's idle pollers (milliseconds), the answer is a constant. A node
@@ -63,6 +64,32 @@ def straggler_swap(results: list[NodeTrainResult]) -> StragglerSwap | None:
     if not swaps:
         return None
     return StragglerSwap(swaps[-1], head.final_step)
+
+
+def swap_refused(
+    swap: StragglerSwap, recovery: RecoverySpec, swaps: int, generation: int, now: datetime
+) -> Failure | None:
+    """The failure a swap becomes when the run may not make it, else None. A swap is asked
+    for by the ranks (a progress line a script can write as well as the straggler watch), and
+    each one cordons a node: a run swaps only under `straggler_policy = "swap"` and at most
+    `max_swaps` times. The honest watch stops asking past that (RunSpec.after_swaps); ranks
+    that ask anyway stopped early with a checkpoint, which counts as a failure (a restart
+    spent, so it cannot repeat for ever) that blames no node."""
+    if recovery.straggler_policy == "swap" and swaps < recovery.max_swaps:
+        return None
+    if recovery.straggler_policy != "swap":
+        why = f'recovery.straggler_policy is "{recovery.straggler_policy}", not "swap"'
+    else:
+        why = f"the run has made its recovery.max_swaps = {recovery.max_swaps} swap(s)"
+    node = swap.event.node_id or "a node"
+    return Failure(
+        generation=generation,
+        node_id=None,
+        reason=f"the ranks stopped at step {swap.step} asking to swap out {node} "
+        f"({swap.event.evidence}), but {why}: {node} is not cordoned, and the stop counts as "
+        "a failed attempt",
+        at=now,
+    )
 
 
 def failures_of(

@@ -73,6 +73,7 @@ with workflow.unsafe.imports_passed_through():
         failures_of,
         stopped_early,
         straggler_swap,
+        swap_refused,
         tear_down,
         user_code_failure,
     )
@@ -544,6 +545,13 @@ class TrainingRun:
             if self._preempt is not None and results[0].final_step < self._spec.train.steps:
                 raise Preempted(self._preempt, results[0].final_step)
             if swap := straggler_swap(results):
+                refused = swap_refused(
+                    swap, self._spec.recovery, self._status.swaps, allocation.generation,
+                    workflow.now(),
+                )  # fmt: skip
+                # Runs from before cordoned whatever the ranks named, as often as they asked.
+                if refused is not None and workflow.patched("swaps-bounded"):
+                    raise GangFailed([refused])
                 raise swap
             early = stopped_early(
                 results, self._spec.train.steps, allocation.generation, workflow.now()

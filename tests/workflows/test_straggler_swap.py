@@ -1,13 +1,17 @@
 """A straggler swapped out, in seconds: the real TrainingRun and Cluster workflows on the dev
 server with stand-in activities. The gang's ranks stop at a checkpoint asking for a swap; the
 run cordons the slow node, gives the gang back, and the next gang, without it, resumes from
-that checkpoint. (tests/e2e/test_failures.py does the same with real ranks, slowly.)"""
+that checkpoint. (tests/e2e/test_failures.py does the same with real ranks, slowly.) Ranks
+that ask for more swaps than the run's recovery.max_swaps (a script can write the same
+progress lines) cordon nothing more."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+from datetime import UTC, datetime
 
+import pytest
 from temporalio import activity
 from temporalio.client import Client
 from temporalio.contrib.pydantic import pydantic_data_converter
@@ -18,6 +22,7 @@ from tests.workflows.test_training_run_history import (
     Control,
     _status,
     one_node_spec,
+    record_histories,
     stack_workers,
     start_cluster_and_run,
     terminated_after,
@@ -35,16 +40,22 @@ from workflows.contracts.models import (
     Phase,
     RunStatus,
 )
+from workflows.contracts.spec import RunSpec
+from workflows.gang_outcome import StragglerSwap, swap_refused
 
+# FORGELINE_RECORD_HISTORIES=tests/workflows/histories records the run's history: the first
+# with a swap past max_swaps refused (`swaps-bounded`), replayed ever since.
+LABEL = "2026-12-06-swaps-bounded"
 SWAPPED_AT = 40
 SLOW = "n1"
 
 
 class Agents:
-    """Every node's agent: generation 1's ranks find n1 slow and stop at step 40 asking for a
-    swap; later generations train to the end."""
+    """Every node's agent: the ranks of each generation in `swap_out` stop at step 40 asking to
+    swap out the node it names; other generations train to the end."""
 
-    def __init__(self) -> None:
+    def __init__(self, swap_out: dict[int, str]) -> None:
+        self.swap_out = swap_out
         self.step = 0  # the newest checkpoint, what the stand-in control worker finds
         self.gangs: dict[int, set[str]] = {}  # the nodes of each generation
         self.resumes: dict[int, CheckpointRef | None] = {}
@@ -54,14 +65,15 @@ class Agents:
         generation = inp.allocation.generation
         self.gangs[generation] = {n.node_id for n in inp.allocation.nodes}
         self.resumes[generation] = inp.resume
-        if generation == 1:
+        if generation in self.swap_out:
             self.step = SWAPPED_AT
             why = "step time 3.1x the gang's median"
-            slow = HealthEvent(generation=1, node_id=SLOW, kind="straggler", step=SWAPPED_AT,
-                               evidence=why, action="swap")  # fmt: skip
+            slow = HealthEvent(generation=generation, node_id=self.swap_out[generation],
+                               kind="straggler", step=SWAPPED_AT, evidence=why,
+                               action="swap")  # fmt: skip
             return NodeTrainResult(
-                node_id=inp.node_id, generation=1, final_step=SWAPPED_AT, final_loss=2.0,
-                stopped=True, stop_reason="straggler: swap", health=[slow],
+                node_id=inp.node_id, generation=generation, final_step=SWAPPED_AT,
+                final_loss=2.0, stopped=True, stop_reason="straggler: swap", health=[slow],
             )  # fmt: skip
         self.step = STEPS
         return NodeTrainResult(node_id=inp.node_id, generation=generation, final_step=STEPS,
@@ -72,15 +84,24 @@ class Agents:
         return None
 
 
-def test_a_straggler_is_swapped_out_and_the_gang_resumes_from_its_checkpoint(
-    temporal_address: str, task_queue: str
-) -> None:
-    base = one_node_spec("swapped")
-    spec = base.model_copy(update={"resources": base.resources.model_copy(update={"nodes": 2})})
+def swapping_spec(name: str, max_swaps: int = 10) -> RunSpec:
+    """Two nodes, straggler_policy = "swap": the ranks may ask to swap `max_swaps` times."""
+    base = one_node_spec(name)
+    recovery = {"straggler_policy": "swap", "max_swaps": max_swaps}
+    return base.model_copy(update={
+        "resources": base.resources.model_copy(update={"nodes": 2}),
+        "recovery": base.recovery.model_copy(update=recovery),
+    })  # fmt: skip
 
-    async def main() -> tuple[RunStatus, Agents, list[tuple]]:
+
+def run_on_three_nodes(
+    temporal_address: str, task_queue: str, spec: RunSpec, agents: Agents
+) -> tuple[RunStatus, list[tuple]]:
+    """The run on n0 and n1, n2 joining once the first gang is granted; its status once it
+    awaits approval, and the nodes not active then (node, admin state, reason)."""
+
+    async def main() -> tuple[RunStatus, list[tuple]]:
         client = await Client.connect(temporal_address, data_converter=pydantic_data_converter)
-        agents = Agents()
         control = Control(agents)  # type: ignore[arg-type]  # it reads .step alone
         acts = [agents.train_on_node, agents.stop_training]
         workers = stack_workers(client, task_queue, control, {n: acts for n in ("n0", "n1", "n2")})
@@ -98,17 +119,71 @@ def test_a_straggler_is_swapped_out_and_the_gang_resumes_from_its_checkpoint(
                 state = await cluster.query(ClusterWorkflow.state)
                 cordoned = [(n.info.node_id, n.admin, n.down_reason) for n in state.nodes
                             if n.admin != Admin.ACTIVE]  # fmt: skip
-                return final, agents, cordoned
+                await record_histories(LABEL, run)
+                return final, cordoned
 
-    final, agents, cordoned = asyncio.run(main())
+    return asyncio.run(main())
+
+
+def test_a_straggler_is_swapped_out_and_swaps_past_max_swaps_cordon_nothing(
+    temporal_address: str, task_queue: str
+) -> None:
+    """The first gang's ranks ask to swap out n1: it is cordoned with the evidence as its
+    reason and the next gang, without it, resumes from step 40. With max_swaps = 1, that
+    gang's ranks ask to swap out n2 as well (as a script writing the watch's lines could): n2
+    stays in service, the attempt fails with the reason, and the third gang, on n0 and n2
+    again, trains to the end. (One run for both: each costs seconds of the suite.)"""
+    agents = Agents(swap_out={1: SLOW, 2: "n2"})
+    spec = swapping_spec("swapped", max_swaps=1)
+    final, cordoned = run_on_three_nodes(temporal_address, task_queue, spec, agents)
     assert final.phase == Phase.AWAITING_APPROVAL, final
-    assert agents.gangs[1] == {"n0", SLOW} and SLOW not in agents.gangs[2]
-    resumed = agents.resumes[2]
-    assert resumed is not None and resumed.step == SWAPPED_AT  # the swap lost no steps
+    assert agents.gangs[1] == {"n0", SLOW}
+    assert agents.gangs[2] == agents.gangs[3] == {"n0", "n2"}
+    for generation in (2, 3):
+        resumed = agents.resumes[generation]
+        assert resumed is not None and resumed.step == SWAPPED_AT  # no step lost
     assert final.swaps == 1
+    # Without the bound n2 is cordoned too, and no third gang of two nodes is ever granted.
     assert cordoned == [(SLOW, Admin.CORDONED, "straggler: step time 3.1x the gang's median")]
+    refused = final.failures[-1].reason
+    assert refused.startswith(f"the ranks stopped at step {SWAPPED_AT} asking to swap out n2 ")
+    assert "recovery.max_swaps = 1 swap(s): n2 is not cordoned" in refused
     attempts = [(a.generation, a.outcome, a.after) for a in final.gang_attempts]
     assert attempts == [
         (1, AttemptOutcome.SWAPPED, AttemptCause.START),
-        (2, AttemptOutcome.COMPLETED, AttemptCause.SWAP),
+        (2, AttemptOutcome.FAILED, AttemptCause.SWAP),
+        (3, AttemptOutcome.COMPLETED, AttemptCause.FAILURE),
     ]
+
+
+def _swap_of(node_id: str) -> StragglerSwap:
+    event = HealthEvent(generation=1, node_id=node_id, kind="straggler", step=SWAPPED_AT,
+                        evidence="step time 3.1x the gang's median", action="swap")  # fmt: skip
+    return StragglerSwap(event, SWAPPED_AT)
+
+
+@pytest.mark.parametrize(
+    ("policy", "max_swaps", "swaps", "why"),
+    [
+        ("swap", 2, 2, "the run has made its recovery.max_swaps = 2 swap(s)"),
+        ("swap", 0, 0, "the run has made its recovery.max_swaps = 0 swap(s)"),
+        ("report", 10, 0, 'recovery.straggler_policy is "report", not "swap"'),
+        ("off", 10, 0, 'recovery.straggler_policy is "off", not "swap"'),
+    ],
+)
+def test_a_swap_the_run_may_not_make_is_a_failure_that_blames_no_node(
+    policy: str, max_swaps: int, swaps: int, why: str
+) -> None:
+    recovery = swapping_spec("r").recovery.model_copy(
+        update={"straggler_policy": policy, "max_swaps": max_swaps}
+    )
+    now = datetime(2026, 12, 6, tzinfo=UTC)
+    failure = swap_refused(_swap_of("n3"), recovery, swaps, 4, now)
+    assert failure is not None and (failure.node_id, failure.generation) == (None, 4)
+    assert f"asking to swap out n3 (step time 3.1x the gang's median), but {why}: n3 is not " \
+        "cordoned" in failure.reason  # fmt: skip
+
+
+def test_a_swap_within_max_swaps_is_made() -> None:
+    recovery = swapping_spec("r", max_swaps=2).recovery
+    assert swap_refused(_swap_of("n3"), recovery, 1, 4, datetime(2026, 12, 6, tzinfo=UTC)) is None
