@@ -39,6 +39,10 @@ ENV PYTHONUNBUFFERED=1 \
     PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     FORGELINE_HOME=/var/lib/forgeline
+# bubblewrap: the agent runs each job's ranks in a box of their own (trainer/rank_box.py); the
+# pod needs unprivileged user namespaces (README, Users' code runs in a box).
+RUN apt-get update && apt-get install -y --no-install-recommends bubblewrap \
+    && rm -rf /var/lib/apt/lists/*
 RUN pip install --index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}"
 COPY --from=wheel /wheels/ /tmp/wheels/
 RUN pip install "$(echo /tmp/wheels/forgeline-*.whl)${FORGELINE_EXTRA:+[${FORGELINE_EXTRA}]}" \

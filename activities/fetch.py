@@ -36,12 +36,9 @@ class NodeCache:
         root: Path,
         store: ObjectStore,
         budget_bytes: int | None = None,
-        local_copies: LocalCopies | None = None,
     ) -> None:
         self.root = root
         self.store = store
-        # A node agent's: the checkpoint its own ranks committed last, read before the store.
-        self.local_copies = local_copies
         self.budget = CacheBudget(
             root, default_budget(root) if budget_bytes is None else budget_bytes
         )
@@ -134,20 +131,26 @@ class NodeCacheLease:
         finally:
             self.cache.budget.save()
 
-    def checkpoint(self, ref: CheckpointRef) -> tuple[Path, CheckpointManifest]:
-        """The checkpoint's files in one folder (DCP reads them by name) and its manifest."""
+    def checkpoint(
+        self, ref: CheckpointRef, copies: LocalCopies | None = None
+    ) -> tuple[Path, CheckpointManifest]:
+        """The checkpoint's files in one folder (DCP reads them by name) and its manifest;
+        `copies`: the files the run's ranks on this node committed last, read before the store."""
         manifest = read_manifest(self.cache.store, ref.manifest_key)
         rel = "checkpoints/" + ref.manifest_key.rsplit("/", 1)[0]
         folder = self.cache.root / rel
         size = sum(entry.bytes for entry in manifest.files)
         try:
-            self.pins.admit(rel, size, lambda: self._fetch_checkpoint(manifest, folder, size))
+            self.pins.admit(
+                rel, size, lambda: self._fetch_checkpoint(manifest, folder, size, copies)
+            )
         finally:
             self.cache.budget.save()
         return folder, manifest
 
-    def _fetch_checkpoint(self, manifest: CheckpointManifest, folder: Path, size: int) -> Path:
-        copies = self.cache.local_copies
+    def _fetch_checkpoint(
+        self, manifest: CheckpointManifest, folder: Path, size: int, copies: LocalCopies | None
+    ) -> Path:
         if copies is None:
             return fetch_checkpoint(self.cache.store, manifest, folder)
         before = copies.served_bytes

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import shutil
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from datetime import UTC, datetime
@@ -21,7 +22,7 @@ from temporalio.exceptions import ApplicationError
 from activities.errors import domain_errors
 from activities.fetch import NodeCache, NodeCacheLease
 from activities.metric_tap import MetricTap
-from infra import node_health
+from infra import code_snapshot, node_health
 from infra.requirements import unmet
 from infra.settings import Settings
 from registry.metric_stream import MetricShipper, MetricSpool
@@ -33,6 +34,7 @@ from trainer.launch import LOOPBACK, Fabric, Rendezvous, run_ranks
 from trainer.local_copies import LocalCopies
 from trainer.manifest import read_manifest
 from trainer.model import laid_out_as
+from trainer.rank_box import Confinement, NodeConfinement, rank_box
 from trainer.rank_logs import LogShipper, shipped_while_running
 from trainer.warm_launch import WarmLauncher
 from workflows.contracts.cluster_models import CheckpointCommitted, WarmInput
@@ -52,6 +54,9 @@ HEALTH_SIGNALS = 10
 
 T = TypeVar("T")
 STOP_FILE = "STOP"
+# In a run's folder on the node: its ranks' copies of its newest checkpoint, and of the peer tier.
+CHECKPOINT_COPIES = "checkpoint-copies"
+PEER_COPIES = "peer-copies"
 # How long a finished attempt waits for its metrics to reach MLflow (a healthy MLflow takes
 # well under a second for a run's backlog); longer, and the run moves on without them.
 METRICS_DELIVERY_S = 5.0
@@ -69,8 +74,11 @@ class NodeActivities:
         on_cache_changed: Callable[[dict[str, int]], Awaitable[None]] | None = None,
         fabric: Fabric = LOOPBACK,
         incarnation: str = "",
+        confinement: NodeConfinement | None = None,
     ) -> None:
         self.settings = settings
+        # Whether this node boxes its ranks (trainer.rank_box.decide, at the agent's start).
+        self.confinement = confinement or NodeConfinement(Confinement.UNCONFINED, "not asked")
         self.node_id = node_id
         self.incarnation = incarnation  # this agent process's, as it registered (NodeInfo)
         self.fabric = fabric  # the address this node advertises and its interface
@@ -83,12 +91,8 @@ class NodeActivities:
         # (worker.processes_main), for as long as it lives.
         self.metrics_dir = self.workdir / "metrics"
         self.shipper = MetricShipper(self.metrics_dir, settings.mlflow_uri)
-        # The files of the checkpoint this node's ranks committed last (trainer.local_copies):
-        # a recovering gang's survivors read their own shards from here, not from the store.
-        self.local_copies = LocalCopies(self.workdir / "checkpoint-copies")
-        self.cache = NodeCache(
-            self.workdir / "cache", self.store, settings.node_cache_bytes(), self.local_copies
-        )
+        self.cache = NodeCache(self.workdir / "cache", self.store, settings.node_cache_bytes())
+        self._training: set[str] = set()  # the runs whose ranks this agent runs now
         # A torchrun with its imports done, for this node's next job (trainer.warm_launch);
         # the agent makes the first at start-up (worker.processes_main).
         self.launcher = (
@@ -99,10 +103,22 @@ class NodeActivities:
     async def train_on_node(self, inp: NodeTrainInput) -> NodeTrainResult:
         # What the job uses (shards, checkpoint, code) is pinned until it ends: another job's
         # fetch on this node never evicts the files under these ranks.
-        with self.cache.lease() as cache:
-            return await self._train(inp, cache)
+        self._training.add(inp.run_id)
+        try:
+            with self.cache.lease() as cache:
+                return await self._train(inp, cache)
+        finally:
+            self._training.discard(inp.run_id)
 
     async def _train(self, inp: NodeTrainInput, cache: NodeCacheLease) -> NodeTrainResult:
+        if inp.code is not None and self.confinement.mode is Confinement.REFUSED:
+            raise ApplicationError(
+                f"node {self.node_id} runs no user code: it cannot box it "
+                f"({self.confinement.why}); its operator may install bubblewrap, or start the "
+                "agent with --unconfined-user-code",
+                type="NodeRefusesUserCode",
+                non_retryable=True,
+            )
         allocation = inp.allocation
         generation = allocation.generation
         reporter = _Reporter(
@@ -129,6 +145,11 @@ class NodeActivities:
             self.metrics_dir, self._generation_dir(inp.run_id, generation) / "progress.jsonl"
         )
         gen_dir = self._generation_dir(inp.run_id, generation)
+        box = (
+            rank_box(job, gen_dir.parent, self._own_checkpoints(inp.run_id))
+            if self.confinement.mode is Confinement.BOX
+            else None
+        )
         logs = LogShipper(self.store, inp.run_id, generation, self.node_id, gen_dir)
         try:
             async with reporter.alive(), shipped_while_running(logs):
@@ -142,6 +163,7 @@ class NodeActivities:
                     start_limit_s=inp.spec.recovery.start_limit_s,
                     fabric=self.fabric,
                     launcher=self.launcher,
+                    box=box,
                 )
         except UserCodeFailed as err:  # the same on every attempt and node: fail the run now
             raise ApplicationError(str(err), type=USER_CODE_ERROR, non_retryable=True) from err
@@ -202,14 +224,43 @@ class NodeActivities:
         folder.mkdir(parents=True, exist_ok=True)
         (folder / STOP_FILE).write_text("checkpoint and exit\n")
 
+    def _own_checkpoints(self, run_id: str) -> Path:
+        """Where this node's cache keeps the run's own checkpoints (NodeCacheLease.checkpoint:
+        the folder of a manifest key `runs/<run>/checkpoints/...`)."""
+        return self.cache.root / "checkpoints" / "runs" / run_id
+
+    def _run_dir(self, run_id: str) -> Path:
+        """This node's folder for one run: its generations' folders, its code, its copies."""
+        return self.workdir / "runs" / run_id
+
     def _generation_dir(self, run_id: str, generation: int) -> Path:
         """This node's folder for one generation of a run: job file, logs, progress, staging."""
-        return self.workdir / "runs" / run_id / f"gen-{generation}"
+        return self._run_dir(run_id) / f"gen-{generation}"
+
+    def _copies(self, run_id: str) -> LocalCopies:
+        """The files of the run's checkpoint this node's ranks committed last
+        (trainer.local_copies): a recovering gang's survivors read their own shards from here,
+        not from the store. In the run's folder, beside its staging: the ranks move a file
+        there by a rename (a box binds the run's folder whole; a rename between two mounts
+        fails), and no other run's ranks see it."""
+        return LocalCopies(self._run_dir(run_id) / CHECKPOINT_COPIES)
+
+    def _drop_copies_of_other_runs(self) -> None:
+        """Only the runs training here keep copies (one checkpoint's shards each): a run that
+        left this node left them behind, and would come back to a node another run used.
+        (Agents before kept one folder of each for the whole node: gone too.)"""
+        for legacy in (CHECKPOINT_COPIES, PEER_COPIES):
+            shutil.rmtree(self.workdir / legacy, ignore_errors=True)
+        for run_dir in (self.workdir / "runs").glob("*"):
+            if run_dir.name not in self._training:
+                for name in (CHECKPOINT_COPIES, PEER_COPIES):
+                    shutil.rmtree(run_dir / name, ignore_errors=True)
 
     async def _prepare_job(self, inp: NodeTrainInput, cache: NodeCacheLease) -> TrainJob:
         return await asyncio.to_thread(self._prepare_job_sync, inp, cache)
 
     def _prepare_job_sync(self, inp: NodeTrainInput, cache: NodeCacheLease) -> TrainJob:
+        self._drop_copies_of_other_runs()
         dataset = cache.dataset_manifest(inp.dataset)
         shards = cache.split(dataset, "train")
         resume = None
@@ -231,10 +282,10 @@ class NodeActivities:
                     kept, gen_dir / "store-manifest.json"
                 )
         elif inp.resume is not None:
-            folder, manifest = cache.checkpoint(inp.resume)
+            folder, manifest = cache.checkpoint(inp.resume, self._copies(inp.run_id))
             stored = manifest.network
             resume = _resume_point(inp.resume, folder, manifest)
-        code_dir = self._user_code(inp, cache)
+        code_dir = self._user_code(inp, cache, gen_dir.parent / "code")
         init_weights = ""
         if inp.init_from is not None and inp.resume is None:
             folder, base = cache.checkpoint(inp.init_from)
@@ -270,10 +321,10 @@ class NodeActivities:
             store_url=self.store.url,
             twin_store_url=self.settings.twin_store_url,
             staging_dir=str(gen_dir / "staging"),
-            local_copies=str(self.local_copies.folder),
+            local_copies=str(self._copies(inp.run_id).folder),
             # A multi-node run (or an elastic one, shrunk) holds its nodes whole, so one run at
             # a time prunes the folder; a single-node run has no peer to send to.
-            peer_copies=str(self.workdir / "peer-copies")
+            peer_copies=str(self._run_dir(inp.run_id) / PEER_COPIES)
             if spec.train.peer_every
             and (spec.resources.nodes > 1 or spec.resources.min_nodes is not None)
             else "",
@@ -300,12 +351,17 @@ class NodeActivities:
             code_dir=str(code_dir) if code_dir else "",
         )
 
-    def _user_code(self, inp: NodeTrainInput, cache: NodeCacheLease) -> Path | None:
-        """The run's code snapshot in this node's cache, every file verified, its declared
-        requirements met by this node's environment; None for the built-in trainer."""
+    def _user_code(self, inp: NodeTrainInput, cache: NodeCacheLease, dest: Path) -> Path | None:
+        """The run's own copy of its code snapshot in `dest` (from this node's cache, every
+        file verified), its declared requirements met by this node's environment; None for the
+        built-in trainer."""
         if inp.code is None:
             return None
-        folder = cache.code(inp.code)
+        ref = inp.code
+        files = code_snapshot.manifest_files(self.store, ref.snapshot_id, ref.manifest_sha256)
+        folder = code_snapshot.materialize(
+            self.store, ref.snapshot_id, files, cache.code(ref), dest
+        )
         if problems := unmet(folder):
             raise ApplicationError(
                 f"train.code's requirements are not met on node {self.node_id}: "

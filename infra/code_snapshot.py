@@ -21,6 +21,7 @@ import hashlib
 import io
 import json
 import os
+import shutil
 import tarfile
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
@@ -245,6 +246,15 @@ def _safe_relative(path: object) -> PurePosixPath:
 def fetch(store: ObjectStore, snapshot: str, manifest_sha256: str, dest: Path) -> Path:
     """The snapshot's files in `dest` (a node's cache), every one checked by size and sha256,
     the manifest by the digest the run carries and the id recomputed from the files."""
+    for entry in manifest_files(store, snapshot, manifest_sha256):
+        fetch_verified(store, _blob_key(snapshot, entry.sha256), dest / entry.path,
+                       entry.sha256, entry.bytes)  # fmt: skip
+    return dest
+
+
+def manifest_files(store: ObjectStore, snapshot: str, manifest_sha256: str) -> list[CodeFile]:
+    """The files the snapshot's manifest lists, the manifest checked by the digest the run
+    carries and the id recomputed from the files."""
     raw = store.get_bytes(manifest_key(snapshot))
     if hashlib.sha256(raw).hexdigest() != manifest_sha256:
         raise IntegrityError(
@@ -259,7 +269,46 @@ def fetch(store: ObjectStore, snapshot: str, manifest_sha256: str, dest: Path) -
     ]
     if snapshot_id(files) != snapshot:
         raise IntegrityError(f"code manifest {snapshot} lists files whose hashes give another id")
+    return files
+
+
+def materialize(
+    store: ObjectStore, snapshot: str, files: list[CodeFile], cached: Path, dest: Path
+) -> Path:
+    """`dest` holding exactly the snapshot's `files`, each checked by sha256: a run's own copy
+    of its code. The node cache's copy is shared by every run of the same code, and a run that
+    could write there would plant a module in the next one's import path; a run's copy is made
+    from the cache (from the store for any file whose cached bytes changed) and anything else
+    found in `dest` (an extra file, a changed one) has it made again."""
+    if _holds_exactly(dest, files):
+        return dest
+    shutil.rmtree(dest, ignore_errors=True)
     for entry in files:
-        fetch_verified(store, _blob_key(snapshot, entry.sha256), dest / entry.path,
-                       entry.sha256, entry.bytes)  # fmt: skip
+        target = dest / entry.path
+        target.parent.mkdir(parents=True, exist_ok=True)
+        source = cached / entry.path
+        if source.is_file() and not source.is_symlink() and sha256_file(source) == entry.sha256:
+            shutil.copyfile(source, target)
+        else:
+            fetch_verified(store, _blob_key(snapshot, entry.sha256), target,
+                           entry.sha256, entry.bytes)  # fmt: skip
     return dest
+
+
+def _holds_exactly(folder: Path, files: list[CodeFile]) -> bool:
+    """Whether `folder` holds the listed files and nothing else (no link, no extra file), each
+    with its listed sha256."""
+    if not folder.is_dir():
+        return False
+    wanted = {entry.path: entry.sha256 for entry in files}
+    found = 0
+    for path in folder.rglob("*"):
+        if path.is_symlink():
+            return False
+        if path.is_dir():
+            continue
+        rel = path.relative_to(folder).as_posix()
+        if wanted.get(rel) != sha256_file(path):
+            return False
+        found += 1
+    return found == len(wanted)

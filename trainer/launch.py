@@ -10,7 +10,6 @@ import contextlib
 import json
 import os
 import re
-import signal
 import sys
 import time
 from collections.abc import Callable, Mapping
@@ -19,21 +18,23 @@ from pathlib import Path
 
 from infra.host_network import is_loopback
 from infra.parent_death import die_with_parent
+from infra.sandbox import Box
 from trainer.errors import RanksFailed, RanksHung, UserCodeFailed
 from trainer.hang import HangWatch
 from trainer.job import TrainJob
+from trainer.rank_box import box_environment
 from trainer.rank_env import rank_environment
 from trainer.start_watch import StartWatch, Verdict
 from trainer.step_rate import StepRate
+from trainer.torchrun_process import RANK_SCRIPT, TorchrunProcess
 from trainer.warm_launch import LaunchOrder, WarmLauncher
 
-# What every rank runs (the built-in trainer or the user's script). torchrun forks the ranks
-# from itself and runs this file in them (`--start-method fork --run-path`): they inherit its
-# imports (torch: 2.5 s a rank on a restart's path) instead of starting a fresh interpreter. A
-# forked rank has torchrun's command line until it renames itself (trainer.entry.as_a_fresh_rank)
-# with this path in the name, so the chaos commands and the stop path find ranks, and torchrun,
-# by it.
-RANK_SCRIPT = str(Path(__file__).resolve().with_name("entry.py"))
+# What every rank runs (the built-in trainer or the user's script), RANK_SCRIPT: torchrun forks
+# the ranks from itself and runs that file in them (`--start-method fork --run-path`): they
+# inherit its imports (torch: 2.5 s a rank on a restart's path) instead of starting a fresh
+# interpreter. A forked rank has torchrun's command line until it renames itself
+# (trainer.entry.as_a_fresh_rank) with this path in the name, so the chaos commands and the stop
+# path find ranks, and torchrun, by it.
 # One frame of a stack as faulthandler prints it: `  File "/x/train.py", line 7 in main`.
 _FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+)')
 STACKS_GLOB = "stacks-local-rank-*.txt"  # TrainJob.stacks_file, one a rank
@@ -195,13 +196,14 @@ async def run_ranks(
     start_limit_s: float | None = None,
     fabric: Fabric = LOOPBACK,
     launcher: WarmLauncher | None = None,
+    box: Box | None = None,
 ) -> ProgressTail:
     """Run torchrun to completion; report progress every `report_every_s` (also when idle, so
     the caller can heartbeat); raise RanksFailed with the log tail if the ranks fail, or if
     `hang` sees them make no progress (their stacks then go to their stacks files); raise
     UserCodeFailed if the script's own set-up runs past `start_limit_s` (trainer.start_watch).
     With a `launcher`, its standby becomes torchrun if it has one, and it makes the next once
-    the ranks train."""
+    the ranks train. With a `box` (trainer.rank_box), torchrun and its ranks run inside it."""
     workdir.mkdir(parents=True, exist_ok=True)
     job_file = job.write(workdir / "job.json")
     log_file = workdir / "torchrun.log"
@@ -214,51 +216,42 @@ async def run_ranks(
         "FORGELINE_JOB": str(job_file),  # what forgeline.init() reads in a rank script
         **fabric.environment(os.environ),
     }
+    if box is not None:
+        env = box_environment(env)
     order = LaunchOrder(torchrun_args(job_file, rdzv, fabric), env, str(workdir), str(log_file))
-    proc = await launcher.start(order) if launcher is not None else None
+    proc = await launcher.start(order, box) if launcher is not None else None
     if proc is None:
-        with open(log_file, "ab") as log:
-            proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "torch.distributed.run", *order.args,
-                stdin=asyncio.subprocess.DEVNULL,
-                stdout=log,
-                stderr=asyncio.subprocess.STDOUT,
-                env=env,
-                cwd=workdir,
-                # torchrun dies with the agent, and its ranks with it (trainer.runtime): a dead
-                # agent is a failed node, not a preemption, so nothing gets a SIGTERM to
-                # checkpoint with peers whose node is gone.
-                preexec_fn=die_with_parent,
-            )  # fmt: skip
+        proc = await _start_cold(order, box)
+    ranks = TorchrunProcess(proc, boxed=box is not None)
     finished_at: float | None = None
     start = StartWatch(start_limit_s, time.monotonic()) if start_limit_s else None
     report_at = time.monotonic()
     try:
         while True:
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(proc.wait(), timeout=CRASH_POLL_S)
+                await asyncio.wait_for(ranks.wait(), timeout=CRASH_POLL_S)
             tail.poll()
-            if tail.crash is not None and proc.returncode is None and not _ranks_alive(proc):
+            if tail.crash is not None and ranks.returncode is None and not ranks.ranks_alive():
                 # A rank died of an exception, and every rank has exited (a rank's exit waits
                 # for its checkpoint upload in flight, which may still commit): the gang is
                 # lost. torchrun would take seconds more to say so (its monitor's next look,
                 # then its rendezvous shutdown against a store whose host may be the dead
                 # node), and the run's recovery waits on this.
-                await _kill(proc)
-            if proc.returncode is None and time.monotonic() < report_at:
+                await ranks.kill()
+            if ranks.returncode is None and time.monotonic() < report_at:
                 continue
             report_at = time.monotonic() + report_every_s
             on_progress(dict(tail.latest))
             if launcher is not None and tail.stepped:
                 # For the next generation, now that this one trains; before the exit check, so a
                 # job that ends within one report of its first step still leaves one behind.
-                await launcher.prepare()
-            if proc.returncode is not None:
+                await launcher.prepare(box)
+            if ranks.returncode is not None:
                 break
             if start is not None and not tail.stepped:
                 start.observe(tail.sdk, time.monotonic())
                 if (verdict := start.verdict(time.monotonic())) is not None:
-                    await _not_started(proc, job, verdict, start.limit_s)
+                    await _not_started(ranks, job, verdict, start.limit_s)
             if hang is not None and not tail.finished:
                 hang.observe(int(tail.latest.get("step", 0)), time.monotonic())
                 if (idle := hang.stuck_s(time.monotonic())) is not None:
@@ -274,17 +267,17 @@ async def run_ranks(
                 # torchrun) is gone; nothing is left to wait for after a short grace.
                 finished_at = finished_at or time.monotonic()
                 if time.monotonic() - finished_at > exit_grace_s:
-                    await _stop(proc, dump_stacks=False)
+                    await ranks.stop(dump_stacks=False)
                     break
     except BaseException as err:
         # A hung rank will not act on SIGTERM (it sits in a collective, or is stopped): kill it
         # soon. Anyone else gets the full grace to checkpoint on the way out.
-        await _stop(proc, grace_s=2.0 if isinstance(err, RanksHung) else 10.0)
+        await ranks.stop(grace_s=2.0 if isinstance(err, RanksHung) else 10.0)
         raise
     tail.poll()
     # torchrun exits non-zero when it was itself SIGTERMed (or stopped above), even though its
     # ranks finished or checkpointed and stopped as asked: their own word is what counts.
-    if proc.returncode != 0 and not tail.finished:
+    if ranks.returncode != 0 and not tail.finished:
         if mistake := tail.latest.get("user_error"):
             detail = mistake.get("detail", "")
             raise UserCodeFailed(f"{mistake['reason']}" + (f"\n{detail}" if detail else ""))
@@ -296,14 +289,32 @@ async def run_ranks(
                 f"\n{_last_lines(log_file)}"
             )
         raise RanksFailed(
-            f"torchrun exited with status {proc.returncode} on node {job.node_id}; "
+            f"torchrun exited with status {ranks.returncode} on node {job.node_id}; "
             f"last lines of {log_file}:\n{_last_lines(log_file)}"
         )
     return tail
 
 
+async def _start_cold(order: LaunchOrder, box: Box | None) -> asyncio.subprocess.Process:
+    """torchrun in a fresh interpreter, in `box` when there is one."""
+    command = [sys.executable, "-m", "torch.distributed.run", *order.args]
+    with open(order.log_file, "ab") as log:
+        return await asyncio.create_subprocess_exec(
+            *(box.argv(command, order.cwd) if box is not None else command),
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=log,
+            stderr=asyncio.subprocess.STDOUT,
+            env=order.env,
+            cwd=order.cwd,
+            # torchrun dies with the agent, and its ranks with it (trainer.runtime; in a box,
+            # the whole box with bwrap): a dead agent is a failed node, not a preemption, so
+            # nothing gets a SIGTERM to checkpoint with peers whose node is gone.
+            preexec_fn=die_with_parent,
+        )
+
+
 async def _not_started(
-    proc: asyncio.subprocess.Process,
+    ranks: TorchrunProcess,
     job: TrainJob,
     verdict: Verdict,
     limit_s: float,
@@ -312,7 +323,7 @@ async def _not_started(
     the ranks print on the way out)."""
     stacks = job.stacks_file(0)  # local rank 0 runs the same script as every other
     dumped_from = stacks.stat().st_size if stacks and stacks.exists() else 0
-    await _stop(proc, grace_s=2.0)
+    await ranks.stop(grace_s=2.0)
     limit = f"recovery.start_limit_s = {limit_s:g}"
     if not verdict.users:
         raise RanksHung(
@@ -349,69 +360,6 @@ def _script_frame(stacks: Path, offset: int, code_dir: str) -> str:
                 shown = path.relative_to(code_dir) if code_dir else path
                 return f"{shown}, line {found['line']}"
     return "a place its stacks do not show"
-
-
-def rank_pids(launcher_pid: int) -> list[int]:
-    """The rank processes torchrun started (its children)."""
-    pids = []
-    for task in Path(f"/proc/{launcher_pid}/task").glob("*"):
-        with contextlib.suppress(OSError):
-            pids += [int(p) for p in (task / "children").read_text().split()]
-    return pids
-
-
-def _ranks_alive(proc: asyncio.subprocess.Process) -> bool:
-    """Whether any of torchrun's ranks still runs (an exited one is a zombie until torchrun
-    reaps it, with an empty command line)."""
-    return any(_runs_trainer(pid) for pid in rank_pids(proc.pid))
-
-
-def _runs_trainer(pid: int) -> bool:
-    try:
-        return RANK_SCRIPT.encode() in Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError:
-        return False
-
-
-def dump_rank_stacks(launcher_pid: int) -> None:
-    """Ask every rank to print its threads' stacks into its stacks file (SIGUSR1, see
-    trainer.entry): what was each rank doing when it was given up on."""
-    for pid in rank_pids(launcher_pid):
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGUSR1)
-
-
-async def _stop(
-    proc: asyncio.subprocess.Process, grace_s: float = 10.0, dump_stacks: bool = True
-) -> None:
-    """Record the ranks' stacks, SIGTERM torchrun (it passes it on: the ranks try to
-    checkpoint), then SIGKILL torchrun and its ranks if they linger (a stopped or wedged rank
-    would not notice it was orphaned)."""
-    if proc.returncode is not None:
-        return
-    ranks = rank_pids(proc.pid)
-    if dump_stacks:
-        dump_rank_stacks(proc.pid)
-        await asyncio.sleep(0.5)
-    with contextlib.suppress(ProcessLookupError):
-        proc.send_signal(signal.SIGTERM)
-    try:
-        await asyncio.wait_for(proc.wait(), timeout=grace_s)
-    except TimeoutError:
-        await _kill(proc, ranks)
-
-
-async def _kill(proc: asyncio.subprocess.Process, ranks: list[int] | None = None) -> None:
-    """SIGKILL torchrun and its ranks (a stopped or wedged rank would not notice it was
-    orphaned); `ranks` as they were before torchrun was asked to stop."""
-    ranks = rank_pids(proc.pid) if ranks is None else ranks
-    with contextlib.suppress(ProcessLookupError):
-        proc.kill()
-    for pid in ranks:
-        if _runs_trainer(pid):  # still the rank, not a process that reused its pid
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-    await proc.wait()
 
 
 def _last_lines(path: Path, lines: int = 30) -> str:

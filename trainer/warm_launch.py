@@ -33,6 +33,8 @@ from pathlib import Path
 import setproctitle
 
 from infra.parent_death import die_with_parent
+from infra.sandbox import Box
+from trainer.rank_box import box_environment
 from trainer.rank_env import rank_environment
 
 STANDBY_MODULE = "trainer.warm_launch"
@@ -76,6 +78,8 @@ class WarmLauncher:
         self._code_roots = code_roots
         self._code_seen: tuple[tuple[str, int, int], ...] = ()  # when the standby was made
         self._standby: asyncio.subprocess.Process | None = None
+        # The box the standby lives in (None: none): a job needing another box starts cold.
+        self._box: Box | None = None
         # Jobs sharing a node each make one when their ranks train: only the first may.
         self._making = asyncio.Lock()
 
@@ -88,34 +92,46 @@ class WarmLauncher:
         """The waiting standby's process id (None: none waits)."""
         return self._standby.pid if self._standby is not None and self.ready else None
 
-    async def prepare(self) -> None:
-        """Start a standby unless one waits already (it imports torch in the background)."""
+    async def prepare(self, box: Box | None = None) -> None:
+        """Start a standby unless one waits already (it imports torch in the background), in
+        `box` when the next job's ranks run in one: the box of the job that trains now, since
+        the next job on this node is most often the same run's next generation."""
         async with self._making:
+            if self.ready and self._box != box:  # a standby for another run's box
+                await self.close()
             if not self.ready:
                 self._code_seen = code_fingerprint(self._code_roots)
-                self._standby = await self._spawn()
+                self._standby = await self._spawn(box)
+                self._box = box
 
-    async def _spawn(self) -> asyncio.subprocess.Process:
+    async def _spawn(self, box: Box | None) -> asyncio.subprocess.Process:
         self._cwd.mkdir(parents=True, exist_ok=True)
+        command = [sys.executable, "-m", STANDBY_MODULE]
+        # Never the agent's secrets, even before a job replaces the environment.
+        env = {**rank_environment(os.environ), "PYTHONUNBUFFERED": "1"}
+        if box is not None:
+            env = box_environment(env)
         return await asyncio.create_subprocess_exec(
-            sys.executable, "-m", STANDBY_MODULE,
+            *(box.argv(command, "/") if box is not None else command),
             stdin=asyncio.subprocess.PIPE,
             stdout=asyncio.subprocess.DEVNULL,
             stderr=asyncio.subprocess.DEVNULL,
-            # Never the agent's secrets, even before a job replaces the environment.
-            env={**rank_environment(os.environ), "PYTHONUNBUFFERED": "1"},
+            env=env,
             cwd=self._cwd,
             # As a cold torchrun: it dies with the agent, and its ranks with it.
             preexec_fn=die_with_parent,
         )  # fmt: skip
 
-    async def start(self, order: LaunchOrder) -> asyncio.subprocess.Process | None:
-        """Hand `order` to the standby and return it as the job's torchrun; None when there is
-        no live standby (the caller starts torchrun cold)."""
+    async def start(
+        self, order: LaunchOrder, box: Box | None = None
+    ) -> asyncio.subprocess.Process | None:
+        """Hand `order` to the standby and return it as the job's torchrun (or the bwrap around
+        it); None when there is no live standby in the box the job needs (the caller starts
+        torchrun cold)."""
         standby, self._standby = self._standby, None
         if standby is None:
             return None
-        current = code_fingerprint(self._code_roots) == self._code_seen
+        current = code_fingerprint(self._code_roots) == self._code_seen and self._box == box
         if current and standby.returncode is None and standby.stdin is not None:
             try:
                 standby.stdin.write(order.line())

@@ -6,7 +6,7 @@ import asyncio
 import sys
 from collections.abc import Awaitable
 from enum import IntEnum
-from typing import TypeVar
+from typing import Annotated, TypeVar
 
 import typer
 from rich.console import Console
@@ -106,3 +106,24 @@ def parse_topology(text: str) -> dict[str, str]:
             raise CliError(f"--topology: level {level!r} is given twice")
         topology[level] = check_name(unit.strip(), f"{level} name")
     return topology
+
+
+UnconfinedOption = Annotated[
+    str | None,
+    typer.Option(
+        envvar="FORGELINE_UNCONFINED_USER_CODE",
+        help="run users' code without a box, as this agent runs (it then reads what the agent "
+        "reads): takes exactly user-code-sees-what-this-agent-sees. Without it, a host that "
+        "cannot box ranks (no bwrap, no user namespaces) refuses user code",
+    ),
+]
+
+
+def checked_unconfined_form(value: str | None) -> None:
+    """--unconfined-user-code with anything but its explicit value stops the agent at once."""
+    from trainer.rank_box import UnconfinedFormError, check_unconfined_form
+
+    try:
+        check_unconfined_form(value)
+    except UnconfinedFormError as err:
+        raise CliError(str(err)) from None

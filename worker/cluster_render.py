@@ -27,6 +27,7 @@ def nodes_table(state: ClusterState, now: datetime | None = None) -> Table:
         "state",
         "jobs",
         "holds",
+        "user code",
         "note",
     ):
         table.add_column(column)
@@ -41,9 +42,17 @@ def nodes_table(state: ClusterState, now: datetime | None = None) -> Table:
             node.state,
             ", ".join(f"{run} ({gpus})" for run, gpus in sorted(node.jobs.items())) or "-",
             _holds(node.info.holdings, hot),
+            _user_code(node.info.confinement),
             _short(node.down_reason or ""),
         )
     return table
+
+
+def _user_code(confinement: str) -> str:
+    """How the node runs users' code (NodeInfo.confinement), in a word or two; the reason is in
+    `forgeline nodes --json`."""
+    mode = confinement.partition(":")[0]
+    return {"box": "boxed", "": "?"}.get(mode, mode.upper() if mode == "unconfined" else mode)
 
 
 def _position(topology: dict[str, str], levels: list[str]) -> str:

@@ -16,7 +16,15 @@ import typer
 
 from infra.extras import require_extra
 from infra.settings import Settings
-from worker.cli_common import CliError, check_name, console, get_settings, parse_topology
+from worker.cli_common import (
+    CliError,
+    UnconfinedOption,
+    check_name,
+    checked_unconfined_form,
+    console,
+    get_settings,
+    parse_topology,
+)
 from worker.cli_common import run as run_async
 from worker.preflight import apply_overrides, preflight, require_settings
 
@@ -92,6 +100,7 @@ def agent(
     namespace: NamespaceOption = None,
     store: StoreOption = None,
     mlflow_uri: MlflowOption = None,
+    unconfined_user_code: UnconfinedOption = None,
 ) -> None:
     """One per GPU host: runs the ranks of the gangs this node is granted."""
     from infra.host_network import address_towards, interface_of
@@ -99,6 +108,7 @@ def agent(
     from trainer.launch import Fabric
     from worker.processes_main import RendezvousPorts, run_node_agent
 
+    checked_unconfined_form(unconfined_user_code)
     node_id = check_name(node_id, "node id")
     pod = check_name(pod, "pod")
     position = parse_topology(topology)
@@ -115,8 +125,11 @@ def agent(
         f"node {node_id}: {hardware.describe()}; peers reach it at {address} ({fabric.interface})"
     )
     run_async(
-        run_node_agent(settings, node_id, hardware, fabric, pod, ports=ports, topology=position)
-    )
+        run_node_agent(
+            settings, node_id, hardware, fabric, pod, ports=ports, topology=position,
+            unconfined_user_code=unconfined_user_code,
+        )
+    )  # fmt: skip
 
 
 @commands.command()

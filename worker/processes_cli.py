@@ -10,7 +10,13 @@ from typing import Annotated
 
 import typer
 
-from worker.cli_common import check_name, get_settings, parse_topology
+from worker.cli_common import (
+    UnconfinedOption,
+    check_name,
+    checked_unconfined_form,
+    get_settings,
+    parse_topology,
+)
 from worker.cli_common import run as run_async
 
 worker_app = typer.Typer(help="Processes started by `forgeline up` (not for direct use).")
@@ -58,11 +64,13 @@ def node_agent(
             help="a slot's peak FLOP/s, measured by `forgeline up` (default: measured here, now)",
         ),
     ] = None,
+    unconfined_user_code: UnconfinedOption = None,
 ) -> None:
     """One pretend node of the local stack: `gpus` CPU rank slots on loopback."""
     from infra.node_hardware import discover
     from worker.processes_main import run_node_agent
 
+    checked_unconfined_form(unconfined_user_code)
     node_id = check_name(node_id, "node id")
     hardware = discover(slots=gpus, cpu_only=True, measured_peak=peak_flops)
     run_async(
@@ -73,5 +81,6 @@ def node_agent(
             pod=check_name(pod, "pod"),
             incarnation=incarnation,
             topology=parse_topology(topology),
+            unconfined_user_code=unconfined_user_code,
         )
     )

@@ -23,6 +23,7 @@ from infra.node_hardware import NodeHardware
 from infra.processes import free_port
 from infra.settings import Settings
 from registry.metric_stream import seal_abandoned
+from trainer import rank_box
 from trainer.launch import LOOPBACK, Fabric
 from worker.node_claim import join, previous_incarnation
 from worker.preflight import reach_temporal
@@ -116,8 +117,13 @@ async def run_node_agent(
     incarnation: str | None = None,
     ports: RendezvousPorts | None = None,
     topology: dict[str, str] | None = None,
+    unconfined_user_code: str | None = None,
 ) -> None:
     node_dir = settings.home / "nodes" / node_id
+    # Before anything joins: a wrong --unconfined-user-code is refused at once.
+    confinement = rank_box.decide(unconfined_user_code)
+    if confinement.mode is not rank_box.Confinement.BOX:
+        logging.warning("node %s: user code %s", node_id, confinement.describe())
     previous = previous_incarnation(node_dir, node_id)  # refused here while it still runs
     metrics = ProcessMetrics(settings.home, node_id)
     client = await reach_temporal(settings, metrics.runtime)
@@ -138,6 +144,7 @@ async def run_node_agent(
         rdzv_port=ports.first,
         rdzv_ports=ports.count,
         incarnation=incarnation or uuid.uuid4().hex,
+        confinement=confinement.describe()[:300],
     )
 
     async def on_cache_changed(held: dict[str, int]) -> None:
@@ -150,7 +157,9 @@ async def run_node_agent(
             await join(client, node_dir, info, previous)
 
     node_health.repaired(node_dir)  # a new incarnation runs on a repaired node
-    activities = NodeActivities(settings, node_id, on_cache_changed, fabric, info.incarnation)
+    activities = NodeActivities(
+        settings, node_id, on_cache_changed, fabric, info.incarnation, confinement
+    )
     info = info.model_copy(update={"held": activities.cache.held()})
     # No writer of this node's spool is alive yet: what a crashed predecessor left open is
     # sealed, so it is deleted once shipped. The shipper lives as long as the agent.
@@ -189,7 +198,8 @@ async def run_node_agent(
     )  # fmt: skip
     watch = asyncio.ensure_future(_watch_health(client, info, node_dir))
     # Registered first: a standby's imports (seconds of CPU) never hold up joining the cluster.
-    if activities.launcher is not None:
+    # A boxed node makes its first standby in the box of its first job.
+    if activities.launcher is not None and confinement.mode is not rank_box.Confinement.BOX:
         await activities.launcher.prepare()
     try:
         await _run_until_signalled(worker)

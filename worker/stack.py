@@ -264,6 +264,7 @@ async def _up(
             say(f"{name:<13} started (pid {worker.pid()})")
 
     expected: dict[str, str | None] = {}
+    confinement = _local_confinement(say) if agents else []
     for name in agents:
         agent = ManagedProcess(home, name)
         if agent.running():
@@ -274,7 +275,7 @@ async def _up(
         agent.start(
             _worker_argv(
                 "node", "--node-id", name, "--gpus", str(gpus_per_node),
-                "--incarnation", incarnation, "--peak-flops", repr(peak),
+                "--incarnation", incarnation, "--peak-flops", repr(peak), *confinement,
             ),
             measured,
         )  # fmt: skip
@@ -294,6 +295,21 @@ async def _up(
     if spares is not None:
         await _hold_spares(client, state.config, spares, say)
     return settings
+
+
+def _local_confinement(say: Callable[[str], None]) -> list[str]:
+    """The local stack's agents box their ranks where this machine can (bwrap); where it cannot,
+    this is one person's machine running their own code: the agents run it unconfined, and say
+    so here, once."""
+    from infra.sandbox import SandboxUnavailable, check
+    from trainer.rank_box import UNCONFINED_FORM
+
+    try:
+        check()
+    except SandboxUnavailable as why:
+        say(f"ranks         run unconfined on this machine: {why}")
+        return ["--unconfined-user-code", UNCONFINED_FORM]
+    return []
 
 
 async def _hold_spares(

@@ -90,7 +90,7 @@ def test_a_gang_of_two_hosts_trains_across_the_bridge(cluster: Cluster, clean: s
     assert all(len(set(f["holders"])) == 2 for f in files), files
     gang = {holder for f in files for holder in f["holders"]}
     for host in (h for h in cluster.network.hosts if h.name in gang):
-        folder = cluster.home_of(host) / "nodes" / host.name / "peer-copies"
+        folder = cluster.home_of(host) / "nodes" / host.name / "runs" / clean / "peer-copies"
         held = {f["sha256"] for f in files if host.name in f["holders"]}
         assert {p.name for p in folder.iterdir()} == held and held, (host.name, files)
     assert len(gang) == 2, files

@@ -84,6 +84,28 @@ def test_a_node_gets_exactly_the_files_and_refuses_tampering(tmp_path: Path) -> 
         fetch(store, published.snapshot_id, published.manifest_sha256, tmp_path / "node2")
 
 
+def test_a_run_gets_its_own_copy_and_nothing_planted_reaches_it(tmp_path: Path) -> None:
+    store = LocalStore(tmp_path / "store")
+    published = publish(store, make_code(tmp_path))
+    snapshot, sha = published.snapshot_id, published.manifest_sha256
+    cached = fetch(store, snapshot, sha, tmp_path / "cache")
+    files = code_snapshot.manifest_files(store, snapshot, sha)
+    # A run that could write to the shared cache planted a module and changed another.
+    (cached / "tqdm.py").write_text("import os  # planted\n")
+    (cached / "pkg" / "model.py").write_text("WIDTH = 9\n")
+
+    mine = code_snapshot.materialize(store, snapshot, files, cached, tmp_path / "run-b" / "code")
+    assert sorted(p.relative_to(mine).as_posix() for p in mine.rglob("*.py")) == [
+        "pkg/__init__.py", "pkg/model.py", "train.py"
+    ]  # fmt: skip
+    assert (mine / "pkg" / "model.py").read_text() == "WIDTH = 8\n"  # from the store
+
+    # Its own copy, written into by the run before (unconfined): made again, exactly.
+    (mine / "tqdm.py").write_text("import os  # planted\n")
+    code_snapshot.materialize(store, snapshot, files, cached, mine)
+    assert not (mine / "tqdm.py").exists()
+
+
 def test_a_manifest_that_is_not_the_runs_or_escapes_the_folder_is_refused(tmp_path: Path) -> None:
     store = LocalStore(tmp_path / "store")
     published = publish(store, make_code(tmp_path))

@@ -73,6 +73,13 @@ class NodeInfo(BaseModel):
     )
     # What MFU divides by when the spec names no peak: the data sheet's, or measured at start.
     peak_flops: float = Field(default=0.0, ge=0, description="per GPU / rank slot (0: unknown)")
+    confinement: str = Field(
+        default="",
+        max_length=300,
+        description="how the node runs users' code: 'box' (each job's ranks in a sandbox), "
+        "'unconfined: …' (its operator allowed them to run as the agent runs), or 'refuses user "
+        "code: …' (it cannot box them), with why; '' from an agent before it",
+    )
 
     @property
     def holdings(self) -> dict[str, int]:

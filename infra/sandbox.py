@@ -1,0 +1,193 @@
+"""A box for code Forgeline did not write: bubblewrap (`bwrap`), without privileges.
+
+Whatever a rank can reach, a user can reach. A box gives the processes inside:
+
+- their own pid namespace: no other process on the host is visible, so no `/proc/<pid>/environ`
+  of the agent (or of anyone) can be read;
+- their own mount namespace on an empty root: the system's programs and libraries and the
+  Python environment read-only, the paths the caller names read-only or writable, a private
+  `/tmp`, and nothing else of the host (not the agent's state folder, env file or keys);
+- their own user namespace, as a uid that is nobody's on the host, with no capabilities, so a
+  read-only mount stays read-only;
+- the host's network (gloo and NCCL need it) and, where they exist, the GPU devices.
+
+bwrap needs unprivileged user namespaces (or root). `check()` runs a box once and says why it
+cannot where it cannot: the node agent refuses user code on such a host unless its operator
+said, in so many words, that user code may run unconfined.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+BWRAP = "bwrap"
+# The uid and gid inside: nobody's outside, so no file of the host is the box's by its owner.
+BOX_UID = 61000
+# From the host's /etc, what programs inside need to run and to resolve names; not its users,
+# its keys or any service's configuration.
+ETC_NEEDED = (
+    "hosts", "resolv.conf", "nsswitch.conf", "host.conf", "gai.conf", "protocols", "services",
+    "localtime", "ssl", "ca-certificates", "ca-certificates.conf", "ld.so.cache", "ld.so.conf",
+    "ld.so.conf.d", "alternatives", "os-release", "mime.types",
+)  # fmt: skip
+# The system's own top-level folders: real folders are bound read-only, the merged-/usr
+# links (`/bin -> usr/bin`) are made again as links.
+SYSTEM_ROOTS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
+# NVIDIA's device files; AMD's are /dev/kfd and /dev/dri.
+GPU_DEVICE_GLOBS = ("nvidia*", "nvidia-caps/*", "kfd", "dri/*")
+
+
+class SandboxUnavailable(RuntimeError):
+    """This host cannot make a box; the message says why and what would fix it."""
+
+
+@dataclass(frozen=True)
+class Box:
+    """What one box shows: paths as they are named on the host, at the same place inside. Two
+    boxes that show the same are equal: a process started in one can do the work of the other."""
+
+    read_only: tuple[str, ...] = ()
+    writable: tuple[str, ...] = ()
+
+    def argv(self, command: list[str], workdir: str = "/") -> list[str]:
+        """bwrap's command line that runs `command` in this box, in `workdir`. The command
+        inside gets bwrap's own environment: the caller gives bwrap exactly what the box may
+        hold (never on this command line, which every user of the host can read)."""
+        return [
+            _bwrap(),
+            *_namespaces(),
+            *_fresh_mounts(),
+            *_binds(self.read_only, self.writable),
+            *_gpu_devices(),
+            "--chdir", workdir,
+            "--",
+            *command,
+        ]  # fmt: skip
+
+
+def python_paths() -> tuple[str, ...]:
+    """The interpreter and its installation (the venv, the base installation it was made
+    from): read-only in a box. Not the rest of `sys.path`: its first entry may be the current
+    folder, which can hold a state folder. An editable project's source folders are the
+    caller's to add."""
+    found = {sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix}
+    return _outermost(p for p in found if not _is_system(p))
+
+
+def check(timeout_s: float = 10.0) -> None:
+    """Make one box and run `true` in it; raise SandboxUnavailable with the reason if it fails."""
+    if shutil.which(BWRAP) is None:
+        raise SandboxUnavailable(
+            "bwrap is not installed (Debian and Ubuntu: apt-get install bubblewrap)"
+        )
+    argv = Box(read_only=python_paths()).argv(["true"])
+    try:
+        done = subprocess.run(
+            argv, capture_output=True, text=True, timeout=timeout_s, env={"PATH": "/usr/bin:/bin"}
+        )
+    except (OSError, subprocess.TimeoutExpired) as err:
+        raise SandboxUnavailable(f"bwrap did not run: {err}") from None
+    if done.returncode != 0:
+        said = (done.stderr.strip().splitlines() or [f"exit status {done.returncode}"])[-1]
+        raise SandboxUnavailable(
+            f"bwrap cannot make a box here ({said}): user namespaces may be off "
+            "(sysctl kernel.unprivileged_userns_clone=1, or a container's seccomp profile "
+            "that allows them)"
+        )
+
+
+def _bwrap() -> str:
+    found = shutil.which(BWRAP)
+    if found is None:
+        raise SandboxUnavailable("bwrap is not installed (apt-get install bubblewrap)")
+    return found
+
+
+def _namespaces() -> list[str]:
+    return [
+        "--unshare-user", "--uid", str(BOX_UID), "--gid", str(BOX_UID),
+        "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try",
+        "--hostname", "forgeline-box",
+        # Everything inside dies with the process that made the box (the agent's torchrun
+        # watch): a dead agent is a failed node, and nothing of its ranks may outlive it.
+        "--die-with-parent",
+        # No controlling terminal: a process inside cannot push keystrokes into the agent's.
+        "--new-session",
+    ]  # fmt: skip
+
+
+def _fresh_mounts() -> list[str]:
+    """The box's own /proc (its processes only), /dev (null, zero, random, tty, no disks),
+    /tmp and /dev/shm (torch's shared memory between a node's ranks)."""
+    return ["--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp", "--tmpfs", "/dev/shm"]
+
+
+def _binds(read_only: Iterable[str], writable: Iterable[str]) -> list[str]:
+    """Every bind in order of depth, so a path inside another is mounted over it (a read-only
+    checkpoint inside a writable folder stays read-only); the system's folders first. A path
+    inside another of the same kind is that one's already, and gets no mount of its own: a
+    file is renamed only within one mount, so a folder and a folder inside it must stay one."""
+    mounts = [*_system_mounts()]
+    wanted = [(os.path.abspath(p), "--ro-bind") for p in read_only] + [
+        (os.path.abspath(p), "--bind") for p in writable
+    ]
+    bound: list[tuple[str, str]] = []
+    for path, kind in sorted(set(wanted), key=lambda item: (_depth(item[0]), item)):
+        source = os.path.realpath(path)
+        if not os.path.exists(source):
+            continue  # a job's optional path not made yet (a fallback's folder)
+        holder = next((k for p, k in reversed(bound) if _inside(path, p)), None)
+        if holder == kind:
+            continue
+        bound.append((path, kind))
+        mounts += [kind, source, path]
+    return mounts
+
+
+def _inside(path: str, folder: str) -> bool:
+    return path == folder or path.startswith(folder.rstrip("/") + "/")
+
+
+def _system_mounts() -> list[str]:
+    mounts: list[str] = []
+    for root in SYSTEM_ROOTS:
+        if os.path.islink(root):
+            mounts += ["--symlink", os.readlink(root), root]
+        elif os.path.isdir(root):
+            mounts += ["--ro-bind", root, root]
+    for name in ETC_NEEDED:
+        path = f"/etc/{name}"
+        if os.path.exists(path):
+            mounts += ["--ro-bind", path, path]
+    return mounts
+
+
+def _gpu_devices() -> list[str]:
+    devices: list[str] = []
+    for pattern in GPU_DEVICE_GLOBS:
+        for path in sorted(Path("/dev").glob(pattern)):
+            devices += ["--dev-bind", str(path), str(path)]
+    return devices
+
+
+def _depth(path: str) -> int:
+    return len(Path(os.path.abspath(path)).parts)
+
+
+def _is_system(path: str) -> bool:
+    return any(path == root or path.startswith(root + "/") for root in SYSTEM_ROOTS)
+
+
+def _outermost(paths: Iterable[str]) -> tuple[str, ...]:
+    """The paths none of the others holds (binding a folder binds what is inside it)."""
+    kept: list[str] = []
+    for path in sorted({os.path.abspath(p) for p in paths}, key=len):
+        if not any(_inside(path, k) for k in kept):
+            kept.append(path)
+    return tuple(sorted(kept))

@@ -1,0 +1,149 @@
+"""Ranks in a box (trainer.rank_box, infra.sandbox): a hostile script run by real torchrun ranks
+looks for the agent's secrets, other runs' files and a way into the next run, and finds none.
+
+The test process plays the node agent: its environment holds a Temporal key, its state folder
+an env file, and its node cache another team's checkpoint.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from infra.processes import free_port
+from tests.trainer.conftest import Trainer
+from trainer.errors import UserCodeFailed
+from trainer.launch import Rendezvous, run_ranks
+from trainer.rank_box import (
+    UNCONFINED_FORM,
+    Confinement,
+    UnconfinedFormError,
+    decide,
+    rank_box,
+)
+from workflows.contracts.spec import TrainSpec
+
+pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None, reason="needs bwrap (bubblewrap)")
+
+SECRET = "tk-agent-secret-5f2d"
+# The script tries each door and writes what it found where its run may write (its job folder).
+HOSTILE = textwrap.dedent(
+    """
+    import json, os, pathlib, sys
+    probe = json.loads(pathlib.Path(__file__).with_name("probe.json").read_text())
+    found = {"uid": os.getuid(), "pids": [], "secret_in": [], "read": {}, "wrote": {}}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            found["pids"].append(int(entry))
+            for part in ("environ", "cmdline"):
+                try:
+                    if probe["secret"] in open(f"/proc/{entry}/{part}").read():
+                        found["secret_in"].append(f"/proc/{entry}/{part}")
+                except OSError:
+                    pass
+    found["env_has_secret"] = any(probe["secret"] in v for v in os.environ.values())
+    for path in probe["read"]:
+        try:
+            found["read"][path] = pathlib.Path(path).read_text()[:40]
+        except OSError as err:
+            found["read"][path] = type(err).__name__
+    for path in probe["write"]:
+        try:
+            pathlib.Path(path).write_text("import os  # planted")
+            found["wrote"][path] = "written"
+        except OSError as err:
+            found["wrote"][path] = type(err).__name__
+    found["tmp"] = os.listdir("/tmp")
+    out = pathlib.Path(os.environ["FORGELINE_JOB"]).with_name("found.json")
+    out.write_text(json.dumps(found))
+    """
+)
+
+
+def test_a_hostile_script_in_a_box_finds_no_secret_and_writes_nothing_outside_its_run(
+    trainer: Trainer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The agent's own: a key in its environment, an env file and a key file in its state folder,
+    # another team's checkpoint in its node cache.
+    monkeypatch.setenv("FORGELINE_TEMPORAL_API_KEY", SECRET)
+    agent_home = tmp_path / "agent-home"
+    (agent_home / "keys").mkdir(parents=True)
+    env_file = agent_home / "agent.env"
+    env_file.write_text(f"FORGELINE_TEMPORAL_API_KEY={SECRET}\n")
+    (agent_home / "keys" / "tls.key").write_text(SECRET)
+    cache = agent_home / "cache"
+    theirs = cache / "checkpoints" / "runs" / "team-b-run" / "model.safetensors"
+    theirs.parent.mkdir(parents=True)
+    theirs.write_text("team b's weights")
+    cached_code = cache / "code" / "snap"
+    cached_code.mkdir(parents=True)
+
+    code = tmp_path / "run" / "code"
+    code.mkdir(parents=True)
+    (code / "train.py").write_text(HOSTILE)
+    planted = code / "tqdm.py"
+    probe = {
+        "secret": SECRET,
+        "read": [str(env_file), str(agent_home / "keys" / "tls.key"), str(theirs)],
+        "write": [str(planted), str(theirs), str(cached_code / "tqdm.py")],
+    }
+    (code / "probe.json").write_text(json.dumps(probe))
+
+    train = TrainSpec(steps=2, batch_size=4, code="code", entrypoint="train.py")
+    job = trainer.job("team-a-run", train, code_dir=str(code))
+    workdir = Path(job.progress_file).parent
+    box = rank_box(job, workdir, cache / "checkpoints" / "runs" / "team-a-run")
+    rdzv = Rendezvous(f"127.0.0.1:{free_port()}", "team-a-run-g1", 1, 2)
+
+    async def main() -> None:
+        # The script never trains: its run fails as the user's error, after it looked around.
+        with pytest.raises(UserCodeFailed, match="returned without training"):
+            await run_ranks(job, workdir, rdzv, on_progress=lambda _: None, box=box)
+
+    # The host's /tmp is not the box's: a file there is not seen inside.
+    marker = Path(f"/tmp/host-only-{os.getpid()}")
+    marker.write_text(SECRET)
+    try:
+        asyncio.run(main())
+    finally:
+        marker.unlink()
+    found = json.loads((workdir / "found.json").read_text())
+    assert found["uid"] == 61000
+    # Its own pid namespace: the box's init, torchrun, two ranks and their log copies; never
+    # this process (the agent), whose environ holds the key.
+    assert os.getpid() not in found["pids"] and len(found["pids"]) <= 8, found["pids"]
+    assert found["secret_in"] == [] and not found["env_has_secret"]
+    assert set(found["read"].values()) == {"FileNotFoundError"}, found["read"]
+    # The code is read-only (nothing planted for the next run); the cache is not there at all.
+    assert found["wrote"][str(planted)] == "OSError"
+    assert found["wrote"][str(theirs)] == found["wrote"][str(cached_code / "tqdm.py")]
+    assert found["wrote"][str(theirs)] in ("FileNotFoundError", "PermissionError", "OSError")
+    assert not planted.exists() and not (cached_code / "tqdm.py").exists()
+    assert theirs.read_text() == "team b's weights"
+    assert marker.name not in found["tmp"]
+
+
+def test_the_unconfined_flag_takes_only_its_explicit_form() -> None:
+    with pytest.raises(UnconfinedFormError, match=UNCONFINED_FORM):
+        decide("yes")
+    with pytest.raises(UnconfinedFormError):
+        decide("")
+    unconfined = decide(UNCONFINED_FORM)
+    assert unconfined.mode is Confinement.UNCONFINED
+    assert unconfined.describe().startswith("unconfined: ")
+    assert decide(None).mode is Confinement.BOX  # bwrap is here
+
+
+def test_a_host_without_bwrap_refuses_user_code_saying_why(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("PATH", "/nonexistent")
+    refused = decide(None)
+    assert refused.mode is Confinement.REFUSED
+    assert "bwrap is not installed" in refused.why and "apt-get install bubblewrap" in refused.why

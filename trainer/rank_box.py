@@ -1,0 +1,124 @@
+"""The box a node's ranks run in (infra.sandbox), and whether this node may make one.
+
+What a job's box shows, at the paths the job file names:
+
+- read-only: the Python environment and Forgeline's packages; the job's token shards; the
+  run's code as materialized for this run (infra.code_snapshot.materialize); the base model a
+  fine-tune starts from; this node's cached copies of the run's own checkpoints;
+- writable: the run's folder on this node (job file, progress, logs, staging, the peer-tier
+  files it gathers, the node's copies of its checkpoints), and, while ranks still write
+  checkpoints to the store themselves, a store that is a folder;
+- nothing else: not the agent's state folder, its env file or keys, the node cache's other
+  entries (other runs' data and weights), or any other process.
+
+The box is the same for every generation of a run on this node (the run's folder rather than
+one generation's), so the warm standby made while one generation trains (trainer.warm_launch)
+lives in the box the next generation needs.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from enum import StrEnum
+from pathlib import Path
+
+from infra import sandbox
+from infra.sandbox import Box, SandboxUnavailable
+from trainer.job import TrainJob
+
+log = logging.getLogger(__name__)
+
+# Forgeline's own packages, wherever they are installed (an editable install keeps them in the
+# project's folder, beside things that are not code: the local stack's state folder).
+PACKAGES = ("activities", "dataprep", "forgeline", "infra", "registry", "trainer", "worker",
+            "workflows")  # fmt: skip
+PACKAGE_ROOT = Path(__file__).resolve().parents[1]
+# The one value --unconfined-user-code takes: the operator says, in so many words, what it means.
+UNCONFINED_FORM = "user-code-sees-what-this-agent-sees"
+# What a rank's environment says about itself in place of the agent's home and user.
+BOX_HOME = "/tmp"
+BOX_USER = "forgeline-rank"
+
+
+class Confinement(StrEnum):
+    BOX = "box"  # every rank in a box
+    UNCONFINED = "unconfined"  # the operator allowed user code to run as the agent runs
+    REFUSED = "refuses user code"  # cannot box, not allowed unconfined: built-in trainer only
+
+
+@dataclass(frozen=True)
+class NodeConfinement:
+    mode: Confinement
+    why: str = ""  # why not a box (empty for a box)
+
+    def describe(self) -> str:
+        return self.mode.value + (f": {self.why}" if self.why else "")
+
+
+class UnconfinedFormError(ValueError):
+    """--unconfined-user-code was given without its one explicit value."""
+
+
+def check_unconfined_form(unconfined: str | None) -> None:
+    """Refuse --unconfined-user-code with anything but its one explicit value."""
+    if unconfined is not None and unconfined != UNCONFINED_FORM:
+        raise UnconfinedFormError(
+            f"--unconfined-user-code {unconfined!r}: the only accepted value is "
+            f"{UNCONFINED_FORM!r}, which says that users' scripts will read what this agent "
+            "reads (its credentials included); leave the option out to box them"
+        )
+
+
+def decide(unconfined: str | None) -> NodeConfinement:
+    """Box the ranks where this host can; run them unconfined only where the operator said so
+    with the explicit form; otherwise refuse user code, saying why."""
+    check_unconfined_form(unconfined)
+    if unconfined is not None:
+        return NodeConfinement(
+            Confinement.UNCONFINED, "started with --unconfined-user-code by its operator"
+        )
+    try:
+        sandbox.check()
+    except SandboxUnavailable as err:
+        return NodeConfinement(Confinement.REFUSED, str(err))
+    return NodeConfinement(Confinement.BOX)
+
+
+def rank_box(job: TrainJob, run_dir: Path, own_checkpoints: Path) -> Box:
+    """The box of `job`'s ranks: `run_dir` is the run's folder on this node (every generation's
+    folder is inside it), `own_checkpoints` the node cache's folder of the run's checkpoints."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    own_checkpoints.mkdir(parents=True, exist_ok=True)
+    read_only = [
+        *sandbox.python_paths(),
+        *(str(PACKAGE_ROOT / name) for name in PACKAGES),
+        *job.train_shards,
+        *job.val_shards,
+        job.code_dir,
+        job.init_weights,
+        str(own_checkpoints),
+    ]
+    # The node's copies of the run's checkpoints are in the run's folder (activities.node): the
+    # ranks move their files there from staging by a rename, which fails between two mounts.
+    writable = [str(run_dir), job.local_copies, job.peer_copies]
+    # The ranks still write their checkpoints to the store themselves: a store that is a folder
+    # (the local stack's) must be in the box until they write through their agent.
+    writable += [_folder_of(url) for url in (job.store_url, job.twin_store_url)]
+    return Box(
+        read_only=tuple(p for p in read_only if p),
+        writable=tuple(p for p in writable if p),
+    )
+
+
+def box_environment(env: dict[str, str]) -> dict[str, str]:
+    """A rank's environment inside the box: home and temporary files in the box's own /tmp,
+    a user name that is nobody's (libraries that ask getpass for one get it)."""
+    return {**env, "HOME": BOX_HOME, "TMPDIR": BOX_HOME, "USER": BOX_USER, "LOGNAME": BOX_USER}
+
+
+def _folder_of(store_url: str) -> str:
+    """The folder a store URL names (a path or file://PATH); "" for any other store."""
+    if store_url.startswith("file://"):
+        return store_url.removeprefix("file://")
+    return "" if "://" in store_url else store_url

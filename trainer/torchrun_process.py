@@ -1,0 +1,123 @@
+"""A node's torchrun as the agent sees it: its ranks, its stacks, and how it is stopped.
+
+torchrun is the agent's child, or, when the ranks run in a box (trainer.rank_box), the
+grandchild of bwrap: bwrap → the box's init → torchrun → ranks. Signals meant for torchrun go
+to torchrun itself (bwrap passes none on); killing bwrap ends the whole box, since everything
+in it dies with it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+from pathlib import Path
+
+# What every rank runs; a rank names itself with this path (trainer.entry.as_a_fresh_rank),
+# which is how ranks are told from a process that reused a pid.
+RANK_SCRIPT = str(Path(__file__).resolve().with_name("entry.py"))
+# How long a boxed torchrun may take to appear under bwrap (a few milliseconds, measured).
+_BOX_START_S = 2.0
+
+
+def children(pid: int) -> list[int]:
+    """A process's children, from every one of its threads."""
+    pids = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        with contextlib.suppress(OSError):
+            pids += [int(p) for p in (task / "children").read_text().split()]
+    return pids
+
+
+def rank_pids(launcher_pid: int) -> list[int]:
+    """The rank processes torchrun started (its children)."""
+    return children(launcher_pid)
+
+
+def runs_trainer(pid: int) -> bool:
+    try:
+        return RANK_SCRIPT.encode() in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
+
+
+def dump_rank_stacks(launcher_pid: int) -> None:
+    """Ask every rank to print its threads' stacks into its stacks file (SIGUSR1, see
+    trainer.entry): what was each rank doing when it was given up on."""
+    for pid in rank_pids(launcher_pid):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGUSR1)
+
+
+class TorchrunProcess:
+    """The process the agent started for one job (torchrun, or bwrap around it)."""
+
+    def __init__(self, proc: asyncio.subprocess.Process, boxed: bool) -> None:
+        self.proc = proc
+        self.boxed = boxed
+        self._torchrun: int | None = None if boxed else proc.pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self.proc.returncode
+
+    async def wait(self) -> int:
+        return await self.proc.wait()
+
+    def torchrun_pid(self) -> int | None:
+        """torchrun's pid on the host (None: a box whose torchrun is not there yet or is gone)."""
+        if self._torchrun is None:
+            inside = [pid for init in children(self.proc.pid) for pid in children(init)]
+            self._torchrun = inside[0] if inside else None
+        return self._torchrun
+
+    async def _found_torchrun(self) -> int | None:
+        deadline = asyncio.get_running_loop().time() + _BOX_START_S
+        while (pid := self.torchrun_pid()) is None and self.returncode is None:
+            if asyncio.get_running_loop().time() > deadline:
+                break
+            await asyncio.sleep(0.01)
+        return pid
+
+    def ranks(self) -> list[int]:
+        pid = self.torchrun_pid()
+        return rank_pids(pid) if pid is not None else []
+
+    def ranks_alive(self) -> bool:
+        """Whether any of torchrun's ranks still runs (an exited one is a zombie until torchrun
+        reaps it, with an empty command line)."""
+        return any(runs_trainer(pid) for pid in self.ranks())
+
+    async def stop(self, grace_s: float = 10.0, dump_stacks: bool = True) -> None:
+        """Record the ranks' stacks, SIGTERM torchrun (it passes it on: the ranks try to
+        checkpoint), then SIGKILL torchrun and its ranks if they linger (a stopped or wedged
+        rank would not notice it was orphaned)."""
+        if self.returncode is not None:
+            return
+        torchrun = await self._found_torchrun()
+        ranks = self.ranks()
+        if dump_stacks and torchrun is not None:
+            dump_rank_stacks(torchrun)
+            await asyncio.sleep(0.5)
+        with contextlib.suppress(ProcessLookupError):
+            if torchrun is None:  # a box that never started its torchrun: nothing to save
+                self.proc.kill()
+            else:
+                os.kill(torchrun, signal.SIGTERM)
+        try:
+            await asyncio.wait_for(self.proc.wait(), timeout=grace_s)
+        except TimeoutError:
+            await self.kill(ranks)
+
+    async def kill(self, ranks: list[int] | None = None) -> None:
+        """SIGKILL torchrun (or its box) and its ranks; `ranks` as they were before torchrun
+        was asked to stop."""
+        ranks = self.ranks() if ranks is None else ranks
+        with contextlib.suppress(ProcessLookupError):
+            self.proc.kill()
+        for pid in ranks:
+            if runs_trainer(pid):  # still the rank, not a process that reused its pid
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+        await self.proc.wait()
