@@ -82,6 +82,12 @@ class SnapshotPlan:
     def files(self) -> list[PlannedFile]:
         return [f for chunk in self.chunks for f in chunk.files]
 
+    @property
+    def named_by_its_content(self) -> bool:
+        """Whether its settings and files hash to its id: a plan read back from the store is
+        this snapshot's, not one that someone who can write the store put under its key."""
+        return snapshot_id_of(self.identity, self.files) == self.snapshot_id
+
     def to_json(self) -> bytes:
         return json.dumps(asdict(self), indent=1, sort_keys=True).encode()
 
@@ -105,13 +111,18 @@ def plan_snapshot(
     files += [_planned_object(o) for o in expand_objects(remote)]
     files.sort(key=lambda f: (f.path, f.options))  # local paths ("/…") sort before URLs
     identity = {"dataprep_version": DATAPREP_VERSION, **settings.identity()}
-    digest = hashlib.sha256(json.dumps(identity, sort_keys=True).encode())
-    # Contents and order name the snapshot, not paths: moving a corpus does not rebuild it.
-    for f in files:
-        digest.update(f.identity().encode())
     total = sum(f.bytes for f in files)
     chunk_bytes = max(settings.chunk_bytes, -(-total // MAX_CHUNKS))
-    return SnapshotPlan(digest.hexdigest()[:20], identity, _chunk(files, chunk_bytes))
+    return SnapshotPlan(snapshot_id_of(identity, files), identity, _chunk(files, chunk_bytes))
+
+
+def snapshot_id_of(identity: dict, files: list[PlannedFile]) -> str:
+    """The id of a snapshot of `files` (in their order) prepared with the settings `identity`.
+    Contents and order name the snapshot, not paths: moving a corpus does not rebuild it."""
+    digest = hashlib.sha256(json.dumps(identity, sort_keys=True).encode())
+    for f in files:
+        digest.update(f.identity().encode())
+    return digest.hexdigest()[:20]
 
 
 def _planned(source: SourceFile) -> PlannedFile:

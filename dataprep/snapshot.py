@@ -80,12 +80,35 @@ def existing_snapshot(store: ObjectStore, snapshot_id: str) -> Snapshot | None:
 
 
 def save_plan(store: ObjectStore, plan: SnapshotPlan) -> None:
-    """Idempotent: the plan is a pure function of the sources and settings."""
-    store.put_bytes(SnapshotKeys(plan.snapshot_id).plan, plan.to_json())
+    """Create-if-absent: the plan is a pure function of the sources and settings, so the same
+    plan again (a retried activity) is fine. A different one under the same id is refused,
+    not written over: the stages' records already made follow the plan stored first."""
+    key = SnapshotKeys(plan.snapshot_id).plan
+    data = plan.to_json()  # compared as JSON: a plan read back holds lists for tuples
+    if store.put_if_absent(key, data) or load_plan(store, plan.snapshot_id).to_json() == data:
+        return
+    raise IntegrityError(
+        f"{store.url}/{key} holds another plan of snapshot {plan.snapshot_id} (the same data "
+        "from other paths or in other chunks, whose preparation has not committed): wait for "
+        "it to commit (this run then reuses the snapshot), or delete that key to plan again"
+    )
 
 
 def load_plan(store: ObjectStore, snapshot_id: str) -> SnapshotPlan:
-    return SnapshotPlan.from_json(store.get_bytes(SnapshotKeys(snapshot_id).plan))
+    """The plan stored under `snapshot_id`, refused (IntegrityError) unless its content hashes
+    to that id: the stages read the sources it names."""
+    key = SnapshotKeys(snapshot_id).plan
+    try:
+        plan = SnapshotPlan.from_json(store.get_bytes(key))
+    except (ValueError, KeyError, TypeError) as err:
+        raise IntegrityError(f"{store.url}/{key} is not a snapshot plan ({err})") from None
+    if plan.snapshot_id != snapshot_id or not plan.named_by_its_content:
+        raise IntegrityError(
+            f"{store.url}/{key} is not the plan of snapshot {snapshot_id}: its sources and "
+            "settings hash to another id (changed after it was written); delete the key to "
+            "plan the snapshot again"
+        )
+    return plan
 
 
 def prepare_snapshot(
