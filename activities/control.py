@@ -360,7 +360,7 @@ class ControlActivities:
     def approval_policy(self, inp: ApprovalPolicyInput) -> ApprovalPolicy:
         """The operators' rules for this model, read once when it waits for approval; an
         approvals file that does not parse is retried, so fixing it unblocks the run."""
-        rules = rules_for(load_approvals(self.settings.home), inp.model_name, inp.team)
+        rules = rules_for(load_approvals(self.store, self.settings.home), inp.model_name, inp.team)
         return ApprovalPolicy(
             approvers=list(rules.approvers),
             allow_self_approval=rules.allow_self_approval,

@@ -1,4 +1,4 @@
-"""The operators' approval rules, one TOML file in the state folder (`approvals.toml`):
+"""The operators' approval rules, as operators write them (TOML, `forgeline approvals apply`):
 
     [defaults]
     allow_self_approval = false      # the submitter may not approve their own model
@@ -11,22 +11,34 @@
     approvers = ["dave"]
 
 Someone listed for the model or for the run's team may decide; with no list anywhere, anyone
-but the submitter may. The strictest gate that applies wins. The file is owned by operators, not
-by run specs: a researcher can tighten their own gate in the spec but cannot loosen these.
+but the submitter may. The strictest gate that applies wins. The rules are owned by operators,
+not by run specs: a researcher can tighten their own gate in the spec but cannot loosen these.
+
+They live in the object store (`settings/approvals.json`, a `StoredApprovals`), the one place
+that the API, which writes them, and the control worker's gate, which reads them, both reach:
+in the shipped deployments each has a state folder of its own. Rules installed before (the
+state folder's `approvals.toml`) are copied into the store the first time they are read.
 """
 
 from __future__ import annotations
 
-import json
 import tomllib
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError
 
+from infra.errors import ObjectNotFound
+from infra.store.protocol import ObjectStore
+from infra.stored_format import StoredFormatError, StoredRecord
 from registry.errors import ApprovalsInvalid
 
+APPROVALS_KEY = "settings/approvals.json"
+APPROVALS_FORMAT = "forgeline.approvals/1"
+# Where rules were installed before they moved to the store: the state folder of whoever wrote
+# them (the API's, in a deployment).
 APPROVALS_FILE = "approvals.toml"
 _Person = Annotated[str, StringConstraints(pattern=r"^[a-z0-9][a-z0-9._-]{0,62}$")]
 
@@ -43,6 +55,18 @@ class ApprovalsFile(BaseModel):
     defaults: _Rules = _Rules()
     teams: dict[str, _Rules] = {}
     models: dict[str, _Rules] = {}
+
+
+class StoredApprovals(StoredRecord):
+    """The installed rules as stored, with who installed them and when."""
+
+    VERSIONS: ClassVar[tuple[Any, ...]] = (APPROVALS_FORMAT,)
+    WHAT: ClassVar[str] = "approval rules record"
+
+    format: str = APPROVALS_FORMAT
+    rules: ApprovalsFile
+    installed_by: str = ""
+    installed_at: str = ""  # ISO time
 
 
 @dataclass(frozen=True)
@@ -70,46 +94,48 @@ def parse_approvals(text: str, where: str) -> ApprovalsFile:
         ) from None
 
 
-def approvals_toml(rules: ApprovalsFile) -> str:
-    """The rules as the TOML file operators write (for rules that arrive as data, from the
-    API): `parse_approvals` reads back what this writes."""
-    sections = [("defaults", rules.defaults)]
-    sections += [(f"teams.{json.dumps(name)}", r) for name, r in sorted(rules.teams.items())]
-    sections += [(f"models.{json.dumps(name)}", r) for name, r in sorted(rules.models.items())]
-    lines: list[str] = []
-    for header, r in sections:
-        lines.append(f"[{header}]")
-        lines.append(f"approvers = {json.dumps(list(r.approvers))}")
-        if r.allow_self_approval is not None:
-            lines.append(f"allow_self_approval = {str(r.allow_self_approval).lower()}")
-        if r.max_val_loss is not None:
-            lines.append(f"max_val_loss = {r.max_val_loss!r}")
-        lines.append("")
-    return "\n".join(lines)
+def install_approvals(store: ObjectStore, rules: ApprovalsFile, by: str) -> None:
+    """Replace the installed rules whole, in one put (a reader sees the old rules or the new,
+    never a mix). `rules` is a checked model: a typo never reaches the gate."""
+    record = StoredApprovals(rules=rules, installed_by=by, installed_at=_now())
+    store.put_bytes(APPROVALS_KEY, record.dump_bytes())
 
 
-def install_approvals(home: Path, text: str) -> Path:
-    """Replace the installed rules whole with `text`, checked: runs read them when their model
-    is registered, and a typo must never lock every run out of approval."""
-    parse_approvals(text, "the new rules")
-    target = home / APPROVALS_FILE
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_suffix(".tmp")
-    tmp.write_text(text, encoding="utf-8")
-    tmp.replace(target)
-    return target
+def load_approvals(store: ObjectStore, home: Path | None = None) -> ApprovalsFile | None:
+    """The installed rules (None: none installed). Rules that a build before installed in
+    `home`'s `approvals.toml` are copied into the store first, create-if-absent, so rules
+    installed through the API meanwhile win and nothing installed before is lost."""
+    try:
+        raw = store.get_bytes(APPROVALS_KEY)
+    except ObjectNotFound:
+        before = _installed_before(home)
+        if before is None:
+            return None
+        store.put_if_absent(APPROVALS_KEY, before.dump_bytes())
+        raw = store.get_bytes(APPROVALS_KEY)
+    try:
+        return StoredApprovals.parse(raw, f"{store.url}/{APPROVALS_KEY}").rules
+    except StoredFormatError as err:
+        raise ApprovalsInvalid(
+            f"{err}: install the rules again (forgeline approvals apply)"
+        ) from None
 
 
-def load_approvals(home: Path) -> ApprovalsFile | None:
-    path = home / APPROVALS_FILE
-    if not path.is_file():
+def _installed_before(home: Path | None) -> StoredApprovals | None:
+    path = None if home is None else home / APPROVALS_FILE
+    if path is None or not path.is_file():
         return None
-    return parse_approvals(path.read_text(), str(path))
+    rules = parse_approvals(path.read_text(encoding="utf-8"), str(path))
+    return StoredApprovals(rules=rules, installed_by=str(path), installed_at=_now())
+
+
+def _now() -> str:
+    return datetime.now(UTC).isoformat(timespec="seconds")
 
 
 def rules_for(approvals: ApprovalsFile | None, model: str, team: str) -> Rules:
     if approvals is None:
-        return Rules((), False, None, f"no {APPROVALS_FILE}: defaults")
+        return Rules((), False, None, "no rules installed: defaults")
     found = [
         (name, rules)
         for name, rules in (
@@ -124,7 +150,7 @@ def rules_for(approvals: ApprovalsFile | None, model: str, team: str) -> Rules:
         (r.allow_self_approval for r in everything if r.allow_self_approval is not None), False
     )
     bars = [r.max_val_loss for r in everything if r.max_val_loss is not None]
-    source = f"{APPROVALS_FILE}: " + (", ".join(name for name, _ in found) or "defaults")
+    source = "approval rules: " + (", ".join(name for name, _ in found) or "defaults")
     return Rules(
         approvers=tuple(listed or approvals.defaults.approvers),
         allow_self_approval=self_approval,

@@ -39,7 +39,7 @@ from temporalio.service import RPCError
 from infra.identity import Identity
 from infra.settings import Settings
 from infra.tokens import TokenStore
-from registry.approvals import ApprovalsFile, approvals_toml, install_approvals, load_approvals
+from registry.approvals import ApprovalsFile, install_approvals, load_approvals
 from registry.errors import ApprovalsInvalid
 from worker import cluster_actions, run_actions
 from worker.api_code import UPLOAD_CAP, CodeRefused, check_code, publish_upload
@@ -441,7 +441,8 @@ def make_app(settings: Settings) -> FastAPI:
     async def get_approvals(who: Caller) -> ApprovalsFile:
         """The operators' approval rules (empty: anyone but the submitter may approve)."""
         try:
-            return load_approvals(settings.home) or ApprovalsFile()
+            rules = await asyncio.to_thread(load_approvals, settings.open_store(), settings.home)
+            return rules or ApprovalsFile()
         except ApprovalsInvalid as err:
             raise ApiError(500, "invalid_rules", str(err)) from None
 
@@ -449,7 +450,7 @@ def make_app(settings: Settings) -> FastAPI:
     async def put_approvals(rules: ApprovalsFile, who: Caller) -> ApprovalsFile:
         """Replace the rules for runs that reach approval from now on (admins)."""
         require(who.is_admin, who, "change the approval rules", "admin")
-        install_approvals(settings.home, approvals_toml(rules))
+        await asyncio.to_thread(install_approvals, settings.open_store(), rules, who.person)
         return rules
 
     return app

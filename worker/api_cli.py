@@ -9,9 +9,13 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
+from infra.errors import StoreError
 from infra.extras import require_extra
 from infra.identity import Identity, InvalidIdentity
+from infra.settings import Settings
 from infra.tokens import TokenError, TokenStore, caller_token
+from registry.approvals import load_approvals
+from registry.errors import ApprovalsInvalid
 from worker.cli_common import CliError, ExitCode, console, get_settings
 
 tokens_app = typer.Typer(help="API tokens: who may call Forgeline, with which roles (admins).")
@@ -31,7 +35,22 @@ def api(
 
     from worker.api import make_app
 
-    uvicorn.run(make_app(get_settings()), host=host, port=port, log_level="warning")
+    settings = get_settings()
+    _approvals_into_the_store(settings)
+    uvicorn.run(make_app(settings), host=host, port=port, log_level="warning")
+
+
+def _approvals_into_the_store(settings: Settings) -> None:
+    """Rules a build before installed in this state folder (`approvals.toml`) reach the gate
+    from the start: the control worker reads them from the store, never from here."""
+    try:
+        load_approvals(settings.open_store(), settings.home)
+    except (StoreError, ApprovalsInvalid) as err:
+        console.print(
+            f"the approval rules of {settings.home} are not in the store yet ({err}): the gate "
+            "applies the defaults until they are, at the first GET /v1/approvals",
+            markup=False,
+        )
 
 
 def _admin(store: TokenStore) -> Identity:

@@ -61,7 +61,7 @@ def test_a_model_s_and_its_team_s_approvers_may_both_decide_and_the_strictest_ga
     policy = policy_for("tiny", "research")
     assert policy.approvers == ["bob", "carol", "dave"]
     assert policy.max_val_loss == 2.5 and not policy.allow_self_approval
-    assert policy.source == "approvals.toml: model tiny, team research"
+    assert policy.source == "approval rules: model tiny, team research"
     other = policy_for("other", "default")  # no entry: the defaults
     assert other.approvers == [] and other.max_val_loss is None
 

@@ -95,8 +95,8 @@ def test_the_settings_are_ones_forgeline_reads(monkeypatch, tmp_path: Path) -> N
 
 
 def test_the_api_keeps_its_tokens_on_a_volume_that_outlives_the_pod() -> None:
-    """tokens.json, the approval rules and the idempotency keys live in the API's state
-    folder: on an emptyDir every restart would lock everyone out."""
+    """tokens.json and the idempotency keys live in the API's state folder: on an emptyDir
+    every restart would lock everyone out."""
     (api,) = [w for w in workloads() if w["metadata"]["name"] == "forgeline-api"]
     spec = api["spec"]["template"]["spec"]
     (container,) = spec["containers"]
