@@ -45,10 +45,11 @@ def _approvals_into_the_store(settings: Settings) -> None:
     from the start: the control worker reads them from the store, never from here."""
     try:
         load_approvals(settings.open_store(), settings.home)
-    except (StoreError, ApprovalsInvalid) as err:
+    except (StoreError, ApprovalsInvalid, OSError, UnicodeError) as err:  # the API starts anyway
         console.print(
             f"the approval rules of {settings.home} are not in the store yet ({err}): the gate "
-            "applies the defaults until they are, at the first GET /v1/approvals",
+            "applies the defaults until GET /v1/approvals copies them, or until rules are "
+            "installed with `forgeline approvals apply`",
             markup=False,
         )
 

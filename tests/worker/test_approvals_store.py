@@ -70,6 +70,17 @@ def test_rules_installed_before_in_the_api_s_folder_reach_the_gate(tmp_path: Pat
     assert load_approvals(store, api.home).teams["research"].approvers == ["erin"]
 
 
+def test_the_api_starts_beside_rules_it_cannot_copy(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    api, control = sites(tmp_path)
+    api.home.mkdir()
+    (api.home / APPROVALS_FILE).write_bytes(b"[defaults]\napprovers = ['\xff']\n")
+    _approvals_into_the_store(api)  # says why, and does not raise
+    assert "are not in the store yet" in capsys.readouterr().out
+    assert gate(control)[2] == "no rules installed: defaults"
+
+
 def test_a_rules_record_this_build_cannot_read_is_refused_by_name(tmp_path: Path) -> None:
     store = LocalStore(tmp_path / "store")
     store.put_bytes(APPROVALS_KEY, b'{"format": "forgeline.approvals/9", "rules": {}}')
