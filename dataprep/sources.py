@@ -9,6 +9,7 @@ from __future__ import annotations
 import fnmatch
 import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import PurePath
 from typing import Literal
@@ -109,11 +110,32 @@ def unknown_extension(source: str) -> SourceError:
     )
 
 
-def expand_sources(patterns: list[str]) -> list[SourceFile]:
-    """Every readable file the patterns name, deduplicated and sorted by path."""
+class WalkTooLong(Exception):
+    """An expansion listed more directory entries than its budget allows (not a SourceError:
+    the patterns may well be right, there is only too much to look at)."""
+
+
+class WalkBudget:
+    """How far one expansion may look, for a caller that walks for someone else (the API's check
+    of a submitted spec): at most `entries` directory entries listed, over every pattern, and only
+    files that `admits` (their path as walked) count as found; the others are as if absent, and
+    are never named."""
+
+    def __init__(self, entries: int, admits: Callable[[str], bool]) -> None:
+        self.left, self.admits = entries, admits
+
+    def spend(self, listed: int) -> None:
+        self.left -= listed
+        if self.left < 0:
+            raise WalkTooLong("the data sources name more entries than this check looks at")
+
+
+def expand_sources(patterns: list[str], budget: WalkBudget | None = None) -> list[SourceFile]:
+    """Every readable file the patterns name, deduplicated and sorted by path; within `budget`
+    when one is given (none: the data workers walk everything)."""
     found: dict[str, SourceFile] = {}
     for pattern in patterns:
-        for source in _expand_one(pattern):
+        for source in _expand_one(pattern, budget):
             found[source.path] = source
     return sorted(found.values())
 
@@ -122,8 +144,11 @@ def expand_sources(patterns: list[str]) -> list[SourceFile]:
 class Matches:
     files: list[SourceFile] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)  # files with unknown extensions
+    budget: WalkBudget | None = None
 
     def take(self, path: str) -> None:
+        if self.budget is not None and not self.budget.admits(path):
+            return
         source = classify(path)
         if source is None:
             self.skipped.append(path)
@@ -140,14 +165,14 @@ class Matches:
         return SourceError(f"source pattern {pattern} matches no {what}{hint}: check data.sources")
 
 
-def _expand_one(pattern: str) -> list[SourceFile]:
+def _expand_one(pattern: str, budget: WalkBudget | None) -> list[SourceFile]:
     if not os.path.isabs(pattern):
         raise SourceError(
             f"source pattern {pattern!r} is not an absolute path: resolve it against the "
             "spec file's folder before expanding data.sources"
         )
     pattern = os.path.normpath(pattern)
-    matches = Matches()
+    matches = Matches(budget=budget)
     # An existing path wins over glob syntax, so a file literally named "a[1].txt" still works.
     if os.path.isfile(pattern):
         source = classify(pattern)
@@ -171,15 +196,20 @@ def _expand_one(pattern: str) -> list[SourceFile]:
     return matches.files
 
 
-def _entries(directory: str) -> list[os.DirEntry[str]]:
+def _entries(directory: str, matches: Matches) -> list[os.DirEntry[str]]:
+    found: list[os.DirEntry[str]] = []
     try:
         with os.scandir(directory) as it:
-            return list(it)
+            for entry in it:  # one by one: a budget stops inside a huge folder, not after it
+                if matches.budget is not None:
+                    matches.budget.spend(1)
+                found.append(entry)
     except OSError as err:
         raise SourceError(
             f"source folder {directory} cannot be listed ({err.strerror}): fix its permissions "
             "or remove it from data.sources"
         ) from None
+    return found
 
 
 def _is_real_dir(entry: os.DirEntry[str]) -> bool:
@@ -199,7 +229,7 @@ def _is_file(entry: os.DirEntry[str]) -> bool:
 def _walk(root: str, matches: Matches) -> None:
     stack = [root]
     while stack:
-        for entry in _entries(stack.pop()):
+        for entry in _entries(stack.pop(), matches):
             if entry.name.startswith(".") or entry.name in _SKIPPED_NAMES:
                 continue
             if _is_real_dir(entry):
@@ -224,7 +254,7 @@ def _glob(base: str, parts: tuple[str, ...], matches: Matches) -> None:
             return
         _glob(base, rest, matches)  # "**" as zero folders
         if os.path.isdir(base):
-            for entry in _entries(base):
+            for entry in _entries(base, matches):
                 if visible(entry.name, "*") and _is_real_dir(entry):
                     _glob(entry.path, parts, matches)
         return
@@ -235,7 +265,7 @@ def _glob(base: str, parts: tuple[str, ...], matches: Matches) -> None:
         return
     if not os.path.isdir(base):
         return
-    for entry in _entries(base):
+    for entry in _entries(base, matches):
         if not (visible(entry.name, head) and fnmatch.fnmatchcase(entry.name, head)):
             continue
         if _is_real_dir(entry):

@@ -68,6 +68,7 @@ from worker.runs import (
     submitted_spec,
     view,
 )
+from worker.source_check import SourceCheck
 from worker.specfile import spec_sha256
 from workflows.contracts.api_models import (
     ApproveRequest,
@@ -104,6 +105,7 @@ PAGE_HEADERS = {
 
 def make_app(settings: Settings) -> FastAPI:
     keys = IdempotencyKeys(settings.home)
+    check_sources = SourceCheck(settings)
     connection: dict[str, Client] = {}
     lock = asyncio.Lock()
 
@@ -122,6 +124,7 @@ def make_app(settings: Settings) -> FastAPI:
     async def lifespan(_: FastAPI):
         yield
         connection.clear()
+        check_sources.close()
 
     app = FastAPI(
         title="Forgeline",
@@ -238,7 +241,7 @@ def make_app(settings: Settings) -> FastAPI:
         who: Caller,
         idempotency_key: Annotated[str | None, Header(max_length=MAX_KEY_CHARS)] = None,
     ) -> JSONResponse:
-        spec = checked_spec(body.spec, who)
+        spec = await checked_spec(body.spec, who, check_sources)
         await asyncio.to_thread(check_code, settings.open_store(), spec, body.code)
         client = await temporal()
         try:

@@ -5,6 +5,7 @@ snapshot. The API reads no folder of the submitter's: what runs is what was uplo
 from __future__ import annotations
 
 import hashlib
+import json
 import re
 import tempfile
 from pathlib import Path
@@ -66,3 +67,10 @@ def check_code(store: ObjectStore, spec: RunSpec, code: CodeRef | None) -> None:
     if raw is None or hashlib.sha256(raw).hexdigest() != code.manifest_sha256:
         raise CodeRefused(422, f"code: the store holds no snapshot {code.snapshot_id} with "
                                f"manifest sha256 {code.manifest_sha256[:12]}…")  # fmt: skip
+    # The script is looked for in the snapshot: train.code names a folder of the submitter's
+    # machine, and the API looks at no folder of its own on a spec's word.
+    entry = spec.train.entrypoint or ""
+    if ":" not in entry and entry not in {f["path"] for f in json.loads(raw)["files"]}:
+        raise CodeRefused(422, f"train.entrypoint: no file {entry!r} in the code uploaded "
+                               f"(snapshot {code.snapshot_id})",
+                          fix="name a script of the train.code folder, relative to it")  # fmt: skip

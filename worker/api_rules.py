@@ -13,7 +13,8 @@ from fastapi.responses import JSONResponse
 from infra.identity import Identity, InvalidIdentity, canonical_person
 from infra.settings import Settings
 from infra.tokens import TokenError, TokenStore
-from worker.specfile import SpecError, check_sources, parse_spec
+from worker.source_check import SourceCheck
+from worker.specfile import SpecError, parse_spec
 from workflows.contracts.api_models import ErrorBody, ErrorDetail
 from workflows.contracts.spec import RunSpec
 
@@ -75,9 +76,10 @@ def require(allowed: bool, who: Identity, what: str, role: str) -> None:
         )
 
 
-def checked_spec(data: dict, who: Identity) -> RunSpec:
-    """The spec as the run will have it, checked completely (as `forgeline run` checks a file)
-    and owned by the caller; every refusal names the field."""
+async def checked_spec(data: dict, who: Identity, check_sources: SourceCheck) -> RunSpec:
+    """The spec as the run will have it, checked completely (as `forgeline run` checks a file,
+    its sources inside the data roots) and owned by the caller; every refusal names the
+    field."""
     owner = data.get("owner")
     if owner is not None:
         try:
@@ -104,7 +106,7 @@ def checked_spec(data: dict, who: Identity) -> RunSpec:
                 field="resources.team",
                 fix=f"use a team you submit to, or ask an admin for submit:{spec.resources.team}",
             )
-        check_sources(spec)
+        await check_sources(spec)
     except SpecError as err:
         message = str(err).removeprefix("invalid run spec:\n").strip()
         field = message.split(":", 1)[0].strip() if ":" in message else None

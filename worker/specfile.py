@@ -5,10 +5,12 @@ from __future__ import annotations
 import datetime as dt
 import difflib
 import hashlib
+import itertools
 import json
 import os
 import re
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -16,8 +18,9 @@ from pydantic import BaseModel, ValidationError
 
 from dataprep.errors import SourceError
 from dataprep.remote_sources import expand_objects, split_sources
+from dataprep.source_roots import DataRoots
 from dataprep.source_urls import STORE_SCHEME, is_remote
-from dataprep.sources import expand_sources
+from dataprep.sources import WalkBudget, expand_sources
 from infra.errors import StoreError
 from infra.settings import SettingsError, load_settings
 from infra.toml_files import read_toml
@@ -205,32 +208,78 @@ def load_spec(path: Path, overrides: dict | None = None) -> RunSpec:
     return spec
 
 
-def check_sources(spec: RunSpec) -> None:
-    """What the spec names exists, as the data workers and nodes will look for it."""
+@dataclass(frozen=True)
+class SourceBounds:
+    """Where a check of data.sources may look for a spec from anyone (the API's): inside the data
+    roots only, at most `max_entries` directory entries, `store:` keys in `store_url`; and never
+    at train.code, a folder of the submitter's machine that its uploaded snapshot stands for."""
+
+    roots: tuple[str, ...]
+    store_url: str
+    max_entries: int
+
+
+def check_sources(spec: RunSpec, bounds: SourceBounds | None = None) -> None:
+    """What the spec names exists, as the data workers and nodes will look for it: within
+    `bounds` (raising WalkTooLong past its entries), or anywhere on this machine without."""
+    budget = None
+    if bounds is not None:
+        refuse_outside_roots(spec, bounds.roots, follow_links=True)
+        roots = DataRoots.of(bounds.roots)
+        budget = WalkBudget(bounds.max_entries, lambda path: roots.holds(os.path.realpath(path)))
     local = [s for s in spec.data.sources if not is_remote(s)]
     missing = [s for s in local if not _GLOB.search(s) and not os.path.exists(s)]
     if missing:
         raise SpecError(f"invalid run spec:\n  data.sources: no such file: {', '.join(missing)}")
-    if spec.train.code is not None:
+    if spec.train.code is not None and bounds is None:
         _check_user_code(spec)
     # The data workers expand the sources the same way; a pattern that names nothing is found
     # here, before the run is submitted, rather than minutes later in its dataset workflow.
     try:
-        expand_sources(local)
-        _check_objects([s for s in spec.data.sources if is_remote(s)])
+        expand_sources(local, budget)
+        remote = [s for s in spec.data.sources if is_remote(s)]
+        _check_objects(remote, bounds.store_url if bounds else None, budget)
     except (SourceError, StoreError, SettingsError) as err:
         raise SpecError(f"invalid run spec:\n  data.sources: {err}") from None
 
 
-def _check_objects(sources: list[str]) -> None:
+def refuse_outside_roots(spec: RunSpec, roots: Sequence[str], follow_links: bool = False) -> None:
+    """Every local source starts inside a data root: the folders before its first wildcard, as
+    written (or, with `follow_links`, once every link on the way is resolved). The refusal names
+    the roots and says nothing of what is, or is not, outside them."""
+    written = DataRoots(tuple(os.path.normpath(r) for r in roots if r))
+    resolved = DataRoots.of(roots)
+    for source in (s for s in spec.data.sources if not is_remote(s)):
+        start = _walk_start(source)
+        if follow_links:
+            inside = resolved.holds(os.path.realpath(start))
+        else:
+            inside = written.holds(start) or resolved.holds(start)
+        if not inside:
+            raise SpecError(
+                f"invalid run spec:\n  data.sources: {_quote(source)} is outside the data roots "
+                f"({', '.join(resolved.folders)}){' through a link' if follow_links else ''}: "
+                "name files inside one of them, an s3:// URL or a store:KEY object (an operator "
+                "adds folders to the data workers' and the API's FORGELINE_DATA_ROOTS)"
+            )
+
+
+def _walk_start(pattern: str) -> str:
+    """The folders of a pattern before its first wildcard: where expanding it starts."""
+    literal = list(itertools.takewhile(lambda p: not _GLOB.search(p), Path(pattern).parts))
+    return os.path.join(*literal) if literal else os.sep
+
+
+def _check_objects(sources: list[str], store_url: str | None, budget: WalkBudget | None) -> None:
     """Each s3:// and store: source names at least one object, listed from here with this
-    machine's AWS settings: a data worker elsewhere reads them with its own."""
-    needs_store = any(s.startswith(STORE_SCHEME) for s in sources)
-    store_url = load_settings().store if needs_store else ""
+    machine's AWS settings: a data worker elsewhere reads them with its own. `store:` keys are
+    in `store_url` (None: this machine's settings' store)."""
+    if store_url is None and any(s.startswith(STORE_SCHEME) for s in sources):
+        store_url = load_settings().store
     for source in sources:
         try:
-            in_store, s3 = split_sources([source], store_url)
-            expand_sources(in_store)  # store: sources of a local store are its files
+            in_store, s3 = split_sources([source], store_url or "")
+            expand_sources(in_store, budget)  # store: sources of a local store are its files
             expand_objects(s3)
         except (SourceError, StoreError) as err:
             if not source.startswith(STORE_SCHEME):
