@@ -10,7 +10,8 @@ it holds: a file changed in the store or in the cache is refused, never run.
     code/<id>/MANIFEST.json      written last, create-if-absent: no manifest, no snapshot
 
 What goes in: every file under the folder except what its `.gitignore` files exclude (the same
-patterns git applies, nested files included), `.git/`, `__pycache__/` and compiled Python.
+patterns git applies, nested files included; on the machine that packs the folder, not again
+where an upload is published), `.git/`, `__pycache__/` and compiled Python.
 A file over `MAX_FILE_BYTES`, a folder over `MAX_FILES` or `MAX_TOTAL_BYTES`, and a link that
 leaves the folder are refused by name: data belongs in the dataset, not the code.
 """
@@ -87,8 +88,10 @@ def _ignored(
     return False
 
 
-def collect(folder: Path) -> list[CodeFile]:
-    """The files of the snapshot, sorted by path, each with its size and sha256."""
+def collect(folder: Path, gitignore: bool = True) -> list[CodeFile]:
+    """The files of the snapshot, sorted by path, each with its size and sha256; without
+    `gitignore`, the folder's .gitignore files are files like any other and exclude nothing
+    (a folder unpacked from `pack`, whose files they already chose)."""
     folder = folder.resolve()
     if not folder.is_dir():
         raise CodeSnapshotError(f"train.code {str(folder)!r} is not a folder")
@@ -97,7 +100,8 @@ def collect(folder: Path) -> list[CodeFile]:
 
     def walk(rel_dir: PurePosixPath, rules: list) -> None:
         nonlocal total
-        rules = rules + _ignore_rules(folder, rel_dir)
+        if gitignore:
+            rules = rules + _ignore_rules(folder, rel_dir)
         for entry in sorted(os.scandir(folder / rel_dir), key=lambda e: e.name):
             rel = rel_dir / entry.name
             path = Path(entry.path)
@@ -158,9 +162,10 @@ def _manifest_bytes(snapshot: str, files: list[CodeFile]) -> bytes:
     return json.dumps(body, indent=1, sort_keys=True).encode()
 
 
-def publish(store: ObjectStore, folder: Path) -> PublishedCode:
-    """Upload the folder's snapshot unless the store holds it; files first, manifest last."""
-    files = collect(folder)
+def publish(store: ObjectStore, folder: Path, gitignore: bool = True) -> PublishedCode:
+    """Upload the folder's snapshot unless the store holds it; files first, manifest last
+    (`gitignore`: as `collect`)."""
+    files = collect(folder, gitignore)
     snapshot = snapshot_id(files)
     manifest = _manifest_bytes(snapshot, files)
     digest = hashlib.sha256(manifest).hexdigest()

@@ -6,7 +6,7 @@ socket for the app. (No server, no client library: what the app reads is exactly
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
+from collections.abc import AsyncIterable, AsyncIterator, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,10 +29,11 @@ async def call(
     method: str,
     path: str,
     headers: dict[str, str] | None = None,
-    body: Iterable[bytes] = (),
+    body: Iterable[bytes] | AsyncIterable[bytes] = (),
 ) -> Answer:
+    """`body` may be async: a chunk it awaits holds the request there, as a slow client does."""
     answer = Answer()
-    chunks = iter(body)
+    chunks = _chunks(body)
     scope = {
         "type": "http",
         "asgi": {"version": "3.0"},
@@ -49,7 +50,7 @@ async def call(
     }
 
     async def receive() -> Message:
-        chunk = next(chunks, None)
+        chunk = await anext(chunks, None)
         if chunk is None:
             return {"type": "http.request", "body": b"", "more_body": False}
         answer.read += len(chunk)
@@ -64,3 +65,12 @@ async def call(
 
     await app(scope, receive, send)
     return answer
+
+
+async def _chunks(body: Iterable[bytes] | AsyncIterable[bytes]) -> AsyncIterator[bytes]:
+    if isinstance(body, AsyncIterable):
+        async for chunk in body:
+            yield chunk
+    else:
+        for chunk in body:
+            yield chunk

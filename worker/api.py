@@ -42,7 +42,13 @@ from infra.tokens import TokenStore
 from registry.approvals import ApprovalsFile, install_approvals, load_approvals
 from registry.errors import ApprovalsInvalid
 from worker import cluster_actions, run_actions
-from worker.api_code import UPLOAD_CAP, CodeRefused, check_code, publish_upload
+from worker.api_code import (
+    MAX_UPLOADS_AT_ONCE,
+    UPLOAD_CAP,
+    CodeRefused,
+    check_code,
+    publish_upload,
+)
 from worker.api_logs import BadCursor, LogQuery, read_logs
 from worker.api_rules import (
     ApiError,
@@ -57,7 +63,7 @@ from worker.cli_common import CliError, get_client
 from worker.fleet_metrics import exposition, twin_status
 from worker.fleet_view import fleet_view
 from worker.idempotency import MAX_KEY_CHARS, IdempotencyKeys
-from worker.request_limits import limit_requests
+from worker.request_limits import Slots, limit_requests
 from worker.runs import (
     ClusterLacks,
     RunNotFound,
@@ -140,10 +146,11 @@ def make_app(settings: Settings) -> FastAPI:
 
     app.state.tokens = TokenStore(settings.home)
     limit_requests(app, app.state.tokens, {("POST", f"/{API_VERSION}/code"): UPLOAD_CAP})
+    uploads = Slots(MAX_UPLOADS_AT_ONCE, "code uploads", retry_after_s=5)
 
     @app.exception_handler(ApiError)
     async def api_error(_: Request, err: ApiError) -> JSONResponse:
-        return _error(err.status, err.detail)
+        return _error(err.status, err.detail, err.headers)
 
     @app.exception_handler(CodeRefused)
     async def code_refused(_: Request, err: CodeRefused) -> JSONResponse:
@@ -204,15 +211,17 @@ def make_app(settings: Settings) -> FastAPI:
                                                              "format": "binary"}}},
             }
         },
-        responses={413: {"model": ErrorBody, "description": "more than a snapshot may hold"}},
+        responses={413: {"model": ErrorBody, "description": "more than a snapshot may hold"},
+                   429: {"model": ErrorBody, "description": "uploads at their limit: Retry-After"}},
     )  # fmt: skip
     async def upload_code(request: Request, who: Caller) -> CodeRef:
         """A train.code folder as a tar of its files (what `forgeline run` and
         `Client.submit` send): published as a content-addressed snapshot; its answer goes into
         the submit's `code`."""
         require(who.may_submit_somewhere(), who, "upload code", "submit:TEAM")
-        data = await request.body()  # within UPLOAD_CAP: worker/request_limits.py
-        return await asyncio.to_thread(publish_upload, settings.open_store(), data)
+        async with uploads.hold():
+            data = await request.body()  # within UPLOAD_CAP: worker/request_limits.py
+            return await asyncio.to_thread(publish_upload, settings.open_store(), data)
 
     async def owner_or_operator(name: str, who: Identity, verb: str) -> None:
         owner = (await run_view(name)).status.owner

@@ -24,6 +24,9 @@ UPLOAD_CAP = BodyCap(
     MAX_UPLOAD_BYTES,
     "point train.code at the training code only, or list the rest in .gitignore",
 )
+# Each upload holds its body in memory and its files on disk while it is published: a few at a
+# time per API process (`forgeline run` uploads once per submit).
+MAX_UPLOADS_AT_ONCE = 4
 _SNAPSHOT_ID = re.compile(r"[0-9a-f]{32}")
 _UPLOAD_FIX = "upload the folder with POST /v1/code (`forgeline run` and Client.submit do)"
 
@@ -35,12 +38,16 @@ class CodeRefused(Exception):
 
 
 def publish_upload(store: ObjectStore, data: bytes) -> CodeRef:
-    """Unpack the tar in a scratch folder and publish it: the snapshot id comes from the files
-    as they arrived, so the submitter can check it against the one it computed."""
+    """Unpack the tar in a scratch folder and publish its files as they arrived: the snapshot id
+    comes from them, so the submitter can check it against the one it computed."""
     with tempfile.TemporaryDirectory(prefix="forgeline-code-") as scratch:
         try:
             code_snapshot.unpack(data, Path(scratch))
-            published = code_snapshot.publish(store, Path(scratch))
+            # The .gitignore rules were applied where the folder was packed (the snapshot id
+            # the submitter checks is the one these files make). Applied again here they would
+            # leave out nothing but could cost anything: a regex per pattern per file, and one
+            # pattern with four wildcards took 15 s on one long name.
+            published = code_snapshot.publish(store, Path(scratch), gitignore=False)
         except code_snapshot.CodeSnapshotError as err:
             raise CodeRefused(422, str(err)) from None
     return CodeRef.model_validate(published, from_attributes=True)

@@ -27,15 +27,23 @@ IDENTITY = "forgeline.identity"
 
 class ApiError(Exception):
     def __init__(
-        self, status: int, code: str, message: str, field: str | None = None, fix: str | None = None
+        self,
+        status: int,
+        code: str,
+        message: str,
+        field: str | None = None,
+        fix: str | None = None,
+        headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
-        self.status = status
+        self.status, self.headers = status, headers
         self.detail = ErrorDetail(code=code, message=message, field=field, fix=fix)
 
 
-def error_response(status: int, detail: ErrorDetail) -> JSONResponse:
-    return JSONResponse(ErrorBody(error=detail).model_dump(), status_code=status)
+def error_response(
+    status: int, detail: ErrorDetail, headers: dict[str, str] | None = None
+) -> JSONResponse:
+    return JSONResponse(ErrorBody(error=detail).model_dump(), status_code=status, headers=headers)
 
 
 def authenticate(tokens: TokenStore, authorization: str | None) -> Identity:

@@ -1,6 +1,7 @@
 """What the HTTP API holds of a request before it has decided anything: a request that may carry
-a body is authenticated from its headers before a byte of the body is read, and every body is
-counted against its route's cap as it streams in.
+a body is authenticated from its headers before a byte of the body is read, every body is
+counted against its route's cap as it streams in, and a costly kind of request (a code upload)
+is taken only so many at a time.
 
 Without this, FastAPI reads and parses a JSON body before the handler's dependencies check the
 token: 200 MiB from nobody cost 600 MiB of memory before the 401. Now a POST, PUT, PATCH or
@@ -13,7 +14,8 @@ counted all the same).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping
+import contextlib
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
@@ -117,3 +119,29 @@ def _counted(receive: Receive, cap: BodyCap) -> Receive:
         return message
 
     return counted
+
+
+class Slots:
+    """At most `size` requests of one kind at a time in this API process: the next is refused
+    at once (429, with Retry-After) rather than queued, so that what the waiting ones would hold
+    (their bodies, their threads) is never held."""
+
+    def __init__(self, size: int, what: str, retry_after_s: int) -> None:
+        self.size, self.what, self.retry_after_s = size, what, retry_after_s
+        self.taken = 0  # one event loop: no await between the test and the take
+
+    @contextlib.asynccontextmanager
+    async def hold(self) -> AsyncIterator[None]:
+        if self.taken >= self.size:
+            raise ApiError(
+                429,
+                "busy",
+                f"{self.size} {self.what} are in progress, the most this API takes at once",
+                fix=f"send it again in {self.retry_after_s} s",
+                headers={"Retry-After": str(self.retry_after_s)},
+            )
+        self.taken += 1
+        try:
+            yield
+        finally:
+            self.taken -= 1
