@@ -261,7 +261,7 @@ def make_app(settings: Settings) -> FastAPI:
         await refuse_another_team_s_model(settings, spec)
         digest = spec_sha256(spec)
         if idempotency_key is not None:
-            claim = keys.claim(who.person, idempotency_key, spec.name, digest)
+            claim = await keys.claim(who.person, idempotency_key, spec.name, digest)
             if claim.run != spec.name:
                 raise ApiError(
                     409,
