@@ -49,6 +49,7 @@ from worker.api_code import (
     check_code,
     publish_upload,
 )
+from worker.api_docs import add_docs
 from worker.api_logs import BadCursor, LogQuery, read_logs
 from worker.api_rules import (
     ApiError,
@@ -137,6 +138,8 @@ def make_app(settings: Settings) -> FastAPI:
         version=API_VERSION,
         description=__doc__.split("\n\n")[0],
         lifespan=lifespan,
+        docs_url=None,  # their pages load scripts from a CDN: worker/api_docs.py instead
+        redoc_url=None,
         responses={
             401: {"model": ErrorBody, "description": "no token, or not a valid one"},
             403: {"model": ErrorBody, "description": "the caller's roles do not allow it"},
@@ -145,6 +148,7 @@ def make_app(settings: Settings) -> FastAPI:
     )
 
     app.state.tokens = TokenStore(settings.home)
+    add_docs(app)
     limit_requests(app, app.state.tokens, {("POST", f"/{API_VERSION}/code"): UPLOAD_CAP})
     uploads = Slots(MAX_UPLOADS_AT_ONCE, "code uploads", retry_after_s=5)
 
