@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 FL     := $(BIN)/forgeline
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test test-all up down lint format clean bench-dataprep bench-trainer bench-recovery bench-load bench-shadow bench-hot-start
+.PHONY: demo test test-all up down lint format clean bench-dataprep bench-trainer bench-recovery bench-load bench-shadow bench-hot-start bench-door
 
 # torch first, pinned to the CPU wheel on this machine's disk: resolving `torch` through the
 # project's dependencies could pull a multi-GB CUDA build.
@@ -47,6 +47,10 @@ bench-recovery: $(STAMP)
 # Shadow checks every 50, 200, 1000 steps beside none; how soon they name a corrupt rank.
 bench-shadow: $(STAMP)
 	$(BIN)/python -m bench.shadow
+
+# A checkpoint's stall and save to commit through a boxed rank's store door, beside direct writes.
+bench-door: $(STAMP)
+	$(BIN)/python -m bench.door
 
 bench-hot-start: $(STAMP)
 	$(BIN)/python -m bench.hot_start

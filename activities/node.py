@@ -11,7 +11,7 @@ import asyncio
 import contextlib
 import shutil
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import TypeVar
@@ -24,6 +24,7 @@ from activities.fetch import NodeCache, NodeCacheLease
 from activities.metric_tap import MetricTap
 from infra import code_snapshot, node_health
 from infra.requirements import unmet
+from infra.sandbox import Box
 from infra.settings import Settings
 from registry.metric_stream import MetricShipper, MetricSpool
 from trainer.checkpoint_manifest import CheckpointManifest, PeerManifest
@@ -34,8 +35,9 @@ from trainer.launch import LOOPBACK, Fabric, Rendezvous, run_ranks
 from trainer.local_copies import LocalCopies
 from trainer.manifest import read_manifest
 from trainer.model import laid_out_as
-from trainer.rank_box import Confinement, NodeConfinement, rank_box
+from trainer.rank_box import DOOR_SOCKET, Confinement, NodeConfinement, door_url, rank_box
 from trainer.rank_logs import LogShipper, shipped_while_running
+from trainer.store_door import DoorPolicy, StoreDoor, door_folder
 from trainer.warm_launch import WarmLauncher
 from workflows.contracts.cluster_models import CheckpointCommitted, WarmInput
 from workflows.contracts.models import (
@@ -145,26 +147,22 @@ class NodeActivities:
             self.metrics_dir, self._generation_dir(inp.run_id, generation) / "progress.jsonl"
         )
         gen_dir = self._generation_dir(inp.run_id, generation)
-        box = (
-            rank_box(job, gen_dir.parent, self._own_checkpoints(inp.run_id))
-            if self.confinement.mode is Confinement.BOX
-            else None
-        )
         logs = LogShipper(self.store, inp.run_id, generation, self.node_id, gen_dir)
         try:
-            async with reporter.alive(), shipped_while_running(logs):
-                tail = await run_ranks(
-                    job,
-                    gen_dir,
-                    rdzv,
-                    on_progress=reporter.progress,
-                    threads_per_rank=inp.spec.train.threads_per_rank,
-                    hang=HangWatch(inp.spec.recovery.hang_factor, inp.spec.recovery.hang_min_s),
-                    start_limit_s=inp.spec.recovery.start_limit_s,
-                    fabric=self.fabric,
-                    launcher=self.launcher,
-                    box=box,
-                )
+            with self._confined(inp, job) as box:
+                async with reporter.alive(), shipped_while_running(logs):
+                    tail = await run_ranks(
+                        job,
+                        gen_dir,
+                        rdzv,
+                        on_progress=reporter.progress,
+                        threads_per_rank=inp.spec.train.threads_per_rank,
+                        hang=HangWatch(inp.spec.recovery.hang_factor, inp.spec.recovery.hang_min_s),
+                        start_limit_s=inp.spec.recovery.start_limit_s,
+                        fabric=self.fabric,
+                        launcher=self.launcher,
+                        box=box,
+                    )
         except UserCodeFailed as err:  # the same on every attempt and node: fail the run now
             raise ApplicationError(str(err), type=USER_CODE_ERROR, non_retryable=True) from err
         except RanksFailed as err:
@@ -223,6 +221,21 @@ class NodeActivities:
         folder = self._generation_dir(inp.run_id, inp.generation)
         folder.mkdir(parents=True, exist_ok=True)
         (folder / STOP_FILE).write_text("checkpoint and exit\n")
+
+    @contextlib.contextmanager
+    def _confined(self, inp: NodeTrainInput, job: TrainJob) -> Iterator[Box | None]:
+        """The box the job's ranks run in (None: this node runs them unconfined), with the
+        run's store door open for as long as they run: the job's store becomes the door, and
+        no credential of the store goes into the box."""
+        if self.confinement.mode is not Confinement.BOX:
+            yield None
+            return
+        run_dir = self._run_dir(inp.run_id)
+        folder = door_folder(self.workdir, inp.run_id)
+        job.store_url, job.twin_store_url = door_url(), ""
+        box = rank_box(job, run_dir, self._own_checkpoints(inp.run_id), folder)
+        with StoreDoor(self.store, _door_policy(inp, run_dir), folder / DOOR_SOCKET):
+            yield box
 
     def _own_checkpoints(self, run_id: str) -> Path:
         """Where this node's cache keeps the run's own checkpoints (NodeCacheLease.checkpoint:
@@ -518,6 +531,23 @@ async def _heartbeating(work: Awaitable[T], beat: Callable[[], None], every_s: f
     except asyncio.CancelledError:
         task.cancel()
         raise
+
+
+def _door_policy(inp: NodeTrainInput, run_dir: Path) -> DoorPolicy:
+    """What the run's ranks may read and write through their door: their run's keys, their
+    dataset and code, and the checkpoint the control plane authorized them to start from."""
+    readable = [f"datasets/{inp.dataset.snapshot_id}/"]
+    if inp.code is not None:
+        readable.append(f"code/{inp.code.snapshot_id}/")
+    if inp.init_from is not None:
+        readable.append(inp.init_from.manifest_key.rsplit("/", 1)[0] + "/")
+    return DoorPolicy(
+        run_id=inp.run_id,
+        generation=inp.allocation.generation,
+        run_dir=run_dir,
+        readable=tuple(readable),
+        run_uid=inp.run_uid,
+    )
 
 
 def _keep_beside_job(manifest: CheckpointManifest, path: Path) -> str:

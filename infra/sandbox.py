@@ -9,7 +9,8 @@ Whatever a rank can reach, a user can reach. A box gives the processes inside:
   `/tmp`, and nothing else of the host (not the agent's state folder, env file or keys);
 - their own user namespace, as a uid that is nobody's on the host, with no capabilities, so a
   read-only mount stays read-only;
-- the host's network (gloo and NCCL need it) and, where they exist, the GPU devices.
+- the host's network (gloo and NCCL need it), or none (`network=False`), and, where they exist,
+  the GPU devices.
 
 bwrap needs unprivileged user namespaces (or root). `check()` runs a box once and says why it
 cannot where it cannot: the node agent refuses user code on such a host unless its operator
@@ -54,6 +55,11 @@ class Box:
 
     read_only: tuple[str, ...] = ()
     writable: tuple[str, ...] = ()
+    # Writable, at another path inside: (on the host, in the box).
+    mapped: tuple[tuple[str, str], ...] = ()
+    # False: a network namespace of its own, loopback only (code that needs no network, such as
+    # a model answering prompts over a pipe or a unix socket, reaches nothing through it).
+    network: bool = True
 
     def argv(self, command: list[str], workdir: str = "/") -> list[str]:
         """bwrap's command line that runs `command` in this box, in `workdir`. The command
@@ -62,8 +68,10 @@ class Box:
         return [
             _bwrap(),
             *_namespaces(),
+            *([] if self.network else ["--unshare-net"]),
             *_fresh_mounts(),
             *_binds(self.read_only, self.writable),
+            *[arg for host, inside in self.mapped for arg in ("--bind", host, inside)],
             *_gpu_devices(),
             "--chdir", workdir,
             "--",

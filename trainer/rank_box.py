@@ -38,6 +38,11 @@ PACKAGE_ROOT = Path(__file__).resolve().parents[1]
 UNCONFINED_FORM = "user-code-sees-what-this-agent-sees"
 # What a rank's environment says about itself in place of the agent's home and user.
 BOX_HOME = "/tmp"
+# Where a box finds its run's store door, whatever the host's path.
+BOX_DOOR = "/run/forgeline"
+DOOR_SOCKET = "door.sock"
+# The agent's own store settings: a boxed rank reaches the store through its door only.
+STORE_SETTINGS = frozenset({"FORGELINE_STORE", "FORGELINE_TWIN_STORE"})
 BOX_USER = "forgeline-rank"
 
 
@@ -85,9 +90,10 @@ def decide(unconfined: str | None) -> NodeConfinement:
     return NodeConfinement(Confinement.BOX)
 
 
-def rank_box(job: TrainJob, run_dir: Path, own_checkpoints: Path) -> Box:
+def rank_box(job: TrainJob, run_dir: Path, own_checkpoints: Path, door: Path | None) -> Box:
     """The box of `job`'s ranks: `run_dir` is the run's folder on this node (every generation's
-    folder is inside it), `own_checkpoints` the node cache's folder of the run's checkpoints."""
+    folder is inside it), `own_checkpoints` the node cache's folder of the run's checkpoints,
+    `door` the folder of the run's store door (trainer.store_door), at BOX_DOOR inside."""
     run_dir.mkdir(parents=True, exist_ok=True)
     own_checkpoints.mkdir(parents=True, exist_ok=True)
     read_only = [
@@ -102,19 +108,33 @@ def rank_box(job: TrainJob, run_dir: Path, own_checkpoints: Path) -> Box:
     # The node's copies of the run's checkpoints are in the run's folder (activities.node): the
     # ranks move their files there from staging by a rename, which fails between two mounts.
     writable = [str(run_dir), job.local_copies, job.peer_copies]
-    # The ranks still write their checkpoints to the store themselves: a store that is a folder
-    # (the local stack's) must be in the box until they write through their agent.
-    writable += [_folder_of(url) for url in (job.store_url, job.twin_store_url)]
+    if door is None:
+        # Ranks that write to the store themselves (a test's): a store that is a folder must
+        # be in the box.
+        writable += [_folder_of(url) for url in (job.store_url, job.twin_store_url)]
     return Box(
         read_only=tuple(p for p in read_only if p),
         writable=tuple(p for p in writable if p),
+        mapped=((str(door), BOX_DOOR),) if door is not None else (),
     )
 
 
+def door_url() -> str:
+    """The store URL of a boxed job: its agent's door (infra.store.door), as the box shows it."""
+    return f"door://{BOX_DOOR}/{DOOR_SOCKET}"
+
+
 def box_environment(env: dict[str, str]) -> dict[str, str]:
-    """A rank's environment inside the box: home and temporary files in the box's own /tmp,
-    a user name that is nobody's (libraries that ask getpass for one get it)."""
-    return {**env, "HOME": BOX_HOME, "TMPDIR": BOX_HOME, "USER": BOX_USER, "LOGNAME": BOX_USER}
+    """A rank's environment inside the box: no credential of the store (it goes through its
+    agent's door), home and temporary files in the box's own /tmp, a user name that is
+    nobody's (libraries that ask getpass for one get it)."""
+    kept = {name: value for name, value in env.items() if not _store_credential(name)}
+    return {**kept, "HOME": BOX_HOME, "TMPDIR": BOX_HOME, "USER": BOX_USER, "LOGNAME": BOX_USER}
+
+
+def _store_credential(name: str) -> bool:
+    """The store's access and where to find it: S3's keys, profiles, credential files."""
+    return name.startswith(("AWS_", "BOTO_")) or name in STORE_SETTINGS
 
 
 def _folder_of(store_url: str) -> str:

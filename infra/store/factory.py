@@ -18,6 +18,10 @@ def open_store(url: str, twin: str = "") -> ObjectStore:
         return TwinStore(open_store(url), open_store(twin))
     if url.startswith("file://"):
         return LocalStore(Path(url.removeprefix("file://")))
+    if url.startswith("door://"):  # a boxed rank's: through its node agent (infra.store.door)
+        from infra.store.door import DoorStore
+
+        return DoorStore.from_url(url)
     if url.startswith("s3://"):
         # Imported here: boto3 takes a while to import, and the local stack never needs it.
         from infra.store.s3 import S3Store

@@ -150,9 +150,11 @@ def _start_servers(cluster: Cluster, gateway: str) -> None:
     wait_for(lambda: http_ok(f"http://{gateway}:{mlflow_port}/health"), 120, "MLflow")
 
 
-def _start_api(cluster: Cluster, gateway: str) -> None:
+def _start_api(cluster: Cluster, gateway: str, roots: dict[str, str]) -> None:
     port, home = free_port(), cluster.root / "api"
-    cluster.start("api", [FORGELINE, "api", "--host", gateway, "--port", str(port)], home)
+    argv = [FORGELINE, "api", "--host", gateway, "--port", str(port)]
+    # It checks a spec's local sources against the data workers' roots before a run starts.
+    cluster.start("api", argv, home, roots)
     url = f"http://{gateway}:{port}"
     cluster.env["FORGELINE_API_URL"] = url
     made = subprocess.run(
@@ -188,10 +190,10 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         s3_client(endpoint, env).create_bucket(Bucket=BUCKET)
         _start_servers(cluster, gateway)
         cluster.start("control", [FORGELINE, "control"], root / "control")
-        _start_api(cluster, gateway)
         # The data worker reads the corpora the specs name, in the repository, and nothing
         # else of this machine's (as an operator sets it on a shared host).
         roots = {"FORGELINE_DATA_ROOTS": str(REPO / "examples" / "data")}
+        _start_api(cluster, gateway, roots)
         cluster.start("data", [FORGELINE, "data", "worker"], root / "data", roots)
         for host in network.hosts:
             cluster.start_agent(host)

@@ -21,12 +21,16 @@ from tests.trainer.conftest import Trainer
 from trainer.errors import UserCodeFailed
 from trainer.launch import Rendezvous, run_ranks
 from trainer.rank_box import (
+    BOX_DOOR,
+    DOOR_SOCKET,
     UNCONFINED_FORM,
     Confinement,
     UnconfinedFormError,
     decide,
+    door_url,
     rank_box,
 )
+from trainer.store_door import DoorPolicy, StoreDoor, door_folder
 from workflows.contracts.spec import TrainSpec
 
 pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None, reason="needs bwrap (bubblewrap)")
@@ -60,6 +64,26 @@ HOSTILE = textwrap.dedent(
         except OSError as err:
             found["wrote"][path] = type(err).__name__
     found["tmp"] = os.listdir("/tmp")
+    from infra.store.door import DoorStore
+    door = DoorStore(probe["door"])
+    pathlib.Path("escape").symlink_to(probe["agent_home"])
+    tries = {
+        "list all runs": lambda: door.list("runs/"),
+        "read theirs": lambda: door.get_bytes(probe["theirs"]),
+        "overwrite theirs": lambda: door.put_bytes(probe["theirs"], b"{}"),
+        "rewrite its fence": lambda: door.put_bytes(probe["fence"], b"{}"),
+        "write another generation": lambda: door.put_bytes(probe["other_gen"], b"{}"),
+        "upload the agent's environ": lambda: door.put_file(probe["mine"], "/proc/self/environ"),
+        "upload through a link": lambda: door.put_file(probe["mine"], "escape/agent.env"),
+        "write its own": lambda: door.put_bytes(probe["mine"], b"mine"),
+        "read its own": lambda: door.get_bytes(probe["mine"]).decode(),
+    }
+    found["door"] = {}
+    for name, attempt in tries.items():
+        try:
+            found["door"][name] = ["ok", attempt()]
+        except Exception as err:
+            found["door"][name] = [type(err).__name__, str(err)]
     out = pathlib.Path(os.environ["FORGELINE_JOB"]).with_name("found.json")
     out.write_text(json.dumps(found))
     """
@@ -84,6 +108,9 @@ def test_a_hostile_script_in_a_box_finds_no_secret_and_writes_nothing_outside_it
     cached_code = cache / "code" / "snap"
     cached_code.mkdir(parents=True)
 
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", SECRET)
+    theirs_key = "runs/team-b-run/checkpoints/step-10/gen-1/MANIFEST.json"
+    trainer.store.put_bytes(theirs_key, b"team b's manifest")
     code = tmp_path / "run" / "code"
     code.mkdir(parents=True)
     (code / "train.py").write_text(HOSTILE)
@@ -92,18 +119,32 @@ def test_a_hostile_script_in_a_box_finds_no_secret_and_writes_nothing_outside_it
         "secret": SECRET,
         "read": [str(env_file), str(agent_home / "keys" / "tls.key"), str(theirs)],
         "write": [str(planted), str(theirs), str(cached_code / "tqdm.py")],
+        "door": f"{BOX_DOOR}/{DOOR_SOCKET}",
+        "agent_home": str(agent_home),
+        "theirs": theirs_key,
+        "fence": "runs/team-a-run/generations/gen-1.json",
+        "other_gen": "runs/team-a-run/checkpoints/step-4/gen-2/MANIFEST.json",
+        "mine": "runs/team-a-run/checkpoints/step-4/gen-1/notes.txt",
     }
     (code / "probe.json").write_text(json.dumps(probe))
 
     train = TrainSpec(steps=2, batch_size=4, code="code", entrypoint="train.py")
     job = trainer.job("team-a-run", train, code_dir=str(code))
     workdir = Path(job.progress_file).parent
-    box = rank_box(job, workdir, cache / "checkpoints" / "runs" / "team-a-run")
+    folder = door_folder(tmp_path / "node", "team-a-run")
+    job.store_url = door_url()
+    box = rank_box(job, workdir, cache / "checkpoints" / "runs" / "team-a-run", folder)
     rdzv = Rendezvous(f"127.0.0.1:{free_port()}", "team-a-run-g1", 1, 2)
+    policy = DoorPolicy(
+        "team-a-run", 1, workdir, readable=(f"datasets/{trainer.snapshot.snapshot_id}/",)
+    )
 
     async def main() -> None:
         # The script never trains: its run fails as the user's error, after it looked around.
-        with pytest.raises(UserCodeFailed, match="returned without training"):
+        with (
+            StoreDoor(trainer.store, policy, folder / DOOR_SOCKET),
+            pytest.raises(UserCodeFailed, match="returned without training"),
+        ):
             await run_ranks(job, workdir, rdzv, on_progress=lambda _: None, box=box)
 
     # The host's /tmp is not the box's: a file there is not seen inside.
@@ -118,7 +159,7 @@ def test_a_hostile_script_in_a_box_finds_no_secret_and_writes_nothing_outside_it
     # Its own pid namespace: the box's init, torchrun, two ranks and their log copies; never
     # this process (the agent), whose environ holds the key.
     assert os.getpid() not in found["pids"] and len(found["pids"]) <= 8, found["pids"]
-    assert found["secret_in"] == [] and not found["env_has_secret"]
+    assert found["secret_in"] == [] and not found["env_has_secret"]  # nor the store's key
     assert set(found["read"].values()) == {"FileNotFoundError"}, found["read"]
     # The code is read-only (nothing planted for the next run); the cache is not there at all.
     assert found["wrote"][str(planted)] == "OSError"
@@ -127,6 +168,17 @@ def test_a_hostile_script_in_a_box_finds_no_secret_and_writes_nothing_outside_it
     assert not planted.exists() and not (cached_code / "tqdm.py").exists()
     assert theirs.read_text() == "team b's weights"
     assert marker.name not in found["tmp"]
+    # Its door: its own keys of its own generation, nothing else, and no file from outside its
+    # run's folder (the agent opens the path, and would otherwise upload its own secrets).
+    door = found["door"]
+    assert door.pop("write its own") == ["ok", None] and door.pop("read its own") == ["ok", "mine"]
+    assert {verdict for verdict, _ in door.values()} == {"DoorRefused"}, door
+    assert "may list only its own keys" in door["list all runs"][1]
+    assert "may read only its own keys" in door["read theirs"][1]
+    assert "writes only keys of its own generation" in door["write another generation"][1]
+    assert "uploads come only from the run's own folder" in door["upload through a link"][1]
+    assert trainer.store.get_bytes(theirs_key) == b"team b's manifest"
+    assert not trainer.store.exists("runs/team-a-run/generations/gen-1.json")
 
 
 def test_the_unconfined_flag_takes_only_its_explicit_form() -> None:

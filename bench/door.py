@@ -1,0 +1,138 @@
+"""What a boxed rank's store door costs a checkpoint, side by side with direct store writes.
+
+    python -m bench.door [--repeats 5]        (make bench-door)
+
+A ~60 M-parameter GPT with AdamW state (the checkpoint of bench/trainer.py), saved by the
+Checkpointer the SDK uses, alternately straight to a folder store (what ranks did before they
+were boxed) and through the store door (infra.store.door → trainer.store_door) to the same kind
+of store, the door served by a separate process as the node agent serves it. Two figures for
+each: the stall (the loop blocked by an asynchronous save, its copy overlapped with the next
+forward and backward, as the loop does it) and save to commit (the background upload and the
+manifest). Median and spread of `--repeats`, each repeat's pair in turn; the ratio is door
+over direct.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from bench.trainer import BIG, THREADS, table
+from infra.processes import free_port
+from infra.store.door import DoorStore
+from infra.store.local import LocalStore
+from infra.store.protocol import ObjectStore
+from trainer.checkpoint import Checkpointer
+from trainer.model import GPT
+from trainer.store_door import DoorPolicy, StoreDoor
+
+RUN = "bench-door"
+
+
+def _serve(store_root: str, socket_path: str, run_dir: str, ready: multiprocessing.Event) -> None:
+    """The node agent's side, in a process of its own."""
+    policy = DoorPolicy(RUN, 1, Path(run_dir))
+    with StoreDoor(LocalStore(Path(store_root)), policy, Path(socket_path)):
+        ready.set()
+        while True:
+            time.sleep(3600)
+
+
+def _save(model: GPT, optimizer: torch.optim.Optimizer, checkpointer: Checkpointer, step: int):
+    """One save as the loop does it; (stall, save to commit) in seconds."""
+    started = time.perf_counter()
+    checkpointer.save(model, optimizer, step=step, meta={})
+    blocked = time.perf_counter() - started
+    x = torch.randint(0, BIG.vocab_size, (1, 128))
+    _, loss = model(x, x)
+    loss.backward()
+    started = time.perf_counter()
+    checkpointer.before_weights_change()
+    stall = blocked + time.perf_counter() - started
+    optimizer.zero_grad(set_to_none=True)
+    report = checkpointer.wait()
+    assert report is not None and report.manifest_key is not None, report
+    return stall, report.total_s
+
+
+def _checkpointer(store: ObjectStore, staging: Path) -> Checkpointer:
+    return Checkpointer(
+        store=store, staging_dir=staging, run_id=RUN, generation=1, keep=2, layout={}
+    )
+
+
+def measure(root: Path, repeats: int) -> list[tuple[str, str, str, str]]:
+    run_dir = root / "run"
+    run_dir.mkdir()
+    socket_path = root / "door.sock"
+    ready = multiprocessing.get_context("spawn").Event()
+    agent = multiprocessing.get_context("spawn").Process(
+        target=_serve, args=(str(root / "door-store"), str(socket_path), str(run_dir), ready),
+        daemon=True,
+    )  # fmt: skip
+    agent.start()
+    ready.wait(60)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1
+    )
+    torch.set_num_threads(THREADS)
+    torch.manual_seed(0)
+    model = GPT(BIG)
+    optimizer = model.optimizer(1e-4, 0.1)
+    x = torch.randint(0, BIG.vocab_size, (1, 128))
+    model(x, x)[1].backward()
+    optimizer.step()  # AdamW moments exist from here
+    optimizer.zero_grad(set_to_none=True)
+    direct = _checkpointer(LocalStore(root / "direct-store"), run_dir / "staging-direct")
+    door = _checkpointer(DoorStore(str(socket_path)), run_dir / "staging-door")
+    figures: dict[str, list[tuple[float, float]]] = {"direct": [], "door": []}
+    try:
+        for warm_up in (direct, door):  # the staging buffers are made on a first save
+            _save(model, optimizer, warm_up, step=1)
+        for i in range(repeats):
+            # Each repeat's pair in turn, the order swapped every other repeat.
+            order = ("direct", "door") if i % 2 == 0 else ("door", "direct")
+            for name in order:
+                chosen = direct if name == "direct" else door
+                figures[name].append(_save(model, optimizer, chosen, step=i + 2))
+    finally:
+        direct.close()
+        door.close()
+        dist.destroy_process_group()
+        agent.kill()
+    return [
+        _row("checkpoint stall (s)", [f[0] for f in figures["door"]],
+             [f[0] for f in figures["direct"]]),
+        _row("save to commit (s)", [f[1] for f in figures["door"]],
+             [f[1] for f in figures["direct"]]),
+    ]  # fmt: skip
+
+
+def _row(what: str, door: list[float], direct: list[float]) -> tuple[str, str, str, str]:
+    med = statistics.median
+    return (
+        what,
+        f"{med(door):.3f} ({min(door):.3f}–{max(door):.3f})",
+        f"{med(direct):.3f} ({min(direct):.3f}–{max(direct):.3f}) direct",
+        f"{med(door) / med(direct):.2f}",
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="bench-door-") as tmp:
+        rows = measure(Path(tmp), args.repeats)
+    print(table(rows))
+
+
+if __name__ == "__main__":
+    main()
