@@ -9,6 +9,7 @@ from pathlib import Path
 from temporalio import activity
 
 from registry.metric_stream import MetricSpool
+from trainer.rank_lines import BoundedLines, line_cap, read_to_end
 
 # Fields of the ranks' step lines and the MLflow metrics they become.
 _STEP_METRICS = {
@@ -25,31 +26,27 @@ class MetricTap:
     """Reads every new complete line of the progress file (the ProgressTail keeps only the
     newest state) and spools its metrics for MLflow, stamped with the time the ranks wrote them.
     Re-reading the file of an earlier attempt of the generation spools the same points again,
-    which MLflow stores once."""
+    which MLflow stores once. The ranks write the file: it is read in bounded polls, a line too
+    long passed over (trainer.rank_lines; the ProgressTail warns of it), an odd one skipped."""
 
-    def __init__(self, progress_file: Path, spool: MetricSpool) -> None:
+    def __init__(self, progress_file: Path, spool: MetricSpool, world: int = 1) -> None:
         self.path = progress_file
         self.spool = spool
-        self.offset = 0
+        self.lines = BoundedLines(progress_file, line_cap(world), warn=False)
 
     def poll(self) -> None:
+        """Spool the lines of one bounded read."""
         try:
             self._poll()
         except Exception:  # a tracking fault never reaches the ranks or the heartbeat
             activity.logger.warning("could not spool training metrics", exc_info=True)
 
+    def drain(self) -> None:
+        """Once the ranks are gone: the lines they left, to the file's end (bounded)."""
+        read_to_end(self.poll, self.lines)
+
     def _poll(self) -> None:
-        try:
-            with open(self.path, "rb") as handle:
-                handle.seek(self.offset)
-                chunk = handle.read()
-        except FileNotFoundError:
-            return
-        complete, newline, _ = chunk.rpartition(b"\n")
-        if not newline:
-            return
-        self.offset += len(complete) + 1
-        for line in complete.splitlines():
+        for line in self.lines.poll():
             try:
                 event = json.loads(line)
                 kind = event.get("event")
@@ -62,5 +59,7 @@ class MetricTap:
                 else:
                     continue
                 self.spool.log_dict(values, int(event["step"]), int(event["time"] * 1000))
-            except (ValueError, KeyError, TypeError, AttributeError):
-                continue  # one odd line costs only itself
+            # One odd line costs only itself (RecursionError: JSON nested too deep; Overflow:
+            # an infinite time).
+            except (ValueError, KeyError, TypeError, AttributeError, RecursionError, OverflowError):
+                continue

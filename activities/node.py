@@ -416,11 +416,12 @@ class _Reporter:
         except (OSError, ValueError):
             activity.logger.warning("training metrics will not reach MLflow", exc_info=True)
             return
-        self.metrics = MetricTap(progress_file, spool)
+        world = len(self.inp.allocation.nodes) * self.inp.spec.resources.gpus_per_node
+        self.metrics = MetricTap(progress_file, spool, world)
 
     def close_metrics(self) -> None:
         if self.metrics is not None:
-            self.metrics.poll()  # the last lines the ranks wrote before they exited
+            self.metrics.drain()  # the last lines the ranks wrote before they exited
             self.metrics.spool.close()
             self.metrics = None
 

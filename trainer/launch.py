@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import os
 import re
 import sys
@@ -22,8 +21,24 @@ from infra.sandbox import Box
 from trainer.errors import RanksFailed, RanksHung, UserCodeFailed
 from trainer.hang import HangWatch
 from trainer.job import TrainJob
+from trainer.progress_events import (
+    CheckpointLine,
+    CrashedLine,
+    EndLine,
+    EvalLine,
+    FailedLine,
+    HealthLine,
+    OddLine,
+    PeerSkippedLine,
+    ProgressLine,
+    SdkLine,
+    StepLine,
+    UserErrorLine,
+    progress_line,
+)
 from trainer.rank_box import box_environment
 from trainer.rank_env import rank_environment
+from trainer.rank_lines import MAX_READ, BoundedLines, line_cap, read_to_end, tail_lines
 from trainer.start_watch import StartWatch, Verdict
 from trainer.step_rate import StepRate
 from trainer.torchrun_process import RANK_SCRIPT, TorchrunProcess
@@ -38,7 +53,7 @@ from trainer.warm_launch import LaunchOrder, WarmLauncher
 # One frame of a stack as faulthandler prints it: `  File "/x/train.py", line 7 in main`.
 _FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+)')
 STACKS_GLOB = "stacks-local-rank-*.txt"  # TrainJob.stacks_file, one a rank
-_STEP_FIELDS = ("step", "loss", "lr", "tokens_per_s", "mfu", "checkpoint_step", "epoch")
+_STEP_FIELDS = {"step", "loss", "lr", "tokens_per_s", "mfu", "checkpoint_step", "epoch"}
 # Health lines an attempt keeps in memory and returns: a node that flaps for a month writes
 # thousands; the progress file on the node keeps them all.
 HEALTH_KEPT = 20
@@ -116,57 +131,66 @@ def torchrun_args(job_file: Path, rdzv: Rendezvous, fabric: Fabric = LOOPBACK) -
 
 class ProgressTail:
     """Reads complete new lines of the progress file; keeps the newest step and checkpoint
-    (the file itself stays on the node as the full record)."""
+    (the file itself stays on the node as the full record). The ranks write the file: it is
+    read in bounded polls (trainer.rank_lines) and each line checked before it is followed
+    (trainer.progress_events); an odd line is passed over with a warning."""
 
-    def __init__(self, path: Path, start_step: int = 0) -> None:
+    def __init__(self, path: Path, start_step: int = 0, world: int = 1) -> None:
         self.path = path
-        self._offset = 0
+        self.lines = BoundedLines(path, line_cap(world))
         self.latest: dict = {"step": start_step}
         self.sdk = ""  # the SDK call the ranks were last in or back from ("init:entered", ...)
         self.crash: str | None = None  # the first rank's uncaught exception (trainer.entry)
         self._rate = StepRate()
 
     def poll(self) -> None:
-        if not self.path.exists():
-            return
-        with open(self.path) as handle:
-            handle.seek(self._offset)
-            chunk = handle.read()
-        complete, _, _ = chunk.rpartition("\n")
-        if not complete:
-            return
-        self._offset += len(complete.encode()) + 1
-        for line in complete.splitlines():
-            event = json.loads(line)
-            if event["event"] == "checkpoint":
-                self.latest["checkpoint_step"] = event["step"]
-            elif event["event"] in ("stopped", "done"):
-                self.latest["step"] = event["step"]
-                if "reason" in event:
-                    self.latest["stop_reason"] = event["reason"]
-            elif event["event"] == "eval":
-                self.latest["val_loss"] = event["val_loss"]
-            elif event["event"] == "failed":
-                self.latest["failure"] = event["reason"]
-            elif event["event"] == "peer_skipped":  # every rank says the same
-                self.latest.setdefault("peer_skipped", event["why"])
-            elif event["event"] == "user_error":  # the first rank to say it is enough
-                self.latest.setdefault("user_error", event)
-            elif event["event"] == "crashed":
-                self.crash = self.crash or event["reason"]
-            elif event["event"] == "health":  # the newest few, and how many in all
-                self.latest["health"] = [*self.latest.get("health", []), event][-HEALTH_KEPT:]
+        """Follow the lines of one bounded read (BoundedLines.max_read)."""
+        for raw in self.lines.poll():
+            try:
+                line = progress_line(raw)
+            except OddLine as odd:
+                self.lines.odd(f"a line of {len(raw)} bytes", str(odd))
+                continue
+            if line is not None:
+                self._follow(line)
+
+    def drain(self) -> None:
+        """Once the ranks are gone: the lines they left, to the file's end (bounded)."""
+        read_to_end(self.poll, self.lines)
+
+    def _follow(self, line: ProgressLine) -> None:
+        match line:
+            case CheckpointLine():
+                self.latest["checkpoint_step"] = line.step
+            case EndLine():
+                self.latest["step"] = line.step
+                if line.reason is not None:
+                    self.latest["stop_reason"] = line.reason
+            case EvalLine():
+                self.latest["val_loss"] = line.val_loss
+            case FailedLine():
+                self.latest["failure"] = line.reason
+            case PeerSkippedLine():  # every rank says the same
+                self.latest.setdefault("peer_skipped", line.why)
+            case UserErrorLine():  # the first rank to say it is enough
+                self.latest.setdefault("user_error", line.model_dump())
+            case CrashedLine():
+                self.crash = self.crash or line.reason
+            case HealthLine():  # the newest few, and how many in all
+                kept = [*self.latest.get("health", []), line.model_dump()]
+                self.latest["health"] = kept[-HEALTH_KEPT:]
                 self.latest["health_seen"] = self.latest.get("health_seen", 0) + 1
-            elif event["event"] == "sdk":
-                self.sdk = f"{event['call']}:{event['state']}"
-            elif event["event"] == "step":
-                self.latest.update({k: event[k] for k in _STEP_FIELDS if k in event})
-                if "time" in event:
-                    self._rate.add(event["step"], event["time"])
+            case SdkLine():
+                self.sdk = f"{line.call}:{line.state}"
+            case StepLine():
+                # The fields the line has, as it has them (a None included).
+                self.latest.update(line.model_dump(include=line.model_fields_set & _STEP_FIELDS))
+                if line.time is not None:
+                    self._rate.add(line.step, line.time)
                     self.latest["steps_per_s"] = self._rate.per_s
-            # Only a step means training; a late checkpoint or eval line never undoes an end.
-            if event["event"] in ("done", "stopped", "step"):
-                self.latest["state"] = "training" if event["event"] == "step" else event["event"]
+        # Only a step means training; a late checkpoint or eval line never undoes an end.
+        if isinstance(line, (EndLine, StepLine)):
+            self.latest["state"] = "training" if isinstance(line, StepLine) else line.event
 
     @property
     def stopped(self) -> bool:
@@ -208,7 +232,8 @@ async def run_ranks(
     job_file = job.write(workdir / "job.json")
     log_file = workdir / "torchrun.log"
     Path(job.progress_file).unlink(missing_ok=True)
-    tail = ProgressTail(Path(job.progress_file), job.resume.step if job.resume else 0)
+    world = rdzv.nnodes * rdzv.nproc_per_node
+    tail = ProgressTail(Path(job.progress_file), job.resume.step if job.resume else 0, world)
     env = {
         **rank_environment(os.environ),
         "OMP_NUM_THREADS": str(threads_per_rank),
@@ -274,7 +299,7 @@ async def run_ranks(
         # soon. Anyone else gets the full grace to checkpoint on the way out.
         await ranks.stop(grace_s=2.0 if isinstance(err, RanksHung) else 10.0)
         raise
-    tail.poll()
+    tail.drain()
     # torchrun exits non-zero when it was itself SIGTERMed (or stopped above), even though its
     # ranks finished or checkpointed and stopped as asked: their own word is what counts.
     if ranks.returncode != 0 and not tail.finished:
@@ -286,11 +311,11 @@ async def run_ranks(
         if tail.crash is not None:
             raise RanksFailed(
                 f"a rank on node {job.node_id} failed: {tail.crash}; last lines of {log_file}:"
-                f"\n{_last_lines(log_file)}"
+                f"\n{tail_lines(log_file)}"
             )
         raise RanksFailed(
             f"torchrun exited with status {ranks.returncode} on node {job.node_id}; "
-            f"last lines of {log_file}:\n{_last_lines(log_file)}"
+            f"last lines of {log_file}:\n{tail_lines(log_file)}"
         )
     return tail
 
@@ -351,19 +376,13 @@ def printed_stacks(folder: Path) -> str:
 def _script_frame(stacks: Path, offset: int, code_dir: str) -> str:
     """The innermost frame of the script's own code folder in the stacks the rank printed
     (faulthandler lists the most recent call first)."""
-    with contextlib.suppress(OSError), open(stacks, errors="replace") as printed:
+    with contextlib.suppress(OSError), open(stacks, "rb") as printed:
         printed.seek(offset)
-        for line in printed:
+        # A rank writes the file: one bounded read, whatever it holds.
+        for line in printed.read(MAX_READ).decode(errors="replace").splitlines():
             found = _FRAME.search(line)
             if found and (not code_dir or found["file"].startswith(code_dir)):
                 path = Path(found["file"])
                 shown = path.relative_to(code_dir) if code_dir else path
                 return f"{shown}, line {found['line']}"
     return "a place its stacks do not show"
-
-
-def _last_lines(path: Path, lines: int = 30) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-    except OSError:
-        return ""
