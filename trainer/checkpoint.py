@@ -55,6 +55,7 @@ from trainer.manifest import (
 from trainer.peer_tier import PeerTier, send_to_peer, write_peer_manifest
 from trainer.rollback_points import RollbackPoints
 from trainer.safe_load import METADATA_FILE, UnsafeCheckpoint
+from trainer.typed_exchange import all_gather_typed, broadcast_typed
 
 
 def _files_written_by(folder: Path, rank: int) -> list[Path]:
@@ -254,8 +255,7 @@ class Checkpointer:
                     name=path.name, key=key, bytes=path.stat().st_size, sha256=sha256_file(path)
                 )
             )
-        gathered: list[tuple[bool, list[CheckpointFile]] | None] = [None] * self.world
-        dist.all_gather_object(gathered, (fenced, mine), group=self._group)
+        gathered = all_gather_typed((fenced, mine), tuple[bool, list[CheckpointFile]], self._group)
         fenced = any(part[0] for part in gathered if part is not None)
         key: str | None = None
         lost: str | None = None
@@ -264,9 +264,10 @@ class Checkpointer:
             if not fenced:
                 key, lost = self._write_manifest(step, meta, gathered)
                 fenced = key is None and lost is None  # taken back: fenced after all
-        outcome = [(key, fenced, lost)]  # rank 0's verdict, for every rank
-        dist.broadcast_object_list(outcome, src=0, group=self._group)
-        key, fenced, lost = outcome[0]
+        verdict = (key, fenced, lost) if self.rank == 0 else None  # rank 0's, for every rank
+        key, fenced, lost = broadcast_typed(
+            verdict, tuple[str | None, bool, str | None], 0, self._group
+        )
         if fenced:  # what this rank uploaded will never be named by a manifest
             for entry in mine:
                 self.store.delete(entry.key)
@@ -328,9 +329,7 @@ class Checkpointer:
         but that manifest."""
         assert self.peer is not None
         written.result()
-        flags: list[bool | None] = [None] * self.world
-        dist.all_gather_object(flags, self._superseded(), group=self._group)
-        fenced = any(flags)
+        fenced = any(all_gather_typed(self._superseded(), bool, self._group))
         key: str | None = None
         if not fenced:
             mine = [
@@ -345,9 +344,8 @@ class Checkpointer:
                     self.generation, self.run_uid,
                 )  # fmt: skip
                 fenced = key is None
-            outcome = [(key, fenced)]
-            dist.broadcast_object_list(outcome, src=0, group=self._group)
-            key, fenced = outcome[0]
+            verdict = (key, fenced) if self.rank == 0 else None
+            key, fenced = broadcast_typed(verdict, tuple[str | None, bool], 0, self._group)
             if key is not None and self.peer.local_rank == 0:
                 self.peer.holdings.prune({entry.sha256 for entry in files})
         shutil.rmtree(folder, ignore_errors=True)

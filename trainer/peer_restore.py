@@ -29,6 +29,7 @@ from infra.digest import sha256_bytes
 from trainer.checkpoint import local_path
 from trainer.checkpoint_manifest import CheckpointFile, CheckpointManifest
 from trainer.peer_tier import PeerTier
+from trainer.typed_exchange import all_gather_typed
 
 
 @dataclass(frozen=True)
@@ -57,8 +58,7 @@ def gather_peer_checkpoint(
             elif held:
                 rejected.append(entry.name)
         mine = Inventory(tier.node_id, placed, rejected)
-    gathered: list[Inventory | None] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(gathered, mine, group=group)
+    gathered = all_gather_typed(mine, Inventory | None, group)
     nodes = {rank: inv for rank, inv in enumerate(gathered) if inv is not None}
     unusable = [why for entry in files if (why := _why_missing(entry, nodes))]
     if unusable:
@@ -79,8 +79,7 @@ def gather_peer_checkpoint(
             if not _broadcast_file(entry, sender, me in lacking, dest, exchange):
                 corrupt.append(f"{entry.name} arrived from {nodes[source].node_id} corrupt")
     # Also the barrier: the node's other ranks read `dest` only once it is whole.
-    verdicts: list[list[str] | None] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(verdicts, corrupt, group=group)
+    verdicts = all_gather_typed(corrupt, list[str], group)
     arrived_corrupt = sorted({why for said in verdicts for why in said or []})
     if arrived_corrupt:
         return _skipped(manifest, "; ".join(arrived_corrupt) + " (sha256)")

@@ -33,6 +33,7 @@ from infra.store.protocol import ObjectStore
 from trainer.checkpoint_manifest import CheckpointFile, CheckpointManifest, PeerManifest
 from trainer.local_copies import LocalCopies
 from trainer.manifest import CommitOutcome, CommittedCheckpoint, Fences, commit_fenced
+from trainer.typed_exchange import all_gather_typed
 
 _PEER_KEY = re.compile(r"/peer/step-(\d+)/gen-(\d+)/MANIFEST\.json$")
 
@@ -86,10 +87,9 @@ def send_to_peer(
     """Every rank calls this: each sends its files to its counterpart on its node's peer, and
     keeps them and what it received in its node's holdings. Returns the manifest's file list,
     each file with the two nodes that now hold it."""
-    world, rank = dist.get_world_size(group), dist.get_rank(group)
-    seats: list[_Seat | None] = [None] * world
+    rank = dist.get_rank(group)
     own = _Seat(tier.node_id, tier.domain, [entry for _, entry in mine])
-    dist.all_gather_object(seats, own, group=group)
+    seats: list[_Seat | None] = list(all_gather_typed(own, _Seat, group))
     nodes: list[str] = []
     for seat in seats:
         assert seat is not None
