@@ -84,6 +84,12 @@ class Identity:
         wanted = {"approve:*", f"approve:{team}", f"approve:model:{model}"}
         return self.is_admin or bool(wanted & self.roles)
 
+    def of_team(self, team: str) -> bool:
+        """Holds a role for `team` (submit:TEAM or approve:TEAM; a `*` role is every team's, an
+        admin everyone's): may read what is the team's own, such as its runs' logs."""
+        wanted = {"submit:*", f"submit:{team}", "approve:*", f"approve:{team}"}
+        return self.is_admin or bool(wanted & self.roles)
+
     def may_act_on_run_of(self, owner: str) -> bool:
         """Cancel or resume a run: one's own, or anyone's as an operator."""
         return owner == self.person or self.may_operate()

@@ -26,7 +26,9 @@ from infra.identity import Identity, canonical_person, canonical_role
 
 TOKENS_FILE = "tokens.json"
 PREFIX = "flt"
-_TOKEN = re.compile(rf"^{PREFIX}_([0-9a-f]{{12}})_([A-Za-z0-9_-]{{43}})$")
+# What a token looks like, also to find one printed in a log (infra.secret_shapes).
+TOKEN_SHAPE = rf"{PREFIX}_([0-9a-f]{{12}})_([A-Za-z0-9_-]{{43}})"
+_TOKEN = re.compile(rf"^{TOKEN_SHAPE}$")
 
 
 class TokenError(Exception):

@@ -1,11 +1,19 @@
-"""Shared fixtures: the repository's paths and a small corpus."""
+"""Shared fixtures: the repository's paths, a small corpus, and one Temporal dev server for the
+tests of a session that need one (the workflows', and the API's that ask Temporal whose a run
+is)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from infra.local_servers import temporal_dev_server_argv
+from infra.processes import ManagedProcess, free_port, port_is_open, wait_until
+from workflows.search_attributes import SEARCH_ATTRIBUTE_TYPES
+
+CONTINUE_AS_NEW_AFTER = 300  # events
 REPO = Path(__file__).resolve().parent.parent
 SHAKESPEARE = REPO / "examples" / "data" / "tinyshakespeare.txt"
 
@@ -19,3 +27,26 @@ def corpus(tmp_path: Path) -> Path:
     reformatted = "  first citizen:\n  BEFORE we proceed any further,  hear me speak."
     path.write_text(f"{text}\n\n{speech}\n\n{reformatted}\n")
     return path
+
+
+@pytest.fixture(scope="session")
+def temporal_address(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    home = tmp_path_factory.mktemp("temporal")
+    port = free_port()
+    server = ManagedProcess(home, "temporal")
+    # A low threshold makes the server suggest continue-as-new after a few hundred events, so
+    # the Cluster workflow's continue-as-new is exercised by an ordinary test.
+    argv = temporal_dev_server_argv(
+        home / "temporal.db",
+        port,
+        0,
+        headless=True,
+        dynamic_config={"limit.historyCount.suggestContinueAsNew": CONTINUE_AS_NEW_AFTER},
+        search_attributes=SEARCH_ATTRIBUTE_TYPES,
+    )
+    server.start(argv)
+    try:
+        wait_until(lambda: port_is_open("127.0.0.1", port), 60, "Temporal dev server", server)
+        yield f"127.0.0.1:{port}"
+    finally:
+        server.stop()

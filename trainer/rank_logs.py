@@ -11,6 +11,13 @@ Pieces are only ever added (never rewritten), so shipping a long log costs only 
 a reader concatenates a file's pieces in key order, and a node that vanishes mid-run has left
 everything up to its last shipment. While the ranks run, a piece ends at a line's end, so a
 follower never sees half a line.
+
+What is stored is redacted first (infra.secret_shapes): the values of the agent's own secrets and
+anything shaped like a credential become ***, so a script that prints `os.environ` or a key file
+does not publish it to whoever reads the run's logs. Shipping whole lines is what lets every
+credential on one line be found whole; a private key's lines are followed from one piece to the
+next. A piece's key names the byte offset in the rank's file; its bytes are the redacted text of
+what starts there, so a piece may be shorter than the bytes it stands for.
 """
 
 from __future__ import annotations
@@ -23,6 +30,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from infra.redact import known_secrets
+from infra.secret_shapes import OpenKey, redact_log
 from infra.store.protocol import ObjectStore
 
 TORCHRUN_LOG = "torchrun.log"
@@ -77,6 +86,7 @@ class LogShipper:
         self.store, self.run_id, self.generation, self.node_id = store, run_id, generation, node_id
         self.folder = folder
         self._shipped: dict[str, int] = {}  # file name -> bytes already in the store
+        self._open_keys: dict[str, OpenKey | None] = {}  # file name -> a private key not ended
 
     def _files(self) -> list[Path]:
         return sorted(
@@ -86,9 +96,10 @@ class LogShipper:
         )
 
     def ship(self, final: bool = False) -> int:
-        """Ship what is new; before `final`, only up to each file's last complete line. Returns
-        the bytes shipped."""
+        """Ship what is new, redacted; before `final`, only up to each file's last complete
+        line. Returns the bytes of the files shipped."""
         total = 0
+        secrets = known_secrets()  # read now: a credential rotated while the agent runs counts
         for path in self._files():
             start = self._shipped.get(path.name, 0)
             with open(path, "rb") as handle:
@@ -98,9 +109,16 @@ class LogShipper:
                 new = new[: new.rfind(b"\n") + 1]
             if not new:
                 continue
-            key = piece_key(self.run_id, self.generation, self.node_id, path.name, start)
-            self.store.put_bytes(key, new)
+            # Bytes that are not UTF-8 go through unchanged (surrogateescape), never dropped.
+            text, still_open = redact_log(
+                new.decode(errors="surrogateescape"), secrets, self._open_keys.get(path.name)
+            )
+            if text:  # nothing but a key's body: nothing to store
+                key = piece_key(self.run_id, self.generation, self.node_id, path.name, start)
+                self.store.put_bytes(key, text.encode(errors="surrogateescape"))
+            # Only once it landed: a put that fails is redacted again, from the same state.
             self._shipped[path.name] = start + len(new)
+            self._open_keys[path.name] = still_open
             total += len(new)
         return total
 

@@ -41,6 +41,7 @@ from infra.settings import Settings
 from infra.tokens import TokenStore
 from registry.approvals import ApprovalsFile, install_approvals, load_approvals
 from registry.errors import ApprovalsInvalid
+from trainer.rank_logs import pieces
 from worker import cluster_actions, run_actions
 from worker.api_code import (
     MAX_UPLOADS_AT_ONCE,
@@ -59,7 +60,11 @@ from worker.api_rules import (
     require,
 )
 from worker.api_rules import error_response as _error
-from worker.api_team_rights import conflicting_spec, refuse_what_the_team_may_not
+from worker.api_team_rights import (
+    conflicting_spec,
+    refuse_logs_of_another_team,
+    refuse_what_the_team_may_not,
+)
 from worker.cli_common import CliError, get_client
 from worker.fleet_metrics import exposition, twin_status
 from worker.fleet_view import fleet_view
@@ -351,7 +356,8 @@ def make_app(settings: Settings) -> FastAPI:
         after: Annotated[list[str] | None, Query()] = None,
     ) -> RunLogs:
         """The ranks' and torchrun's output as shipped to the store (the latest attempt unless
-        one is asked for); `after=NODE/FILE:OFFSET` per file already read returns what is new."""
+        one is asked for); `after=NODE/FILE:OFFSET` per file already read returns what is new.
+        Only for the run's team, its owner and admins (403 naming the team otherwise)."""
         for field, value, what in (("name", name, "name"), ("node", node, "node id")):
             try:
                 if value is not None:
@@ -359,8 +365,13 @@ def make_app(settings: Settings) -> FastAPI:
             except InvalidName as err:
                 raise ApiError(422, "invalid_name", str(err), field=field) from None
         query = LogQuery(attempt, node, rank, tuple(after or ()))
+        store = settings.open_store()
+        found = await asyncio.to_thread(pieces, store, name)
+        if found and not who.is_admin:
+            # No logs, nothing to guard (which runs exist, every token sees: GET /v1/runs).
+            await refuse_logs_of_another_team(await temporal(), name, who)
         try:
-            return await asyncio.to_thread(read_logs, settings.open_store(), name, query)
+            return await asyncio.to_thread(read_logs, store, name, query, found)
         except BadCursor as err:
             raise ApiError(422, "invalid_cursor", str(err), field="after") from None
 

@@ -48,11 +48,14 @@ def _wanted(piece: LogPiece, query: LogQuery, attempt: int, seen: dict) -> bool:
     )
 
 
-def read_logs(store: ObjectStore, run: str, query: LogQuery) -> RunLogs:
+def read_logs(
+    store: ObjectStore, run: str, query: LogQuery, found: list[LogPiece] | None = None
+) -> RunLogs:
     """The pieces of `run`'s logs that `query` selects and has not read yet, up to about
-    MAX_ANSWER_BYTES. `--rank` leaves torchrun's output out, as it has no rank."""
+    MAX_ANSWER_BYTES; `found`: every piece of them, when listed already. `--rank` leaves
+    torchrun's output out, as it has no rank."""
     seen = _read_up_to(query.after)
-    found = pieces(store, run)
+    found = pieces(store, run) if found is None else found
     attempts = sorted({p.generation for p in found})
     attempt = query.attempt if query.attempt is not None else (attempts[-1] if attempts else None)
     shown: list[LogPieceView] = []

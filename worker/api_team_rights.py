@@ -2,7 +2,8 @@
 team's allowance (the cluster file's `max_priority`); weights to start from (`model.init_from`)
 that the team may read: its own runs' checkpoints, its own models' versions, or versions another
 team approved; and, when a run's name is taken, which keys of the other spec differ, never its
-values. Every refusal is an `ApiError` that names the field and what to do."""
+values. After submission: a run's logs are its team's. Every refusal is an `ApiError` that names
+the field and what to do."""
 
 from __future__ import annotations
 
@@ -65,16 +66,56 @@ def refuse_another_team_s_run(spec: RunSpec, run: str, team_of_run: str | None) 
     )
 
 
-async def _team_of_run(client: Client, run: str) -> str | None:
-    """The team `run` was submitted to, as Temporal recorded its start (None: no such run, or
-    its history is gone)."""
+async def _submitted(client: Client, run: str) -> RunSpec | None:
+    """The spec `run` was submitted with, as Temporal recorded its start: its team and owner
+    (None: no such run, or its history is gone)."""
     try:
-        before = await submitted_spec(client, run)
+        return await submitted_spec(client, run)
     except RPCError as err:
         if err.status != RPCStatusCode.NOT_FOUND:
             raise
         return None
+
+
+async def _team_of_run(client: Client, run: str) -> str | None:
+    """The team `run` was submitted to (None: no such run, or its history is gone)."""
+    before = await _submitted(client, run)
     return before.resources.team if before is not None else None
+
+
+def refuse_another_team_s_logs(run: str, who: Identity, submitted: RunSpec | None) -> None:
+    """A run's logs are what its code printed, its data and its mistakes among it: they are read
+    by its team (a role for it: submit:TEAM or approve:TEAM), its owner (whose code printed them,
+    as they may cancel it whatever their roles now) and admins; `submitted` None (no run of that
+    name, or its history is gone) leaves only admins, since whose they are cannot be told."""
+    if who.is_admin:
+        return
+    if submitted is None:
+        raise ApiError(
+            403,
+            "forbidden",
+            f"whose run {run} is cannot be told (its history is gone, past the namespace's "
+            "retention, or it was never started): only the role admin may read its logs",
+            fix="ask an admin to read them",
+        )
+    team = submitted.resources.team
+    if who.of_team(team) or who.person == submitted.owner:
+        return
+    raise ApiError(
+        403,
+        "forbidden",
+        f"run {run}'s logs are team {team!r}'s: only its owner, a role for the team "
+        f"(submit:{team} or approve:{team}) or the role admin may read them",
+        fix=f"ask an admin for the role submit:{team} or approve:{team}, or ask someone of "
+        f"team {team!r}",
+    )
+
+
+async def refuse_logs_of_another_team(client: Client, run: str, who: Identity) -> None:
+    """refuse_another_team_s_logs, with whose `run` is from Temporal (not for an admin, who may
+    read every run's logs whether or not Temporal answers)."""
+    if not who.is_admin:
+        refuse_another_team_s_logs(run, who, await _submitted(client, run))
 
 
 async def _refuse_unreadable_version(settings: Settings, uri: str, team: str) -> None:

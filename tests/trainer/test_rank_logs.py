@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
+import pytest
+
 from infra.store.local import LocalStore
 from trainer.rank_logs import LogShipper, pieces, shipped_while_running
 
@@ -63,3 +65,98 @@ def test_a_store_that_is_away_gets_the_lines_on_a_later_round(tmp_path: Path) ->
 
     asyncio.run(attempt())
     assert _text(store, "run", "rank-0") == "".join(f"line {i}\n" for i in range(10))
+
+
+TOKEN = "flt_0123456789ab_" + "Q" * 43
+KEY_BODY = ["MIIEpAIBAAKCAQEA3Tz2mr7SZiAMfQyuvBjM2Uo", "b0yPwMnj6pBQhkXrUL3SWVLgSM0pZ3OhM2f=="]
+# Each line a rank might print, and what the store must hold instead.
+PRINTED = {
+    "aws key id AKIAIOSFODNN7EXAMPLE, session ASIAY34FZKBOKMUTVV7A": "aws key id ***, session ***",
+    "export AWS_SECRET_ACCESS_KEY=wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY": (
+        "export AWS_SECRET_ACCESS_KEY=***"
+    ),
+    "environ({'HOME': '/root', 'FORGELINE_TEMPORAL_API_KEY': 'tmprl.AbC-0123456789'})": (
+        "environ({'HOME': '/root', 'FORGELINE_TEMPORAL_API_KEY': '***'})"
+    ),
+    "> Authorization: Bearer sk-live-0123456789abcdef": "> Authorization: Bearer ***",
+    "{'authorization': 'Basic dXNlcjpwYXNzd29yZA=='}": "{'authorization': 'Basic ***'}",
+    "id token eyJhbGciOiJSUzI1NiJ9.eyJzdWIiOiJyaGVhIn0.c2lnbmF0dXJl-_x ok": "id token *** ok",
+    f"FORGELINE_TOKEN={TOKEN}": "FORGELINE_TOKEN=***",
+    f"my token is {TOKEN}.": "my token is ***.",
+    'HF_TOKEN=hf_AbCdEf012345 db.password="hunter2" --api-key=k-9': (
+        'HF_TOKEN=*** db.password="***" --api-key=***'
+    ),
+    '{"client_secret": "cs-42", "credentials": "c:d", "n_layer": 4}': (
+        '{"client_secret": "***", "credentials": "***", "n_layer": 4}'
+    ),
+    "mlflow at https://writer:pw-0123@mlflow:5000": "mlflow at https://writer:***@mlflow:5000",
+    # The agent's own secret, printed bare: found by its value.
+    "connecting with agents-own-mlflow-password": "connecting with ***",
+    # Not credentials, though their names say token or key: numbers, counts, a tokenizer.
+    "step 10 max_tokens=512 tokens_per_s=1834.5 bos_token_id=50256 tokenizer=gpt2 key_dim=64": (
+        "step 10 max_tokens=512 tokens_per_s=1834.5 bos_token_id=50256 tokenizer=gpt2 key_dim=64"
+    ),
+}
+
+
+def test_every_credential_shape_is_stored_redacted(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD", "agents-own-mlflow-password")
+    store, folder = LocalStore(tmp_path / "store"), tmp_path / "gen-1"
+    folder.mkdir()
+    pem = ["-----BEGIN RSA PRIVATE KEY-----", *KEY_BODY, "-----END RSA PRIVATE KEY-----"]
+    (folder / "rank-0.log").write_text("\n".join([*PRINTED, *pem, "after the key"]) + "\n")
+    # A key printed as Python shows a string: on one line, its newlines as \n.
+    one_line = f"-----BEGIN PRIVATE KEY-----\\n{KEY_BODY[0]}\\n-----END PRIVATE KEY-----"
+    (folder / "torchrun.log").write_text(f"[rank0]: read '{one_line}'\n")
+    LogShipper(store, "run", 1, "h1", folder).ship(final=True)
+
+    stored = _text(store, "run", "rank-0").splitlines()
+    assert stored[: len(PRINTED)] == list(PRINTED.values())
+    assert stored[len(PRINTED) :] == [
+        "-----BEGIN RSA PRIVATE KEY-----***", "-----END RSA PRIVATE KEY-----", "after the key"
+    ]  # fmt: skip
+    assert _text(store, "run", "torchrun") == (
+        "[rank0]: read '-----BEGIN PRIVATE KEY-----***-----END PRIVATE KEY-----'\n"
+    )
+
+
+class _AwayOnce(LocalStore):
+    """A store whose next put fails when told."""
+
+    fail_next = False
+
+    def put_bytes(self, key: str, data: bytes) -> None:
+        if self.fail_next:
+            self.fail_next = False
+            raise ConnectionError("store away")
+        super().put_bytes(key, data)
+
+
+def test_a_credential_split_between_shipments_is_still_redacted(tmp_path: Path) -> None:
+    """A line is held back until it is whole; a private key's body is dropped from the piece
+    after its first line, even when the put of that piece failed once and was shipped again."""
+    store, folder = _AwayOnce(tmp_path / "store"), tmp_path / "gen-1"
+    folder.mkdir()
+    log = folder / "rank-0.log"
+    shipper = LogShipper(store, "run", 1, "h1", folder)
+
+    def prints(text: str) -> None:
+        with open(log, "a") as handle:
+            handle.write(text)
+
+    prints("step 1\nHF_TOKEN=hf_AbCdEf")
+    shipper.ship()
+    prints("012345\n-----BEGIN OPENSSH PRIVATE KEY-----\n" + KEY_BODY[0] + "\n")
+    shipper.ship()
+    prints(KEY_BODY[1] + "\n-----END OPENSSH PRIVATE KEY-----\nstep 2\n")
+    store.fail_next = True
+    with pytest.raises(ConnectionError):
+        shipper.ship()
+    shipper.ship()
+    prints("last: SECRET=s3cr3t-tail")
+    shipper.ship(final=True)
+
+    assert _text(store, "run", "rank-0") == (
+        "step 1\nHF_TOKEN=***\n-----BEGIN OPENSSH PRIVATE KEY-----***\n"
+        "-----END OPENSSH PRIVATE KEY-----\nstep 2\nlast: SECRET=***"
+    )

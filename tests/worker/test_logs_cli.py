@@ -1,11 +1,14 @@
 """`forgeline logs` and GET /v1/runs/NAME/logs: the ranks' output that agents shipped to the
 store, read back through the API under a person's token (who holds no store key), by run, node,
-rank and attempt, and followed as new pieces are shipped."""
+rank and attempt, and followed as new pieces are shipped; only by the run's team, its owner and
+admins."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import subprocess
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,16 +20,21 @@ from infra.settings import Settings
 from infra.store.local import LocalStore
 from infra.tokens import TokenStore
 from tests.api_server import serving_api
+from tests.asgi_call import Answer, call
 from tests.e2e.conftest import FORGELINE
 from trainer.rank_logs import LogShipper
-from worker.cli_common import ExitCode
+from worker.api import make_app
+from worker.cli_common import ExitCode, get_client
+from worker.runs import submit
+from workflows.contracts.spec import RunSpec
 
 
 @pytest.fixture
 def api(tmp_path: Path) -> Iterator[tuple[str, str]]:
-    """The API over the state folder's own store, and a reader's token."""
+    """The API over the state folder's own store (no Temporal), and an admin's token: an admin
+    reads every run's logs without asking whose the run is (the team's reading: below)."""
     settings = Settings(home=tmp_path, temporal_address=f"127.0.0.1:{free_port()}")
-    token, _ = TokenStore(tmp_path).create("rhea", ["read"], created_by="test")
+    token, _ = TokenStore(tmp_path).create("rhea", ["admin"], created_by="test")
     with serving_api(settings) as url:
         yield url, token
 
@@ -43,12 +51,14 @@ def forgeline(api: tuple[str, str], *args: str) -> subprocess.Popen | subprocess
                           timeout=120)  # fmt: skip
 
 
-def ship(store: LocalStore, root: Path, generation: int, node: str, rank: int) -> None:
-    folder = root / "logs" / f"{generation}-{node}"
+def ship(
+    store: LocalStore, root: Path, generation: int, node: str, rank: int, run: str = "tiny"
+) -> None:
+    folder = root / "logs" / run / f"{generation}-{node}"
     folder.mkdir(parents=True)
     (folder / f"rank-{rank}.log").write_text(f"[rank {rank}/2 gen {generation}] on {node}\n")
     (folder / "torchrun.log").write_text(f"torchrun of {node}\n")
-    LogShipper(store, "tiny", generation, node, folder).ship(final=True)
+    LogShipper(store, run, generation, node, folder).ship(final=True)
 
 
 def test_logs_are_read_back_by_run_node_rank_and_attempt(
@@ -104,3 +114,53 @@ def test_logs_follow_prints_lines_as_they_are_shipped(api: tuple[str, str], tmp_
     finally:
         follower.kill()
         follower.wait()
+
+
+def test_a_run_s_logs_are_read_by_its_team_its_owner_and_admins_only(
+    tmp_path: Path, temporal_address: str
+) -> None:
+    settings = Settings(home=tmp_path, temporal_address=temporal_address)
+    run, ghost = f"vis-{uuid.uuid4().hex[:8]}", f"gone-{uuid.uuid4().hex[:8]}"
+    spec = RunSpec.model_validate({
+        "name": run, "owner": "olga", "data": {"sources": ["/corpus.txt"]},
+        "resources": {"team": "vision"},
+    })  # fmt: skip
+    store = LocalStore(tmp_path / "store")
+    ship(store, tmp_path, 1, "h1", 0, run)
+    ship(store, tmp_path, 1, "h1", 0, ghost)  # logs of a run Temporal does not know
+    # Person -> roles: the team's submitter and approver, a submitter of every team, an admin,
+    # and the owner, who may whatever roles their token has now; not another team, nor operate.
+    may = {"mia": ["submit:vision"], "abe": ["approve:vision"], "sol": ["submit:*"],
+           "root": ["admin"], "olga": ["read"]}  # fmt: skip
+    may_not = {"nils": ["submit:nlp", "approve:nlp"], "opal": ["operate"]}
+    tokens = TokenStore(tmp_path)
+    made = {who: tokens.create(who, roles, "test")[0] for who, roles in {**may, **may_not}.items()}
+    app = make_app(settings)
+
+    async def logs(who: str, of: str) -> Answer:
+        bearer = {"Authorization": f"Bearer {made[who]}"}
+        return await call(app, "GET", f"/v1/runs/{of}/logs", bearer)
+
+    async def check() -> None:
+        client = await get_client(settings)
+        await submit(client, spec, "0" * 64)  # as the API submits it; no worker takes it up here
+        try:
+            for who in may:
+                answer = await logs(who, run)
+                assert answer.status == 200, (who, answer.body)
+                assert [p["text"] for p in answer.json()["pieces"]] == [
+                    "[rank 0/2 gen 1] on h1\n", "torchrun of h1\n"
+                ], who  # fmt: skip
+            for who in may_not:
+                refused = await logs(who, run)
+                assert refused.status == 403, who
+                message = refused.json()["error"]["message"]
+                assert f"run {run}'s logs are team 'vision''s" in message
+                assert "submit:vision or approve:vision" in message
+            unknown = await logs("mia", ghost)
+            assert unknown.status == 403 and "only the role admin" in unknown.body.decode()
+            assert (await logs("root", ghost)).json()["pieces"]
+        finally:
+            await client.get_workflow_handle(run).terminate("test over")
+
+    asyncio.run(check())
