@@ -91,8 +91,15 @@ class ManagedProcess:
         return self.pid() is not None
 
     def start(
-        self, argv: Sequence[str], env: Mapping[str, str] | None = None, cwd: Path | None = None
+        self,
+        argv: Sequence[str],
+        env: Mapping[str, str] | None = None,
+        cwd: Path | None = None,
+        inherit_env: bool = True,
     ) -> int:
+        """Start `argv` in a session of its own. Its environment is this process's with `env`
+        over it, or (`inherit_env=False`) exactly `env`: for code that must hold none of the
+        caller's secrets."""
         self.pid_file.parent.mkdir(parents=True, exist_ok=True)
         self.log_file.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_file, "ab") as log:
@@ -101,7 +108,7 @@ class ManagedProcess:
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
-                env={**os.environ, **(env or {})},
+                env={**(os.environ if inherit_env else {}), **(env or {})},
                 cwd=cwd,
                 start_new_session=True,
             )

@@ -1,22 +1,23 @@
 """`forgeline serve MODEL[@ALIAS|/VERSION]` and `forgeline generate MODEL "prompt"`: a registered
-model answering prompts, behind `mlflow models serve` or loaded in this process.
+model answering prompts, behind MLflow's scoring server or once.
 
-The server is MLflow's own scoring server (uvicorn), so what answers here answers the same way in
-a container built with `mlflow models build-docker`: POST {"inputs": [prompts], "params":
-{"max_new_tokens": N, "seed": S}} to /invocations, get {"predictions": [continuations]}.
+The model's own code never runs in this process: it runs in a process of its own, boxed where
+this host can box it, with none of the caller's secrets (worker.model_box). The server is
+MLflow's own scoring server (uvicorn, what `mlflow models serve` runs), so what answers here
+answers the same way in a container built with `mlflow models build-docker`: POST {"inputs":
+[prompts], "params": {"max_new_tokens": N, "seed": S}} to /invocations, get {"predictions":
+[continuations]}.
 """
 
 from __future__ import annotations
 
 import contextlib
-import importlib
 import json
 import os
 import re
 import shlex
 import shutil
 import signal
-import sys
 import tempfile
 import time
 import urllib.error
@@ -29,6 +30,7 @@ from pathlib import Path
 from infra.extras import require_extra
 from infra.processes import ManagedProcess, free_port, http_ok, port_is_open
 from registry.names import DECISION_TAG, PRODUCTION, SERVABLE_TAG
+from worker import model_box
 from worker.cli_common import check_name
 from worker.verified_model import UnverifiedModel, VerifiedFolder, fetch_verified
 
@@ -85,6 +87,19 @@ def parse_ref(text: str, default_alias: str = PRODUCTION) -> ModelRef:
 
 def check_registered(tracking_uri: str, ref: ModelRef) -> str:
     """The version `ref` points at now; fails with the fix when there is none."""
+    return _registered(tracking_uri, ref).number
+
+
+@dataclass(frozen=True)
+class Registered:
+    number: str
+    approved: bool  # Forgeline's gate recorded an approval on it
+
+    def describe(self, ref: ModelRef) -> str:
+        return f"{ref.name} version {self.number}"
+
+
+def _registered(tracking_uri: str, ref: ModelRef) -> Registered:
     # Late: importing MLflow costs every `forgeline` command 1.4 s, and only this one needs it.
     from mlflow.exceptions import MlflowException
     from mlflow.tracking import MlflowClient
@@ -113,7 +128,7 @@ def check_registered(tracking_uri: str, ref: ModelRef) -> str:
                 f"Forgeline; approve its run with `forgeline approve RUN`, or serve "
                 f"{ref.name}/{found.version} by number if you mean to"
             )
-        return str(found.version)
+        return Registered(str(found.version), found.tags.get(DECISION_TAG) == "approved")
     try:
         client.get_registered_model(ref.name)
     except MlflowException:
@@ -144,7 +159,8 @@ def _check_reachable(tracking_uri: str) -> None:
 
 @dataclass
 class ModelServer:
-    """`mlflow models serve` running in its own process group, with its log file."""
+    """The model's scoring server and the relay in front of it (worker.model_box) in their own
+    process group, with their log file."""
 
     ref: ModelRef
     version: str
@@ -159,8 +175,9 @@ class ModelServer:
         """SIGTERM the group and wait for all of it: the port is free once this returns."""
         group = self.process.pid()  # the leader's pid is the group's id (its own session)
         self.process.stop(timeout=timeout_s)
-        # The leader (mlflow's CLI) exits at once; uvicorn, in the same group, finishes its
-        # requests and shuts down after it. Only an empty group means the server is gone.
+        # The leader (the relay) exits at once; bwrap, in the same group, takes the box with it
+        # (what runs inside dies with it), and unboxed uvicorn finishes its requests and shuts
+        # down after it. Only an empty group means the server is gone.
         deadline, killed = time.monotonic() + timeout_s, False
         while group is not None and _group_alive(group):
             if time.monotonic() > deadline:
@@ -200,11 +217,13 @@ def start_server(
     workers: int = 1,
     timeout_s: float = START_TIMEOUT_S,
     say: Callable[[str], None] = lambda _: None,
+    unconfined: bool = False,
 ) -> ModelServer:
-    """Start serving `ref` and return once it answers /ping; stopped again if it never does."""
+    """Start serving `ref` and return once it answers /ping; stopped again if it never does.
+    `unconfined`: where no box can be made, serve a version without an approval anyway."""
     # The scoring server loads a pyfunc model, which needs pandas: the full mlflow brings it.
     require_extra("control", "forgeline serve")
-    version = check_registered(tracking_uri, ref)
+    registered = _registered(tracking_uri, ref)
     # A server on every interface is reached through loopback from here.
     local = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
     if port is None:
@@ -214,44 +233,48 @@ def start_server(
     # One folder (and log, and pid file) per port: two servers of one model may run side by side.
     process = ManagedProcess(home, f"serve-{ref.name}-{port}")
     scratch = home / "serving" / process.name
-    verified = _verified_folder(tracking_uri, ref, version, scratch)
-    folder = verified.path
+    shutil.rmtree(scratch, ignore_errors=True)  # what a stopped server left: made afresh
+    verified = _verified_folder(tracking_uri, ref, registered.number, scratch / "model")
+    door = scratch / "door"  # the model's unix socket, which the relay serves on the port
+    door.mkdir()
+    model = _place(ref, registered, verified, scratch / "tmp", unconfined, say, door)
+    how = "in a box" if model.box is not None else "unboxed"
     say(
-        f"starting the model server for {ref} (version {version}, {verified.summary}) from {folder}"
+        f"starting the model server for {ref} (version {registered.number}, {verified.summary}) "
+        f"from {verified.path}, {how}"
     )
-    bin_dir = Path(sys.executable).parent
-    argv = [
-        str(bin_dir / "mlflow"),
-        "models",
-        "serve",
-        "-m",
-        str(folder),  # what was verified, not the registry's copy
-        "--env-manager",
-        "local",
-        "-h",
-        host,
-        "-p",
-        str(port),
-        "-w",
-        str(workers),
-    ]
-    env = {
-        "MLFLOW_TRACKING_URI": tracking_uri,
-        "MLFLOW_REGISTRY_URI": tracking_uri,
-        # `mlflow models serve` starts `uvicorn` through bash by name: without the venv on PATH
-        # (forgeline called by path, venv not activated) it would not be found, or be another's.
-        "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}",
-    }
     process.log_file.unlink(missing_ok=True)
-    process.start(argv, env=env)
+    argv = model_box.serve_command(model, host, port, workers, door)
+    process.start(argv, env=model.environment(), cwd=door, inherit_env=False)
     url = f"http://[{local}]:{port}" if ":" in local else f"http://{local}:{port}"
-    server = ModelServer(ref, version, url, process, scratch)
+    server = ModelServer(ref, registered.number, url, process, scratch)
     try:
         _wait_ready(server, timeout_s)
     except BaseException:  # failed, or Ctrl-C while it starts: leave nothing behind
         server.stop()
         raise
     return server
+
+
+def _place(
+    ref: ModelRef,
+    registered: Registered,
+    verified: VerifiedFolder,
+    tmp: Path,
+    unconfined: bool,
+    say: Callable[[str], None],
+    serves: Path | None = None,
+) -> model_box.ModelPlace:
+    """Where the version's code will run (worker.model_box), said before it runs when that is
+    not a box; refused, naming the fix, where it may not run at all."""
+    what = registered.describe(ref)
+    try:
+        model = model_box.place(verified.path, tmp, what, registered.approved, unconfined, serves)
+    except model_box.ModelProcessError as err:
+        raise ServeError(str(err)) from None
+    if model.note:
+        say(model.note)
+    return model
 
 
 def _wait_ready(server: ModelServer, timeout_s: float) -> None:
@@ -285,29 +308,25 @@ def generate_local(
     max_new_tokens: int,
     seed: int,
     say: Callable[[str], None] = lambda _: None,
+    unconfined: bool = False,
 ) -> str:
-    """Load the registered model into this process and continue `prompt`.
-
-    A version carries its own copy of the modules that serve it (code/trainer/, code/infra/), and
-    loading puts that folder first on sys.path. Forgeline's own packages are imported before
-    that (`infra` by this module's imports), so this process goes on using them, rather than
-    having `trainer` taken over by a model's folder; the shipped copies are these same files as
-    they were when the version was registered.
-    """
+    """Continue `prompt` with the registered model, loaded in a process of its own
+    (worker.model_box): this process downloads and verifies the version's folder, the model's
+    process, boxed where it can be, loads it and answers over a pipe. `unconfined`: where no
+    box can be made, run a version without an approval anyway."""
+    # The model's process loads a pyfunc model, which needs pandas: the full mlflow brings it.
     require_extra("control", "forgeline generate without --url")
-    # Imported here: mlflow.pyfunc needs pandas, which the base install (every GPU host's, and
-    # every `forgeline` command imports this module) lacks; the full mlflow brings it.
-    import mlflow.pyfunc
-
-    importlib.import_module("trainer")
-    version = check_registered(tracking_uri, ref)
+    registered = _registered(tracking_uri, ref)
     with tempfile.TemporaryDirectory(prefix="forgeline-generate-") as scratch:
-        verified = _verified_folder(tracking_uri, ref, version, Path(scratch))
+        verified = _verified_folder(tracking_uri, ref, registered.number, Path(scratch) / "model")
         if verified.unchecked:  # said before its code runs, not only after
-            say(f"{ref} (version {version}): {verified.summary}")
-        model = mlflow.pyfunc.load_model(str(verified.path))
-        (text,) = model.predict([prompt], params={"max_new_tokens": max_new_tokens, "seed": seed})
-    return text
+            say(f"{ref} (version {registered.number}): {verified.summary}")
+        model = _place(ref, registered, verified, Path(scratch) / "tmp", unconfined, say)
+        params = {"max_new_tokens": max_new_tokens, "seed": seed}
+        try:
+            return model_box.generate(model, prompt, params)
+        except model_box.ModelProcessError as err:
+            raise ServeError(f"{ref} (version {registered.number}): {err}", err.log_tail) from None
 
 
 def _verified_folder(tracking_uri: str, ref: ModelRef, version: str, dest: Path) -> VerifiedFolder:

@@ -23,6 +23,10 @@ from worker.serve import (
 commands = typer.Typer()
 
 _MODEL_HELP = "NAME (alias production), NAME@ALIAS or NAME/VERSION"
+_UNCONFINED_HELP = (
+    "where no box can be made (bwrap missing): load a version without an approval anyway, "
+    "unboxed, as your user (its environment still holds none of your secrets)"
+)
 
 
 def _interrupt(signum: int, frame: object) -> None:
@@ -41,15 +45,18 @@ def serve(
     port: Annotated[int | None, typer.Option(min=1, max=65535, help="default: a free one")] = None,
     host: Annotated[str, typer.Option(help="0.0.0.0 to accept other machines")] = "127.0.0.1",
     workers: Annotated[int, typer.Option(min=1, max=64, help="each loads the model")] = 1,
+    unconfined: Annotated[bool, typer.Option(help=_UNCONFINED_HELP)] = False,
 ) -> None:
-    """Serve a registered model over HTTP (`mlflow models serve`) until Ctrl-C."""
+    """Serve a registered model over HTTP (MLflow's scoring server, its code in a box) until
+    Ctrl-C."""
     settings = get_settings()
     signal.signal(signal.SIGTERM, _interrupt)
     try:
         ref = parse_ref(model)
         server = start_server(
-            settings.mlflow_uri, settings.home, ref, host, port, workers, say=console.print
-        )
+            settings.mlflow_uri, settings.home, ref, host, port, workers,
+            say=functools.partial(console.print, markup=False), unconfined=unconfined,
+        )  # fmt: skip
     except ServeError as err:
         raise _serve_failed(err) from None
     except KeyboardInterrupt:
@@ -81,6 +88,7 @@ def generate(
         str | None,
         typer.Option(help="a `forgeline serve` server; default: load the model here"),
     ] = None,
+    unconfined: Annotated[bool, typer.Option(help=_UNCONFINED_HELP)] = False,
 ) -> None:
     """Continue a prompt with a registered model, here or on a model server."""
     try:
@@ -91,7 +99,9 @@ def generate(
             uri = get_settings().mlflow_uri
             # Notes go to stderr: stdout is the model's text and nothing else.
             say = functools.partial(typer.echo, err=True)
-            text = generate_local(uri, ref, prompt, max_new_tokens, seed, say=say)
+            text = generate_local(
+                uri, ref, prompt, max_new_tokens, seed, say=say, unconfined=unconfined
+            )
     except ServeError as err:
         raise _serve_failed(err) from None
     typer.echo(text)  # exactly the model's text: no markup, emoji codes or wrapping

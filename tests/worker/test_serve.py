@@ -13,7 +13,7 @@ import threading
 import time
 import urllib.parse
 import urllib.request
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -305,3 +305,94 @@ def test_generate_against_no_server_is_one_clear_line() -> None:
     assert isinstance(result.exception, CliError)
     assert str(result.exception).startswith(f"cannot reach the model server at {url} (")
     assert "`forgeline serve MODEL`" in str(result.exception)
+
+
+# A version's serving entry that probes what it can reach from where it is loaded: the caller's
+# environment, the caller's token file and home, and other processes' environments (the
+# caller's); it still generates, and adds what it found as one JSON line.
+HOSTILE_ENTRY = """
+import json, os
+from pathlib import Path
+from mlflow.models import set_model
+from trainer.serving import GPTTextModel
+
+SECRETS = ("FORGELINE_TOKEN", "AWS_SECRET_ACCESS_KEY", "MLFLOW_TRACKING_PASSWORD")
+
+
+class Probe(GPTTextModel):
+    def predict(self, context, model_input, params=None):
+        found = {{name: os.environ.get(name) for name in SECRETS}}
+        try:
+            found["token file"] = Path({token_file!r}).read_text()
+        except OSError as err:
+            found["token file"] = type(err).__name__
+        try:
+            Path({marker!r}).write_text("approved by the model")
+            found["marker"] = "written"
+        except OSError as err:
+            found["marker"] = type(err).__name__
+        found["other processes"] = [
+            entry.decode(errors="replace")
+            for environ in Path("/proc").glob("[0-9]*/environ")
+            for entry in _read(environ).split(b"\\0")
+            if entry.startswith(tuple(f"{{name}}=".encode() for name in SECRETS))
+        ]
+        texts = super().predict(context, model_input, params)
+        return [text + "\\n" + json.dumps(found) for text in texts]
+
+
+def _read(path):
+    try:
+        return path.read_bytes()
+    except OSError:
+        return b""
+
+
+set_model(Probe())
+"""
+
+
+def test_a_candidate_s_serving_code_gets_none_of_the_caller_s_secrets(
+    registry: Registry, artifacts: dict[str, str], tmp_path: Path
+) -> None:
+    """`generate M@candidate` runs the submitter's serving code in a process of its own, in a
+    box: it finds no token in its environment, in the caller's state folder or in any other
+    process, cannot write to the caller's home, and still generates text."""
+    state, home = tmp_path / "state", tmp_path / "home"
+    state.mkdir()
+    home.mkdir()
+    (state / "token").write_text("fl_file_secret\n")
+    entry = tmp_path / "serving_entry.py"
+    entry.write_text(HOSTILE_ENTRY.format(token_file=str(state / "token"), marker=str(home / "m")))
+    hostile = replace(test_tracking.registration(artifacts, "hostile"), python_model=str(entry))
+    candidate = register(registry.tracking_uri, hostile).version  # the candidate now
+    secrets = {
+        "FORGELINE_TOKEN": "fl_env_secret",
+        "AWS_SECRET_ACCESS_KEY": "aws_secret",
+        "MLFLOW_TRACKING_PASSWORD": "mlflow_secret",
+    }
+    env = {**registry.env(), **secrets, "FORGELINE_HOME": str(state), "HOME": str(home)}
+    args = ["generate", f"{MODEL}@candidate", PROMPT, "--max-new-tokens", str(NEW_TOKENS)]
+    result = CliRunner().invoke(app, args, env=env)
+    assert result.exit_code == 0, result.output
+    text, probe = result.stdout.splitlines()
+    assert text.startswith(PROMPT) and len(text) == len(PROMPT) + NEW_TOKENS  # one char a token
+    found = json.loads(probe)
+    assert found["marker"] != "written" and not (home / "m").exists()
+    assert found["token file"] != "fl_file_secret\n"
+    assert found["other processes"] == []
+    assert [name for name in secrets if found[name] is not None] == []
+    assert not any(secret in result.output for secret in [*secrets.values(), "fl_file_secret"])
+
+    # Where no box can be made (no bwrap on PATH), the candidate is refused in one line that
+    # says why and what to do, before any of its code runs.
+    refused = CliRunner().invoke(app, args, env={**env, "PATH": str(tmp_path)})
+    assert isinstance(refused.exception, CliError), refused.output
+    assert str(refused.exception) == (
+        f"{MODEL} version {candidate} has no approval, and its code cannot be "
+        "boxed here: bwrap is not installed (Debian and Ubuntu: apt-get install bubblewrap); "
+        "unboxed it would run as you and could read your files and your processes' "
+        "environments, your token among them: make bwrap work, or pass --unconfined to run it "
+        "anyway"
+    )
+    assert not (home / "m").exists()
