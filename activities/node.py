@@ -23,8 +23,10 @@ from activities.errors import domain_errors
 from activities.fetch import NodeCache, NodeCacheLease
 from activities.metric_tap import MetricTap
 from infra import code_snapshot, node_health
+from infra.redact import known_secrets
 from infra.requirements import unmet
 from infra.sandbox import Box
+from infra.secret_shapes import redact_log
 from infra.settings import Settings
 from registry.metric_stream import MetricShipper, MetricSpool
 from trainer.checkpoint_manifest import CheckpointManifest, PeerManifest
@@ -164,9 +166,11 @@ class NodeActivities:
                         box=box,
                     )
         except UserCodeFailed as err:  # the same on every attempt and node: fail the run now
-            raise ApplicationError(str(err), type=USER_CODE_ERROR, non_retryable=True) from err
+            raise ApplicationError(
+                _quoted_output(err), type=USER_CODE_ERROR, non_retryable=True
+            ) from err
         except RanksFailed as err:
-            raise ApplicationError(str(err), type="RanksFailed") from err
+            raise ApplicationError(_quoted_output(err), type="RanksFailed") from err
         except NodeUnhealthy as err:  # the run reports this node and moves on without it
             raise ApplicationError(str(err), type="NodeUnhealthy", non_retryable=True) from err
         finally:
@@ -532,6 +536,13 @@ async def _heartbeating(work: Awaitable[T], beat: Callable[[], None], every_s: f
     except asyncio.CancelledError:
         task.cancel()
         raise
+
+
+def _quoted_output(err: Exception) -> str:
+    """A failure that quotes what the ranks printed (a traceback, the log's last lines), with
+    every credential shape and the agent's own secrets masked: it goes into the run's history,
+    which every reader of the run sees."""
+    return redact_log(str(err), known_secrets())[0]
 
 
 def _door_policy(inp: NodeTrainInput, run_dir: Path) -> DoorPolicy:
