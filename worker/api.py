@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Awaitable, Callable
 from contextlib import asynccontextmanager
 from datetime import UTC, datetime
 from enum import StrEnum
@@ -55,6 +56,7 @@ from worker.api_logs import BadCursor, LogQuery, read_logs
 from worker.api_rules import (
     ApiError,
     Caller,
+    checked_sources,
     checked_spec,
     refuse_another_team_s_model,
     require,
@@ -82,6 +84,7 @@ from worker.runs import (
 )
 from worker.source_check import SourceCheck
 from worker.specfile import spec_sha256
+from worker.team_sources import refuse_sources_outside_team
 from workflows.contracts.api_models import (
     ApproveRequest,
     ErrorBody,
@@ -115,7 +118,11 @@ PAGE_HEADERS = {
 }
 
 
-def make_app(settings: Settings) -> FastAPI:
+def make_app(
+    settings: Settings, cluster_config: Callable[[], Awaitable[ClusterConfig]] | None = None
+) -> FastAPI:
+    """The API for `settings`; `cluster_config` reads the cluster file as applied (by default
+    the Cluster workflow's, from Temporal; in-process tests give their own)."""
     keys = IdempotencyKeys(settings.home)
     check_sources = SourceCheck(settings)
     connection: dict[str, Client] = {}
@@ -131,6 +138,11 @@ def make_app(settings: Settings) -> FastAPI:
                 except CliError as err:
                     raise ApiError(503, "unavailable", str(err)) from None
             return connection["client"]
+
+    async def config_in_temporal() -> ClusterConfig:
+        return (await cluster_state(await temporal())).config
+
+    applied_config = cluster_config or config_in_temporal
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):
@@ -261,6 +273,11 @@ def make_app(settings: Settings) -> FastAPI:
     ) -> JSONResponse:
         spec = await checked_spec(body.spec, who, check_sources)
         await asyncio.to_thread(check_code, settings.open_store(), spec, body.code)
+        # The team's sources before anything they name is listed: a listing says what exists
+        # and goes to whatever endpoint= the spec names.
+        queue = (await applied_config()).queue(spec.resources.team)
+        await asyncio.to_thread(refuse_sources_outside_team, spec, queue)
+        await checked_sources(spec, check_sources)
         client = await temporal()
         try:
             await refuse_what_the_cluster_lacks(client, spec)

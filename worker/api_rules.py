@@ -85,9 +85,9 @@ def require(allowed: bool, who: Identity, what: str, role: str) -> None:
 
 
 async def checked_spec(data: dict, who: Identity, check_sources: SourceCheck) -> RunSpec:
-    """The spec as the run will have it, checked completely (as `forgeline run` checks a file,
-    its sources inside the data roots) and owned by the caller; every refusal names the
-    field."""
+    """The spec as the run will have it, checked whole but for what its sources name (its
+    local sources inside the data roots as written: no file is looked at, see
+    `checked_sources`) and owned by the caller; every refusal names the field."""
     owner = data.get("owner")
     if owner is not None:
         try:
@@ -114,12 +114,26 @@ async def checked_spec(data: dict, who: Identity, check_sources: SourceCheck) ->
                 field="resources.team",
                 fix=f"use a team you submit to, or ask an admin for submit:{spec.resources.team}",
             )
+        check_sources.within_roots(spec)
+    except SpecError as err:
+        raise _invalid_spec(err) from None
+    return spec
+
+
+async def checked_sources(spec: RunSpec, check_sources: SourceCheck) -> None:
+    """What the spec's sources name exists, as `forgeline run` checks a file's: listed only
+    once the team may read them (worker.team_sources), since a listing answers what exists
+    and goes where an `endpoint=` says."""
+    try:
         await check_sources(spec)
     except SpecError as err:
-        message = str(err).removeprefix("invalid run spec:\n").strip()
-        field = message.split(":", 1)[0].strip() if ":" in message else None
-        raise ApiError(422, "invalid_spec", message, field=field, fix=None) from None
-    return spec
+        raise _invalid_spec(err) from None
+
+
+def _invalid_spec(err: SpecError) -> ApiError:
+    message = str(err).removeprefix("invalid run spec:\n").strip()
+    field = message.split(":", 1)[0].strip() if ":" in message else None
+    return ApiError(422, "invalid_spec", message, field=field, fix=None)
 
 
 async def refuse_another_team_s_model(settings: Settings, spec: RunSpec) -> None:

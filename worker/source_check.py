@@ -49,9 +49,14 @@ class SourceCheck:
         # listing that hangs keeps its thread, and no more than `threads` ever hang.
         self._free = threading.BoundedSemaphore(threads)
 
+    def within_roots(self, spec: RunSpec) -> None:
+        """SpecError when a local source, as written, starts outside the data roots: nothing is
+        looked at, so it needs no thread."""
+        refuse_outside_roots(spec, self.bounds.roots)
+
     async def __call__(self, spec: RunSpec) -> None:
         """SpecError when a source lies outside the data roots, or names nothing there."""
-        refuse_outside_roots(spec, self.bounds.roots)  # as written: no file is looked at
+        self.within_roots(spec)
         if not self._free.acquire(blocking=False):
             _log.warning("run %s: data.sources not checked, every check thread is busy", spec.name)
             return

@@ -250,7 +250,7 @@ def refuse_outside_roots(spec: RunSpec, roots: Sequence[str], follow_links: bool
     written = DataRoots(tuple(os.path.normpath(r) for r in roots if r))
     resolved = DataRoots.of(roots)
     for source in (s for s in spec.data.sources if not is_remote(s)):
-        start = _walk_start(source)
+        start = walk_start(source)
         if follow_links:
             inside = resolved.holds(os.path.realpath(start))
         else:
@@ -264,7 +264,7 @@ def refuse_outside_roots(spec: RunSpec, roots: Sequence[str], follow_links: bool
             )
 
 
-def _walk_start(pattern: str) -> str:
+def walk_start(pattern: str) -> str:
     """The folders of a pattern before its first wildcard: where expanding it starts."""
     literal = list(itertools.takewhile(lambda p: not _GLOB.search(p), Path(pattern).parts))
     return os.path.join(*literal) if literal else os.sep

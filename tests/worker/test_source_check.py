@@ -26,6 +26,7 @@ from tests.http_server import serving
 from worker.api import make_app
 from worker.source_check import SourceCheck
 from worker.specfile import SpecError, parse_spec
+from workflows.contracts.cluster_models import ClusterConfig
 
 _LISTING = (
     b'<?xml version="1.0" encoding="UTF-8"?>'
@@ -89,7 +90,12 @@ def api(tmp_path: Path) -> tuple[object, dict[str, str], Path]:
                         store_url=f"file://{tmp_path / 'store'}", data_roots=str(root))  # fmt: skip
     token, _ = TokenStore(settings.home).create("alice", ["submit:research"], created_by="test")
     headers = {"authorization": f"Bearer {token}", "content-type": "application/json"}
-    return make_app(settings), headers, root
+    return make_app(settings, cluster_config=_no_lists), headers, root
+
+
+async def _no_lists() -> ClusterConfig:
+    """The cluster file as applied, without Temporal: no team lists its sources."""
+    return ClusterConfig()
 
 
 async def _submit(app, headers: dict[str, str], *sources: str) -> Answer:

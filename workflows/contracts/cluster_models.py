@@ -12,6 +12,7 @@ from functools import cached_property
 from typing import Annotated
 
 from pydantic import (
+    AfterValidator,
     BaseModel,
     ConfigDict,
     Field,
@@ -147,6 +148,50 @@ class Node(BaseModel):
 # --- queues and configuration ------------------------------------------------------------------
 
 
+MAX_TEAM_SOURCES = 64
+_GLOB_CHARS = "*?["
+
+
+def _team_source(entry: str) -> str:
+    """One entry of a team's `sources`, a place and never a pattern: an absolute folder
+    (/data/corpora/nlp), a store prefix (store:datasets-in/nlp/) or an S3 bucket or prefix
+    (s3://nlp-corpora/raw/). A trailing '/' is dropped: entries name folders, matched part by
+    part, so store:datasets-in/nlp does not take store:datasets-in/nlp-private/."""
+    scheme = next((s for s in ("store:", "s3://") if entry.startswith(s)), "")
+    place = entry.removeprefix(scheme)
+    if not (scheme or entry.startswith("/")) or any(c in entry for c in _GLOB_CHARS):
+        raise ValueError(
+            f"{entry!r} is not a folder, store: prefix or s3:// prefix: write /data/corpora/nlp, "
+            "store:datasets-in/nlp/ or s3://nlp-corpora/raw/ (no wildcard, no ?endpoint=: "
+            "endpoints go in s3_endpoints)"
+        )
+    if scheme == "store:" and place.startswith("/"):
+        raise ValueError(f"{entry!r}: a store: prefix is a key of the store, with no leading '/'")
+    parts = place.strip("/").split("/")
+    if any(part in ("", ".", "..") for part in parts):
+        raise ValueError(f"{entry!r}: name a folder, with no empty, '.' or '..' part")
+    return (scheme or "/") + "/".join(parts)
+
+
+def _s3_endpoint(url: str) -> str:
+    """An endpoint a team's s3:// sources may name: a URL without credentials, as the sources
+    write it (compared without a trailing '/')."""
+    if not url.startswith(("http://", "https://")) or "@" in url or any(c in url for c in "?# "):
+        raise ValueError(
+            f"{url!r} is not an endpoint: write its URL, such as https://s3.internal:9000 "
+            "(no credentials, query or fragment)"
+        )
+    return url.rstrip("/")
+
+
+TeamSource = Annotated[
+    str, StringConstraints(min_length=1, max_length=1024), AfterValidator(_team_source)
+]
+S3Endpoint = Annotated[
+    str, StringConstraints(min_length=1, max_length=1024), AfterValidator(_s3_endpoint)
+]
+
+
 class QueueConfig(BaseModel):
     """A node of the queue tree (an org, or a team under one)."""
 
@@ -164,6 +209,23 @@ class QueueConfig(BaseModel):
         le=100,
         description="the highest resources.priority this team's runs may ask for (an admin "
         "may submit above it)",
+    )
+    # Without a list a team's runs may read whatever the data workers' roots hold and every
+    # store key and bucket: one team reads another's corpora. The API checks each submission's
+    # data.sources against these (worker/team_sources.py); the lists travel in the Cluster
+    # workflow's state, hence their bounds.
+    sources: list[TeamSource] | None = Field(
+        None,
+        max_length=MAX_TEAM_SOURCES,
+        description="what this team's data.sources may name: folders inside the data roots "
+        "(/data/corpora/nlp), store: prefixes (store:datasets-in/nlp/) and S3 prefixes "
+        "(s3://nlp-corpora/raw/); None: anything inside the data roots, any store key or bucket",
+    )
+    s3_endpoints: list[S3Endpoint] | None = Field(
+        None,
+        max_length=MAX_TEAM_SOURCES,
+        description="the endpoints an s3:// source of this team may name (?endpoint=URL); with "
+        "sources or this declared, any other endpoint is refused",
     )
 
     @model_validator(mode="after")
