@@ -11,6 +11,7 @@ from pathlib import Path
 
 from temporalio import activity
 
+from activities.decisions import DecisionActivities
 from activities.errors import domain_errors
 from activities.fetch import NodeCache
 from activities.heartbeat import keep_alive
@@ -141,6 +142,7 @@ class ControlActivities:
         require_extra("control", "the control worker")
         self.settings = settings
         self.store = settings.open_store()
+        self.decisions = DecisionActivities(self.store)
         self.cache = NodeCache(
             settings.home / "cache" / "control", self.store, settings.node_cache_bytes()
         )
@@ -503,6 +505,7 @@ class ControlActivities:
             self.open_tracking_run,
             self.close_tracking_run,
             self.approval_policy,
+            self.decisions.verify_decision,
             self.register_model,
             self.record_decision,
         ]

@@ -41,6 +41,7 @@ from infra.identity import Identity
 from infra.settings import Settings
 from infra.tokens import TokenStore
 from registry.approvals import ApprovalsFile, install_approvals, load_approvals
+from registry.decision_key import DecisionKey
 from registry.errors import ApprovalsInvalid
 from trainer.rank_logs import pieces
 from worker import cluster_actions, run_actions
@@ -127,6 +128,8 @@ def make_app(
     check_sources = SourceCheck(settings)
     connection: dict[str, Client] = {}
     lock = asyncio.Lock()
+    # Signs each decision as the person the token names: runs count no other (registry/).
+    decision_key = DecisionKey(settings.open_store(), holder="the API")
 
     async def temporal() -> Client:
         # One connection for the process, made at the first request that needs it: the API
@@ -423,7 +426,7 @@ def make_app(
                 fix=f"an admin can give the role approve:{status.team} or "
                 f"approve:model:{status.model_name}",
             )
-        await _act(run_actions.decide(await temporal(), name, decision))
+        await _act(run_actions.decide(await temporal(), name, decision, decision_key))
         return await run_view(name)
 
     @app.post(f"/{API_VERSION}/runs/{{name}}/approve", responses={409: {"model": ErrorBody}})

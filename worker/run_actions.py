@@ -7,15 +7,18 @@ import asyncio
 import contextlib
 import functools
 import time
+from datetime import UTC, datetime
 
 from temporalio.client import Client, WorkflowExecutionStatus, WorkflowUpdateFailedError
 from temporalio.exceptions import WorkflowAlreadyStartedError
 
 from infra.store.protocol import ObjectStore
+from registry.decision_key import DecisionKey
 from trainer.manifest import counted
 from worker import runs
 from worker.runs import view
 from worker.specfile import SpecError, parse_spec
+from workflows.contracts.decision_signature import signed
 from workflows.contracts.models import MAX_REASON_CHARS, Decision, Phase, RunStatus
 from workflows.contracts.spec import RunSpec
 
@@ -45,18 +48,21 @@ def check_reason(reason: str) -> None:
         )
 
 
-async def decide(client: Client, name: str, decision: Decision) -> RunStatus:
-    """Approve or reject the run's model; the run's own gate checks who may."""
+async def decide(client: Client, name: str, decision: Decision, key: DecisionKey) -> RunStatus:
+    """Approve or reject the run's model, signed as the API's word that `decision.approver` is
+    the person who asked (the run counts nothing else); the run's own gate checks who may."""
     check_reason(decision.reason)
     current = await view(client, name)
-    if current.status.phase != Phase.AWAITING_APPROVAL:
+    version = current.status.model_version
+    if current.status.phase != Phase.AWAITING_APPROVAL or version is None:
         raise WrongPhase(
             f"run {name} is {current.status.phase.value}: only a run AWAITING_APPROVAL can be "
             "approved or rejected"
         )
+    vouched = signed(await asyncio.to_thread(key.get), name, version, decision, datetime.now(UTC))
     try:
         return await client.get_workflow_handle(name).execute_update(
-            "decide", decision, result_type=RunStatus
+            "decide", vouched, result_type=RunStatus
         )
     except WorkflowUpdateFailedError as err:
         cause = err.cause

@@ -24,6 +24,8 @@ with workflow.unsafe.imports_passed_through():
         CloseTrackingInput,
         DatasetRef,
         Decision,
+        DecisionCheck,
+        DecisionCheckInput,
         DecisionInput,
         EvalResult,
         EvaluateInput,
@@ -175,6 +177,31 @@ class RunEnd:
         await self._record(version, decision)
         self._status.decision = decision
         self._set_phase(Phase.APPROVED if decision.approve else Phase.REJECTED)
+
+    async def unvouched(self, version: ModelVersionRef, decision: Decision) -> str | None:
+        """Why the API did not vouch for this decision (None: it did). The control worker checks
+        the signature: the key cannot be here, the history is readable through Temporal. A
+        refusal is kept in the status, naming why; runs and histories from before count any
+        decision, as they did."""
+        if not workflow.patched("signed-decisions"):
+            return None
+        check = DecisionCheckInput(
+            run_id=self._spec.name, version=version, decision=decision, received_at=workflow.now()
+        )
+        try:
+            checked = await self._control(
+                "verify_decision", check, DecisionCheck, timeout=timedelta(minutes=1)
+            )
+        except ActivityError as err:  # the key is unreadable: no decision counts till it is
+            cause = getattr(err.cause, "message", None) or str(err)
+            return f"the decision could not be checked: {cause}"
+        if checked.refused is None:
+            return None
+        verdict = "an approval" if decision.approve else "a rejection"
+        why = f"{verdict} naming {decision.approver} was refused: {checked.refused}"
+        entry = f"{workflow.now().isoformat(timespec='seconds')} {why}"
+        self._status.refused_decisions = [*self._status.refused_decisions, entry][-20:]
+        return why
 
     async def approval_rules(self, model_name: str) -> ApprovalPolicy:
         """The operators' rules as they are now (registry.approvals), with the spec's gate."""

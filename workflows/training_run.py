@@ -208,6 +208,10 @@ class TrainingRun:
     @workflow.update
     async def decide(self, decision: Decision) -> RunStatus:
         version = self._status.model_version
+        # Anyone who reaches Temporal can send this update naming anyone: only a decision the
+        # API signed for the person its token names counts. A refusal fails this update only.
+        if version is not None and (why := await self._end.unvouched(version, decision)):
+            raise ApplicationError(why)
         if self._status.approval is not None and version is not None:
             # The rules as they are now: an approver listed while the model waited counts, one
             # removed no longer does. A refusal fails this update, not the run.

@@ -421,6 +421,23 @@ class Decision(BaseModel):
     approve: bool
     reason: str = ""
     override_gate: bool = False  # approve although the eval gate failed; needs a reason
+    # The HTTP API's word that the person its token names took this decision on this version
+    # (workflows/contracts/decision_signature.py); a run counts no decision without it.
+    signed_at: datetime | None = None
+    signature: str = ""  # HMAC-SHA256, hex, under the store's decision key
+
+
+class DecisionCheckInput(BaseModel):
+    """A decision the run received, for the control worker to check the API's signature."""
+
+    run_id: str
+    version: ModelVersionRef
+    decision: Decision
+    received_at: datetime  # the workflow's time when the update reached it
+
+
+class DecisionCheck(BaseModel):
+    refused: str | None = None  # why the signature does not hold; None: the API vouched for it
 
 
 class ApprovalPolicyInput(BaseModel):
@@ -513,6 +530,8 @@ class RunStatus(BaseModel):
     health: list[HealthEvent] = []  # the newest 20 of the current and past generations
     skipped_checkpoints: list[str] = []  # checkpoints resume passed over, and why (newest 20)
     refused_grants: list[str] = []  # grants signalled to the run that were not the cluster's
+    # Decisions whose signature did not hold (sent to Temporal past the API), and why: newest 20.
+    refused_decisions: list[str] = []
     gang_attempts: list[AttemptRecord] = []  # the newest 30
     earlier_goodput: Goodput | None = None  # the attempts no longer listed, accounted
     earlier_ended_at: datetime | None = None  # when the last of those ended
