@@ -36,6 +36,8 @@ from infra.store.protocol import ObjectStore
 
 TORCHRUN_LOG = "torchrun.log"
 _RANK_LOG = re.compile(r"^rank-(\d+)\.log$")
+# The most one round reads of a log file, and so the longest line shipped.
+MAX_SHIP_BYTES = 4 << 20
 _PIECE = re.compile(r"^runs/[^/]+/logs/gen-(\d+)/([^/]+)/([^/]+)/(\d{12})\.log$")
 
 
@@ -87,6 +89,7 @@ class LogShipper:
         self.folder = folder
         self._shipped: dict[str, int] = {}  # file name -> bytes already in the store
         self._open_keys: dict[str, OpenKey | None] = {}  # file name -> a private key not ended
+        self._skipping: dict[str, bool] = {}  # file name -> within a line too long to ship
 
     def _files(self) -> list[Path]:
         return sorted(
@@ -97,30 +100,53 @@ class LogShipper:
 
     def ship(self, final: bool = False) -> int:
         """Ship what is new, redacted; before `final`, only up to each file's last complete
-        line. Returns the bytes of the files shipped."""
+        line. At most MAX_SHIP_BYTES of a file a round (a rank runs the user's code: it may
+        print gigabytes, or one line that never ends); a line longer than that is not shipped
+        but named. Returns the bytes of the files read."""
         total = 0
         secrets = known_secrets()  # read now: a credential rotated while the agent runs counts
         for path in self._files():
             start = self._shipped.get(path.name, 0)
             with open(path, "rb") as handle:
                 handle.seek(start)
-                new = handle.read()
-            if not final:
-                new = new[: new.rfind(b"\n") + 1]
-            if not new:
+                new = handle.read(MAX_SHIP_BYTES)
+            text, read = self._shippable(path.name, new, final)
+            if not read:
                 continue
-            # Bytes that are not UTF-8 go through unchanged (surrogateescape), never dropped.
-            text, still_open = redact_log(
-                new.decode(errors="surrogateescape"), secrets, self._open_keys.get(path.name)
-            )
+            if text:
+                text, still_open = redact_log(text, secrets, self._open_keys.get(path.name))
+            else:
+                still_open = self._open_keys.get(path.name)
             if text:  # nothing but a key's body: nothing to store
                 key = piece_key(self.run_id, self.generation, self.node_id, path.name, start)
                 self.store.put_bytes(key, text.encode(errors="surrogateescape"))
             # Only once it landed: a put that fails is redacted again, from the same state.
-            self._shipped[path.name] = start + len(new)
+            self._shipped[path.name] = start + read
             self._open_keys[path.name] = still_open
-            total += len(new)
+            total += read
         return total
+
+    def _shippable(self, name: str, new: bytes, final: bool) -> tuple[str, int]:
+        """The text to ship of `new` (bytes read from file `name`) and how many bytes of the
+        file that accounts for: whole lines, a line too long for one read named instead, and
+        the rest of such a line passed over up to its newline."""
+        read = len(new)
+        if self._skipping.get(name):  # the rest of a line too long to ship
+            end = new.find(b"\n")
+            if end < 0:
+                return "", read
+            self._skipping[name] = False
+            text, rest = self._shippable(name, new[end + 1 :], final)
+            return text, end + 1 + rest
+        if not final and b"\n" not in new:
+            if read < MAX_SHIP_BYTES:
+                return "", 0  # a line being written: the next round takes it whole
+            self._skipping[name] = True
+            return f"[a line of more than {MAX_SHIP_BYTES} bytes, not shipped]\n", read
+        if not final:
+            read = new.rfind(b"\n") + 1
+        # Bytes that are not UTF-8 go through unchanged (surrogateescape), never dropped.
+        return new[:read].decode(errors="surrogateescape"), read
 
 
 async def _ship(shipper: LogShipper, final: bool, timeout_s: float) -> None:

@@ -66,7 +66,8 @@ HOSTILE = textwrap.dedent(
     found["tmp"] = os.listdir("/tmp")
     from infra.store.door import DoorStore
     door = DoorStore(probe["door"])
-    pathlib.Path("escape").symlink_to(probe["agent_home"])
+    escape = f"escape-{os.environ['RANK']}"  # one a rank: both ranks run this
+    pathlib.Path(escape).symlink_to(probe["agent_home"])
     tries = {
         "list all runs": lambda: door.list("runs/"),
         "read theirs": lambda: door.get_bytes(probe["theirs"]),
@@ -74,7 +75,7 @@ HOSTILE = textwrap.dedent(
         "rewrite its fence": lambda: door.put_bytes(probe["fence"], b"{}"),
         "write another generation": lambda: door.put_bytes(probe["other_gen"], b"{}"),
         "upload the agent's environ": lambda: door.put_file(probe["mine"], "/proc/self/environ"),
-        "upload through a link": lambda: door.put_file(probe["mine"], "escape/agent.env"),
+        "upload through a link": lambda: door.put_file(probe["mine"], f"{escape}/agent.env"),
         "write its own": lambda: door.put_bytes(probe["mine"], b"mine"),
         "read its own": lambda: door.get_bytes(probe["mine"]).decode(),
     }
@@ -84,7 +85,7 @@ HOSTILE = textwrap.dedent(
             found["door"][name] = ["ok", attempt()]
         except Exception as err:
             found["door"][name] = [type(err).__name__, str(err)]
-    out = pathlib.Path(os.environ["FORGELINE_JOB"]).with_name("found.json")
+    out = pathlib.Path(os.environ["FORGELINE_JOB"]).with_name(f"found-{os.environ['RANK']}.json")
     out.write_text(json.dumps(found))
     """
 )
@@ -154,7 +155,10 @@ def test_a_hostile_script_in_a_box_finds_no_secret_and_writes_nothing_outside_it
         asyncio.run(main())
     finally:
         marker.unlink()
-    found = json.loads((workdir / "found.json").read_text())
+    found = json.loads((workdir / "found-0.json").read_text())
+    other = json.loads((workdir / "found-1.json").read_text())  # the second rank found the same
+    verdicts = {name: said[0] for name, said in found["door"].items()}
+    assert {name: said[0] for name, said in other["door"].items()} == verdicts
     assert found["uid"] == 61000
     # Its own pid namespace: the box's init, torchrun, two ranks and their log copies; never
     # this process (the agent), whose environ holds the key.

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from infra.store.local import LocalStore
-from trainer.rank_logs import LogShipper, pieces, shipped_while_running
+from trainer.rank_logs import MAX_SHIP_BYTES, LogShipper, pieces, shipped_while_running
 
 
 def _text(store: LocalStore, run: str, name: str) -> str:
@@ -159,4 +159,21 @@ def test_a_credential_split_between_shipments_is_still_redacted(tmp_path: Path) 
     assert _text(store, "run", "rank-0") == (
         "step 1\nHF_TOKEN=***\n-----BEGIN OPENSSH PRIVATE KEY-----***\n"
         "-----END OPENSSH PRIVATE KEY-----\nstep 2\nlast: SECRET=***"
+    )
+
+
+def test_a_line_that_never_ends_is_named_not_shipped_and_not_read_whole(tmp_path: Path) -> None:
+    store = LocalStore(tmp_path / "store")
+    folder = tmp_path / "gen-1"
+    folder.mkdir()
+    log = folder / "rank-0.log"
+    log.write_bytes(b"before\n" + b"x" * (MAX_SHIP_BYTES + (1 << 20)))
+    shipper = LogShipper(store, "run", 1, "h1", folder)
+    assert shipper.ship() <= MAX_SHIP_BYTES  # one round reads at most that much
+    assert shipper.ship() <= MAX_SHIP_BYTES
+    with open(log, "ab") as handle:
+        handle.write(b"\nafter\n")
+    shipper.ship()
+    assert _text(store, "run", "rank-0") == (
+        f"before\n[a line of more than {MAX_SHIP_BYTES} bytes, not shipped]\nafter\n"
     )

@@ -56,3 +56,14 @@ def test_the_nodes_table_has_no_position_column_without_levels() -> None:
     console = Console(record=True, width=250)
     console.print(nodes_table(state))
     assert "position" not in console.export_text()
+
+
+def test_the_nodes_table_says_how_each_node_runs_users_code() -> None:
+    boxed, unconfined, refusing, older = (node(n) for n in ("n0", "n1", "n2", "n3"))
+    boxed.info.confinement = "box"
+    unconfined.info.confinement = "unconfined: started with --unconfined-user-code by its operator"
+    refusing.info.confinement = "refuses user code: bwrap is not installed (apt-get install …)"
+    state = ClusterState(config=ClusterConfig(), nodes=[boxed, unconfined, refusing, older])
+    rows = _rows(nodes_table(state))
+    assert "boxed" in rows["n0"] and "UNCONFINED" in rows["n1"]
+    assert "refuses user code" in rows["n2"] and "│ ?" in rows["n3"]  # an agent from before
