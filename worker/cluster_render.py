@@ -7,7 +7,7 @@ from datetime import UTC, datetime
 from rich.table import Table
 
 from workflows.contracts.cluster_models import ClusterState
-from workflows.scheduling import hot_pool
+from workflows.scheduling import hot_pool, node_reports
 from workflows.scheduling.quotas import borrowed, in_use
 from workflows.scheduling.topology import landed
 
@@ -43,7 +43,7 @@ def nodes_table(state: ClusterState, now: datetime | None = None) -> Table:
             ", ".join(f"{run} ({gpus})" for run, gpus in sorted(node.jobs.items())) or "-",
             _holds(node.info.holdings, hot),
             _user_code(node.info.confinement),
-            _short(node.down_reason or ""),
+            _short(node.down_reason or node_reports.suspicion(node, state.config)),
         )
     return table
 

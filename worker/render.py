@@ -123,6 +123,8 @@ def status_text(view: RunView, settings: Settings) -> str:
         f"  tokens/s {_num(beat.tokens_per_s if beat else s.tokens_per_s, ',.0f')}"
         f"  MFU {_num(beat.mfu if beat else s.mfu, '.2%')}",
     ]
+    if s.suspect_nodes:
+        lines.append(f"keeps off      {', '.join(s.suspect_nodes)}: its ranks reported them")
     if s.shrunk_from and s.nodes:
         lines.insert(3, f"elastic        on {len(s.nodes)} of {s.shrunk_from} nodes since a "
                         "failure; grows back when the cluster has nodes free")  # fmt: skip

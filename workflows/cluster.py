@@ -34,12 +34,13 @@ with workflow.unsafe.imports_passed_through():
         NodeFailure,
         NodeHealthReport,
         NodeInfo,
+        NodeReport,
         Release,
         WarmInput,
     )
     from workflows.contracts.names import GANG_GRANTED_SIGNAL, node_task_queue
     from workflows.scheduling import cluster_ops as ops
-    from workflows.scheduling import hot_pool
+    from workflows.scheduling import hot_pool, node_reports
     from workflows.scheduling.cluster_ops import REVOKE_MARGIN
     from workflows.scheduling.policy_switches import Switches
 
@@ -196,6 +197,9 @@ class ClusterWorkflow:
         if node is None or held is None or held.generation != failure.generation:
             return
         granted = next((n for n in held.nodes if n.node_id == failure.node_id), None)
+        if failure.kind in node_reports.RANK_REPORTED and workflow.patched("cordon-corroborated"):
+            self._reported(node, failure, held, granted)
+            return
         if failure.kind == "unhealthy":
             # The node's own check failed: out of service until the check passes again (its
             # agent says so, see node_health), not a death.
@@ -218,6 +222,24 @@ class ClusterWorkflow:
         else:
             node.admin = Admin.CORDONED
         node.down_reason = failure.reason
+        self._dirty = True
+
+    def _reported(
+        self, node: Node, failure: NodeFailure, held: Allocation, granted: NodeInfo | None
+    ) -> None:
+        """A run's ranks named the node (a straggler, silent corruption): recorded on it, and
+        cordoned once runs of enough teams did (node_reports). Runs from before cordoned it on
+        any one run's word. A node that is not the run's own is none of its business."""
+        if granted is None:
+            return
+        report = NodeReport(
+            run_id=failure.run_id, team=held.team, kind=failure.kind, reason=failure.reason,
+            at=workflow.now(),
+        )  # fmt: skip
+        evidence = node_reports.reported(node, report, self._state.config)
+        if evidence is not None:
+            node.admin = Admin.CORDONED
+            node.down_reason = node_reports.cordon_reason(evidence, self._state.config)
         self._dirty = True
 
     @workflow.signal
@@ -255,6 +277,8 @@ class ClusterWorkflow:
         node = self._node(change.node_id)
         assert node is not None  # the validator refused unknown nodes
         node.admin = change.admin
+        if change.admin == Admin.ACTIVE:  # an operator looked at it: the reports are answered
+            node.reports = []
         self._dirty = True
         return node
 

@@ -21,6 +21,7 @@ def gang_request(
     started_before: bool = False,
     needs: dict[str, int] | None = None,
     base_model: str | None = None,
+    avoid: list[str] | None = None,
 ) -> GangRequest:
     resources = spec.resources
     return GangRequest(
@@ -46,6 +47,7 @@ def gang_request(
         # Requeued after a failure or a preemption, the run keeps its place by age.
         submitted_at=submitted_at,
         started_before=started_before,
+        avoid=avoid or [],
     )
 
 
@@ -54,7 +56,8 @@ def nodes_at_fault(
 ) -> list[tuple[str, str, str]]:
     """(node, reason, kind) for every node an attempt's failures or health checks blamed:
     dead or unhealthy ones, and those whose ranks were named as the source of silent
-    corruption (quarantined)."""
+    corruption (quarantined: the run keeps off it, the cluster cordons it on more teams'
+    word, workflows.scheduling.node_reports)."""
     reports = [(f.node_id, f.reason, f.kind) for f in failures if f.node_id]
     reports += [
         (e.node_id, f"suspected silent corruption: {e.evidence}", "corruption")

@@ -41,6 +41,15 @@ def add_preemption(status: RunStatus, record: PreemptionRecord) -> None:
     status.preemptions = newest(status.preemptions, [record])
 
 
+SUSPECTS_KEPT = 64  # nodes a run keeps off: more is a run whose ranks report every node
+
+
+def add_suspects(status: RunStatus, node_ids: Iterable[str]) -> None:
+    """Nodes the run's ranks reported, each once, the newest last."""
+    fresh = [n for n in dict.fromkeys(node_ids) if n not in status.suspect_nodes]
+    status.suspect_nodes = newest(status.suspect_nodes, fresh, SUSPECTS_KEPT)
+
+
 def add_skipped(status: RunStatus, reasons: list[str]) -> None:
     """Checkpoints resume passed over, each reason once."""
     seen = status.skipped_checkpoints

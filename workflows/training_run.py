@@ -83,10 +83,12 @@ with workflow.unsafe.imports_passed_through():
         add_failures,
         add_preemption,
         add_skipped,
+        add_suspects,
         failed_in_a_row,
         newest,
         rewound,
     )
+    from workflows.scheduling.node_reports import RANK_REPORTED
     from workflows.suspect_rollback import rollback_step
 
 # Activities that only talk to the store or MLflow retry until they succeed: an outage of the
@@ -338,7 +340,15 @@ class TrainingRun:
             started_before=bool(self._status.gang_attempts),
             needs=self._needs(),
             base_model=self._status.init_from.manifest_key if self._status.init_from else None,
+            avoid=self._avoided(),
         )
+
+    def _avoided(self) -> list[str]:
+        """The nodes its ranks reported: its gangs go elsewhere, since the cluster no longer
+        cordons a node on one run's word (workflows.scheduling.node_reports)."""
+        if not self._status.suspect_nodes or not workflow.patched("avoid-reported-nodes"):
+            return []
+        return list(self._status.suspect_nodes)
 
     def _needs(self) -> dict[str, int]:
         """What each node of the gang will fetch, by id with bytes: the dataset, and the base
@@ -602,6 +612,7 @@ class TrainingRun:
         generation = allocation.generation
         blamed = nodes_at_fault(failures, self._status.health, generation)
         await report_nodes(self._spec.name, generation, blamed)
+        add_suspects(self._status, [node for node, _, kind in blamed if kind in RANK_REPORTED])
         before = rollback_step(self._status.health, blamed, generation)
         if before is not None and workflow.patched("rollback-before-suspect"):
             # The checkpoints since the quarantined node's first suspect may hold its errors.
@@ -637,6 +648,7 @@ class TrainingRun:
         if event.node_id is not None:
             slow = [(event.node_id, f"straggler: {event.evidence}", "straggler")]
             await report_nodes(self._spec.name, allocation.generation, slow)
+            add_suspects(self._status, [event.node_id])
         await self._release_gang(requeue=workflow.patched("requeue-with-release"))
 
     def _continue_as_new_if_due(self) -> None:

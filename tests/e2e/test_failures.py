@@ -202,14 +202,16 @@ def _fenced_when_it_comes_back(
 # Covered faster, part by part: tests/trainer/test_layouts.py (real ranks: the NaN stops the
 # gang, its replica is named, resume from the last manifest reproduces the clean run),
 # tests/workflows/test_cluster_calls.py (the named node is reported as corruption) and
-# tests/workflows/test_cluster_workflow.py (the cluster cordons it).
+# tests/workflows/test_cluster_workflow.py (the cluster records it, and cordons it on a second
+# team's report).
 @pytest.mark.slow
 def test_corrupt_gradients_are_traced_to_their_node_and_rolled_back(
     stack: Stack, reference: str, tmp_path: Path
 ) -> None:
     """A NaN in one replica's gradients before the all-reduce: the whole gang sees it, stops
-    before saving, names the replica (its own norm before the all-reduce), quarantines its node
-    and resumes from the last checkpoint, ending with the reference's weights."""
+    before saving, names the replica (its own norm before the all-reduce), reports its node
+    (the run keeps off it) and resumes from the last checkpoint, ending with the reference's
+    weights."""
     spec = variant(tmp_path, "tiny-nan", steps=300, checkpoint_every=100)
     stack.cli("run", str(spec), "--detach")
     store = stack.store()
@@ -236,8 +238,11 @@ def test_corrupt_gradients_are_traced_to_their_node_and_rolled_back(
             r"rank 0's own gradients were non-finite before the all-reduce",
             after,
         ), after
+        # The ranks' word is the run's: the run keeps off the node, which one team's report
+        # does not cordon (workflows/scheduling/node_reports.py).
+        assert re.search(rf"keeps off +{culprit}: its ranks reported them", after), after
         nodes_table = stack.cli("nodes").stdout
-        assert re.search(rf"{culprit} .*cordoned .*suspected silent corruption", nodes_table), (
+        assert re.search(rf"{culprit} .*reported: suspected silent corruption", nodes_table), (
             nodes_table
         )
         final = find_latest(store, "tiny-nan", max_generation=10**9)

@@ -144,6 +144,13 @@ def test_status_says_when_an_elastic_run_trains_on_fewer_nodes() -> None:
     )
 
 
+def test_status_says_which_nodes_the_run_keeps_off() -> None:
+    view = training_view()
+    assert "keeps off" not in status_text(view, SETTINGS)
+    view.status.suspect_nodes = ["node-0", "node-3"]
+    assert "keeps off      node-0, node-3: its ranks reported them" in status_text(view, SETTINGS)
+
+
 def test_status_says_when_the_gang_resumed_from_the_peer_tier() -> None:
     view = training_view()
     view.progress = None

@@ -1,9 +1,11 @@
 """A straggler swapped out, in seconds: the real TrainingRun and Cluster workflows on the dev
 server with stand-in activities. The gang's ranks stop at a checkpoint asking for a swap; the
-run cordons the slow node, gives the gang back, and the next gang, without it, resumes from
-that checkpoint. (tests/e2e/test_failures.py does the same with real ranks, slowly.) Ranks
-that ask for more swaps than the run's recovery.max_swaps (a script can write the same
-progress lines) cordon nothing more."""
+run reports the slow node, gives the gang back, and the next gang, without it, resumes from
+that checkpoint. (tests/e2e/test_failures.py does the same with real ranks, slowly.) The
+ranks' word is the run's alone (a script can write the same progress lines): the node stays in
+service for everyone else (one team's report cordons nothing: workflows.scheduling.node_reports)
+and the run keeps its gangs off it. Ranks that ask for more swaps than the run's
+recovery.max_swaps report nothing more."""
 
 from __future__ import annotations
 
@@ -43,9 +45,11 @@ from workflows.contracts.models import (
 from workflows.contracts.spec import RunSpec
 from workflows.gang_outcome import StragglerSwap, swap_refused
 
-# FORGELINE_RECORD_HISTORIES=tests/workflows/histories records the run's history: the first
-# with a swap past max_swaps refused (`swaps-bounded`), replayed ever since.
-LABEL = "2026-12-06-swaps-bounded"
+# FORGELINE_RECORD_HISTORIES=tests/workflows/histories records the run's history and the
+# Cluster workflow's: the first with a swap past max_swaps refused (`swaps-bounded`, 2026-12-06),
+# then with the run keeping off the node it reported and the cluster only recording one team's
+# report (`avoid-reported-nodes`, `cordon-corroborated`), replayed ever since.
+LABEL = "2026-12-06-corroborated"
 SWAPPED_AT = 40
 SLOW = "n1"
 
@@ -98,7 +102,8 @@ def run_on_three_nodes(
     temporal_address: str, task_queue: str, spec: RunSpec, agents: Agents
 ) -> tuple[RunStatus, list[tuple]]:
     """The run on n0 and n1, n2 joining once the first gang is granted; its status once it
-    awaits approval, and the nodes not active then (node, admin state, reason)."""
+    awaits approval, and the nodes not active or reported then (node, admin state, reason, the
+    teams and runs that reported it)."""
 
     async def main() -> tuple[RunStatus, list[tuple]]:
         client = await Client.connect(temporal_address, data_converter=pydantic_data_converter)
@@ -117,10 +122,11 @@ def run_on_three_nodes(
                     lambda: _status(run), lambda s: s.phase == Phase.AWAITING_APPROVAL, timeout=60
                 )
                 state = await cluster.query(ClusterWorkflow.state)
-                cordoned = [(n.info.node_id, n.admin, n.down_reason) for n in state.nodes
-                            if n.admin != Admin.ACTIVE]  # fmt: skip
-                await record_histories(LABEL, run)
-                return final, cordoned
+                marked = [(n.info.node_id, n.admin, n.down_reason,
+                           [(r.team, r.run_id, r.reason) for r in n.reports])
+                          for n in state.nodes if n.admin != Admin.ACTIVE or n.reports]  # fmt: skip
+                await record_histories(LABEL, run, cluster)
+                return final, marked
 
     return asyncio.run(main())
 
@@ -128,14 +134,15 @@ def run_on_three_nodes(
 def test_a_straggler_is_swapped_out_and_swaps_past_max_swaps_cordon_nothing(
     temporal_address: str, task_queue: str
 ) -> None:
-    """The first gang's ranks ask to swap out n1: it is cordoned with the evidence as its
-    reason and the next gang, without it, resumes from step 40. With max_swaps = 1, that
-    gang's ranks ask to swap out n2 as well (as a script writing the watch's lines could): n2
-    stays in service, the attempt fails with the reason, and the third gang, on n0 and n2
-    again, trains to the end. (One run for both: each costs seconds of the suite.)"""
+    """The first gang's ranks ask to swap out n1: the run reports it with the evidence, keeps
+    off it, and the next gang, without it, resumes from step 40; n1 is not cordoned (one team's
+    word). With max_swaps = 1, that gang's ranks ask to swap out n2 as well (as a script
+    writing the watch's lines could): n2 is not even reported, the attempt fails with the
+    reason, and the third gang, on n0 and n2 again, trains to the end. (One run for all: each
+    costs seconds of the suite.)"""
     agents = Agents(swap_out={1: SLOW, 2: "n2"})
     spec = swapping_spec("swapped", max_swaps=1)
-    final, cordoned = run_on_three_nodes(temporal_address, task_queue, spec, agents)
+    final, marked = run_on_three_nodes(temporal_address, task_queue, spec, agents)
     assert final.phase == Phase.AWAITING_APPROVAL, final
     assert agents.gangs[1] == {"n0", SLOW}
     assert agents.gangs[2] == agents.gangs[3] == {"n0", "n2"}
@@ -143,8 +150,11 @@ def test_a_straggler_is_swapped_out_and_swaps_past_max_swaps_cordon_nothing(
         resumed = agents.resumes[generation]
         assert resumed is not None and resumed.step == SWAPPED_AT  # no step lost
     assert final.swaps == 1
-    # Without the bound n2 is cordoned too, and no third gang of two nodes is ever granted.
-    assert cordoned == [(SLOW, Admin.CORDONED, "straggler: step time 3.1x the gang's median")]
+    # Before, one run's ranks cordoned n1 (the cluster took the node out for everyone); without
+    # the swaps bound n2 is reported too, and no third gang of two nodes is ever granted.
+    why = "straggler: step time 3.1x the gang's median"
+    assert marked == [(SLOW, Admin.ACTIVE, None, [(spec.resources.team, "swapped", why)])]
+    assert final.suspect_nodes == [SLOW]
     refused = final.failures[-1].reason
     assert refused.startswith(f"the ranks stopped at step {SWAPPED_AT} asking to swap out n2 ")
     assert "recovery.max_swaps = 1 swap(s): n2 is not cordoned" in refused

@@ -110,6 +110,19 @@ class Admin(StrEnum):
     DRAINING = "draining"
 
 
+class NodeReport(BaseModel):
+    """A run said this node is at fault because its ranks did (a straggler swapped out, silent
+    corruption quarantined): evidence a user's script can write as well as the SDK. It keeps
+    that run's gangs off the node; the cluster cordons the node only once runs of
+    `ClusterConfig.cordon_teams` teams have reported it (workflows.scheduling.node_reports)."""
+
+    run_id: str
+    team: str
+    kind: str  # straggler | corruption
+    reason: str
+    at: datetime
+
+
 class Node(BaseModel):
     info: NodeInfo
     health: Health = Health.HEALTHY
@@ -118,6 +131,11 @@ class Node(BaseModel):
     jobs: dict[str, int] = {}  # run id -> GPUs it holds here
     down_reason: str | None = None
     health_reason: str | None = None  # the node's own check is failing, and why
+    reports: list[NodeReport] = Field(
+        default=[],
+        description="runs whose ranks reported this node at fault, the newest of each team within "
+        "cordon_window_h: not yet enough to cordon it",
+    )
 
     @property
     def used(self) -> int:
@@ -298,6 +316,18 @@ class ClusterConfig(BaseModel):
     hot_half_life_h: float = Field(
         24.0, gt=0, description="a base model's requests count half after this long"
     )
+    # What a run's ranks say about a node (a straggler, silent corruption) is what its script
+    # says: alone, it keeps only that run off the node (workflows.scheduling.node_reports).
+    cordon_teams: int = Field(
+        2,
+        ge=1,
+        le=16,
+        description="runs of this many teams must report a node (straggler, corruption) within "
+        "cordon_window_h before it is cordoned; 1 trusts any run's ranks",
+    )
+    cordon_window_h: float = Field(
+        24.0, gt=0, description="how long a run's report on a node counts toward its cordon"
+    )
 
     @model_validator(mode="after")
     def _levels_are_distinct(self) -> ClusterConfig:
@@ -393,6 +423,11 @@ class GangRequest(BaseModel):
     # only prefers one rack (0) or is willing to wait a while for one.
     topology_wait_s: float | None = Field(None, ge=0)
     recovery: bool = False  # after a failure: may take a spare node
+    avoid: list[str] = Field(
+        default=[],
+        description="nodes the run's own ranks reported at fault (a straggler, silent "
+        "corruption): its gangs are placed elsewhere",
+    )
     # Elastic: a recovering gang that cannot have `nodes` may be granted as few as this.
     min_nodes: int | None = None
     submitted_at: datetime | None = None  # first submission: a requeued run keeps its age
@@ -524,8 +559,8 @@ class NodeFailure(BaseModel):
     node_id: str
     reason: str
     # fail-stop: the node is down until its agent comes back; unhealthy: down until its own
-    # check passes; straggler or corruption: it is cordoned (it takes no new work) until an
-    # operator has looked at it.
+    # check passes; straggler or corruption (the run's ranks said so): recorded, and cordoned
+    # (no new work until an operator has looked at it) once runs of enough teams said so.
     kind: str = "fail-stop"
 
 

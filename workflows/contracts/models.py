@@ -527,6 +527,9 @@ class RunStatus(BaseModel):
     preemptions: list[PreemptionRecord] = []  # the newest 20
     preemptions_total: int = 0
     swaps: int = 0  # straggler swaps so far (recovery.max_swaps bounds them)
+    # Nodes its ranks reported (a straggler swapped out, silent corruption): its later gangs go
+    # elsewhere (GangRequest.avoid); the cluster cordons one only on more teams' word.
+    suspect_nodes: list[str] = []  # the newest 64
     health: list[HealthEvent] = []  # the newest 20 of the current and past generations
     skipped_checkpoints: list[str] = []  # checkpoints resume passed over, and why (newest 20)
     refused_grants: list[str] = []  # grants signalled to the run that were not the cluster's

@@ -166,7 +166,8 @@ class _Fetch:
 
 
 def place(request: GangRequest, capacity: Capacity) -> list[str] | None:
-    """Node ids for the whole gang, or None: never part of one."""
+    """Node ids for the whole gang, or None: never part of one. Never a node the run's own
+    ranks reported (`GangRequest.avoid`, workflows.scheduling.node_reports)."""
     fetch = _Fetch(request, capacity)
     if request.nodes == 1:
         return _best_fit(request, capacity, fetch)
@@ -185,6 +186,8 @@ def _best_fit(request: GangRequest, capacity: Capacity, fetch: _Fetch) -> list[s
     for gpu_type in _types(capacity, request.gpu_type):
         for free in range(request.gpus_per_node, capacity.largest[gpu_type] + 1):
             bucket = capacity.by_free.get((gpu_type, free))
+            if bucket and request.avoid:
+                bucket = bucket.difference(request.avoid)
             if not bucket:
                 continue
             candidates = sorted(bucket)[:_PREFERENCE_SCAN] if fetch.needs else [min(bucket)]
@@ -204,9 +207,12 @@ def _whole_nodes(
     """Whole idle nodes; of the smallest size that holds `gpus_per_node` first, since a gang
     books its nodes whole and GPUs it does not use are lost to everyone else."""
     pods: dict[str, set[str]] = {}
+    avoid = set(request.avoid)
     for (kind, pod), ids in capacity.whole.items():
         if kind == gpu_type:
-            big_enough = {i for i in ids if capacity.info[i].gpus >= request.gpus_per_node}
+            big_enough = {
+                i for i in ids if capacity.info[i].gpus >= request.gpus_per_node and i not in avoid
+            }
             if big_enough:
                 pods[pod] = big_enough
     sizes = sorted({capacity.info[i].gpus for ids in pods.values() for i in ids})

@@ -475,11 +475,13 @@ class SchedulingPass:
             if reservation is None and head and self.reserved_ids:
                 return Waits("no capacity: the nodes it needs are reserved")
             if reservation is None and head:
+                avoided = ", ".join(request.avoid)
                 return Waits(
                     f"needs {request.nodes} node(s) × {request.gpus_per_node} GPU(s)"
                     + (f" of type {request.gpu_type}" if request.gpu_type else "")
                     + one_unit(request)
                     + ": more than the cluster's schedulable nodes can ever give"
+                    + (f" without {avoided}, which its ranks reported" if avoided else "")
                 )
         if reservation is None:
             behind = decisions.reservation.run_id if decisions.reservation else "the reservations"
