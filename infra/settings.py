@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -98,7 +97,7 @@ class Settings:
     # it out of the Settings' repr. Only load_settings sets it, from the environment.
     temporal_api_key: SecretStr | None = field(default=None, repr=False)
     # The folders data workers read local `data.sources` from, separated by os.pathsep (':').
-    # Empty: your home folder and the system's temporary folder; `forgeline up` records the
+    # Empty: only the state folder's `data/` (default_data_roots); `forgeline up` records the
     # folder it was started in as well. The store's own folder is always one.
     data_roots: str = ""
     # The byte budget of each node-local cache (a node agent's datasets, checkpoints and code;
@@ -124,7 +123,8 @@ class Settings:
     def data_root_folders(self) -> list[str]:
         """Where a data worker may read local sources: the roots set, or the defaults, and the
         store's folder when the store is one (`store:` sources of a local store)."""
-        folders = [f for f in self.data_roots.split(os.pathsep) if f] or default_data_roots()
+        folders = [f for f in self.data_roots.split(os.pathsep) if f]
+        folders = folders or default_data_roots(self.home)
         if "://" not in self.store or self.store.startswith("file://"):
             folders.append(self.store.removeprefix("file://"))
         return folders
@@ -190,8 +190,13 @@ class Settings:
         return path
 
 
-def default_data_roots() -> list[str]:
-    return [str(Path.home()), tempfile.gettempdir()]
+def default_data_roots(home: Path) -> list[str]:
+    """Where local sources are read from when no roots are set: the state folder's `data/`,
+    a folder made to hold corpora. Not the home folder nor /tmp, as before: on a shared host
+    they hold the worker's keys and env files and whatever any user leaves in /tmp, and a data
+    worker writes what it reads into shards that anyone with the dataset can read. Never empty:
+    no roots would confine nothing (dataprep.source_roots.DataRoots)."""
+    return [str(home / "data")]
 
 
 def _parse_bool(env_name: str, raw: str) -> bool:

@@ -216,7 +216,7 @@ async def _up(
         temporal_ui_url=ui_url,
         mlflow_uri=mlflow_uri,
         api_url=api_url,
-        data_roots=recorded.data_roots or os.pathsep.join([os.getcwd(), *default_data_roots()]),
+        data_roots=recorded.data_roots or os.pathsep.join([os.getcwd(), *default_data_roots(home)]),
     )
     settings.save()
     # One command for one person: the local user is the stack's admin (infra.tokens).

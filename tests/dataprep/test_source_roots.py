@@ -58,7 +58,10 @@ def test_links_that_stay_inside_the_roots_are_read(root: Path, tmp_path: Path) -
 
 def test_the_data_roots_setting(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     home = tmp_path / "home"
-    assert Settings(home=home).data_root_folders() == [*default_data_roots(), str(home / "store")]
-    assert Settings(home=home, store_url="s3://b/p").data_root_folders() == default_data_roots()
+    # Unset: the state folder's data/ only, never the home folder or /tmp (a shared host's keys,
+    # anyone's files), and never no roots at all, which would confine nothing.
+    assert default_data_roots(home) == [str(home / "data")]
+    assert Settings(home=home).data_root_folders() == [str(home / "data"), str(home / "store")]
+    assert Settings(home=home, store_url="s3://b/p").data_root_folders() == [str(home / "data")]
     monkeypatch.setenv("FORGELINE_DATA_ROOTS", os.pathsep.join(["/data/a", "/data/b"]))
     assert load_settings(home).data_root_folders() == ["/data/a", "/data/b", str(home / "store")]

@@ -316,6 +316,8 @@ def stack(tmp_path_factory: pytest.TempPathFactory, s3_sites: Sites) -> Iterator
         if name.startswith(("FORGELINE_", "AWS_")) and name != "FORGELINE_HOME":
             del env[name]
     env |= s3_sites.env | {
+        # The stack reads the corpora of examples/ wherever pytest was started.
+        "FORGELINE_DATA_ROOTS": str(REPO / "examples" / "data"),
         "FORGELINE_STORE": f"s3://{BUCKET}/{home.name}",
         "FORGELINE_TWIN_STORE": f"s3://{TWIN_BUCKET}/{home.name}?endpoint={s3_sites.twin_endpoint}",
     }

@@ -23,7 +23,10 @@ from workflows.contracts.api_models import SubmitAnswer, SubmitRequest
 @pytest.fixture
 def api(tmp_path: Path) -> Iterator[tuple[str, Path]]:
     # Temporal's address is a free port nobody listens on: the API must not need it to refuse.
-    settings = Settings(home=tmp_path, temporal_address=f"127.0.0.1:{free_port()}")
+    # The corpora are written in tmp_path, which is in no data root unless it is said to be.
+    settings = Settings(
+        home=tmp_path, temporal_address=f"127.0.0.1:{free_port()}", data_roots=str(tmp_path)
+    )
     with serving_api(settings) as url:
         yield url, tmp_path
 

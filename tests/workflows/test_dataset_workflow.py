@@ -79,7 +79,9 @@ def test_stages_fan_out_over_chunks_and_a_second_run_reuses(
     temporal_address: str, task_queue: str, tmp_path: Path, three_files: Path
 ) -> None:
     data = DataSpec(sources=[str(three_files)], filters=FilterSpec(min_words=1), chunk_mb=1)
-    dataset, progress = run_dataset(temporal_address, task_queue, tmp_path / "home", data)
+    dataset, progress = run_dataset(
+        temporal_address, task_queue, tmp_path / "home", data, data_roots=str(tmp_path)
+    )
     assert not dataset.reused and dataset.train_tokens > 0 and dataset.val_tokens > 0
     # Each file repeats its first half, and files overlap: exact dedup removes the copies.
     assert dataset.duplicates_removed > dataset.documents / 3
@@ -90,7 +92,9 @@ def test_stages_fan_out_over_chunks_and_a_second_run_reuses(
     store = LocalStore(tmp_path / "home" / "store")
     assert store.exists(dataset.manifest_key)
 
-    again, _ = run_dataset(temporal_address, task_queue, tmp_path / "home", data)
+    again, _ = run_dataset(
+        temporal_address, task_queue, tmp_path / "home", data, data_roots=str(tmp_path)
+    )
     assert again.reused and again.manifest_sha256 == dataset.manifest_sha256
 
 
@@ -101,7 +105,7 @@ def test_bad_input_fails_the_workflow_at_once_with_the_reason(
     bad.write_text("{broken\n" * 20)
     data = DataSpec(sources=[str(bad)])
     with pytest.raises(WorkflowFailureError) as raised:
-        run_dataset(temporal_address, task_queue, tmp_path / "home", data)
+        run_dataset(temporal_address, task_queue, tmp_path / "home", data, data_roots=str(tmp_path))
     cause = raised.value.cause
     while getattr(cause, "cause", None) is not None:
         cause = cause.cause
@@ -165,7 +169,7 @@ def test_a_record_that_kills_every_worker_fails_the_snapshot_naming_it(
 ) -> None:
     """Before, the stage was retried for ever."""
     data = DataSpec(sources=[str(three_files)], filters=FilterSpec(min_words=1), chunk_mb=1)
-    real = DataActivities(Settings(home=tmp_path / "home"))
+    real = DataActivities(Settings(home=tmp_path / "home", data_roots=str(tmp_path)))
 
     async def main() -> BaseException:
         client = await Client.connect(temporal_address, data_converter=pydantic_data_converter)
