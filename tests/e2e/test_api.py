@@ -230,6 +230,9 @@ def test_the_schema_in_the_repository_is_the_one_served(stack: Stack) -> None:
     )
 
 
+# The join_node validator is tested on the workflow in seconds (tests/workflows/
+# test_cluster_workflow.py); this repeats it with real agents, out of make test's 15 minutes.
+@pytest.mark.slow
 def test_a_second_agent_under_a_live_node_s_id_is_refused(stack: Stack, tmp_path: Path) -> None:
     """Another host started with a live node's --node-id (a copied config, say) is refused by
     the cluster, and so is a second agent from the node's own state folder; the node is as it

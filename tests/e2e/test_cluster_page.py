@@ -58,6 +58,9 @@ def chromium(profile: Path, *args: str) -> subprocess.CompletedProcess:
     return done
 
 
+# What the page is given is tested in seconds (tests/worker/test_fleet_view.py); the page itself,
+# in Chromium with a gang training, runs with the slow tests (make test's 15 minutes).
+@pytest.mark.slow
 def test_the_page_shows_the_nodes_the_gang_and_the_queue(stack: Stack, tmp_path: Path) -> None:
     training, waiting = "page-training", "page-waiting"
     try:
