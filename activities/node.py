@@ -39,7 +39,7 @@ from trainer.manifest import read_manifest
 from trainer.model import laid_out_as
 from trainer.rank_box import DOOR_SOCKET, Confinement, NodeConfinement, door_url, rank_box
 from trainer.rank_logs import LogShipper, shipped_while_running
-from trainer.store_door import DoorPolicy, StoreDoor, door_folder
+from trainer.store_door import DoorPolicy, StoreDoor, door_folder, door_path
 from trainer.warm_launch import WarmLauncher
 from workflows.contracts.cluster_models import CheckpointCommitted, WarmInput
 from workflows.contracts.models import (
@@ -262,22 +262,24 @@ class NodeActivities:
         fails), and no other run's ranks see it."""
         return LocalCopies(self._run_dir(run_id) / CHECKPOINT_COPIES)
 
-    def _drop_copies_of_other_runs(self) -> None:
-        """Only the runs training here keep copies (one checkpoint's shards each): a run that
-        left this node left them behind, and would come back to a node another run used.
-        (Agents before kept one folder of each for the whole node: gone too.)"""
+    def _drop_what_other_runs_left(self) -> None:
+        """Only the runs training here keep copies (one checkpoint's shards each) and a door's
+        folder: a run that left this node left them behind, and would come back to a node
+        another run used. (Agents before kept one folder of copies for the whole node: gone
+        too.)"""
         for legacy in (CHECKPOINT_COPIES, PEER_COPIES):
             shutil.rmtree(self.workdir / legacy, ignore_errors=True)
         for run_dir in (self.workdir / "runs").glob("*"):
             if run_dir.name not in self._training:
                 for name in (CHECKPOINT_COPIES, PEER_COPIES):
                     shutil.rmtree(run_dir / name, ignore_errors=True)
+                shutil.rmtree(door_path(self.workdir, run_dir.name), ignore_errors=True)
 
     async def _prepare_job(self, inp: NodeTrainInput, cache: NodeCacheLease) -> TrainJob:
         return await asyncio.to_thread(self._prepare_job_sync, inp, cache)
 
     def _prepare_job_sync(self, inp: NodeTrainInput, cache: NodeCacheLease) -> TrainJob:
-        self._drop_copies_of_other_runs()
+        self._drop_what_other_runs_left()
         dataset = cache.dataset_manifest(inp.dataset)
         shards = cache.split(dataset, "train")
         resume = None

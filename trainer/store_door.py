@@ -111,12 +111,17 @@ class DoorPolicy:
         return fd
 
 
-def door_folder(node_dir: Path, run_id: str) -> Path:
+def door_path(node_dir: Path, run_id: str) -> Path:
     """The folder of a run's door on this node, the same for every generation (a box made for
     the next one, the warm standby's, already holds it), at a short path: a unix socket's path
-    has at most 107 bytes. Only the agent's user may enter it."""
+    has at most 107 bytes."""
     digest = hashlib.sha256(f"{node_dir.resolve()}\0{run_id}".encode()).hexdigest()[:16]
-    folder = Path(tempfile.gettempdir()) / f"forgeline-door-{digest}"
+    return Path(tempfile.gettempdir()) / f"forgeline-door-{digest}"
+
+
+def door_folder(node_dir: Path, run_id: str) -> Path:
+    """door_path, made if it is not there; only the agent's user may enter it."""
+    folder = door_path(node_dir, run_id)
     folder.mkdir(mode=0o700, exist_ok=True)
     return folder
 

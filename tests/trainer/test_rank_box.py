@@ -92,7 +92,10 @@ HOSTILE = textwrap.dedent(
 
 
 def test_a_hostile_script_in_a_box_finds_no_secret_and_writes_nothing_outside_its_run(
-    trainer: Trainer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    trainer: Trainer,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    request: pytest.FixtureRequest,
 ) -> None:
     # The agent's own: a key in its environment, an env file and a key file in its state folder,
     # another team's checkpoint in its node cache.
@@ -148,6 +151,7 @@ def test_a_hostile_script_in_a_box_finds_no_secret_and_writes_nothing_outside_it
         ):
             await run_ranks(job, workdir, rdzv, on_progress=lambda _: None, box=box)
 
+    request.addfinalizer(lambda: shutil.rmtree(folder, ignore_errors=True))
     # The host's /tmp is not the box's: a file there is not seen inside.
     marker = Path(f"/tmp/host-only-{os.getpid()}")
     marker.write_text(SECRET)

@@ -35,6 +35,7 @@ def door(store: LocalStore, run_dir: Path, tmp_path: Path) -> Iterator[DoorStore
     folder = door_folder(tmp_path / "node", "r1")
     with StoreDoor(store, policy, folder / "door.sock"):
         yield DoorStore(str(folder / "door.sock"))
+    folder.rmdir()  # in the system's temporary folder, not the test's
 
 
 def test_a_run_reads_and_writes_its_own_keys_of_its_own_generation(
@@ -112,4 +113,5 @@ def test_a_manifest_fenced_between_its_put_and_the_door_s_look_is_taken_back(
         with pytest.raises(DoorRefused, match="taken back: committed by generation 2 at step 30"):
             door.put_if_absent(key, manifest.dump_bytes())
         assert not store.exists(key)
+    folder.rmdir()
     assert json.loads(store.get_bytes("runs/r1/generations/gen-3.json"))["resume_step"] == 10
