@@ -23,6 +23,11 @@ from trainer.manifest import Fences, commits, committed_steps, find_latest
 from worker.chaos import trainer_processes
 from worker.cli_common import ExitCode
 
+# With the slow tests, to keep `make test` within 15 minutes (the hosts take a minute to build):
+# what runs on them, a gang's rendezvous, training, peer tier and store door, runs in make test
+# on one host's loopback (tests/e2e); the arguments that bind an interface, in test_fabric.py.
+pytestmark = pytest.mark.slow
+
 STEPS, CHECKPOINT_EVERY, PEER_EVERY = 300, 50, 10
 
 
@@ -113,10 +118,8 @@ def test_a_gpu_type_no_agent_reports_is_refused_before_the_run_starts(
         assert re.search(rf"{host.name} .* block=b0, rack=r-{host.name} ", nodes), nodes
 
 
-# With the slow tests, to keep `make test` within 15 minutes: the bridge test above keeps
-# multi-host training in it, and a dead node's recovery and fencing run faster on one host
-# (tests/e2e/test_failures.py, tests/trainer's fencing tests).
-@pytest.mark.slow
+# A dead node's recovery and fencing run faster on one host (tests/e2e/test_failures.py,
+# tests/trainer's fencing tests).
 def test_a_partitioned_host_is_replaced_and_its_ranks_commit_nothing(
     cluster: Cluster, clean: str, tmp_path: Path
 ) -> None:

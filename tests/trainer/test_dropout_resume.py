@@ -20,7 +20,13 @@ TRAIN = TrainSpec(
 )  # fmt: skip
 
 
-@pytest.mark.parametrize("layout", [None, FSDP, TP], ids=["ddp", "fsdp", "tp"])
+# FSDP and TP (~20 s each) with the slow tests, to keep make test within 15 minutes: their exact
+# resume without dropout stays in it (test_distributed_training.py, test_layouts.py).
+@pytest.mark.parametrize(
+    "layout",
+    [None, pytest.param(FSDP, marks=pytest.mark.slow), pytest.param(TP, marks=pytest.mark.slow)],
+    ids=["ddp", "fsdp", "tp"],
+)
 def test_a_run_with_dropout_resumes_bitwise(trainer: Trainer, layout: dict | None) -> None:
     name = f"dropout-{(layout or {}).get('tensor', 1)}-{(layout or {}).get('shard', 1)}"
     trainer.run(trainer.job(f"{name}-clean", TRAIN, layout=layout, model=DROPOUT), ranks=2)

@@ -51,12 +51,12 @@ def weights(manifest: CheckpointManifest) -> dict[str, str]:
     return {name: digest for name, digest in named.items() if not name.startswith(".")}
 
 
-# FSDP + TP (six ranks, ~60 s) runs with the slow tests, to keep `make test` within 15 minutes:
-# the FSDP case here covers the collective recompute, and tests/trainer/test_shadow_check.py
-# which rank of another tensor-parallel group checks which.
+# FSDP (~45 s) and FSDP + TP (six ranks, ~60 s) run with the slow tests, to keep `make test`
+# within 15 minutes: the DDP case here covers the recompute and its roll-back, and
+# tests/trainer/test_shadow_check.py which rank of another group checks which.
 @pytest.fixture(
     scope="module",
-    params=[pytest.param(n, marks=pytest.mark.slow) if n == "fsdp-tp" else n for n in LAYOUTS],
+    params=[pytest.param(n, marks=pytest.mark.slow) if n != "ddp" else n for n in LAYOUTS],
 )
 def layout(request: pytest.FixtureRequest) -> str:
     return request.param
