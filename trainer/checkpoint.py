@@ -40,6 +40,7 @@ from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from infra.digest import sha256_file
+from infra.store.door import DoorFenced
 from infra.store.protocol import ObjectStore, fetch_verified
 from trainer import safe_load
 from trainer.checkpoint_manifest import CheckpointFile, CheckpointManifest
@@ -247,14 +248,18 @@ class Checkpointer:
         prefix = checkpoint_prefix(self.run_id, step, self.generation)
         fenced = self._superseded()
         mine = []
-        for path in [] if fenced else _files_written_by(folder, self.rank):
-            key = f"{prefix}/{path.name}"
-            self.store.put_file(key, path)
-            mine.append(
-                CheckpointFile(
-                    name=path.name, key=key, bytes=path.stat().st_size, sha256=sha256_file(path)
-                )
-            )
+        try:
+            for path in [] if fenced else _files_written_by(folder, self.rank):
+                key = f"{prefix}/{path.name}"
+                self.store.put_file(key, path)
+                mine.append(
+                    CheckpointFile(
+                        name=path.name, key=key, bytes=path.stat().st_size,
+                        sha256=sha256_file(path),
+                    )
+                )  # fmt: skip
+        except DoorFenced:  # the agent found the fence first (a rank paused since it looked)
+            fenced = True
         gathered = all_gather_typed((fenced, mine), tuple[bool, list[CheckpointFile]], self._group)
         fenced = any(part[0] for part in gathered if part is not None)
         key: str | None = None

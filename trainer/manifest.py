@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from enum import Enum
 
 from infra.errors import IntegrityError, NotOnTwin, ObjectNotFound
+from infra.store.door import DoorFenced
 from infra.store.protocol import ObjectStore, check_claimed_files
 from trainer.checkpoint_manifest import CheckpointManifest
 from trainer.errors import CheckpointError
@@ -171,8 +172,11 @@ def commit_fenced(
     a generation paused between the two (SIGSTOP, a frozen host) would otherwise commit after
     a newer one resumed; readers pass over such a manifest anyway, and taking it back leaves
     nothing stale for anyone to read. Both tiers commit this way."""
-    if not store.put_if_absent(key, manifest.dump_bytes()):
-        return CommitOutcome.ALREADY_THERE
+    try:
+        if not store.put_if_absent(key, manifest.dump_bytes()):
+            return CommitOutcome.ALREADY_THERE
+    except DoorFenced:  # a boxed rank's agent read the fences and refused or took it back
+        return CommitOutcome.TAKEN_BACK
     if Fences.read(store, run_id, run_uid).why_stale(generation, step):
         store.delete(key)
         return CommitOutcome.TAKEN_BACK

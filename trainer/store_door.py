@@ -36,7 +36,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from infra.errors import InvalidKey, ObjectNotFound, StoreError, StoreUnavailable
+from infra.errors import InvalidKey, NotOnTwin, ObjectNotFound, StoreError, StoreUnavailable
 from infra.store.protocol import ObjectStore, validate_key
 from trainer.manifest import Fences
 
@@ -55,6 +55,10 @@ FENCE_TTL_S = 1.0
 
 class Refused(Exception):
     """The request is outside what the run may do; the message says what and why."""
+
+
+class Fenced(Refused):
+    """A later generation of the run has started: this one writes nothing more (HTTP 409)."""
 
 
 @dataclass(frozen=True)
@@ -167,7 +171,7 @@ class StoreDoor:
 
     def check_not_superseded(self) -> None:
         if self.fences().superseded(self.policy.generation):
-            raise Refused(
+            raise Fenced(
                 f"generation {self.policy.generation} of run {self.policy.run_id} is fenced: a "
                 "later generation has started, and this one writes nothing more"
             )
@@ -197,7 +201,7 @@ class StoreDoor:
         fences = self.fences(fresh=True)
         if step and (why := fences.why_stale(self.policy.generation, int(step.group(1)))):
             self.store.delete(key)
-            raise Refused(f"{key} taken back: {why}")
+            raise Fenced(f"{key} taken back: {why}")
 
     def delete(self, key: str) -> None:
         self.policy.check_write(key, delete=True)
@@ -253,11 +257,13 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             handle(door, route, key)
         except Refused as err:
             log.warning("store door of run %s refused: %s", door.policy.run_id, err)
-            self._send(403, str(err).encode())
+            self._send(409 if isinstance(err, Fenced) else 403, str(err).encode())
         except (InvalidKey, ValueError) as err:
             self._send(400, str(err).encode())
         except ObjectNotFound as err:
             self._send(404, str(err).encode())
+        except NotOnTwin as err:
+            self._send(503, str(err).encode(), {"X-Not-On-Twin": "1"})
         except StoreUnavailable as err:
             self._send(503, str(err).encode())
         except StoreError as err:
@@ -306,12 +312,16 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         )
         self._send(201 if put else 412)
 
-    def _send(self, status: int, body: bytes = b"") -> None:
-        self._send_headers(status, len(body))
+    def _send(self, status: int, body: bytes = b"", headers: dict[str, str] | None = None) -> None:
+        self._send_headers(status, len(body), headers)
         if body:
             self.wfile.write(body)
 
-    def _send_headers(self, status: int, length: int) -> None:
+    def _send_headers(
+        self, status: int, length: int, headers: dict[str, str] | None = None
+    ) -> None:
         self.send_response(status)
         self.send_header("Content-Length", str(length))
+        for name, value in (headers or {}).items():
+            self.send_header(name, value)
         self.end_headers()

@@ -15,7 +15,9 @@ of a checkpoint cross the socket not at all.
     GET    /list?prefix=P           the keys under P
     GET    /reachable               whether the agent's store answers
 
-A refusal is 403 with the reason as its body: StoreError here, naming the key and the rule.
+A refusal is 403 with the reason as its body (DoorRefused here, naming the key and the rule);
+409 when the run's generation is fenced (DoorFenced); 503 when the agent's store is away, with
+`X-Not-On-Twin` when the twin standing in lacks the object (NotOnTwin, as the store says it).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import threading
 import urllib.parse
 from pathlib import Path
 
-from infra.errors import ObjectNotFound, StoreError, StoreUnavailable
+from infra.errors import NotOnTwin, ObjectNotFound, StoreError, StoreUnavailable
 
 SCHEME = "door://"
 CHUNK = 1 << 20
@@ -36,6 +38,12 @@ CHUNK = 1 << 20
 
 class DoorRefused(StoreError):
     """The agent refused the call: the key is outside what this run may read or write."""
+
+
+class DoorFenced(DoorRefused):
+    """The agent refused a write because a later generation of the run has started (or took a
+    manifest back for it): this generation is fenced, as a checkpointer that read the fences
+    itself would have found."""
 
 
 class _UnixConnection(http.client.HTTPConnection):
@@ -150,8 +158,12 @@ class DoorStore:
         key = path.split("?", 1)[0]
         if response.status == 404:
             raise ObjectNotFound(f"{key}: {reason}")
+        if response.status == 409:
+            raise DoorFenced(reason)
         if response.status == 403:
             raise DoorRefused(reason)
+        if response.status == 503 and response.getheader("X-Not-On-Twin"):
+            raise NotOnTwin(reason)  # resume passes such a checkpoint over for an older one
         if response.status == 503:
             raise StoreUnavailable(reason)
         raise StoreError(f"{method} {key}: {response.status} {reason}")
