@@ -35,7 +35,6 @@ import typer
 
 from infra import node_health
 from infra.processes import ManagedProcess
-from infra.sandbox import BWRAP
 from trainer.job import CHAOS_FILE
 from trainer.launch import RANK_SCRIPT
 from worker.cli_common import CliError, ExitCode, check_name, console, get_settings
@@ -66,17 +65,9 @@ def trainer_processes(home: Path, node: str | None = None, run: str | None = Non
             and RANK_SCRIPT.encode() in argv
             and marker.encode() in argv
             and (run is None or f"/runs/{run}/".encode() in argv)
-            and not _is_a_box(argv)
         ):
             pids.append(int(proc.name))
     return pids
-
-
-def _is_a_box(argv: bytes) -> bool:
-    """bwrap, and the box's init it forks, carry torchrun's whole command line after their own
-    (trainer.rank_box): they are the box, not torchrun or a rank, and a signal meant for a rank
-    does nothing to them (or, SIGKILL, ends every rank of the node at once)."""
-    return Path(argv.split(b"\0", 1)[0].decode(errors="replace")).name == BWRAP
 
 
 def _job_folders(pids: list[int]) -> set[Path]:
