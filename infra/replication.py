@@ -50,7 +50,12 @@ _UNIT = re.compile(
 # A checkpoint of the former layout is the folder `step-N/` itself; the generation folders that
 # a later run put beside its files are units of their own.
 _FORMER_CHECKPOINT = re.compile(r"/checkpoints/step-\d+/$")
-_RECORD = re.compile(r"^runs/[^/]+/((generations|attempts|pins)/[^/]+|identity\.json)$")
+# And the control plane's settings: the approval rules and the decision key, which the gate and
+# the API read while the primary is down.
+_RECORD = re.compile(
+    r"^(runs/[^/]+/((generations|attempts|pins)/[^/]+|identity\.json)"
+    r"|settings/(approvals\.json|decision-key))$"
+)
 _SKIPPED_IN_UNIT = "/work/"  # a snapshot's staging area: dropped when it commits
 _RECENT = 20  # replicated units kept in the status, newest first
 

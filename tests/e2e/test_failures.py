@@ -10,7 +10,7 @@ import os
 import random
 import re
 import signal
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -85,18 +85,17 @@ def test_three_sigkills_and_a_flipped_byte_change_no_weight(
     generation = 0
     # The node is repaired and comes back while the next gang trains (one repair at a time):
     # `up` can take longer than a new gang takes to train the tiny model to its end, and the
-    # next kill must find that gang training.
+    # next kill must find that gang training. A repair that a kill overtakes says so and exits
+    # non-zero (an agent died during its start-up); the last `up` repairs what is left.
     with ThreadPoolExecutor(max_workers=1) as repairs:
-        repaired: list[Future] = []
         for kill in range(3):
             generation = kill_a_node_of(stack, "tiny-kill", generation, chance)
             if kill == 1:
                 torn_at, torn = generation, tear_the_newest_checkpoint(store, "tiny-kill")
             if kill == 2:
                 corrupted = flip_a_byte_of_the_newest_checkpoint(store, "tiny-kill")
-            repaired.append(repairs.submit(stack.cli, "up", "--nodes", "3"))
-        for repair in repaired:
-            repair.result()
+            repairs.submit(stack.cli, "up", "--nodes", "3", check=False)
+    stack.cli("up", "--nodes", "3")
 
     followed = stack.cli("run", str(spec), timeout=300)
     assert "AWAITING_APPROVAL" in followed.stdout, followed.stdout
