@@ -22,11 +22,10 @@ from temporalio.exceptions import ApplicationError
 from activities.errors import domain_errors
 from activities.fetch import NodeCache, NodeCacheLease
 from activities.metric_tap import MetricTap
+from activities.node_confinement import door_policy, quoted_output
 from infra import code_snapshot, node_health
-from infra.redact import known_secrets
 from infra.requirements import unmet
 from infra.sandbox import Box
-from infra.secret_shapes import redact_log
 from infra.settings import Settings
 from registry.metric_stream import MetricShipper, MetricSpool
 from trainer.checkpoint_manifest import CheckpointManifest, PeerManifest
@@ -39,7 +38,7 @@ from trainer.manifest import read_manifest
 from trainer.model import laid_out_as
 from trainer.rank_box import DOOR_SOCKET, Confinement, NodeConfinement, door_url, rank_box
 from trainer.rank_logs import LogShipper, shipped_while_running
-from trainer.store_door import DoorPolicy, StoreDoor, door_folder, door_path
+from trainer.store_door import StoreDoor, door_folder, door_path
 from trainer.warm_launch import WarmLauncher
 from workflows.contracts.cluster_models import CheckpointCommitted, WarmInput
 from workflows.contracts.models import (
@@ -167,10 +166,10 @@ class NodeActivities:
                     )
         except UserCodeFailed as err:  # the same on every attempt and node: fail the run now
             raise ApplicationError(
-                _quoted_output(err), type=USER_CODE_ERROR, non_retryable=True
+                quoted_output(err), type=USER_CODE_ERROR, non_retryable=True
             ) from err
         except RanksFailed as err:
-            raise ApplicationError(_quoted_output(err), type="RanksFailed") from err
+            raise ApplicationError(quoted_output(err), type="RanksFailed") from err
         except NodeUnhealthy as err:  # the run reports this node and moves on without it
             raise ApplicationError(str(err), type="NodeUnhealthy", non_retryable=True) from err
         finally:
@@ -238,7 +237,7 @@ class NodeActivities:
         folder = door_folder(self.workdir, inp.run_id)
         job.store_url, job.twin_store_url = door_url(), ""
         box = rank_box(job, run_dir, self._own_checkpoints(inp.run_id), folder)
-        with StoreDoor(self.store, _door_policy(inp, run_dir), folder / DOOR_SOCKET):
+        with StoreDoor(self.store, door_policy(inp, run_dir), folder / DOOR_SOCKET):
             yield box
 
     def _own_checkpoints(self, run_id: str) -> Path:
@@ -538,30 +537,6 @@ async def _heartbeating(work: Awaitable[T], beat: Callable[[], None], every_s: f
     except asyncio.CancelledError:
         task.cancel()
         raise
-
-
-def _quoted_output(err: Exception) -> str:
-    """A failure that quotes what the ranks printed (a traceback, the log's last lines), with
-    every credential shape and the agent's own secrets masked: it goes into the run's history,
-    which every reader of the run sees."""
-    return redact_log(str(err), known_secrets())[0]
-
-
-def _door_policy(inp: NodeTrainInput, run_dir: Path) -> DoorPolicy:
-    """What the run's ranks may read and write through their door: their run's keys, their
-    dataset and code, and the checkpoint the control plane authorized them to start from."""
-    readable = [f"datasets/{inp.dataset.snapshot_id}/"]
-    if inp.code is not None:
-        readable.append(f"code/{inp.code.snapshot_id}/")
-    if inp.init_from is not None:
-        readable.append(inp.init_from.manifest_key.rsplit("/", 1)[0] + "/")
-    return DoorPolicy(
-        run_id=inp.run_id,
-        generation=inp.allocation.generation,
-        run_dir=run_dir,
-        readable=tuple(readable),
-        run_uid=inp.run_uid,
-    )
 
 
 def _keep_beside_job(manifest: CheckpointManifest, path: Path) -> str:

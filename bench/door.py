@@ -24,8 +24,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from bench.trainer import BIG, THREADS, table
-from infra.processes import free_port
+from bench.trainer import BIG, big_model_in_a_gang_of_one, table
 from infra.store.door import DoorStore
 from infra.store.local import LocalStore
 from infra.store.protocol import ObjectStore
@@ -79,17 +78,7 @@ def measure(root: Path, repeats: int) -> list[tuple[str, str, str, str]]:
     )  # fmt: skip
     agent.start()
     ready.wait(60)
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1
-    )
-    torch.set_num_threads(THREADS)
-    torch.manual_seed(0)
-    model = GPT(BIG)
-    optimizer = model.optimizer(1e-4, 0.1)
-    x = torch.randint(0, BIG.vocab_size, (1, 128))
-    model(x, x)[1].backward()
-    optimizer.step()  # AdamW moments exist from here
-    optimizer.zero_grad(set_to_none=True)
+    model, optimizer = big_model_in_a_gang_of_one()
     direct = _checkpointer(LocalStore(root / "direct-store"), run_dir / "staging-direct")
     door = _checkpointer(DoorStore(str(socket_path)), run_dir / "staging-door")
     figures: dict[str, list[tuple[float, float]]] = {"direct": [], "door": []}

@@ -247,7 +247,9 @@ def _one_step(model: GPT, optimizer: torch.optim.Optimizer, batch: int) -> None:
     optimizer.zero_grad(set_to_none=True)
 
 
-def checkpoints(root: Path, repeats: int) -> list[tuple[str, str, str, str]]:
+def big_model_in_a_gang_of_one() -> tuple[GPT, torch.optim.Optimizer]:
+    """The ~60 M-parameter GPT with its AdamW moments, in a gloo group of this process alone:
+    what a checkpoint benchmark saves (bench/door.py too)."""
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1
     )
@@ -256,6 +258,11 @@ def checkpoints(root: Path, repeats: int) -> list[tuple[str, str, str, str]]:
     model = GPT(BIG)
     optimizer = model.optimizer(1e-4, 0.1)
     _one_step(model, optimizer, 1)  # AdamW moments exist from here
+    return model, optimizer
+
+
+def checkpoints(root: Path, repeats: int) -> list[tuple[str, str, str, str]]:
+    model, optimizer = big_model_in_a_gang_of_one()
     params = sum(p.numel() for p in model.parameters())
     store = LocalStore(root / "ckpt-store")
     checkpointer = Checkpointer(

@@ -29,6 +29,7 @@ import socket
 import threading
 import urllib.parse
 from pathlib import Path
+from typing import Any
 
 from infra.errors import NotOnTwin, ObjectNotFound, StoreError, StoreUnavailable
 
@@ -125,15 +126,9 @@ class DoorStore:
             self._local.connection = connection
         return connection
 
-    def _call(
-        self,
-        method: str,
-        path: str,
-        body: bytes | None = None,
-        headers: dict[str, str] | None = None,
-        accept: tuple[int, ...] = (),
-    ) -> tuple[int, bytes]:
-        with self._response(method, path, body, headers, accept) as response:
+    def _call(self, method: str, path: str, **request: Any) -> tuple[int, bytes]:
+        """_response's status and whole body."""
+        with self._response(method, path, **request) as response:
             return response.status, response.read()
 
     def _response(

@@ -1,11 +1,11 @@
 """A rank failure's message quotes the ranks' output into the run's history, which every reader
-of the run sees: credentials in it are masked first (activities.node._quoted_output)."""
+of the run sees: credentials in it are masked first (activities.node_confinement.quoted_output)."""
 
 from __future__ import annotations
 
 import pytest
 
-from activities.node import _quoted_output
+from activities.node_confinement import quoted_output
 from trainer.errors import RanksFailed, UserCodeFailed
 
 
@@ -21,7 +21,7 @@ def test_what_the_ranks_printed_reaches_the_history_masked(
         "RuntimeError: loss is nan at step 12\n"
     )
     for failure in (RanksFailed(printed), UserCodeFailed(printed)):
-        quoted = _quoted_output(failure)
+        quoted = quoted_output(failure)
         for secret in ("wJalrXUtnFEMI", "hf_abcdefghijkl", "tk-agent-own-key-77"):
             assert secret not in quoted, quoted
         assert "AWS_SECRET_ACCESS_KEY=***" in quoted

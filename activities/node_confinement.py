@@ -1,0 +1,35 @@
+"""What the node agent tells a boxed job and what it lets out of one: the run's store-door
+policy (trainer.store_door) and a rank failure's text, masked before it reaches the history."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from infra.redact import known_secrets
+from infra.secret_shapes import redact_log
+from trainer.store_door import DoorPolicy
+from workflows.contracts.models import NodeTrainInput
+
+
+def quoted_output(err: Exception) -> str:
+    """A failure that quotes what the ranks printed (a traceback, the log's last lines), with
+    every credential shape and the agent's own secrets masked: it goes into the run's history,
+    which every reader of the run sees."""
+    return redact_log(str(err), known_secrets())[0]
+
+
+def door_policy(inp: NodeTrainInput, run_dir: Path) -> DoorPolicy:
+    """What the run's ranks may read and write through their door: their run's keys, their
+    dataset and code, and the checkpoint the control plane authorized them to start from."""
+    readable = [f"datasets/{inp.dataset.snapshot_id}/"]
+    if inp.code is not None:
+        readable.append(f"code/{inp.code.snapshot_id}/")
+    if inp.init_from is not None:
+        readable.append(inp.init_from.manifest_key.rsplit("/", 1)[0] + "/")
+    return DoorPolicy(
+        run_id=inp.run_id,
+        generation=inp.allocation.generation,
+        run_dir=run_dir,
+        readable=tuple(readable),
+        run_uid=inp.run_uid,
+    )
