@@ -50,6 +50,7 @@ from trainer.manifest import (
     Fences,
     checkpoint_prefix,
     commit_fenced,
+    delete_unless_fenced,
     manifest_key,
     prune,
 )
@@ -274,8 +275,7 @@ class Checkpointer:
             verdict, tuple[str | None, bool, str | None], 0, self._group
         )
         if fenced:  # what this rank uploaded will never be named by a manifest
-            for entry in mine:
-                self.store.delete(entry.key)
+            delete_unless_fenced(self.store, (entry.key for entry in mine))
         elif key is not None and self.local_copies is not None:
             self.local_copies.keep([(folder / entry.name, entry.sha256) for entry in mine])
             if self.prunes_local_copies:
@@ -301,8 +301,7 @@ class Checkpointer:
         if outcome is CommitOutcome.ALREADY_THERE:
             return None, f"{key} was already there (another writer of generation {self.generation})"
         if outcome is CommitOutcome.TAKEN_BACK:  # its files go too: nothing stale stays
-            for entry in manifest.files:
-                self.store.delete(entry.key)
+            delete_unless_fenced(self.store, (entry.key for entry in manifest.files))
             return None, None
         if self.rollback_points is not None:
             self.rollback_points.committed(key, step)

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from enum import Enum
 
@@ -181,6 +181,17 @@ def commit_fenced(
         store.delete(key)
         return CommitOutcome.TAKEN_BACK
     return CommitOutcome.COMMITTED
+
+
+def delete_unless_fenced(store: ObjectStore, keys: Iterable[str]) -> None:
+    """Delete what a fenced or taken-back save uploaded. A boxed rank's door refuses a fenced
+    generation every delete as well as every write (DoorFenced): then the keys stay for the
+    newer generation's prune, which removes files of fenced generations no manifest names."""
+    for key in keys:
+        try:
+            store.delete(key)
+        except DoorFenced:
+            return
 
 
 def committed_steps(store: ObjectStore, run_id: str) -> list[int]:

@@ -32,7 +32,13 @@ from infra.errors import IntegrityError, ObjectNotFound
 from infra.store.protocol import ObjectStore
 from trainer.checkpoint_manifest import CheckpointFile, CheckpointManifest, PeerManifest
 from trainer.local_copies import LocalCopies
-from trainer.manifest import CommitOutcome, CommittedCheckpoint, Fences, commit_fenced
+from trainer.manifest import (
+    CommitOutcome,
+    CommittedCheckpoint,
+    Fences,
+    commit_fenced,
+    delete_unless_fenced,
+)
 from trainer.typed_exchange import all_gather_typed
 
 _PEER_KEY = re.compile(r"/peer/step-(\d+)/gen-(\d+)/MANIFEST\.json$")
@@ -155,9 +161,8 @@ def write_peer_manifest(
     outcome = commit_fenced(store, key, manifest.as_peer(), run_id, run_uid, generation, step)
     if outcome is not CommitOutcome.COMMITTED:
         return None
-    for older in store.list(f"runs/{run_id}/peer/"):
-        if older != key and _PEER_KEY.search(older):
-            store.delete(older)
+    older = store.list(f"runs/{run_id}/peer/")
+    delete_unless_fenced(store, (k for k in older if k != key and _PEER_KEY.search(k)))
     return key
 
 

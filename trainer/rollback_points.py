@@ -32,9 +32,10 @@ class RollbackPoints:
         for commit in commits(self.store, self.run_id):
             mine = commit.generation is None or commit.generation <= self.generation
             if commit.step < step and mine:
-                pin(self.store, self.run_id, commit.key, commit.step, commit.generation or 0)
+                pin(self.store, self.run_id, commit.key, commit.step, commit.generation or 0,
+                    pinned_by=self.generation)  # fmt: skip
 
     def committed(self, key: str, step: int) -> None:
         """A manifest was just committed (before pruning runs)."""
         if step < self._before:
-            pin(self.store, self.run_id, key, step, self.generation)
+            pin(self.store, self.run_id, key, step, self.generation, self.generation)

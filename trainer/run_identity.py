@@ -12,7 +12,9 @@ records carry the uid as well, and resume and pruning pass over what is not thei
 
 A registered checkpoint is pinned (`runs/<run>/pins/step-<n>-gen-<g>.json` names its manifest)
 before its model version exists, and pruning never deletes a pinned checkpoint: a model
-version's weights and lineage point at it.
+version's weights and lineage point at it. A rank pins the checkpoints a rollback past a
+suspect step may need (trainer.rollback_points) under its own generation's folder,
+`runs/<run>/pins/by-gen-<g>/`.
 """
 
 from __future__ import annotations
@@ -70,14 +72,27 @@ def belongs(record: dict, run_uid: str) -> bool:
     return not run_uid or record.get("run_uid") == run_uid
 
 
-def pin_key(run_id: str, step: int, generation: int) -> str:
-    return f"runs/{run_id}/pins/step-{step}-gen-{generation}.json"
+def pin_key(run_id: str, step: int, generation: int, pinned_by: int | None = None) -> str:
+    """Where the pin of the checkpoint of `step` by `generation` is kept. A rank's pin is filed
+    under the generation that pins (`pinned_by`): a boxed rank's store door lets a generation
+    write only keys of its own, and a rank may pin a checkpoint an earlier one committed."""
+    name = f"step-{step}-gen-{generation}.json"
+    by = "" if pinned_by is None else f"by-gen-{pinned_by}/"
+    return f"runs/{run_id}/pins/{by}{name}"
 
 
-def pin(store: ObjectStore, run_id: str, manifest_key: str, step: int, generation: int) -> None:
-    """Keep this checkpoint for good: a model version is being made from it."""
+def pin(
+    store: ObjectStore,
+    run_id: str,
+    manifest_key: str,
+    step: int,
+    generation: int,
+    pinned_by: int | None = None,
+) -> None:
+    """Keep this checkpoint for good: a model version is being made from it, or a rollback
+    past a suspect step may need it (`pinned_by`: the rank's own generation)."""
     record = {"manifest_key": manifest_key, "pinned_at": datetime.now(UTC).isoformat()}
-    store.put_bytes(pin_key(run_id, step, generation), json.dumps(record).encode())
+    store.put_bytes(pin_key(run_id, step, generation, pinned_by), json.dumps(record).encode())
 
 
 def pinned(store: ObjectStore, run_id: str) -> set[str]:

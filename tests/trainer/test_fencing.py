@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 import torch
 
 from infra.digest import sha256_bytes
+from infra.store.door import DoorStore
 from infra.store.local import LocalStore
+from infra.store.protocol import ObjectStore
 from tests.trainer.conftest import Trainer
 from tests.trainer.test_layouts import TRAIN
 from trainer.checkpoint import Checkpointer, fetch_checkpoint, load_model_weights
@@ -27,6 +30,7 @@ from trainer.manifest import (
     prune,
     record_generation,
 )
+from trainer.store_door import DoorPolicy, StoreDoor, door_folder
 
 
 def commit(
@@ -205,18 +209,36 @@ def linear(seed: int) -> tuple[torch.nn.Linear, torch.optim.SGD]:
     return model, torch.optim.SGD(model.parameters(), lr=0.1)
 
 
+@contextlib.contextmanager
+def generation_1_store(store: LocalStore, tmp_path: Path, boxed: bool) -> Iterator[ObjectStore]:
+    """Generation 1's store: the store itself, or in a box its node agent's door, which
+    refuses a fenced generation every write and delete."""
+    if not boxed:
+        yield store
+        return
+    run_dir = tmp_path / "node" / "runs" / "r"
+    run_dir.mkdir(parents=True)
+    folder = door_folder(tmp_path / "node", "r")
+    with StoreDoor(store, DoorPolicy("r", 1, run_dir), folder / "door.sock"):
+        yield DoorStore(str(folder / "door.sock"))
+    folder.rmdir()
+
+
 @pytest.mark.usefixtures("one_rank")
+@pytest.mark.parametrize("boxed", [False, True], ids=["unboxed", "boxed"])
 @pytest.mark.parametrize("moment", ["upload", "after its commit"])
 def test_a_paused_older_generation_never_spoils_a_newer_one_s_commit_at_the_same_step(
-    tmp_path: Path, moment: str
+    tmp_path: Path, moment: str, boxed: bool
 ) -> None:
     """Generation 1 stops in the middle of its save of step 10; generation 2 resumes from step
     0 and commits its own step 10; then generation 1 carries on. Before per-generation keys,
     at "upload" it overwrote generation 2's committed files (whose sha256 then failed: no
     checkpoint left), and "after its commit" its manifest held the key, so generation 2's
-    commit of step 10 was refused (SaveReport.manifest_key None) and the step lost."""
+    commit of step 10 was refused (SaveReport.manifest_key None) and the step lost. Boxed, the
+    clean-clone CI's paused-node e2e found its rank crashed (DoorFenced) deleting the uploads
+    of a commit taken back: it stops fenced, and generation 2's next prune removes them."""
     store = PausedAt(tmp_path / "store", moment)
-    old, new = saver(store, tmp_path, 1), saver(store, tmp_path, 2)
+    new = saver(store, tmp_path, 2)
     (old_model, old_opt), (new_model, new_opt) = linear(1), linear(2)
     reports = []
 
@@ -226,12 +248,16 @@ def test_a_paused_older_generation_never_spoils_a_newer_one_s_commit_at_the_same
         reports.append(new.wait())
 
     store.meanwhile = generation_2_resumes_and_commits
-    try:
-        old.save(old_model, old_opt, 10, {"tokens_seen": 10})
-        late = old.wait()
-    finally:
-        old.close()
-        new.close()
+    with generation_1_store(store, tmp_path, boxed) as its_store:
+        old = Checkpointer(store=its_store, staging_dir=tmp_path / "node" / "runs" / "r" / "gen-1",
+                           run_id="r", generation=1, keep=2, layout={},
+                           asynchronous=False)  # fmt: skip
+        try:
+            old.save(old_model, old_opt, 10, {"tokens_seen": 10})
+            late = old.wait()
+        finally:
+            old.close()
+            new.close()
     (committed,) = reports
     assert committed is not None and committed.manifest_key == manifest_key("r", 10, 2)
     assert late is not None and late.manifest_key is None and late.fenced
@@ -241,6 +267,8 @@ def test_a_paused_older_generation_never_spoils_a_newer_one_s_commit_at_the_same
     loaded, _ = linear(3)
     load_model_weights(loaded, folder)
     assert torch.equal(loaded.weight, new_model.weight)
+    if boxed:
+        prune(store, "r", keep=2)  # generation 2's next commit
     assert store.list(checkpoint_prefix("r", 10, 1) + "/") == []  # nothing of it is left
 
 

@@ -13,7 +13,15 @@ from infra.errors import ObjectNotFound
 from infra.store.door import DoorFenced, DoorRefused, DoorStore
 from infra.store.local import LocalStore
 from trainer.checkpoint_manifest import CheckpointManifest
-from trainer.manifest import CommitOutcome, commit_fenced, manifest_key, record_generation
+from trainer.manifest import (
+    CommitOutcome,
+    commit_fenced,
+    manifest_key,
+    prune,
+    record_generation,
+)
+from trainer.rollback_points import RollbackPoints
+from trainer.run_identity import pinned
 from trainer.store_door import DoorPolicy, StoreDoor, door_folder
 
 
@@ -115,3 +123,17 @@ def test_a_manifest_fenced_between_its_put_and_the_door_s_look_is_taken_back(
         assert not store.exists(key)
     folder.rmdir()
     assert json.loads(store.get_bytes("runs/r1/generations/gen-3.json"))["resume_step"] == 10
+
+
+def test_a_rank_keeps_an_earlier_generation_s_checkpoint_for_a_rollback(
+    door: DoorStore, store: LocalStore
+) -> None:
+    """A suspect seen by generation 2 pins the checkpoints from before it, one of them
+    committed by generation 1: the pin is filed under generation 2, the only one it may write."""
+    key = manifest_key("r1", 10, 1)
+    store.put_bytes(
+        key, CheckpointManifest(run_id="r1", step=10, generation=1, files=[]).dump_bytes()
+    )
+    RollbackPoints(door, "r1", 2).suspect_at(20)
+    assert pinned(store, "r1") == {key}
+    assert prune(store, "r1", keep=0) == []  # kept for the rollback
