@@ -23,6 +23,7 @@ by anything that could run code.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import shutil
 import time
@@ -303,9 +304,13 @@ class Checkpointer:
         if outcome is CommitOutcome.TAKEN_BACK:  # its files go too: nothing stale stays
             delete_unless_fenced(self.store, (entry.key for entry in manifest.files))
             return None, None
-        if self.rollback_points is not None:
-            self.rollback_points.committed(key, step)
-        prune(self.store, self.run_id, self.keep, self._verified, self.run_uid)
+        # A boxed rank's door refuses a generation superseded since its commit every write and
+        # delete: the commit stands, the newer generation prunes, and this one's next save
+        # finds the fence and stops.
+        with contextlib.suppress(DoorFenced):
+            if self.rollback_points is not None:
+                self.rollback_points.committed(key, step)
+            prune(self.store, self.run_id, self.keep, self._verified, self.run_uid)
         return key, None
 
     def _manifest(self, step: int, meta: dict, files: list[CheckpointFile]) -> CheckpointManifest:

@@ -12,6 +12,9 @@ The store is only listed, not read: a suspect costs one LIST and a small PUT per
 
 from __future__ import annotations
 
+import contextlib
+
+from infra.store.door import DoorFenced
 from infra.store.protocol import ObjectStore
 from trainer.manifest import commits
 from trainer.run_identity import pin
@@ -32,10 +35,15 @@ class RollbackPoints:
         for commit in commits(self.store, self.run_id):
             mine = commit.generation is None or commit.generation <= self.generation
             if commit.step < step and mine:
-                pin(self.store, self.run_id, commit.key, commit.step, commit.generation or 0,
-                    pinned_by=self.generation)  # fmt: skip
+                self._pin(commit.key, commit.step, commit.generation or 0)
 
     def committed(self, key: str, step: int) -> None:
         """A manifest was just committed (before pruning runs)."""
         if step < self._before:
-            pin(self.store, self.run_id, key, step, self.generation, self.generation)
+            self._pin(key, step, self.generation)
+
+    def _pin(self, key: str, step: int, generation: int) -> None:
+        """Pinned under this generation. A boxed rank's door refuses a generation superseded
+        meanwhile every write: the newer generation keeps what its own rollbacks need."""
+        with contextlib.suppress(DoorFenced):
+            pin(self.store, self.run_id, key, step, generation, pinned_by=self.generation)

@@ -277,12 +277,6 @@ def test_corrupt_gradients_are_traced_to_their_node_and_rolled_back(
 # the gang checkpoints and stops with the straggler reason) and the Cluster workflow's
 # test_a_straggler_is_cordoned_not_counted_as_a_death; the run's re-queue is recovery's path.
 @pytest.mark.slow
-# Skipped, a known defect to fix first in the next session (issue 44's stop note): with boxed
-# agents, `forgeline chaos slow-node` slowed no rank in three of four runs of this test here
-# (the gang trained thousands of steps at full speed), though a probe of the same throttle on a
-# boxed job saw the ranks stopped. What it tests runs faster on real ranks in
-# tests/trainer/test_stragglers.py and on the workflows in tests/workflows/test_straggler_swap.py.
-@pytest.mark.skip(reason="chaos slow-node does not slow boxed ranks here: see the comment above")
 def test_a_straggler_is_swapped_for_another_node(stack: Stack, tmp_path: Path) -> None:
     """One node of the gang runs at a fifth of its speed: the gang names it with evidence,
     checkpoints, the run keeps off the node (reported, not cordoned: one team's word), and goes

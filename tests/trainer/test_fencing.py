@@ -16,6 +16,7 @@ from infra.store.local import LocalStore
 from infra.store.protocol import ObjectStore
 from tests.trainer.conftest import Trainer
 from tests.trainer.test_layouts import TRAIN
+from trainer import store_door
 from trainer.checkpoint import Checkpointer, fetch_checkpoint, load_model_weights
 from trainer.checkpoint_manifest import CheckpointFile, CheckpointManifest
 from trainer.manifest import (
@@ -197,6 +198,11 @@ class PausedAt(LocalStore):
             self._reached("after its commit")  # before it reads the fence again
         return done
 
+    def list(self, prefix: str) -> list[str]:
+        if prefix.endswith("/checkpoints/"):
+            self._reached("before its prune")  # committed, the fence read after it said go
+        return super().list(prefix)
+
 
 def saver(store: LocalStore, tmp_path: Path, generation: int) -> Checkpointer:
     return Checkpointer(store=store, staging_dir=tmp_path / f"staging-{generation}", run_id="r",
@@ -270,6 +276,44 @@ def test_a_paused_older_generation_never_spoils_a_newer_one_s_commit_at_the_same
     if boxed:
         prune(store, "r", keep=2)  # generation 2's next commit
     assert store.list(checkpoint_prefix("r", 10, 1) + "/") == []  # nothing of it is left
+
+
+@pytest.mark.usefixtures("one_rank")
+def test_a_boxed_generation_superseded_between_its_commit_and_its_prune_stops_at_its_fence(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The clean-clone CI's paused-node e2e again: generation 1's commit of step 20 stood, then
+    generation 2 resumed from step 10, and the door refused generation 1's prune of step 10.
+    The prune is generation 2's now, and generation 1's next save finds the fence and stops."""
+    monkeypatch.setattr(store_door, "FENCE_TTL_S", 0.0)  # a pause outlasts the door's cache
+    store = PausedAt(tmp_path / "store", "before its prune")
+    new = saver(store, tmp_path, 2)
+    (old_model, old_opt), (new_model, new_opt) = linear(1), linear(2)
+
+    def generation_2_resumes_and_commits() -> None:
+        record_generation(store, "r", 2, resume_step=10)
+        new.save(new_model, new_opt, 20, {"tokens_seen": 20})
+        new.wait()
+
+    with generation_1_store(store, tmp_path, boxed=True) as its_store:
+        old = Checkpointer(store=its_store, staging_dir=tmp_path / "node" / "runs" / "r" / "gen-1",
+                           run_id="r", generation=1, keep=1, layout={},
+                           asynchronous=False)  # fmt: skip
+        reports = []
+        try:
+            for step in (10, 20, 30):
+                if step == 20:  # paused in its prune after the commit of step 20
+                    store.meanwhile = generation_2_resumes_and_commits
+                old.save(old_model, old_opt, step, {"tokens_seen": step})
+                reports.append(old.wait())
+        finally:
+            old.close()
+            new.close()
+    committed, late = reports[1], reports[2]
+    assert committed is not None and committed.manifest_key == manifest_key("r", 20, 1)
+    assert late is not None and late.manifest_key is None and late.fenced
+    found = find_latest(store, "r", max_generation=2)
+    assert found is not None and (found.step, found.generation) == (20, 2)
 
 
 def test_pruning_removes_what_a_fenced_out_generation_uploaded_but_never_committed(
