@@ -49,6 +49,18 @@ class SandboxUnavailable(RuntimeError):
 
 
 @dataclass(frozen=True)
+class Mount:
+    """One bind of a box: the host's `source` at `path` inside, read-only unless `writable`."""
+
+    source: str
+    path: str
+    writable: bool
+
+    def flags(self) -> list[str]:
+        return ["--bind" if self.writable else "--ro-bind", self.source, self.path]
+
+
+@dataclass(frozen=True)
 class Box:
     """What one box shows: paths as they are named on the host, at the same place inside. Two
     boxes that show the same are equal: a process started in one can do the work of the other."""
@@ -70,13 +82,31 @@ class Box:
             *_namespaces(),
             *([] if self.network else ["--unshare-net"]),
             *_fresh_mounts(),
-            *_binds(self.read_only, self.writable),
-            *[arg for host, inside in self.mapped for arg in ("--bind", host, inside)],
+            *_system_mounts(),
+            *[flag for mount in self.mounts() for flag in mount.flags()],
             *_gpu_devices(),
             "--chdir", workdir,
             "--",
             *command,
         ]  # fmt: skip
+
+    def mounts(self) -> list[Mount]:
+        """The box's own binds, in the order they are made: its paths, then the mapped ones."""
+        mapped = [Mount(host, inside, writable=True) for host, inside in self.mapped]
+        return [*_binds(self.read_only, self.writable), *mapped]
+
+    def beyond(self, base: Box) -> list[Mount] | None:
+        """The binds that, added to a box made as `base`, make it show what this box shows, in
+        the order to add them (infra.late_mounts: a standby made before its job was known);
+        None when no binds can: another network, a bind of `base`'s this box lacks, or one of
+        this box's that would cover one of `base`'s."""
+        own, theirs = self.mounts(), base.mounts()
+        if self.network != base.network or any(mount not in own for mount in theirs):
+            return None
+        added = [mount for mount in own if mount not in theirs]
+        if any(_inside(old.path, new.path) for new in added for old in theirs):
+            return None
+        return added
 
 
 def python_paths() -> tuple[str, ...]:
@@ -136,25 +166,23 @@ def _fresh_mounts() -> list[str]:
     return ["--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp", "--tmpfs", "/dev/shm"]
 
 
-def _binds(read_only: Iterable[str], writable: Iterable[str]) -> list[str]:
+def _binds(read_only: Iterable[str], writable: Iterable[str]) -> list[Mount]:
     """Every bind in order of depth, so a path inside another is mounted over it (a read-only
-    checkpoint inside a writable folder stays read-only); the system's folders first. A path
-    inside another of the same kind is that one's already, and gets no mount of its own: a
-    file is renamed only within one mount, so a folder and a folder inside it must stay one."""
-    mounts = [*_system_mounts()]
-    wanted = [(os.path.abspath(p), "--ro-bind") for p in read_only] + [
-        (os.path.abspath(p), "--bind") for p in writable
+    checkpoint inside a writable folder stays read-only). A path inside another of the same
+    kind is that one's already, and gets no mount of its own: a file is renamed only within
+    one mount, so a folder and a folder inside it must stay one."""
+    wanted = [(os.path.abspath(p), False) for p in read_only] + [
+        (os.path.abspath(p), True) for p in writable
     ]
-    bound: list[tuple[str, str]] = []
-    for path, kind in sorted(set(wanted), key=lambda item: (_depth(item[0]), item)):
+    mounts: list[Mount] = []
+    for path, writable_ in sorted(set(wanted), key=lambda item: (_depth(item[0]), item)):
         source = os.path.realpath(path)
         if not os.path.exists(source):
             continue  # a job's optional path not made yet (a fallback's folder)
-        holder = next((k for p, k in reversed(bound) if _inside(path, p)), None)
-        if holder == kind:
+        holder = next((m.writable for m in reversed(mounts) if _inside(path, m.path)), None)
+        if holder == writable_:
             continue
-        bound.append((path, kind))
-        mounts += [kind, source, path]
+        mounts.append(Mount(source, path, writable_))
     return mounts
 
 

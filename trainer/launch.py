@@ -36,7 +36,7 @@ from trainer.progress_events import (
     UserErrorLine,
     progress_line,
 )
-from trainer.rank_box import box_environment
+from trainer.rank_box import box_environment, standby_box
 from trainer.rank_env import rank_environment
 from trainer.rank_lines import MAX_READ, BoundedLines, line_cap, read_to_end, tail_lines
 from trainer.start_watch import StartWatch, Verdict
@@ -270,7 +270,7 @@ async def run_ranks(
             if launcher is not None and tail.stepped:
                 # For the next generation, now that this one trains; before the exit check, so a
                 # job that ends within one report of its first step still leaves one behind.
-                await launcher.prepare(box)
+                await launcher.prepare(standby_box() if box is not None else None)
             if ranks.returncode is not None:
                 break
             if start is not None and not tail.stepped:

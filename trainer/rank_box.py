@@ -11,9 +11,9 @@ What a job's box shows, at the paths the job file names:
 - nothing else: not the agent's state folder, its env file or keys, the node cache's other
   entries (other runs' data and weights), or any other process.
 
-The box is the same for every generation of a run on this node (the run's folder rather than
-one generation's), so the warm standby made while one generation trains (trainer.warm_launch)
-lives in the box the next generation needs.
+A node's warm standby (trainer.warm_launch) waits in `standby_box()`, the part every job's box
+shares; the job it becomes gets the rest of its box added before it is handed over
+(infra.late_mounts), so it runs in what `rank_box` describes, whichever run it is.
 """
 
 from __future__ import annotations
@@ -90,6 +90,17 @@ def decide(unconfined: str | None) -> NodeConfinement:
     return NodeConfinement(Confinement.BOX)
 
 
+def standby_box() -> Box:
+    """What every job's box shows, and nothing of any run: the Python environment and
+    Forgeline's packages (and the GPUs, which every box has). A node's warm standby waits in
+    one; the job it becomes gets its own binds added there (trainer.warm_launch)."""
+    return Box(read_only=_platform_paths())
+
+
+def _platform_paths() -> tuple[str, ...]:
+    return (*sandbox.python_paths(), *(str(PACKAGE_ROOT / name) for name in PACKAGES))
+
+
 def rank_box(job: TrainJob, run_dir: Path, own_checkpoints: Path, door: Path | None) -> Box:
     """The box of `job`'s ranks: `run_dir` is the run's folder on this node (every generation's
     folder is inside it), `own_checkpoints` the node cache's folder of the run's checkpoints,
@@ -97,8 +108,7 @@ def rank_box(job: TrainJob, run_dir: Path, own_checkpoints: Path, door: Path | N
     run_dir.mkdir(parents=True, exist_ok=True)
     own_checkpoints.mkdir(parents=True, exist_ok=True)
     read_only = [
-        *sandbox.python_paths(),
-        *(str(PACKAGE_ROOT / name) for name in PACKAGES),
+        *_platform_paths(),
         *job.train_shards,
         *job.val_shards,
         job.code_dir,

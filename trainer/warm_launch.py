@@ -25,6 +25,7 @@ import asyncio
 import contextlib
 import importlib
 import json
+import logging
 import os
 import sys
 from dataclasses import asdict, dataclass
@@ -32,10 +33,14 @@ from pathlib import Path
 
 import setproctitle
 
+from infra.late_mounts import LateMountError, add_binds
 from infra.parent_death import die_with_parent
 from infra.sandbox import Box
 from trainer.rank_box import box_environment
 from trainer.rank_env import rank_environment
+from trainer.torchrun_process import children
+
+log = logging.getLogger(__name__)
 
 STANDBY_MODULE = "trainer.warm_launch"
 RANK_IMPORTS = ("trainer.entry", "trainer.train")  # the rank entry, the built-in trainer, the SDK
@@ -82,6 +87,8 @@ class WarmLauncher:
         self._box: Box | None = None
         # Jobs sharing a node each make one when their ranks train: only the first may.
         self._making = asyncio.Lock()
+        # False once adding a job's binds to a standby's box failed (infra.late_mounts).
+        self._binds_can_be_added = True
 
     @property
     def ready(self) -> bool:
@@ -94,8 +101,10 @@ class WarmLauncher:
 
     async def prepare(self, box: Box | None = None) -> None:
         """Start a standby unless one waits already (it imports torch in the background), in
-        `box` when the next job's ranks run in one: the box of the job that trains now, since
-        the next job on this node is most often the same run's next generation."""
+        `box` when the next job's ranks run in one: trainer.rank_box.standby_box(), which shows
+        nothing of any run; `start` adds the job's own binds."""
+        if box is not None and not self._binds_can_be_added:
+            return  # it could never become a boxed job's torchrun here
         async with self._making:
             if self.ready and self._box != box:  # a standby for another run's box
                 await self.close()
@@ -126,22 +135,49 @@ class WarmLauncher:
         self, order: LaunchOrder, box: Box | None = None
     ) -> asyncio.subprocess.Process | None:
         """Hand `order` to the standby and return it as the job's torchrun (or the bwrap around
-        it); None when there is no live standby in the box the job needs (the caller starts
-        torchrun cold)."""
+        it), once its box shows what `box` shows; None when there is no live standby that can
+        run in the box the job needs (the caller starts torchrun cold)."""
         standby, self._standby = self._standby, None
         if standby is None:
             return None
-        current = code_fingerprint(self._code_roots) == self._code_seen and self._box == box
+        current = code_fingerprint(self._code_roots) == self._code_seen
         if current and standby.returncode is None and standby.stdin is not None:
             try:
+                if not await self._fitted(standby, box):
+                    raise BrokenPipeError  # as a standby that died: discarded, a cold start
                 standby.stdin.write(order.line())
                 await standby.stdin.drain()
                 standby.stdin.close()
+                log.info(
+                    "the job in %s starts on the warm standby (pid %d)", order.cwd, standby.pid
+                )
                 return standby
             except (BrokenPipeError, ConnectionResetError):  # it died since it was made
                 pass
         await _discard(standby)
         return None
+
+    async def _fitted(self, standby: asyncio.subprocess.Process, box: Box | None) -> bool:
+        """Whether the standby runs in `box` now: it was made in it, or in a box that the job's
+        own binds make into it, and they were added (infra.late_mounts)."""
+        if box is None or self._box is None:
+            return box == self._box
+        added = box.beyond(self._box)
+        # The standby itself, in the box's namespaces: bwrap → the box's init → the standby.
+        inside = [pid for init in children(standby.pid) for pid in children(init)]
+        if added is None or not inside:
+            return False
+        try:
+            await add_binds(inside[0], added)
+        except LateMountError as err:
+            # Without the capabilities to mount, no boxed standby can ever be used here.
+            self._binds_can_be_added = not err.not_permitted
+            later = (
+                "" if self._binds_can_be_added else ", and boxed jobs here start cold from now on"
+            )
+            log.warning("the warm standby was not used%s: %s", later, err)
+            return False
+        return True
 
     async def close(self) -> None:
         """Stop an unused standby (it would die with the agent anyway)."""

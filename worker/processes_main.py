@@ -198,9 +198,10 @@ async def run_node_agent(
     )  # fmt: skip
     watch = asyncio.ensure_future(_watch_health(client, info, node_dir))
     # Registered first: a standby's imports (seconds of CPU) never hold up joining the cluster.
-    # A boxed node makes its first standby in the box of its first job.
-    if activities.launcher is not None and confinement.mode is not rank_box.Confinement.BOX:
-        await activities.launcher.prepare()
+    # A boxed node's waits in the box every job's shares (its job's binds are added to it).
+    if activities.launcher is not None:
+        boxed = confinement.mode is rank_box.Confinement.BOX
+        await activities.launcher.prepare(rank_box.standby_box() if boxed else None)
     try:
         await _run_until_signalled(worker)
     finally:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import shutil
 import textwrap
@@ -29,8 +30,10 @@ from trainer.rank_box import (
     decide,
     door_url,
     rank_box,
+    standby_box,
 )
 from trainer.store_door import DoorPolicy, StoreDoor, door_folder
+from trainer.warm_launch import WarmLauncher
 from workflows.contracts.spec import TrainSpec
 
 pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None, reason="needs bwrap (bubblewrap)")
@@ -91,12 +94,18 @@ HOSTILE = textwrap.dedent(
 )
 
 
+@pytest.mark.parametrize("start", ["cold", "warm"])
 def test_a_hostile_script_in_a_box_finds_no_secret_and_writes_nothing_outside_its_run(
     trainer: Trainer,
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
     request: pytest.FixtureRequest,
+    caplog: pytest.LogCaptureFixture,
+    start: str,
 ) -> None:
+    """Cold: torchrun started in the job's box. Warm: the node's standby torchrun, made in the
+    box every job shares before the job was known, becomes the job's once the job's own binds
+    are added to its box (infra.late_mounts): the script must find exactly the same."""
     # The agent's own: a key in its environment, an env file and a key file in its state folder,
     # another team's checkpoint in its node cache.
     monkeypatch.setenv("FORGELINE_TEMPORAL_API_KEY", SECRET)
@@ -143,13 +152,24 @@ def test_a_hostile_script_in_a_box_finds_no_secret_and_writes_nothing_outside_it
         "team-a-run", 1, workdir, readable=(f"datasets/{trainer.snapshot.snapshot_id}/",)
     )
 
+    standby: list[int | None] = []
+    caplog.set_level(logging.INFO, logger="trainer.warm_launch")
+
     async def main() -> None:
+        launcher = WarmLauncher(tmp_path / "standby") if start == "warm" else None
+        if launcher is not None:
+            await launcher.prepare(standby_box())
+            standby.append(launcher.pid)
         # The script never trains: its run fails as the user's error, after it looked around.
-        with (
-            StoreDoor(trainer.store, policy, folder / DOOR_SOCKET),
-            pytest.raises(UserCodeFailed, match="returned without training"),
-        ):
-            await run_ranks(job, workdir, rdzv, on_progress=lambda _: None, box=box)
+        try:
+            with (
+                StoreDoor(trainer.store, policy, folder / DOOR_SOCKET),
+                pytest.raises(UserCodeFailed, match="returned without training"),
+            ):
+                await run_ranks(job, workdir, rdzv, lambda _: None, box=box, launcher=launcher)
+        finally:
+            if launcher is not None:
+                await launcher.close()
 
     request.addfinalizer(lambda: shutil.rmtree(folder, ignore_errors=True))
     # The host's /tmp is not the box's: a file there is not seen inside.
@@ -160,6 +180,8 @@ def test_a_hostile_script_in_a_box_finds_no_secret_and_writes_nothing_outside_it
     finally:
         marker.unlink()
     found = json.loads((workdir / "found-0.json").read_text())
+    if start == "warm":  # the standby became the job's torchrun, in the job's box
+        assert f"starts on the warm standby (pid {standby[0]})" in caplog.text, caplog.text
     other = json.loads((workdir / "found-1.json").read_text())  # the second rank found the same
     verdicts = {name: said[0] for name, said in found["door"].items()}
     assert {name: said[0] for name, said in other["door"].items()} == verdicts
