@@ -30,6 +30,24 @@ def children(pid: int) -> list[int]:
     return pids
 
 
+def in_box(bwrap_pid: int) -> int | None:
+    """The process bwrap runs in its box, on the host (bwrap → the box's init → it); None
+    while it is not there yet."""
+    inside = [pid for init in children(bwrap_pid) for pid in children(init)]
+    return inside[0] if inside else None
+
+
+async def started_in_box(bwrap: asyncio.subprocess.Process) -> int | None:
+    """`in_box`, once bwrap has made the box and started it (a few milliseconds, seconds on a
+    busy machine); None if bwrap exits first or it takes longer than _BOX_START_S."""
+    deadline = asyncio.get_running_loop().time() + _BOX_START_S
+    while (pid := in_box(bwrap.pid)) is None and bwrap.returncode is None:
+        if asyncio.get_running_loop().time() > deadline:
+            break
+        await asyncio.sleep(0.01)
+    return pid
+
+
 def rank_pids(launcher_pid: int) -> list[int]:
     """The rank processes torchrun started (its children)."""
     return children(launcher_pid)
@@ -68,17 +86,13 @@ class TorchrunProcess:
     def torchrun_pid(self) -> int | None:
         """torchrun's pid on the host (None: a box whose torchrun is not there yet or is gone)."""
         if self._torchrun is None:
-            inside = [pid for init in children(self.proc.pid) for pid in children(init)]
-            self._torchrun = inside[0] if inside else None
+            self._torchrun = in_box(self.proc.pid)
         return self._torchrun
 
     async def _found_torchrun(self) -> int | None:
-        deadline = asyncio.get_running_loop().time() + _BOX_START_S
-        while (pid := self.torchrun_pid()) is None and self.returncode is None:
-            if asyncio.get_running_loop().time() > deadline:
-                break
-            await asyncio.sleep(0.01)
-        return pid
+        if self._torchrun is None and self.boxed:
+            self._torchrun = await started_in_box(self.proc)
+        return self._torchrun
 
     def ranks(self) -> list[int]:
         pid = self.torchrun_pid()

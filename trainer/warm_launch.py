@@ -38,7 +38,7 @@ from infra.parent_death import die_with_parent
 from infra.sandbox import Box
 from trainer.rank_box import box_environment
 from trainer.rank_env import rank_environment
-from trainer.torchrun_process import children
+from trainer.torchrun_process import started_in_box
 
 log = logging.getLogger(__name__)
 
@@ -141,13 +141,13 @@ class WarmLauncher:
         if standby is None:
             return None
         current = code_fingerprint(self._code_roots) == self._code_seen
-        if current and standby.returncode is None and standby.stdin is not None:
+        stdin = standby.stdin
+        alive = standby.returncode is None
+        if current and alive and stdin is not None and await self._fitted(standby, box):
             try:
-                if not await self._fitted(standby, box):
-                    raise BrokenPipeError  # as a standby that died: discarded, a cold start
-                standby.stdin.write(order.line())
-                await standby.stdin.drain()
-                standby.stdin.close()
+                stdin.write(order.line())
+                await stdin.drain()
+                stdin.close()
                 log.info(
                     "the job in %s starts on the warm standby (pid %d)", order.cwd, standby.pid
                 )
@@ -163,12 +163,15 @@ class WarmLauncher:
         if box is None or self._box is None:
             return box == self._box
         added = box.beyond(self._box)
-        # The standby itself, in the box's namespaces: bwrap → the box's init → the standby.
-        inside = [pid for init in children(standby.pid) for pid in children(init)]
-        if added is None or not inside:
+        if added is None:
+            log.warning("the warm standby was not used: its box cannot become the job's")
+            return False
+        # A standby made a moment ago may not be in its box yet (bwrap makes it first).
+        if (inside := await started_in_box(standby)) is None:
+            log.warning("the warm standby was not used: it did not start in its box")
             return False
         try:
-            await add_binds(inside[0], added)
+            await add_binds(inside, added)
         except LateMountError as err:
             # Without the capabilities to mount, no boxed standby can ever be used here.
             self._binds_can_be_added = not err.not_permitted

@@ -18,7 +18,7 @@ import pytest
 
 from infra.late_mounts import NOT_PERMITTED, LateMountError, add_binds
 from infra.sandbox import Box, Mount, python_paths
-from trainer.torchrun_process import children
+from trainer.torchrun_process import in_box
 
 pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None, reason="needs bwrap (bubblewrap)")
 
@@ -75,10 +75,10 @@ def job_box(host: dict[str, Path]) -> Box:
 def inside(bwrap: subprocess.Popen) -> int:
     """The process bwrap runs in its box (bwrap → the box's init → it), once it is there."""
     deadline = time.monotonic() + 10
-    while not (found := [p for init in children(bwrap.pid) for p in children(init)]):
+    while (found := in_box(bwrap.pid)) is None:
         assert time.monotonic() < deadline, "the box did not start"
         time.sleep(0.01)
-    return found[0]
+    return found
 
 
 def look(box: Box, host: dict[str, Path], before_looking: list[Mount] | None = None) -> dict:
