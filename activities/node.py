@@ -32,7 +32,7 @@ from trainer.checkpoint_manifest import CheckpointManifest, PeerManifest
 from trainer.errors import RanksFailed, UserCodeFailed
 from trainer.hang import HangWatch
 from trainer.job import CHAOS_FILE, ResumePoint, TrainJob
-from trainer.launch import LOOPBACK, Fabric, Rendezvous, run_ranks
+from trainer.launch import COMPILE_CACHE, LOOPBACK, Fabric, Rendezvous, run_ranks
 from trainer.local_copies import LocalCopies
 from trainer.manifest import read_manifest
 from trainer.model import laid_out_as
@@ -163,6 +163,7 @@ class NodeActivities:
                         fabric=self.fabric,
                         launcher=self.launcher,
                         box=box,
+                        compile_cache=self._run_dir(inp.run_id) / COMPILE_CACHE,
                     )
         except UserCodeFailed as err:  # the same on every attempt and node: fail the run now
             raise ApplicationError(
@@ -262,15 +263,15 @@ class NodeActivities:
         return LocalCopies(self._run_dir(run_id) / CHECKPOINT_COPIES)
 
     def _drop_what_other_runs_left(self) -> None:
-        """Only the runs training here keep copies (one checkpoint's shards each) and a door's
-        folder: a run that left this node left them behind, and would come back to a node
-        another run used. (Agents before kept one folder of copies for the whole node: gone
-        too.)"""
+        """Only the runs training here keep copies (one checkpoint's shards each), a compile
+        cache and a door's folder: a run that left this node left them behind, and would come
+        back to a node another run used. (Agents before kept one folder of copies for the whole
+        node: gone too.)"""
         for legacy in (CHECKPOINT_COPIES, PEER_COPIES):
             shutil.rmtree(self.workdir / legacy, ignore_errors=True)
         for run_dir in (self.workdir / "runs").glob("*"):
             if run_dir.name not in self._training:
-                for name in (CHECKPOINT_COPIES, PEER_COPIES):
+                for name in (CHECKPOINT_COPIES, PEER_COPIES, COMPILE_CACHE):
                     shutil.rmtree(run_dir / name, ignore_errors=True)
                 shutil.rmtree(door_path(self.workdir, run_dir.name), ignore_errors=True)
 

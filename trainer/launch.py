@@ -18,6 +18,7 @@ from pathlib import Path
 from infra.host_network import is_loopback
 from infra.parent_death import die_with_parent
 from infra.sandbox import Box
+from trainer.device_env import device_environment
 from trainer.errors import RanksFailed, RanksHung, UserCodeFailed
 from trainer.hang import HangWatch
 from trainer.job import TrainJob
@@ -57,6 +58,9 @@ _STEP_FIELDS = {"step", "loss", "lr", "tokens_per_s", "mfu", "checkpoint_step", 
 # Health lines an attempt keeps in memory and returns: a node that flaps for a month writes
 # thousands; the progress file on the node keeps them all.
 HEALTH_KEPT = 20
+# The folder of a job's compile caches, in its generation's folder unless the caller names one
+# (the node agent keeps one per run, across generations).
+COMPILE_CACHE = "compile-cache"
 # How often the agent reads its ranks' progress file for a crash (reporting stays every
 # report_every_s): the survivors of a dead node say so within milliseconds.
 CRASH_POLL_S = 0.1
@@ -221,13 +225,16 @@ async def run_ranks(
     fabric: Fabric = LOOPBACK,
     launcher: WarmLauncher | None = None,
     box: Box | None = None,
+    compile_cache: Path | None = None,
 ) -> ProgressTail:
     """Run torchrun to completion; report progress every `report_every_s` (also when idle, so
     the caller can heartbeat); raise RanksFailed with the log tail if the ranks fail, or if
     `hang` sees them make no progress (their stacks then go to their stacks files); raise
     UserCodeFailed if the script's own set-up runs past `start_limit_s` (trainer.start_watch).
     With a `launcher`, its standby becomes torchrun if it has one, and it makes the next once
-    the ranks train. With a `box` (trainer.rank_box), torchrun and its ranks run inside it."""
+    the ranks train. With a `box` (trainer.rank_box), torchrun and its ranks run inside it.
+    `compile_cache`: where the ranks keep what torch.compile builds (trainer.device_env; by
+    default in `workdir`), writable in the box."""
     workdir.mkdir(parents=True, exist_ok=True)
     job_file = job.write(workdir / "job.json")
     log_file = workdir / "torchrun.log"
@@ -240,6 +247,7 @@ async def run_ranks(
         "PYTHONUNBUFFERED": "1",
         "FORGELINE_JOB": str(job_file),  # what forgeline.init() reads in a rank script
         **fabric.environment(os.environ),
+        **device_environment(os.environ, workdir, compile_cache or workdir / COMPILE_CACHE),
     }
     if box is not None:
         env = box_environment(env)

@@ -67,6 +67,12 @@ HOSTILE = textwrap.dedent(
         except OSError as err:
             found["wrote"][path] = type(err).__name__
     found["tmp"] = os.listdir("/tmp")
+    cuda = ("PYTORCH_NVML_BASED_CUDA_CHECK", "CUDA_DEVICE_ORDER", "TORCH_NCCL_DUMP_ON_TIMEOUT",
+            "TORCH_NCCL_DEBUG_INFO_TEMP_FILE", "TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")
+    found["cuda_env"] = {name: os.environ.get(name) for name in cuda}
+    cache = pathlib.Path(os.environ["TORCHINDUCTOR_CACHE_DIR"])
+    cache.mkdir(parents=True, exist_ok=True)  # torch.compile's kernels, kept across restarts
+    (cache / f"kernel-{os.environ['RANK']}").write_text("compiled")
     from infra.store.door import DoorStore
     door = DoorStore(probe["door"])
     escape = f"escape-{os.environ['RANK']}"  # one a rank: both ranks run this
@@ -198,6 +204,17 @@ def test_a_hostile_script_in_a_box_finds_no_secret_and_writes_nothing_outside_it
     assert not planted.exists() and not (cached_code / "tqdm.py").exists()
     assert theirs.read_text() == "team b's weights"
     assert marker.name not in found["tmp"]
+    # What a GPU node's ranks need (trainer.device_env): CUDA left alone until a rank forks, the
+    # flight recorder's dumps beside the job, the compile cache the run's own and writable.
+    assert found["cuda_env"] == {
+        "PYTORCH_NVML_BASED_CUDA_CHECK": "1",
+        "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
+        "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+        "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": str(workdir / "nccl-trace-rank-"),
+        "TORCHINDUCTOR_CACHE_DIR": str(workdir / "compile-cache" / "inductor"),
+        "TRITON_CACHE_DIR": str(workdir / "compile-cache" / "triton"),
+    }
+    assert (workdir / "compile-cache" / "inductor" / "kernel-1").read_text() == "compiled"
     # Its door: its own keys of its own generation, nothing else, and no file from outside its
     # run's folder (the agent opens the path, and would otherwise upload its own secrets).
     door = found["door"]

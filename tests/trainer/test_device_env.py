@@ -1,0 +1,32 @@
+"""The CUDA side of a job's environment (trainer.device_env): what a GPU node's ranks need
+before their first CUDA call, what the operator may change, and what it may not."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from trainer.device_env import device_environment
+
+
+def test_a_job_gets_the_nvml_check_the_flight_recorder_and_its_own_compile_cache() -> None:
+    env = device_environment({}, Path("/n/runs/r/gen-3"), Path("/n/runs/r/compile-cache"))
+    assert env["PYTORCH_NVML_BASED_CUDA_CHECK"] == "1"  # torchrun's check forks no CUDA state
+    assert env["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"
+    assert env["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"
+    assert env["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] == "/n/runs/r/gen-3/nccl-trace-rank-"
+    assert env["TORCHINDUCTOR_CACHE_DIR"] == "/n/runs/r/compile-cache/inductor"
+    assert env["TRITON_CACHE_DIR"] == "/n/runs/r/compile-cache/triton"
+
+
+def test_the_operator_tunes_the_recorder_but_never_shares_a_compile_cache() -> None:
+    agent = {
+        "TORCH_NCCL_TRACE_BUFFER_SIZE": "20000",
+        "CUDA_DEVICE_ORDER": "FASTEST_FIRST",
+        "TORCHINDUCTOR_CACHE_DIR": "/var/cache/every-run",  # code another run could plant
+        "TRITON_CACHE_DIR": "/var/cache/every-run-triton",
+    }
+    env = device_environment(agent, Path("/g"), Path("/run-cache"))
+    assert env["TORCH_NCCL_TRACE_BUFFER_SIZE"] == "20000"
+    assert env["CUDA_DEVICE_ORDER"] == "FASTEST_FIRST"
+    assert env["TORCHINDUCTOR_CACHE_DIR"] == "/run-cache/inductor"
+    assert env["TRITON_CACHE_DIR"] == "/run-cache/triton"
