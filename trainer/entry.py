@@ -31,6 +31,7 @@ from typing import TextIO
 import setproctitle
 import torch.distributed as dist
 
+from trainer.device_faults import is_device_fault
 from trainer.job import TrainJob
 from trainer.progress import ProgressFile
 from trainer.rank_logs import rank_log_name
@@ -153,8 +154,10 @@ def main(job: TrainJob) -> None:
         fail_user(job, f"the rank script {entry} exited with status {done.code} before its "
                   "first step", "")  # fmt: skip
     except BaseException as err:
-        if _Progress.began or is_fabric_fault(err) or isinstance(err, KeyboardInterrupt):
+        if _Progress.began or isinstance(err, KeyboardInterrupt):
             raise
+        if is_fabric_fault(err) or is_device_fault(err):
+            raise  # the node's or the fabric's: a crash, restarted, not the user's mistake
         frames = traceback.extract_tb(err.__traceback__)
         detail = "".join(traceback.format_exception(err))[-_TRACEBACK_CHARS:]
         where = _where(frames, job.code_dir)

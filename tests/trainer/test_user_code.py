@@ -240,6 +240,23 @@ def test_a_script_that_never_reports_is_the_users_error(
         trainer.run(job, ranks=2, timeout_s=90, start_limit_s=4)
 
 
+def test_a_device_fault_before_the_first_step_is_a_crash_not_the_user_s(
+    trainer: Trainer, tmp_path: Path
+) -> None:
+    """What a GPU whose memory fails its ECC check raises at the script's first CUDA call:
+    the node's fault (trainer.device_faults), so the run restarts; before, the run failed at
+    once as the user's mistake."""
+    text = (
+        "import forgeline\nimport torch\nrun = forgeline.init()\n"
+        "raise torch.AcceleratorError('CUDA error: uncorrectable ECC error encountered')\n"
+    )
+    code = broken_script(tmp_path, "ecc", text)
+    with pytest.raises(RanksFailed) as failed:
+        trainer.run(user_job(trainer, "device-fault", code, user_train(code)), ranks=2)
+    assert not isinstance(failed.value, UserCodeFailed)
+    assert "AcceleratorError: CUDA error: uncorrectable ECC error encountered" in str(failed.value)
+
+
 def test_a_crash_after_training_began_is_a_crash(trainer: Trainer, tmp_path: Path) -> None:
     """Restarted from the last checkpoint like a dead node, not failed as a mistake. One rank
     raises: the agent reports it by the rank's own word, with torchrun and every rank gone
