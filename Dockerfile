@@ -40,8 +40,11 @@ ENV PYTHONUNBUFFERED=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     FORGELINE_HOME=/var/lib/forgeline
 # bubblewrap: the agent runs each job's ranks in a box of their own (trainer/rank_box.py); the
-# pod needs unprivileged user namespaces (README, Users' code runs in a box).
-RUN apt-get update && apt-get install -y --no-install-recommends bubblewrap \
+# pod needs unprivileged user namespaces (README, Users' code runs in a box). gcc and the C
+# library's headers: Triton compiles a small C launcher with the system's compiler at a run's
+# first torch.compile on a GPU, and fails without one.
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends bubblewrap gcc libc6-dev \
     && rm -rf /var/lib/apt/lists/*
 RUN pip install --index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}"
 COPY --from=wheel /wheels/ /tmp/wheels/

@@ -101,3 +101,11 @@ def test_it_runs_the_cli_as_a_non_root_user_with_the_state_folder_on_a_volume() 
             if doc and doc["kind"] in ("DaemonSet", "Deployment"):
                 context = doc["spec"]["template"]["spec"]["securityContext"]
                 assert (context["runAsUser"], context["runAsGroup"]) == (uid, gid), path.name
+
+
+def test_the_image_holds_the_box_and_the_compiler_a_gpu_run_needs() -> None:
+    """bwrap boxes every job's ranks; Triton needs a C compiler and headers at the first
+    torch.compile on a GPU, and python:3.11-slim has neither."""
+    installs = [r for r in arguments("RUN") if "apt-get install" in r]
+    packages = {word for run in installs for word in run.split() if not word.startswith("-")}
+    assert {"bubblewrap", "gcc", "libc6-dev"} <= packages
