@@ -6,6 +6,7 @@ verdict and acts on it at the same step."""
 from __future__ import annotations
 
 import math
+import sys
 from typing import TYPE_CHECKING
 
 import torch
@@ -78,7 +79,7 @@ class ShadowChecks:
         came from): None when every pair agreed, or the step is not checked."""
         if not self._recording:
             return None
-        module = model.module if isinstance(model, DistributedDataParallel) else model
+        module = plain_module(model)
         own, micro = self.own.first_fingerprint(module)
         if not self._loop_checked:
             _comparable(step, micro)
@@ -175,3 +176,21 @@ def _comparable(step: Step, micro: int) -> None:
             "set_requires_gradient_sync(False)?): let every micro-batch's backward reduce, or "
             "set recovery.shadow_every = 0"
         )
+
+
+def plain_module(model: torch.nn.Module) -> torch.nn.Module:
+    """The module the checks differentiate: `model` without torch.compile's wrapper and DDP's.
+    Under torch.compile a DDP model is an OptimizedModule around the DDP one, so a check that
+    looked for DDP alone ran its recompute through DDP's forward, which left DDP's reducer
+    waiting for a backward that never came ("Expected to have finished reduction" at the next
+    step). An FSDP model is its own module."""
+    # torch.compile's module is looked up only where torch.compile was used: importing it
+    # costs a rank a second of its start.
+    compiled = getattr(sys.modules.get("torch._dynamo.eval_frame"), "OptimizedModule", ())
+    while True:
+        if isinstance(model, compiled):
+            model = model._orig_mod
+        elif isinstance(model, DistributedDataParallel):
+            model = model.module
+        else:
+            return model
