@@ -249,7 +249,11 @@ class GPT(nn.Module):
             total -= self.wpe.weight.numel()
         return total
 
-    def optimizer(self, learning_rate: float, weight_decay: float) -> torch.optim.AdamW:
+    def optimizer(
+        self, learning_rate: float, weight_decay: float, fused: bool | None = None
+    ) -> torch.optim.AdamW:
+        """AdamW; `fused` as torch takes it (trainer.parallel.precision_for chooses: the fused
+        kernel on GPUs, torch's default elsewhere)."""
         # Decay matrices only: biases and norm gains have no scale to regularise.
         params = [p for p in self.parameters() if p.requires_grad]
         decay = [p for p in params if p.dim() >= 2]
@@ -261,6 +265,7 @@ class GPT(nn.Module):
             ],
             lr=learning_rate,
             betas=(0.9, 0.95),
+            fused=fused,
         )
 
     @torch.no_grad()

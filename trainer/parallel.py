@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     RowwiseParallel,
@@ -73,6 +73,27 @@ class Placement:
     dp_size: int
 
 
+@dataclass(frozen=True)
+class Precision:
+    """How a device type trains: what FSDP casts its collectives to, and which AdamW runs."""
+
+    fsdp: MixedPrecisionPolicy
+    fused_adamw: bool | None  # None: torch's default (the for-loop AdamW on CPU)
+
+
+def precision_for(device_type: str) -> Precision:
+    """On GPUs, FSDP gathers parameters in bf16 (half the bytes of each all-gather, and the
+    dtype autocast computes in anyway) and reduce-scatters gradients in fp32 (bf16 sums lose
+    the small updates); AdamW is the fused CUDA kernel, one launch for every parameter. On
+    CPU nothing changes: FSDP's default policy (no casts) and the for-loop AdamW, the path
+    whose bitwise-exact resume is tested."""
+    if device_type == "cuda":
+        return Precision(
+            MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32), True
+        )
+    return Precision(MixedPrecisionPolicy(), None)
+
+
 def build_mesh(layout: Layout, device_type: str) -> Placement:
     mesh = init_device_mesh(
         device_type, (layout.replicate, layout.shard, layout.tensor), mesh_dim_names=MESH_DIMS
@@ -107,11 +128,12 @@ def parallelize(model: GPT, layout: Layout, placement: Placement) -> nn.Module:
         _tensor_parallel(model, mesh["tensor"])
     if layout.shard > 1 or (layout.tensor > 1 and layout.data_parallel > 1):
         dp_mesh = mesh["replicate", "shard"] if layout.replicate > 1 else mesh["shard"]
+        policy = precision_for(mesh.device_type).fsdp
         # One unit per block so only one block's full weights exist at a time; the root unit
         # holds the embeddings (tied with the head) and the final norm.
         for block in model.blocks:
-            fully_shard(block, mesh=dp_mesh)
-        fully_shard(model, mesh=dp_mesh)
+            fully_shard(block, mesh=dp_mesh, mp_policy=policy)
+        fully_shard(model, mesh=dp_mesh, mp_policy=policy)
         return model
     if layout.replicate > 1:
         return DistributedDataParallel(model, process_group=mesh.get_group("replicate"))

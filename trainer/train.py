@@ -17,7 +17,7 @@ from trainer.checkpoint import load_model_weights
 from trainer.evaluate import held_out_loss
 from trainer.metrics import flops_per_token
 from trainer.model import GPT, GPTConfig
-from trainer.parallel import parallelize
+from trainer.parallel import parallelize, precision_for
 from trainer.schedule import learning_rate
 
 
@@ -36,7 +36,9 @@ def main() -> None:
             load_safetensors(model, str(run.init_from))  # a registered model's weights
     model.to(run.device)
     wrapped = parallelize(model, run.layout, run.placement)
-    optimizer = model.optimizer(cfg.learning_rate, cfg.weight_decay)
+    optimizer = model.optimizer(
+        cfg.learning_rate, cfg.weight_decay, fused=precision_for(run.device.type).fused_adamw
+    )
     run.restore(
         wrapped,
         optimizer,
