@@ -48,7 +48,11 @@ class OwnGradients(ABC):
     ) -> None:
         self.poison_now = poison_now  # chaos: poison this rank's next buffer, once (`poison`)
         self.micro_now = micro_now  # the step's micro-batch being computed, from 1
-        self._squares = torch.zeros((), dtype=torch.float64)
+        # This step's sum of squares so far, a float64 tensor on the buffers' own device (None:
+        # nothing reduced yet). Never copied to the host in a hook: a copy there would block the
+        # backward for every bucket until the device catches up, and the reduction could no
+        # longer overlap the rest of the backward. `take` reads it once a step.
+        self._squares: torch.Tensor | None = None
         # On a shadow-checked step: each piece's gradient summary from the step's first
         # backward, key -> (sum, sum of squares) (trainer.shadow_check).
         self._first: dict[int, torch.Tensor] | None = None
@@ -61,7 +65,10 @@ class OwnGradients(ABC):
         key, for the shadow checks' record."""
         if (scale := self.poison_now()) is not None:
             poison(buffer, scale)
-        self._squares += buffer.detach().double().pow(2).sum().cpu()
+        squares = buffer.detach().double().pow(2).sum()
+        # The first bucket's sum is the accumulator itself: 0.0 + x is x bit for bit, so the
+        # norm is what a host accumulator starting at zero gave.
+        self._squares = squares if self._squares is None else self._squares.add_(squares)
         if self._first is not None:  # the first micro-batch's wins: later ones hold sums
             if self._first_micro is None:
                 self._first_micro = self.micro_now()
@@ -91,10 +98,11 @@ class OwnGradients(ABC):
         are."""
 
     def take(self) -> float:
-        """This step's norm of the gradients this rank computed itself; resets for the next."""
-        norm = math.sqrt(float(self._squares))
-        self._squares.zero_()
-        return norm
+        """This step's norm of the gradients this rank computed itself; resets for the next.
+        The one read of the accumulator a step (a device sync on a GPU), where the step's
+        signals are read (`Step.gradients`), after the backward has queued every bucket."""
+        squares, self._squares = self._squares, None
+        return 0.0 if squares is None else math.sqrt(float(squares))
 
 
 class PreReduceNorms(OwnGradients):

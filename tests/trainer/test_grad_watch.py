@@ -2,10 +2,21 @@
 
 from __future__ import annotations
 
+import json
 import math
+import os
+from collections.abc import Callable
 from pathlib import Path
 
-from trainer.grad_watch import ChaosPoison, suspects
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.nn.parallel import DistributedDataParallel
+
+from infra.processes import free_port
+from trainer.ddp_buckets import settle_buckets
+from trainer.grad_watch import ChaosPoison, PreReduceNorms, suspects
+from trainer.shard_watch import ShardedPreReduceNorms
 
 NAN = math.nan
 
@@ -41,3 +52,69 @@ def test_a_chaos_order_scales_every_buffer_of_its_steps_first_micro_batch(tmp_pa
     assert poison() is None  # the step's second micro-batch is computed right
     now.update(step=6, micro=1)
     assert poison() is None
+
+
+class _KeptBuffers(PreReduceNorms):
+    """The real DDP watch, keeping a copy of each bucket it sees: the test's reference."""
+
+    def __init__(self, model: DistributedDataParallel, group: dist.ProcessGroup) -> None:
+        super().__init__(model, group)
+        self.buffers: list[torch.Tensor] = []
+
+    def _seen(self, buffer: torch.Tensor, pieces: Callable) -> None:  # type: ignore[override]
+        self.buffers.append(buffer.detach().clone())
+        super()._seen(buffer, pieces)
+
+
+def _host_accumulated_norm(buffers: list[torch.Tensor]) -> float:
+    """The norm as the watch took it before: each bucket's sum copied to a host float64."""
+    squares = torch.zeros((), dtype=torch.float64)
+    for buffer in buffers:
+        squares += buffer.double().pow(2).sum().cpu()
+    return math.sqrt(float(squares))
+
+
+def _ddp_rank(rank: int, port: int, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*(torch.nn.Linear(64, 64) for _ in range(4)))
+    # Small buckets: a step's norm adds up several of them.
+    ddp = DistributedDataParallel(model, bucket_cap_mb=0.02)
+    watch = _KeptBuffers(ddp, dist.group.WORLD)
+    settle_buckets(ddp, watch.dry())  # as the SDK does: the small buckets from the first step
+    data = torch.Generator().manual_seed(rank)
+    rows = []
+    for _ in range(3):
+        watch.buffers.clear()
+        ddp(torch.randn(8, 64, generator=data)).pow(2).mean().backward()
+        held = watch._squares  # what the hooks left: a tensor where the buckets were
+        assert held is not None and held.device == watch.buffers[0].device
+        rows.append((len(watch.buffers), watch.take(), _host_accumulated_norm(watch.buffers)))
+        assert watch._squares is None  # read once, and reset for the next step
+        ddp.zero_grad()
+    with open(f"{out}/rank{rank}.json", "w") as f:
+        json.dump(rows, f)
+    dist.destroy_process_group()
+
+
+def test_the_hooks_sum_on_the_device_and_the_step_reads_the_same_norm(tmp_path: Path) -> None:
+    """Two real DDP ranks: each step's own norm is bit for bit the host-accumulated one, over
+    several buckets and steps."""
+    mp.spawn(_ddp_rank, args=(free_port(), str(tmp_path)), nprocs=2)
+    for rank in (0, 1):
+        rows = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        for buckets, taken, reference in rows:
+            assert buckets > 1
+            assert taken == reference and taken > 0
+
+
+def test_a_bucket_is_summed_without_a_copy_to_the_host() -> None:
+    """A meta tensor has no values to copy: the hook's arithmetic stays where its bucket is,
+    as on a GPU, and nothing is read until the step takes the norm."""
+    watch = ShardedPreReduceNorms(torch.nn.Linear(2, 2))  # no FSDP units: nothing hooked
+    for _ in range(2):
+        watch._seen(torch.ones(16, device="meta"), lambda: [])
+    assert watch._squares is not None and watch._squares.device.type == "meta"
+    assert watch._squares.dtype == torch.float64
