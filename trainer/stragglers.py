@@ -19,8 +19,12 @@ gathered times, so every rank reaches the same verdict at the same step without 
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from statistics import median
+
+import torch
 
 
 @dataclass(frozen=True)
@@ -90,3 +94,54 @@ class StragglerWatch:
 def _others(medians: list[float], rank: int) -> float:
     """The median of every other rank's median (never zero: a ratio divides by it)."""
     return max(median(medians[:rank] + medians[rank + 1 :]), 1e-9)
+
+
+class ForwardTimer:
+    """A step's forward time, as the straggler watch compares it: the host's clock around each
+    forward. Right on a CPU, where the forward's work is done when its call returns."""
+
+    def __init__(self, clock: Callable[[], float] = time.perf_counter) -> None:
+        self._clock = clock
+        self._seconds = 0.0
+        self._started = 0.0
+
+    def start(self) -> None:
+        self._started = self._clock()
+
+    def stop(self) -> None:
+        self._seconds += self._clock() - self._started
+
+    def seconds(self) -> float:
+        """The step's forwards so far, summed."""
+        return self._seconds
+
+
+class DeviceForwardTimer(ForwardTimer):
+    """On a GPU the forward's call returns once its kernels are queued: the host's clock
+    measures launches, a slow GPU looks as fast as the others and a CPU hiccup looks slow. Here
+    a pair of timing events is recorded on the stream around each forward, and the device's
+    time between them read at the step's end, after the step's own sync point (the loss's
+    read), when they are long done: the read adds no wait of its own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._pairs: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+
+    def start(self) -> None:
+        began = torch.cuda.Event(enable_timing=True)
+        began.record()
+        self._pairs.append((began, torch.cuda.Event(enable_timing=True)))
+
+    def stop(self) -> None:
+        self._pairs[-1][1].record()
+
+    def seconds(self) -> float:
+        if self._pairs:
+            self._pairs[-1][1].synchronize()  # done already after the step's sync point
+        # elapsed_time is in milliseconds.
+        return sum(began.elapsed_time(ended) for began, ended in self._pairs) / 1000
+
+
+def forward_timer(device: torch.device) -> ForwardTimer:
+    """The forward's timer for the device it runs on: the device's own clock on a GPU."""
+    return DeviceForwardTimer() if device.type == "cuda" else ForwardTimer()

@@ -10,13 +10,28 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from infra.throttle import throttle
 from tests.trainer.conftest import Trainer
 from tests.trainer.test_layouts import TRAIN
 from trainer.attempt_clock import read_ledger
 from trainer.manifest import committed_steps
-from trainer.stragglers import StragglerWatch
+from trainer.stragglers import DeviceForwardTimer, ForwardTimer, StragglerWatch, forward_timer
+
+
+def test_a_cpu_forward_is_timed_by_the_host_s_clock_and_a_gpu_s_by_the_device_s() -> None:
+    """The timer is chosen by the device type; on CPU it sums the host clock's spans around
+    each forward (a clock of the test's, so nothing here depends on how fast it runs)."""
+    assert type(forward_timer(torch.device("cpu"))) is ForwardTimer
+    assert isinstance(forward_timer(torch.device("cuda")), DeviceForwardTimer)  # no event yet
+    ticks = iter([1.0, 1.5, 4.0, 4.25])
+    timer = ForwardTimer(clock=lambda: next(ticks))
+    assert timer.seconds() == 0.0
+    for _ in range(2):  # two micro-batches' forwards
+        timer.start()
+        timer.stop()
+    assert timer.seconds() == 0.75
 
 
 def feed(watch: StragglerWatch, rows: list[list[float]], start: int = 1):
