@@ -12,9 +12,11 @@ from typing import TYPE_CHECKING
 import torch
 
 from forgeline.errors import SDKUsageError
+from trainer.data import to_device
 from trainer.grad_watch import chaos_poison, corrupt_gradients
 from trainer.parallel import clip_grad_norm, local_grad_norm
 from trainer.shadow_check import Verdict
+from trainer.stragglers import forward_timer
 
 if TYPE_CHECKING:
     from forgeline.training import Run
@@ -35,7 +37,9 @@ class Step:
         self.number = number
         self.loss: torch.Tensor | None = None  # set by report()
         self.metrics: dict[str, float] = {}
-        self.forward_s = 0.0
+        self._forward = forward_timer(run.device)
+        self.forward_s = 0.0  # the forwards' time, read by _settle()
+        self.own_loss = math.nan  # the loss as a number, read by _settle()
         self.grad_norm: float | None = None  # set by gradients()
         self.finite = True
         self.verdict: Verdict | None = None  # a shadow check's, set by gradients()
@@ -61,7 +65,7 @@ class Step:
             if run._sample_log is not None:
                 run._sample_log.write(f"{self.number - 1} {run.rank} "
                                       f"{' '.join(map(str, indices.tolist()))}\n")  # fmt: skip
-            x, y = x.to(run.device), y.to(run.device)
+            x, y = to_device(x, run.device), to_device(y, run.device)
             self.micro_index += 1
             run._sdk_s += time.perf_counter() - started
             yield x, y
@@ -70,11 +74,11 @@ class Step:
     def forward(self) -> Iterator[None]:
         """Wrap the forward pass: its time is each rank's own speed, which the straggler watch
         compares across the gang (the forward runs no collective under DDP). Under it, bf16
-        autocast on GPUs."""
-        started = time.perf_counter()
+        autocast on GPUs. On a GPU it is timed by the device's clock (trainer.stragglers)."""
+        self._forward.start()
         with self.run.autocast():
             yield
-        self.forward_s += time.perf_counter() - started
+        self._forward.stop()
 
     def gradients(self, model: torch.nn.Module, max_norm: float = 0.0) -> float:
         """Call after backward: this rank's local gradient norm, checked for non-finite values
@@ -91,19 +95,23 @@ class Step:
             started = time.perf_counter()
             self.verdict = run._checks.after_backward(self, model)
             self.shadow_s = time.perf_counter() - started
+        # The step's reads before the optimizer's: the local norm (the host decides whether to
+        # clip by it, and the script gets it as a number) waits for the backward; the own norm,
+        # summed on the device by the reduction's hooks, is read right after, with nothing
+        # queued before it left to wait for.
         norm, whole = local_grad_norm(model)
+        own = run._own_norms.take() if run._own_norms is not None else norm
         self.finite = self.finite and math.isfinite(norm)
         if max_norm > 0:
             clip_grad_norm(model, max_norm, total=norm if whole else None)
-        if run._own_norms is not None:
-            norm = run._own_norms.take()
-        self.grad_norm = norm
-        return norm
+        self.grad_norm = own
+        return own
 
     def report(self, loss: torch.Tensor | float, **metrics: float) -> None:
-        """This rank's loss of the step (a tensor is fine: it is read only on logging steps)
-        and any metrics of the script's own. Every `log_every` steps the loss is averaged over
-        the ranks and goes, with the metrics, to the heartbeats and to MLflow."""
+        """This rank's loss of the step (a tensor is fine: the SDK reads it once, after the
+        step, to check it is finite) and any metrics of the script's own. Every `log_every`
+        steps the loss is averaged over the ranks and goes, with the metrics, to the heartbeats
+        and to MLflow."""
         for name in metrics:
             if not METRIC_NAME.fullmatch(name):
                 raise SDKUsageError(
@@ -111,3 +119,12 @@ class Step:
                 )
         self.loss = loss if isinstance(loss, torch.Tensor) else torch.tensor(float(loss))
         self.metrics.update({k: float(v) for k, v in metrics.items()})
+
+    def _settle(self) -> None:
+        """Read what the step left on the device, once, after the script's part of it: its loss
+        (the step's sync point on a GPU: the read waits for the device to finish the step) and
+        then its forwards' time, by then measured. `Run.steps` calls it before the SDK's clock
+        starts, so that wait is booked as the step's compute, not as the platform's share."""
+        if self.loss is not None:
+            self.own_loss = float(self.loss)
+        self.forward_s = self._forward.seconds()

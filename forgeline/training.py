@@ -304,6 +304,18 @@ class Run:
                 flip_low_bit(self._model)  # `forgeline chaos flip-bit`, for tests and demos
             self._sdk_s += time.perf_counter() - entered
             yield step
+            # The step's device values are read here, before the SDK's clock starts: on a GPU
+            # that read waits for the device to finish the script's work, which is the step's
+            # compute, not the platform's share (`sdk_share`). After it the device is idle, so
+            # nothing the SDK reads below waits for the script's kernels.
+            # What waits for the device each step, on a GPU, and why it must: the local gradient
+            # norm in `step.gradients()` (the host decides whether to clip by it, and hands it to
+            # the script as a number), and this read of the loss (every rank must decide at
+            # this step, from every rank's loss, whether the gang stops on a non-finite value,
+            # and the spike watch compares it every step). The step's all-gather (gloo, host
+            # numbers) waits for the other ranks, not the device: all of them must agree on
+            # stopping and saving at the same step. On logging steps, the mean loss too.
+            step._settle()
             entered = time.perf_counter()
             stop = self._end_step(step, rules, first=self.step == start_step)
             self._sdk_s += time.perf_counter() - entered
@@ -396,7 +408,7 @@ class Run:
             self._checks.step_ended()
         saves = self._saves
         cfg = self.settings
-        own_loss = step.loss.item() if step.loss is not None else math.nan
+        own_loss = step.own_loss  # read by step._settle(), once
         if step.loss is not None and not math.isfinite(own_loss):
             step.finite = False
         self.step = step.number
@@ -484,21 +496,19 @@ class Run:
         mean_loss = loss.detach().to(self.device, torch.float32).clone()
         if self.world > 1:  # the mean over one rank is its own loss
             dist.all_reduce(mean_loss, op=dist.ReduceOp.AVG)
+        mean = mean_loss.item()  # read once: only a logged value
         started, steps = self._window
         elapsed = time.perf_counter() - started
         tokens_per_s = steps * tokens_per_step / elapsed
         cfg = self.settings
         if on_grid:  # the same points whether or not the run was ever restarted
-            self.loss_history.append([self.step, mean_loss.item()])
-            self._say(
-                f"step {self.step}/{cfg.steps} loss {mean_loss.item():.4f} "
-                f"tokens/s {tokens_per_s:,.0f}"
-            )
+            self.loss_history.append([self.step, mean])
+            self._say(f"step {self.step}/{cfg.steps} loss {mean:.4f} tokens/s {tokens_per_s:,.0f}")
         self._progress.write(
             event="step",
             step=self.step,
             total_steps=cfg.steps,
-            loss=mean_loss.item(),
+            loss=mean,
             lr=step.metrics.get("lr"),
             tokens_per_s=tokens_per_s,
             mfu=(

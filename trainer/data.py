@@ -172,6 +172,17 @@ class Sampler:
         return cursor // self.order.n
 
 
+def to_device(batch: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A batch onto the run's device. On a GPU it goes from page-locked memory without waiting:
+    a copy from pageable memory makes torch synchronize the stream after it, so a step's second
+    micro-batch would wait for the first one's backward, and the host could not queue ahead.
+    torch's pinned allocator keeps the host block until the copy is done, so it may be dropped
+    at once."""
+    if device.type != "cuda":
+        return batch.to(device)
+    return batch.pin_memory().to(device, non_blocking=True)
+
+
 def _evaluation_windows(stream: TokenStream, batch_size: int, max_batches: int) -> list[np.ndarray]:
     count = min(stream.samples, batch_size * max_batches)
     return [np.arange(s, min(s + batch_size, count)) for s in range(0, count, batch_size)]

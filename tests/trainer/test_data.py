@@ -16,6 +16,7 @@ from trainer.data import (
     TokenStream,
     rank_batches,
     sequential_batches,
+    to_device,
 )
 from trainer.errors import DataError
 
@@ -128,3 +129,11 @@ def test_rank_batches_share_the_evaluation_batches_evenly(stream: TokenStream, r
     assert sorted(t.flatten().tolist() for t in counted) == sorted(
         t.flatten().tolist() for t in everything
     )
+
+
+def test_a_batch_for_a_cpu_run_is_handed_over_as_it_is(stream: TokenStream) -> None:
+    """No pinning off a GPU (page-locked memory needs one): the CPU tensor itself, unchanged.
+    The GPU's path (pinned, copied without waiting) needs a GPU to run."""
+    x, _ = stream.batch(np.array([3, 1]))
+    moved = to_device(x, torch.device("cpu"))
+    assert moved is x and not moved.is_pinned()
