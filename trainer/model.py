@@ -283,7 +283,8 @@ class GPT(nn.Module):
             logits, _ = self(context)
             logits = logits[:, -1, :] / max(temperature, 1e-6)  # (B, V)
             if top_k is not None:
-                kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, [-1]]
+                # A slice, not a list index: no index tensor made on the host for a GPU's logits.
+                kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, -1:]
                 logits = logits.masked_fill(logits < kth, float("-inf"))
             probs = F.softmax(logits, dim=-1)
             idx = torch.cat([idx, torch.multinomial(probs, 1, generator=generator)], dim=1)

@@ -21,7 +21,7 @@ from safetensors.torch import load_model, save_model
 from tokenizers import Tokenizer
 
 from trainer.model import GPT, GPTConfig
-from trainer.sampling import sample_text
+from trainer.sampling import default_device, sample_text
 
 WEIGHTS_FILE = "model.safetensors"
 CONFIG_FILE = "model_config.json"
@@ -88,10 +88,16 @@ def served_code() -> ServedCode:
 
 
 class TextGenerator:
-    def __init__(self, weights: Path, config: Path, tokenizer: Path) -> None:
+    """A version's model on `device` (default: the GPU when this process sees one, else the
+    CPU), answering prompts."""
+
+    def __init__(
+        self, weights: Path, config: Path, tokenizer: Path, device: torch.device | None = None
+    ) -> None:
         self.model = GPT(GPTConfig(**json.loads(config.read_text())))
         load_model(self.model, str(weights))
-        self.model.eval()
+        # Moved after loading: .to() keeps the tied embedding one tensor on the device.
+        self.model.to(device or default_device()).eval()
         self.tokenizer = Tokenizer.from_file(str(tokenizer))
 
     def generate(self, prompt: str, max_new_tokens: int = 200, seed: int = 0) -> str:

@@ -14,7 +14,7 @@ from safetensors.torch import load_model as load_safetensors
 
 import forgeline
 from trainer.checkpoint import load_model_weights
-from trainer.evaluate import held_out_loss
+from trainer.evaluate import held_out_loss_while_training
 from trainer.metrics import flops_per_token
 from trainer.model import GPT, GPTConfig
 from trainer.parallel import parallelize, precision_for
@@ -72,13 +72,11 @@ def main() -> None:
         step.report(loss_sum, lr=lr)
 
         if val is not None and run.eval_due(step):
-            with run.evaluating():
-                wrapped.eval()
-                val_loss, val_tokens = held_out_loss(
+            with run.evaluating():  # eager, under the steps' autocast: no recompile
+                val_loss, val_tokens = held_out_loss_while_training(
                     wrapped, val, cfg.batch_size // run.placement.dp_size, cfg.eval_batches,
-                    part=(run.placement.dp_rank, run.placement.dp_size),
+                    (run.placement.dp_rank, run.placement.dp_size), run.autocast,
                 )  # fmt: skip
-                wrapped.train()
             run.report_eval(step, val_loss, val_tokens)
 
     run.finish()
