@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import shutil
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
@@ -24,12 +25,13 @@ from activities.fetch import NodeCache, NodeCacheLease
 from activities.metric_tap import MetricTap
 from activities.node_confinement import door_policy, quoted_output
 from infra import code_snapshot, node_health
+from infra.gpu_devices import device_minors
 from infra.requirements import unmet
 from infra.sandbox import Box
 from infra.settings import Settings
 from registry.metric_stream import MetricShipper, MetricSpool
 from trainer.checkpoint_manifest import CheckpointManifest, PeerManifest
-from trainer.errors import RanksFailed, UserCodeFailed
+from trainer.errors import NodeFault, RanksFailed, UserCodeFailed
 from trainer.hang import HangWatch
 from trainer.job import CHAOS_FILE, ResumePoint, TrainJob
 from trainer.launch import COMPILE_CACHE, LOOPBACK, Fabric, Rendezvous, run_ranks
@@ -50,7 +52,7 @@ from workflows.contracts.models import (
     TrainProgress,
 )
 from workflows.contracts.names import CLUSTER_WORKFLOW_ID, HEALTH_SIGNAL
-from workflows.gang_outcome import USER_CODE_ERROR
+from workflows.gang_outcome import NODE_UNHEALTHY, USER_CODE_ERROR
 
 # Health signals of each kind a node sends a run per attempt (_Reporter.new_health).
 HEALTH_SIGNALS = 10
@@ -67,6 +69,28 @@ METRICS_DELIVERY_S = 5.0
 
 class NodeUnhealthy(Exception):
     """This node's own health check failed while it trained (infra.node_health)."""
+
+
+@contextlib.contextmanager
+def as_run_errors(node_dir: Path) -> Iterator[None]:
+    """What the ranks' failure means for the run, as the error its workflow reads: the user's
+    mistake fails it now (the same on every attempt and node); a node whose device says it is
+    broken, or whose own check fails, is reported and the run moves on without it (the first
+    also fails the node's check from now on, until it is repaired); any other crash restarts
+    the gang."""
+    try:
+        yield
+    except UserCodeFailed as err:
+        raise ApplicationError(
+            quoted_output(err), type=USER_CODE_ERROR, non_retryable=True
+        ) from err
+    except NodeFault as err:
+        node_health.fail(node_dir, str(err))
+        raise ApplicationError(str(err), type=NODE_UNHEALTHY, non_retryable=True) from err
+    except RanksFailed as err:
+        raise ApplicationError(quoted_output(err), type="RanksFailed") from err
+    except NodeUnhealthy as err:
+        raise ApplicationError(str(err), type=NODE_UNHEALTHY, non_retryable=True) from err
 
 
 class NodeActivities:
@@ -150,7 +174,7 @@ class NodeActivities:
         gen_dir = self._generation_dir(inp.run_id, generation)
         logs = LogShipper(self.store, inp.run_id, generation, self.node_id, gen_dir)
         try:
-            with self._confined(inp, job) as box:
+            with as_run_errors(self.workdir), self._confined(inp, job) as box:
                 async with reporter.alive(), shipped_while_running(logs):
                     tail = await run_ranks(
                         job,
@@ -164,15 +188,8 @@ class NodeActivities:
                         launcher=self.launcher,
                         box=box,
                         compile_cache=self._run_dir(inp.run_id) / COMPILE_CACHE,
+                        devices=allocation.devices_on(self.node_id),
                     )
-        except UserCodeFailed as err:  # the same on every attempt and node: fail the run now
-            raise ApplicationError(
-                quoted_output(err), type=USER_CODE_ERROR, non_retryable=True
-            ) from err
-        except RanksFailed as err:
-            raise ApplicationError(quoted_output(err), type="RanksFailed") from err
-        except NodeUnhealthy as err:  # the run reports this node and moves on without it
-            raise ApplicationError(str(err), type="NodeUnhealthy", non_retryable=True) from err
         finally:
             reporter.close_metrics()
             await reporter.flush()
@@ -237,7 +254,8 @@ class NodeActivities:
         run_dir = self._run_dir(inp.run_id)
         folder = door_folder(self.workdir, inp.run_id)
         job.store_url, job.twin_store_url = door_url(), ""
-        box = rank_box(job, run_dir, self._own_checkpoints(inp.run_id), folder)
+        gpus = device_minors(inp.allocation.devices_on(self.node_id), os.environ)
+        box = rank_box(job, run_dir, self._own_checkpoints(inp.run_id), folder, gpus)
         with StoreDoor(self.store, door_policy(inp, run_dir), folder / DOOR_SOCKET):
             yield box
 

@@ -5,7 +5,8 @@ of whichever run comes next.
 A box's binds are bwrap's to make when the box starts, and a node cannot know then which run
 its next job will be: a spare that replaces a dead node never trained the run before. So the
 standby starts in the part every job's box has in common (the Python environment, Forgeline's
-packages, the GPUs), and before it is handed a job, a helper process adds the job's own binds
+packages, the GPU files every
+job needs), and before it is handed a job, a helper process adds the job's own binds
 inside it with Linux's mount API:
 
 - `open_tree(OPEN_TREE_CLONE)` copies each host path's mount, detached, and `mount_setattr`
@@ -120,13 +121,15 @@ def _check(result: int, what: str) -> int:
 
 def _detached_copy(libc: ctypes.CDLL, mount: Mount) -> int:
     """A detached copy of the mount of `mount.source` (and the mounts under it), read-only
-    unless the bind is writable."""
+    unless the bind is writable, with no device files unless it is one."""
     flags = OPEN_TREE_CLONE | OPEN_TREE_CLOEXEC | AT_RECURSIVE
     fd = _check(
         libc.syscall(SYS_OPEN_TREE, AT_FDCWD, mount.source.encode(), flags),
         f"copying the mount of {mount.source}",
     )
-    attrs = MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV | (0 if mount.writable else MOUNT_ATTR_RDONLY)
+    # A GPU's device file stays a device (bwrap's --dev-bind); nothing else may be one.
+    attrs = MOUNT_ATTR_NOSUID | (0 if mount.device else MOUNT_ATTR_NODEV)
+    attrs |= 0 if mount.writable else MOUNT_ATTR_RDONLY
     attr = _MountAttr(attrs, 0, 0, 0)
     _check(
         libc.syscall(SYS_MOUNT_SETATTR, fd, b"", AT_EMPTY_PATH | AT_RECURSIVE,

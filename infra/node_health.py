@@ -43,6 +43,12 @@ def _free_bytes(folder: Path) -> int | None:
     return stats.f_bavail * stats.f_frsize
 
 
+def fail(node_dir: Path, reason: str) -> None:
+    """Fail the node's check from now on, saying why, until it is repaired: what a hardware
+    checker does, and what the agent does when its ranks' device says it is broken."""
+    (node_dir / FAILURE_FILE).write_text(reason.replace("\n", " ") + "\n")
+
+
 def repaired(node_dir: Path) -> None:
     """A new incarnation of the agent starts on a repaired node: the old verdict goes."""
     (node_dir / FAILURE_FILE).unlink(missing_ok=True)

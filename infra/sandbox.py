@@ -20,6 +20,7 @@ said, in so many words, that user code may run unconfined.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -40,8 +41,13 @@ ETC_NEEDED = (
 # The system's own top-level folders: real folders are bound read-only, the merged-/usr
 # links (`/bin -> usr/bin`) are made again as links.
 SYSTEM_ROOTS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
-# NVIDIA's device files; AMD's are /dev/kfd and /dev/dri.
+# NVIDIA's device files; AMD's are /dev/kfd and /dev/dri. Where a host's device files are
+# (a test puts stand-ins elsewhere); a box shows them at /dev.
+DEVICE_ROOT = "/dev"
 GPU_DEVICE_GLOBS = ("nvidia*", "nvidia-caps/*", "kfd", "dri/*")
+# One NVIDIA GPU's own file, /dev/nvidia<minor>; the others (nvidiactl, nvidia-uvm, …) every
+# process that uses any GPU needs.
+NVIDIA_GPU_FILE = re.compile(r"nvidia(\d+)")
 
 
 class SandboxUnavailable(RuntimeError):
@@ -55,8 +61,11 @@ class Mount:
     source: str
     path: str
     writable: bool
+    device: bool = False  # a device file: usable as one (no `nodev`)
 
     def flags(self) -> list[str]:
+        if self.device:
+            return ["--dev-bind", self.source, self.path]
         return ["--bind" if self.writable else "--ro-bind", self.source, self.path]
 
 
@@ -72,6 +81,10 @@ class Box:
     # False: a network namespace of its own, loopback only (code that needs no network, such as
     # a model answering prompts over a pipe or a unix socket, reaches nothing through it).
     network: bool = True
+    # The NVIDIA GPUs it shows, by their device file's number (/dev/nvidia<N>): a job packed
+    # on a node beside another is shown its own GPUs alone (infra.gpu_devices). None: every
+    # GPU device of the host (AMD's are always all: their files do not map to one GPU each).
+    gpus: tuple[int, ...] | None = None
 
     def argv(self, command: list[str], workdir: str = "/") -> list[str]:
         """bwrap's command line that runs `command` in this box, in `workdir`. The command
@@ -84,16 +97,16 @@ class Box:
             *_fresh_mounts(),
             *_system_mounts(),
             *[flag for mount in self.mounts() for flag in mount.flags()],
-            *_gpu_devices(),
             "--chdir", workdir,
             "--",
             *command,
         ]  # fmt: skip
 
     def mounts(self) -> list[Mount]:
-        """The box's own binds, in the order they are made: its paths, then the mapped ones."""
+        """The box's own binds, in the order they are made: its paths, the mapped ones, then
+        the GPUs' device files."""
         mapped = [Mount(host, inside, writable=True) for host, inside in self.mapped]
-        return [*_binds(self.read_only, self.writable), *mapped]
+        return [*_binds(self.read_only, self.writable), *mapped, *_gpu_devices(self.gpus)]
 
     def beyond(self, base: Box) -> list[Mount] | None:
         """The binds that, added to a box made as `base`, make it show what this box shows, in
@@ -204,11 +217,18 @@ def _system_mounts() -> list[str]:
     return mounts
 
 
-def _gpu_devices() -> list[str]:
-    devices: list[str] = []
+def _gpu_devices(gpus: tuple[int, ...] | None) -> list[Mount]:
+    """The host's GPU device files the box shows at /dev: every one, or with `gpus`, every one
+    but the NVIDIA GPUs not in it."""
+    root = Path(DEVICE_ROOT)
+    devices: list[Mount] = []
     for pattern in GPU_DEVICE_GLOBS:
-        for path in sorted(Path("/dev").glob(pattern)):
-            devices += ["--dev-bind", str(path), str(path)]
+        for path in sorted(root.glob(pattern)):
+            own = NVIDIA_GPU_FILE.fullmatch(path.name)
+            if gpus is not None and own is not None and int(own.group(1)) not in gpus:
+                continue
+            inside = "/dev/" + str(path.relative_to(root))
+            devices.append(Mount(str(path), inside, writable=True, device=True))
     return devices
 
 

@@ -29,17 +29,14 @@ from pathlib import Path
 from typing import TextIO
 
 import setproctitle
-import torch.distributed as dist
 
-from trainer.device_faults import is_device_fault
 from trainer.job import TrainJob
+from trainer.platform_faults import is_broken_node, is_device_fault, is_fabric_fault
 from trainer.progress import ProgressFile
 from trainer.rank_logs import rank_log_name
 
 BUILT_IN = "trainer.train:main"
 EXIT_USER_ERROR = 4
-# Words of gloo's, NCCL's and the c10d store's errors when a peer vanishes: a node's fault.
-_FABRIC_WORDS = ("gloo", "nccl", "connection", "peer", "rendezvous", "timed out", "socket")
 _TRACEBACK_CHARS = 3000
 _REASON_CHARS = 500
 
@@ -55,13 +52,6 @@ def mark_began() -> None:
     _Progress.began = True
 
 
-def is_fabric_fault(err: BaseException) -> bool:
-    """A distributed error, or one that names the fabric: not the user's code."""
-    if isinstance(err, dist.DistError):
-        return True
-    return isinstance(err, RuntimeError) and any(w in str(err).lower() for w in _FABRIC_WORDS)
-
-
 def _where(tb: list[traceback.FrameSummary], code_dir: str) -> str:
     """The user's own frame nearest the error (file relative to the code folder, line)."""
     if code_dir:
@@ -74,7 +64,7 @@ def _where(tb: list[traceback.FrameSummary], code_dir: str) -> str:
     return "(no frame)"
 
 
-def _report(job: TrainJob, event: str, **fields: str) -> None:
+def _report(job: TrainJob, event: str, **fields: str | bool) -> None:
     """One progress line, from whichever rank found it (appends of a line are atomic)."""
     if not job.progress_file:
         return
@@ -206,7 +196,8 @@ def run_rank(job_path: str) -> None:
     except Exception as err:
         traceback.print_exc()
         sys.stderr.flush()  # before the agent, told below, stops this process
-        _report(job, "crashed", reason=_one_line(err))
+        # A device that says it is broken takes its node out of service (trainer.launch).
+        _report(job, "crashed", reason=_one_line(err), node_fault=is_broken_node(err))
         raise
 
 

@@ -21,5 +21,10 @@ class RanksHung(RanksFailed):
     """The ranks made no progress for too long: a stuck collective, a frozen process."""
 
 
+class NodeFault(RanksFailed):
+    """A rank's device or its driver said it is broken (trainer.platform_faults): the node, not
+    the run, is at fault, and must not be given the restarted gang again."""
+
+
 class UserCodeFailed(RanksFailed):
     """The user's rank script failed before its first step: the same on every attempt."""

@@ -19,7 +19,7 @@ from infra.host_network import is_loopback
 from infra.parent_death import die_with_parent
 from infra.sandbox import Box
 from trainer.device_env import device_environment
-from trainer.errors import RanksFailed, RanksHung, UserCodeFailed
+from trainer.errors import NodeFault, RanksFailed, RanksHung, UserCodeFailed
 from trainer.hang import HangWatch
 from trainer.job import TrainJob
 from trainer.progress_events import (
@@ -145,6 +145,7 @@ class ProgressTail:
         self.latest: dict = {"step": start_step}
         self.sdk = ""  # the SDK call the ranks were last in or back from ("init:entered", ...)
         self.crash: str | None = None  # the first rank's uncaught exception (trainer.entry)
+        self.node_fault: str | None = None  # the first that said the node is broken
         self._rate = StepRate()
 
     def poll(self) -> None:
@@ -180,6 +181,8 @@ class ProgressTail:
                 self.latest.setdefault("user_error", line.model_dump())
             case CrashedLine():
                 self.crash = self.crash or line.reason
+                if line.node_fault:
+                    self.node_fault = self.node_fault or line.reason
             case HealthLine():  # the newest few, and how many in all
                 kept = [*self.latest.get("health", []), line.model_dump()]
                 self.latest["health"] = kept[-HEALTH_KEPT:]
@@ -226,6 +229,7 @@ async def run_ranks(
     launcher: WarmLauncher | None = None,
     box: Box | None = None,
     compile_cache: Path | None = None,
+    devices: list[int] | None = None,
 ) -> ProgressTail:
     """Run torchrun to completion; report progress every `report_every_s` (also when idle, so
     the caller can heartbeat); raise RanksFailed with the log tail if the ranks fail, or if
@@ -234,7 +238,8 @@ async def run_ranks(
     With a `launcher`, its standby becomes torchrun if it has one, and it makes the next once
     the ranks train. With a `box` (trainer.rank_box), torchrun and its ranks run inside it.
     `compile_cache`: where the ranks keep what torch.compile builds (trainer.device_env; by
-    default in `workdir`), writable in the box."""
+    default in `workdir`), writable in the box. `devices`: the node's GPUs the job holds (by
+    index), the only ones its processes are shown."""
     workdir.mkdir(parents=True, exist_ok=True)
     job_file = job.write(workdir / "job.json")
     log_file = workdir / "torchrun.log"
@@ -247,7 +252,9 @@ async def run_ranks(
         "PYTHONUNBUFFERED": "1",
         "FORGELINE_JOB": str(job_file),  # what forgeline.init() reads in a rank script
         **fabric.environment(os.environ),
-        **device_environment(os.environ, workdir, compile_cache or workdir / COMPILE_CACHE),
+        **device_environment(
+            os.environ, workdir, compile_cache or workdir / COMPILE_CACHE, devices
+        ),
     }
     if box is not None:
         env = box_environment(env)
@@ -316,6 +323,8 @@ async def run_ranks(
             raise UserCodeFailed(f"{mistake['reason']}" + (f"\n{detail}" if detail else ""))
         if "failure" in tail.latest:  # the ranks said why
             raise RanksFailed(f"ranks on node {job.node_id}: {tail.latest['failure']}")
+        if tail.node_fault is not None:
+            raise NodeFault(f"a device of node {job.node_id} is broken: {tail.node_fault}")
         if tail.crash is not None:
             raise RanksFailed(
                 f"a rank on node {job.node_id} failed: {tail.crash}; last lines of {log_file}:"

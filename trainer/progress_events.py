@@ -74,6 +74,8 @@ class UserErrorLine(_Line):
 class CrashedLine(_Line):
     event: Literal["crashed"]
     reason: str
+    # The error says the node's device or driver is broken (trainer.platform_faults).
+    node_fault: bool = False
 
 
 class HealthLine(_Line):

@@ -92,19 +92,27 @@ def decide(unconfined: str | None) -> NodeConfinement:
 
 def standby_box() -> Box:
     """What every job's box shows, and nothing of any run: the Python environment and
-    Forgeline's packages (and the GPUs, which every box has). A node's warm standby waits in
-    one; the job it becomes gets its own binds added there (trainer.warm_launch)."""
-    return Box(read_only=_platform_paths())
+    Forgeline's packages, and the GPU files every job needs but no GPU's own. A node's warm
+    standby waits in one; the job it becomes gets its own binds (its GPUs' among them) added
+    there (trainer.warm_launch)."""
+    return Box(read_only=_platform_paths(), gpus=())
 
 
 def _platform_paths() -> tuple[str, ...]:
     return (*sandbox.python_paths(), *(str(PACKAGE_ROOT / name) for name in PACKAGES))
 
 
-def rank_box(job: TrainJob, run_dir: Path, own_checkpoints: Path, door: Path | None) -> Box:
+def rank_box(
+    job: TrainJob,
+    run_dir: Path,
+    own_checkpoints: Path,
+    door: Path | None,
+    gpus: tuple[int, ...] | None = None,
+) -> Box:
     """The box of `job`'s ranks: `run_dir` is the run's folder on this node (every generation's
     folder is inside it), `own_checkpoints` the node cache's folder of the run's checkpoints,
-    `door` the folder of the run's store door (trainer.store_door), at BOX_DOOR inside."""
+    `door` the folder of the run's store door (trainer.store_door), at BOX_DOOR inside; `gpus`
+    the device files of the GPUs the job holds (infra.gpu_devices; None: every GPU's)."""
     run_dir.mkdir(parents=True, exist_ok=True)
     own_checkpoints.mkdir(parents=True, exist_ok=True)
     read_only = [
@@ -126,6 +134,7 @@ def rank_box(job: TrainJob, run_dir: Path, own_checkpoints: Path, door: Path | N
         read_only=tuple(p for p in read_only if p),
         writable=tuple(p for p in writable if p),
         mapped=((str(door), BOX_DOOR),) if door is not None else (),
+        gpus=gpus,
     )
 
 

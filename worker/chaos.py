@@ -156,7 +156,7 @@ def fail_health(
         node_health.repaired(node_dir)
         console.print(f"{node}: health check passes again; the node returns within seconds")
         return
-    (node_dir / node_health.FAILURE_FILE).write_text(reason + "\n")
+    node_health.fail(node_dir, reason)
     console.print(f"{node}: health check now fails ({reason}); its gangs move elsewhere")
 
 

@@ -6,7 +6,7 @@ from datetime import UTC, datetime
 
 from rich.table import Table
 
-from workflows.contracts.cluster_models import ClusterState
+from workflows.contracts.cluster_models import Allocation, ClusterState
 from workflows.scheduling import hot_pool, node_reports
 from workflows.scheduling.quotas import borrowed, in_use
 from workflows.scheduling.topology import landed
@@ -133,13 +133,30 @@ def queues_table(state: ClusterState) -> Table:
     return table
 
 
+def _devices_held(allocation: Allocation, node_id: str) -> str:
+    """ " (GPUs 4-7)" where the job holds part of a node (a node held whole says nothing)."""
+    held = allocation.devices.get(node_id)
+    if not held:
+        return ""
+    runs: list[list[int]] = []
+    for index in held:
+        if runs and index == runs[-1][-1] + 1:
+            runs[-1].append(index)
+        else:
+            runs.append([index])
+    spans = [f"{r[0]}-{r[-1]}" if len(r) > 1 else str(r[0]) for r in runs]
+    return f" (GPU{'s' if len(held) > 1 else ''} {','.join(spans)})"
+
+
 def jobs_table(state: ClusterState) -> Table:
     table = Table(title="jobs")
     for column in ("job", "team", "GPUs", "priority", "state", "position", "why / where"):
         table.add_column(column)
     levels = tuple(state.config.levels)
     for allocation in sorted(state.allocations, key=lambda a: a.run_id):
-        where = ", ".join(n.node_id for n in allocation.nodes)
+        where = ", ".join(
+            n.node_id + _devices_held(allocation, n.node_id) for n in allocation.nodes
+        )
         if len(allocation.nodes) > 1:  # a one-node job is inside every unit there is
             where += f" · {landed(allocation.nodes, levels)}"
         if allocation.preempting:

@@ -220,6 +220,9 @@ def _observe(handle: asyncio.Future) -> None:
 # The node agent's error type for a rank script that failed before its first step
 # (trainer.entry): the user's mistake, not a node's.
 USER_CODE_ERROR = "UserCodeError"
+# ...and for a node at fault by its own word: its health check failed, or its device said it is
+# broken (trainer.platform_faults). The run reports it and moves on without it.
+NODE_UNHEALTHY = "NodeUnhealthy"
 
 
 def user_code_failure(handles: list[workflow.ActivityHandle]) -> ApplicationError | None:
@@ -239,7 +242,7 @@ def _is_cancel(err: BaseException) -> bool:
 
 def _failed_its_check(err: BaseException) -> bool:
     cause = err.cause if isinstance(err, ActivityError) else None
-    return isinstance(cause, ApplicationError) and cause.type == "NodeUnhealthy"
+    return isinstance(cause, ApplicationError) and cause.type == NODE_UNHEALTHY
 
 
 def _node_is_suspect(err: BaseException) -> bool:

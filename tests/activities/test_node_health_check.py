@@ -10,12 +10,13 @@ import pytest
 from temporalio.exceptions import ActivityError, ApplicationError, RetryState
 from temporalio.testing import ActivityEnvironment
 
-from activities.node import NodeUnhealthy, _Reporter
+from activities.node import NodeUnhealthy, _Reporter, as_run_errors
 from infra import node_health
+from trainer.errors import NodeFault, RanksFailed
 from workflows.contracts.cluster_models import Allocation, NodeInfo
 from workflows.contracts.models import DatasetRef, NodeTrainInput
 from workflows.contracts.spec import RunSpec
-from workflows.gang_outcome import failures_of
+from workflows.gang_outcome import NODE_UNHEALTHY, failures_of
 
 NODES = [NodeInfo(node_id=n, rdzv_port=29500, incarnation="a") for n in ("n0", "n1")]
 
@@ -73,3 +74,35 @@ def test_the_run_holds_the_unhealthy_node_at_fault_not_its_peers() -> None:
     handles = [_Done(_activity_error(broken)), _Done(_activity_error(unhealthy))]
     failures = failures_of(allocation, handles, datetime.now(UTC))  # type: ignore[arg-type]
     assert [(f.node_id, f.kind) for f in failures] == [(None, "fail-stop"), ("n1", "unhealthy")]
+
+
+def test_a_node_whose_device_says_it_is_broken_fails_its_check_until_repaired(
+    tmp_path: Path,
+) -> None:
+    """A rank's device said it is broken (trainer.platform_faults): the run is told the node is
+    at fault, not that its gang crashed, and the node's check fails from then on, so it is
+    given no other gang until its operator repairs it (a new agent: node_health.repaired)."""
+    said = "a device of node n1 is broken: AcceleratorError: CUDA error: uncorrectable ECC error"
+    with pytest.raises(ApplicationError) as raised, as_run_errors(tmp_path):
+        raise NodeFault(said)
+    assert raised.value.type == NODE_UNHEALTHY and raised.value.non_retryable
+    allocation = Allocation(run_id="r", generation=3, nodes=NODES)
+    failures = failures_of(
+        allocation, [_Done(None), _Done(_activity_error(raised.value))], datetime.now(UTC)
+    )  # type: ignore[list-item]
+    assert [(f.node_id, f.kind) for f in failures] == [("n1", "unhealthy")]
+    assert (
+        node_health.failing(tmp_path)
+        == f"health check failed: {said} (from {tmp_path / node_health.FAILURE_FILE})"
+    )
+    node_health.repaired(tmp_path)
+    assert node_health.failing(tmp_path) is None
+
+
+def test_a_crash_that_is_not_the_node_s_restarts_the_gang_and_leaves_the_node_in(
+    tmp_path: Path,
+) -> None:
+    with pytest.raises(ApplicationError) as raised, as_run_errors(tmp_path):
+        raise RanksFailed("a rank on node n1 failed: RuntimeError: CUDA out of memory")
+    assert raised.value.type == "RanksFailed" and not raised.value.non_retryable
+    assert node_health.failing(tmp_path) is None

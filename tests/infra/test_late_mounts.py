@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import shutil
+import stat
 import subprocess
 import sys
 import textwrap
@@ -16,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from infra import sandbox
 from infra.late_mounts import NOT_PERMITTED, LateMountError, add_binds
 from infra.sandbox import Box, Mount, python_paths
 from trainer.torchrun_process import in_box
@@ -151,3 +154,69 @@ def test_a_helper_without_the_capabilities_says_it_never_will_bind(tmp_path: Pat
         box.kill()
     assert helper.returncode == NOT_PERMITTED, helper.stderr
     assert f"copying the mount of {tmp_path}: Operation not permitted" in helper.stderr
+
+
+# Lists the GPU files the box shows, and whether each is usable as a device.
+LIST_GPUS = textwrap.dedent(
+    """
+    import json, os, sys
+    sys.stdin.readline()
+    seen = {}
+    for name in sorted(os.listdir("/dev")):
+        if name.startswith("nvidia"):
+            try:
+                with open("/dev/" + name, "w") as device:
+                    device.write("x")
+                seen[name] = "usable"
+            except OSError as err:
+                seen[name] = type(err).__name__
+    print(json.dumps(seen))
+    """
+)
+
+
+@pytest.fixture
+def eight_gpus(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Stand-ins for an 8-GPU node's device files: character devices that behave as /dev/null,
+    in a folder of their own that boxes take for the host's /dev."""
+    root = tmp_path / "dev"
+    root.mkdir()
+    for name in [*(f"nvidia{i}" for i in range(8)), "nvidiactl", "nvidia-uvm"]:
+        os.mknod(root / name, 0o666 | stat.S_IFCHR, os.makedev(1, 3))
+    monkeypatch.setattr(sandbox, "DEVICE_ROOT", str(root))
+    return root
+
+
+def gpus_seen(box: Box, before_looking: list[Mount] | None = None) -> dict[str, str]:
+    proc = subprocess.Popen(
+        box.argv([sys.executable, "-c", LIST_GPUS]),
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        if before_looking is not None:
+            asyncio.run(add_binds(inside(proc), before_looking))
+        out, _ = proc.communicate("go\n", timeout=30)
+    finally:
+        proc.kill()
+    return json.loads(out)
+
+
+def test_a_box_shows_its_job_s_gpus_alone_whether_started_with_them_or_given_them_late(
+    eight_gpus: Path,
+) -> None:
+    """Two jobs packed on one 8-GPU node: each box shows its own four GPUs and the files every
+    GPU process needs, usable as devices; a standby's box shows no GPU of its own until its
+    job's are added."""
+    shared = {"nvidia-uvm": "usable", "nvidiactl": "usable"}
+    first = Box(read_only=python_paths(), gpus=(0, 1, 2, 3))
+    second = Box(read_only=python_paths(), gpus=(4, 5, 6, 7))
+    standby = Box(read_only=python_paths(), gpus=())
+    assert gpus_seen(first) == {**shared, **{f"nvidia{i}": "usable" for i in range(4)}}
+    assert gpus_seen(second) == {**shared, **{f"nvidia{i}": "usable" for i in range(4, 8)}}
+    assert gpus_seen(standby) == shared
+    added = second.beyond(standby)
+    assert added is not None and {m.path for m in added} == {f"/dev/nvidia{i}" for i in range(4, 8)}
+    assert gpus_seen(standby, added) == gpus_seen(second)
+    assert gpus_seen(Box(read_only=python_paths())) == {
+        **shared, **{f"nvidia{i}": "usable" for i in range(8)}
+    }  # fmt: skip

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from infra.gpu_devices import device_minors
 from trainer.device_env import device_environment
 
 
@@ -30,3 +31,19 @@ def test_the_operator_tunes_the_recorder_but_never_shares_a_compile_cache() -> N
     assert env["CUDA_DEVICE_ORDER"] == "FASTEST_FIRST"
     assert env["TORCHINDUCTOR_CACHE_DIR"] == "/run-cache/inductor"
     assert env["TRITON_CACHE_DIR"] == "/run-cache/triton"
+
+
+def test_a_job_is_shown_the_gpus_its_grant_names_counted_in_what_the_agent_was_given() -> None:
+    env = device_environment({}, Path("/g"), Path("/c"), devices=[4, 5, 6, 7])
+    assert env["CUDA_VISIBLE_DEVICES"] == "4,5,6,7"
+    # An agent started on a subset of the host's GPUs counts its node's GPUs in that subset.
+    agent = {"CUDA_VISIBLE_DEVICES": "2,3,5,7"}
+    assert (
+        device_environment(agent, Path("/g"), Path("/c"), [1, 2])["CUDA_VISIBLE_DEVICES"] == "3,5"
+    )
+    assert "CUDA_VISIBLE_DEVICES" not in device_environment({}, Path("/g"), Path("/c"))
+
+
+def test_gpus_named_by_uuid_keep_every_gpu_file_in_the_box() -> None:
+    # No mapping from a UUID to a device file here: the variable alone keeps the jobs apart.
+    assert device_minors([0], {"CUDA_VISIBLE_DEVICES": "GPU-5f2d0c1e,GPU-77aa"}) is None

@@ -12,13 +12,16 @@ import json
 import logging
 import os
 import shutil
+import stat
 import textwrap
 from pathlib import Path
 
 import pytest
 
+from infra import sandbox
 from infra.processes import free_port
 from tests.trainer.conftest import Trainer
+from tests.workflows.scheduling.policy_fixtures import NOW, node, request
 from trainer.errors import UserCodeFailed
 from trainer.launch import Rendezvous, run_ranks
 from trainer.rank_box import (
@@ -34,7 +37,10 @@ from trainer.rank_box import (
 )
 from trainer.store_door import DoorPolicy, StoreDoor, door_folder
 from trainer.warm_launch import WarmLauncher
+from workflows.contracts.cluster_models import ClusterConfig, ClusterState
 from workflows.contracts.spec import TrainSpec
+from workflows.scheduling.cluster_ops import run_pass
+from workflows.scheduling.policy_switches import TODAY
 
 pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None, reason="needs bwrap (bubblewrap)")
 
@@ -246,3 +252,59 @@ def test_a_host_without_bwrap_refuses_user_code_saying_why(
     refused = decide(None)
     assert refused.mode is Confinement.REFUSED
     assert "bwrap is not installed" in refused.why and "apt-get install bubblewrap" in refused.why
+
+
+# Each rank says which GPUs it was told it has and which GPU files it can open.
+SAYS_ITS_GPUS = textwrap.dedent(
+    """
+    import json, os, pathlib
+    seen = {"visible": os.environ.get("CUDA_VISIBLE_DEVICES"),
+            "files": sorted(n for n in os.listdir("/dev") if n.startswith("nvidia"))}
+    out = pathlib.Path(os.environ["FORGELINE_JOB"]).with_name(f"gpus-{os.environ['RANK']}.json")
+    out.write_text(json.dumps(seen))
+    """
+)
+
+
+def test_two_four_gpu_jobs_packed_on_an_eight_gpu_node_never_see_the_same_gpu(
+    trainer: Trainer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The scheduler grants two 4-GPU jobs one 8-GPU node; each job's four ranks are told of
+    and can open only the GPUs its grant names (here: stand-in device files, as on a node
+    whose NVML numbers each GPU's file by its index)."""
+    devices = tmp_path / "dev"
+    devices.mkdir()
+    for name in [*(f"nvidia{i}" for i in range(8)), "nvidiactl"]:
+        os.mknod(devices / name, 0o666 | stat.S_IFCHR, os.makedev(1, 3))
+    monkeypatch.setattr(sandbox, "DEVICE_ROOT", str(devices))
+    state = ClusterState(config=ClusterConfig(spare_nodes=0), nodes=[node("n0")])
+    state.queue = [request("job-a", gpus_per_node=4), request("job-b", gpus_per_node=4)]
+    run_pass(state, NOW, TODAY)
+    grants = {a.run_id: a.devices_on("n0") for a in state.allocations}
+
+    async def run(run_id: str) -> Path:
+        code = tmp_path / run_id / "code"
+        code.mkdir(parents=True)
+        (code / "train.py").write_text(SAYS_ITS_GPUS)
+        train = TrainSpec(steps=1, batch_size=4, code="code", entrypoint="train.py")
+        job = trainer.job(run_id, train, code_dir=str(code))
+        workdir = Path(job.progress_file).parent
+        box = rank_box(job, workdir, tmp_path / run_id / "own", None, tuple(grants[run_id]))
+        rdzv = Rendezvous(f"127.0.0.1:{free_port()}", f"{run_id}-g1", 1, 4)
+        with pytest.raises(UserCodeFailed, match="returned without training"):
+            await run_ranks(job, workdir, rdzv, lambda _: None, box=box, devices=grants[run_id])
+        return workdir
+
+    async def both() -> list[Path]:
+        return await asyncio.gather(run("job-a"), run("job-b"))
+
+    seen = {}
+    for workdir in asyncio.run(both()):
+        ranks = [json.loads((workdir / f"gpus-{r}.json").read_text()) for r in range(4)]
+        assert all(rank == ranks[0] for rank in ranks)  # a job's ranks share its GPUs
+        seen[workdir] = ranks[0]
+    a, b = seen.values()
+    assert {a["visible"], b["visible"]} == {"0,1,2,3", "4,5,6,7"}
+    for said in (a, b):
+        own = [f"nvidia{i}" for i in said["visible"].split(",")]
+        assert said["files"] == sorted([*own, "nvidiactl"])

@@ -22,7 +22,7 @@ from tests.trainer.conftest import Trainer
 from tests.trainer.test_distributed_training import job_processes, resume_point
 from trainer.checkpoint import fetch_checkpoint, load_model_weights
 from trainer.checkpoint_manifest import CheckpointManifest
-from trainer.errors import RanksFailed, UserCodeFailed
+from trainer.errors import NodeFault, RanksFailed, UserCodeFailed
 from trainer.job import ResumePoint, TrainJob
 from trainer.manifest import find_latest
 from workflows.contracts.spec import RecoverySpec, TrainSpec
@@ -244,8 +244,9 @@ def test_a_device_fault_before_the_first_step_is_a_crash_not_the_user_s(
     trainer: Trainer, tmp_path: Path
 ) -> None:
     """What a GPU whose memory fails its ECC check raises at the script's first CUDA call:
-    the node's fault (trainer.device_faults), so the run restarts; before, the run failed at
-    once as the user's mistake."""
+    the node's fault (trainer.platform_faults), so the run restarts, and the node is broken:
+    the agent takes it out of service (NodeFault); before, the run failed at once as the
+    user's mistake."""
     text = (
         "import forgeline\nimport torch\nrun = forgeline.init()\n"
         "raise torch.AcceleratorError('CUDA error: uncorrectable ECC error encountered')\n"
@@ -253,7 +254,7 @@ def test_a_device_fault_before_the_first_step_is_a_crash_not_the_user_s(
     code = broken_script(tmp_path, "ecc", text)
     with pytest.raises(RanksFailed) as failed:
         trainer.run(user_job(trainer, "device-fault", code, user_train(code)), ranks=2)
-    assert not isinstance(failed.value, UserCodeFailed)
+    assert isinstance(failed.value, NodeFault) and not isinstance(failed.value, UserCodeFailed)
     assert "AcceleratorError: CUDA error: uncorrectable ECC error encountered" in str(failed.value)
 
 

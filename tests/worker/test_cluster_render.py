@@ -67,3 +67,12 @@ def test_the_nodes_table_says_how_each_node_runs_users_code() -> None:
     rows = _rows(nodes_table(state))
     assert "boxed" in rows["n0"] and "UNCONFINED" in rows["n1"]
     assert "refuses user code" in rows["n2"] and "│ ?" in rows["n3"]  # an agent from before
+
+
+def test_jobs_packed_on_one_node_say_which_of_its_gpus_each_holds() -> None:
+    state = ClusterState(config=ClusterConfig(spare_nodes=0), nodes=[node("n0")])
+    state.queue = [request("four", gpus_per_node=4), request("one", gpus_per_node=1)]
+    run_pass(state, NOW)
+    jobs = _rows(jobs_table(state))
+    assert "on n0 (GPUs 0-3)" in jobs["four"]
+    assert "on n0 (GPU 4)" in jobs["one"]

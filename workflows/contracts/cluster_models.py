@@ -477,10 +477,26 @@ class Allocation(BaseModel):
         description="the run whose reserved nodes this gang was lent: it is preempted, with its "
         "grace, when that reservation can start",
     )
+    devices: dict[str, list[int]] = Field(
+        default={},
+        description="node id -> which of that node's GPUs (by index, in PCI bus order) the gang "
+        "holds, where it holds part of a node (cluster_ops.devices_for): its agent shows the job "
+        "those alone. A node held whole is not listed; a grant from before listed none, and "
+        "held the node's first `held_on`",
+    )
 
     def held_on(self, node: NodeInfo) -> int:
         """A multi-node gang holds its nodes whole; a single-node job what it asked for."""
         return node.gpus if len(self.nodes) > 1 else self.gpus_per_node
+
+    def devices_on(self, node_id: str) -> list[int]:
+        """The indices of the GPUs the gang holds on node `node_id` (empty: not one of its
+        nodes). A grant that named none held the node's first ones: ranks then used
+        `cuda:LOCAL_RANK` on every node."""
+        if node_id in self.devices:
+            return self.devices[node_id]
+        info = next((n for n in self.nodes if n.node_id == node_id), None)
+        return list(range(self.held_on(info))) if info is not None else []
 
     @cached_property
     def gpus(self) -> int:

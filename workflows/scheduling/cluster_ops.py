@@ -85,6 +85,26 @@ def free(state: ClusterState, allocation: Allocation, now: datetime) -> None:
             held.jobs.pop(allocation.run_id, None)
 
 
+def devices_for(allocation: Allocation, others: list[Allocation]) -> dict[str, list[int]]:
+    """Which GPUs a gang that holds part of a node holds there: the lowest indices no other
+    allocation on that node holds. Two jobs packed on one node (placement fills partly used
+    nodes) must never be shown the same device while the node's other GPUs sit idle. Nodes held
+    whole (every gang of more than one node) are not listed: all their GPUs are the gang's."""
+    devices: dict[str, list[int]] = {}
+    for info in allocation.nodes:
+        wanted = allocation.held_on(info)
+        if wanted >= info.gpus:
+            continue
+        taken = {
+            i
+            for other in others
+            if any(n.node_id == info.node_id for n in other.nodes)
+            for i in other.devices_on(info.node_id)
+        }
+        devices[info.node_id] = [i for i in range(info.gpus) if i not in taken][:wanted]
+    return devices
+
+
 def revoke_overdue(state: ClusterState, now: datetime) -> list[Allocation]:
     """Victims past their grace period (and the margin) lose their nodes by force."""
     revoked = [
@@ -143,6 +163,7 @@ def apply(state: ClusterState, decisions: Decisions, now: datetime) -> list[Mess
         for granted in nodes:
             assert granted is not None
             granted.jobs[request.run_id] = allocation.held_on(granted.info)
+        allocation.devices = devices_for(allocation, state.allocations)
         state.next_generation += 1
         state.queue = [r for r in state.queue if r.run_id != request.run_id]
         state.claims = [c for c in state.claims if c.run_id != request.run_id]
