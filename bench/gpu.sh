@@ -6,18 +6,23 @@
 #
 # Under 8 minutes on one H200: compile ~1-2 min, then 40 steps. Prints the trainer's own
 # tokens/s and MFU (PaLM FLOPs per token against PEAK_FLOPS, default 989e12: H100/H200 dense
-# bf16). Writes everything under ${OUT:-/tmp/forgeline-gpu}.
+# bf16). Writes everything under ${OUT:-/tmp/forgeline-gpu}. Exits non-zero when a rank fails
+# (or torchrun runs past RUN_TIMEOUT). STEPS, TOKENS (random tokens to train on) and
+# RUN_TIMEOUT shorten it, as bench/gpu_first_contact.sh does. Needs no network: the repository
+# goes on PYTHONPATH, nothing is installed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python3 )}
 OUT=${OUT:-/tmp/forgeline-gpu}
 PEAK_FLOPS=${PEAK_FLOPS:-989e12}
 STEPS=${STEPS:-40}
+TOKENS=${TOKENS:-200000000}
+RUN_TIMEOUT=${RUN_TIMEOUT:-450}
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 mkdir -p "$OUT"
 GPUS=$("$PY" -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'; print(torch.cuda.device_count())")
-"$PY" -m pip show forgeline >/dev/null 2>&1 || "$PY" -m pip install --quiet --no-deps -e .
 
-"$PY" - "$OUT" "$GPUS" "$PEAK_FLOPS" "$STEPS" <<'EOF'
+"$PY" - "$OUT" "$GPUS" "$PEAK_FLOPS" "$STEPS" "$TOKENS" <<'EOF'
 import json, sys
 from pathlib import Path
 import numpy as np
@@ -25,10 +30,11 @@ from trainer.job import TrainJob
 from workflows.contracts.spec import ModelSpec, TrainSpec
 
 out, gpus, peak, steps = Path(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3]), int(sys.argv[4])
+tokens = int(sys.argv[5])
 vocab = 50304
-shard = out / "tokens.bin"
+shard = out / f"tokens-{tokens}.bin"
 if not shard.exists():
-    np.random.default_rng(0).integers(0, vocab, size=200_000_000, dtype=np.uint32).astype(
+    np.random.default_rng(0).integers(0, vocab, size=tokens, dtype=np.uint32).astype(
         np.uint16).tofile(shard)
 # ~1.1 B parameters: 16 layers of width 2048 with SwiGLU and RoPE, 2,048-token context.
 model = ModelSpec(n_layer=16, n_head=16, n_embd=2048, block_size=2048, rope=True, swiglu=True)
@@ -44,8 +50,14 @@ job.write(out / "job.json")
 EOF
 
 rm -f "$OUT/progress.jsonl"
-timeout 450 "$PY" -m torch.distributed.run --standalone --nproc-per-node "$GPUS" \
-  -m trainer.train "$OUT/job.json" 2>&1 | tail -20 || true
+# pipefail: the pipeline's status is torchrun's (a rank's failure, or the timeout's 124).
+rc=0
+timeout "$RUN_TIMEOUT" "$PY" -m torch.distributed.run --standalone --nproc-per-node "$GPUS" \
+  -m trainer.train "$OUT/job.json" 2>&1 | tail -20 || rc=$?
+if [ ! -s "$OUT/progress.jsonl" ]; then
+  echo "gpu.sh: the ranks reported no progress (torchrun's status $rc)" >&2
+  exit $(( rc == 0 ? 1 : rc ))
+fi
 
 "$PY" - "$OUT/progress.jsonl" <<'EOF'
 import json, sys
@@ -59,3 +71,4 @@ if steady:
     best = max(e["mfu"] for e in steady)
     print(f"steady-state MFU (best window after step 10): {best:.1%}  (target >= 45 %)")
 EOF
+exit "$rc"
