@@ -112,11 +112,20 @@ class Rotary(nn.Module):
 
     def __init__(self, head_dim: int, block_size: int, theta: float) -> None:
         super().__init__()
-        cos, sin = rotary_tables(head_dim, block_size, theta)
+        self.table_args = (head_dim, block_size, theta)
+        cos, sin = rotary_tables(*self.table_args)
         # Non-persistent: recomputed on construction, so checkpoints carry no rope tensors and
         # have the same keys whatever the layout.
         self.register_buffer("cos", cos, persistent=False)  # (block_size, D)
         self.register_buffer("sin", sin, persistent=False)  # (block_size, D)
+
+    @torch.no_grad()
+    def reset_tables(self) -> None:
+        """Compute the tables again into the buffers, wherever they are: a model built on the
+        meta device has none to copy when it is given storage (`to_empty`)."""
+        cos, sin = rotary_tables(*self.table_args)
+        self.cos.copy_(cos)
+        self.sin.copy_(sin)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         T = x.size(-2)
@@ -207,13 +216,18 @@ class GPT(nn.Module):
         self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
         self.ln_f = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
-        self.lm_head.weight = self.wte.weight  # tied embeddings
+        self.tie_weights()
         self.apply(self._init_weights)
         # GPT-2: residual projections scaled by 1/sqrt(2·n_layer) so the stream's variance
         # does not grow with depth.
         for name, param in self.named_parameters():
             if name.endswith("proj.weight"):
                 nn.init.normal_(param, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
+
+    def tie_weights(self) -> None:
+        """The head reads out through the embedding's matrix (tied embeddings). Called again
+        after `to_empty`, which gives each module a parameter of its own."""
+        self.lm_head.weight = self.wte.weight
 
     @staticmethod
     def _init_weights(module: nn.Module) -> None:

@@ -15,20 +15,24 @@ consecutive ranks, which are the GPUs of one node.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from typing import Any
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     RowwiseParallel,
     parallelize_module,
 )
 from torch.nn.parallel import DistributedDataParallel
+from torch.utils._python_dispatch import TorchDispatchMode
 
-from trainer.model import GPT
+from trainer.model import GPT, GPTConfig, Rotary
 from trainer.rng_streams import sharded_draws
 
 MESH_DIMS = ("replicate", "shard", "tensor")
@@ -123,7 +127,12 @@ def _tensor_parallel(model: GPT, mesh: DeviceMesh) -> None:
 
 def parallelize(model: GPT, layout: Layout, placement: Placement) -> nn.Module:
     """Apply the layout in place where possible; returns the module the loop calls."""
-    mesh = placement.mesh
+    _shard(model, layout, placement.mesh)
+    return _replicate(model, layout, placement.mesh)
+
+
+def _shard(model: GPT, layout: Layout, mesh: DeviceMesh) -> None:
+    """Tensor parallelism and FSDP, in place: both work on a model of the meta device."""
     if layout.tensor > 1:
         _tensor_parallel(model, mesh["tensor"])
     if layout.shard > 1 or (layout.tensor > 1 and layout.data_parallel > 1):
@@ -134,10 +143,138 @@ def parallelize(model: GPT, layout: Layout, placement: Placement) -> nn.Module:
         for block in model.blocks:
             fully_shard(block, mesh=dp_mesh, mp_policy=policy)
         fully_shard(model, mesh=dp_mesh, mp_policy=policy)
-        return model
-    if layout.replicate > 1:
+
+
+def _replicate(model: GPT, layout: Layout, mesh: DeviceMesh) -> nn.Module:
+    """DDP where the layout is plain data parallel (it needs the weights: it broadcasts them)."""
+    sharded = layout.shard > 1 or (layout.tensor > 1 and layout.data_parallel > 1)
+    if layout.replicate > 1 and not sharded:
         return DistributedDataParallel(model, process_group=mesh.get_group("replicate"))
     return model
+
+
+# ---- building on the meta device -------------------------------------------------------
+#
+# An eager build makes every weight on the host, on every rank, before any is sharded: out
+# of host memory from about 7 B parameters. Built on the meta device, a model holds no
+# storage; it is sharded there, given storage on the run's device (`to_empty`), and filled.
+# The weights must be bitwise those of `torch.manual_seed(seed); GPT(config)`: exact resume
+# and every checkpoint's lineage start from them. They are a function of the host
+# generator's state at each parameter's last initialization, which depends on every draw
+# before it (constructors draw, `_init_weights` draws again). So the meta build still makes
+# each draw, on a host tensor of one parameter's shape dropped at once, and keeps for each
+# parameter only its last initialization and the generator state before it; filling replays
+# that one parameter at a time and keeps this rank's shard. Host memory: the largest single
+# parameter, never the model.
+
+# The in-place initializations GPT's construction makes (nn.init and reset_parameters).
+_RANDOM_INITS = {torch.ops.aten.uniform_.default, torch.ops.aten.normal_.default}
+_CONSTANT_INITS = {torch.ops.aten.fill_.Scalar, torch.ops.aten.zero_.default}
+
+
+@dataclass(frozen=True)
+class _Init:
+    """One tensor's last initialization, replayable on the host alone."""
+
+    op: Callable[..., torch.Tensor]
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    shape: torch.Size
+    dtype: torch.dtype
+    rng_state: torch.Tensor | None  # the host generator before a random init
+
+    def replay(self) -> torch.Tensor:
+        out = torch.empty(self.shape, dtype=self.dtype, device="cpu")
+        kwargs = dict(self.kwargs)
+        if self.rng_state is not None:
+            generator = torch.Generator()
+            generator.set_state(self.rng_state)
+            kwargs["generator"] = generator
+        self.op(out, *self.args, **kwargs)
+        return out
+
+
+class _InitRecorder(TorchDispatchMode):
+    """While a model is built on the meta device: each initialization of a meta tensor is also
+    made on a host tensor of its shape (the host generator advances as in an eager build), and
+    the last one of each tensor is kept."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        # id -> (the tensor, held so no later tensor takes its id; its last initialization)
+        self.inits: dict[int, tuple[torch.Tensor, _Init]] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # torch's signature
+        kwargs = kwargs or {}
+        target = args[0] if args else None
+        if isinstance(target, torch.Tensor) and target.is_meta:
+            if func in _RANDOM_INITS or func in _CONSTANT_INITS:
+                self.inits[id(target)] = (target, self._made(func, target, args[1:], kwargs))
+            elif _in_place(func):
+                raise NotImplementedError(
+                    f"{func} on a meta tensor while building the model: trainer.parallel's "
+                    "meta build cannot replay it; add it to _RANDOM_INITS or _CONSTANT_INITS"
+                )
+        return func(*args, **kwargs)
+
+    @staticmethod
+    def _made(func, target: torch.Tensor, args: tuple, kwargs: dict) -> _Init:
+        """The initialization, made once on the host now: a random one draws what the eager
+        build draws here, from the generator state it records."""
+        random = func in _RANDOM_INITS
+        state = torch.get_rng_state() if random else None
+        init = _Init(func, tuple(args), kwargs, target.shape, target.dtype, state)
+        if random:
+            func(torch.empty(target.shape, dtype=target.dtype, device="cpu"), *args, **kwargs)
+        return init
+
+    def by_name(self, model: nn.Module) -> dict[str, _Init]:
+        inits = {}
+        for name, param in model.named_parameters():
+            if id(param) not in self.inits:
+                raise NotImplementedError(f"{name} was never initialized while the model was built")
+            inits[name] = self.inits[id(param)][1]
+        return inits
+
+
+def _in_place(func: Callable[..., Any]) -> bool:
+    """An aten op that writes its first argument (`uniform_`, `copy_`, ...)."""
+    return func._schema.name.endswith("_")
+
+
+@torch.no_grad()
+def _fill(model: GPT, inits: dict[str, _Init], device: torch.device) -> None:
+    """Storage on `device` for this rank's part of every weight, filled as an eager build
+    fills it; the rotary tables, which are computed, computed again."""
+    model.to_empty(device=device)
+    model.tie_weights()  # a plain (unsharded) parameter comes back from to_empty untied
+    for name, param in model.named_parameters():
+        full = inits[name].replay()
+        if isinstance(param, DTensor):
+            # Every rank holds the same full tensor, so each cuts its own shard: no traffic.
+            mine = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
+            param.to_local().copy_(mine.to_local())
+        else:
+            param.copy_(full)
+        del full
+    for module in model.modules():
+        if isinstance(module, Rotary):
+            module.reset_tables()
+
+
+def build(
+    config: GPTConfig, seed: int, layout: Layout, placement: Placement, device: torch.device
+) -> tuple[GPT, nn.Module]:
+    """The GPT with the seeded initial weights, split as the layout says, without ever holding
+    the whole model on the host: (the model, the module the loop calls)."""
+    torch.manual_seed(seed)
+    recorder = _InitRecorder()
+    with recorder, torch.device("meta"):
+        model = GPT(config)
+    inits = recorder.by_name(model)
+    _shard(model, layout, placement.mesh)
+    _fill(model, inits, device)
+    return model, _replicate(model, layout, placement.mesh)
 
 
 def local_grad_norm(model: torch.nn.Module) -> tuple[float, bool]:

@@ -9,6 +9,8 @@ are the SDK's (`forgeline.init()`, `run.restore()`, `run.steps()`).
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 from safetensors.torch import load_model as load_safetensors
 
@@ -17,25 +19,38 @@ from trainer.checkpoint import load_model_weights
 from trainer.evaluate import held_out_loss_while_training
 from trainer.metrics import flops_per_token
 from trainer.model import GPT, GPTConfig
-from trainer.parallel import parallelize, precision_for
+from trainer.parallel import build, parallelize, precision_for
 from trainer.schedule import learning_rate
+
+
+def fine_tuned(
+    config: GPTConfig, init_from: Path, run: forgeline.Run
+) -> tuple[GPT, torch.nn.Module]:
+    """Another model's weights, for a fresh optimizer. Still built whole on the host, then
+    loaded and split: the loaders fill whole tensors, not this rank's shards, so fine-tuning a
+    model too large for one host's memory is not supported yet."""
+    torch.manual_seed(run.settings.seed)
+    model = GPT(config)
+    if init_from.is_dir():
+        load_model_weights(model, init_from)  # a verified checkpoint folder
+    else:
+        load_safetensors(model, str(init_from))  # a registered model's weights
+    model.to(run.device)
+    return model, parallelize(model, run.layout, run.placement)
 
 
 def main() -> None:
     run = forgeline.init()
     cfg = run.settings
 
-    # Model: the same initial weights on every rank, then split as the layout says.
+    # Model: the same initial weights on every rank, split as the layout says.
     config = GPTConfig(**run.model_shape)
-    torch.manual_seed(cfg.seed)
-    model = GPT(config)
-    if run.init_from is not None:  # fine-tuning: another model's weights, a fresh optimizer
-        if run.init_from.is_dir():
-            load_model_weights(model, run.init_from)  # a verified checkpoint folder
-        else:
-            load_safetensors(model, str(run.init_from))  # a registered model's weights
-    model.to(run.device)
-    wrapped = parallelize(model, run.layout, run.placement)
+    if run.init_from is None:
+        # Built on the meta device and filled after sharding: no rank ever holds the whole
+        # model on the host, and the weights are bitwise the eager build's (trainer.parallel).
+        model, wrapped = build(config, cfg.seed, run.layout, run.placement, run.device)
+    else:
+        model, wrapped = fine_tuned(config, run.init_from, run)
     optimizer = model.optimizer(
         cfg.learning_rate, cfg.weight_decay, fused=precision_for(run.device.type).fused_adamw
     )
