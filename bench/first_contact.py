@@ -381,6 +381,11 @@ def driver_version() -> str | None:
     return done.stdout.strip().splitlines()[0] if done.returncode == 0 and done.stdout else None
 
 
+def _nccl_version() -> str:
+    version = __import__("torch").cuda.nccl.version()  # a tuple; an int in older releases
+    return ".".join(map(str, version)) if isinstance(version, tuple) else str(version)
+
+
 def check_versions(ctx: Context, budget_s: float) -> list[Result]:
     import importlib
 
@@ -397,7 +402,7 @@ def check_versions(ctx: Context, budget_s: float) -> list[Result]:
         if cuda
         else [],
         "driver": driver_version(),
-        "nccl": ".".join(map(str, torch.cuda.nccl.version())) if cuda else None,
+        "nccl": _nccl_version() if cuda else None,
         "python": sys.version.split()[0],
         "floor": torch_floor(),
         "nccl_available": dist.is_nccl_available(),
@@ -473,7 +478,7 @@ def check_fork(ctx: Context, budget_s: float) -> list[Result]:
             env["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"
         probing = [sys.executable, "-m", "bench.first_contact", "fork-parent", "--"]
         parent = probing if probes else None
-        rc, reports, log = launch_ranks(ctx, "fork_child", 1, workdir, budget_s / 4, env, parent)
+        rc, reports, log = launch_ranks(ctx, "fork_child", 1, workdir, budget_s / 3.5, env, parent)
         child = reports[0]
         figures[name] = {"rc": rc, **{k: child.get(k) for k in ("cuda_ok", "bad_fork")}}
         if "error_text" in child:
@@ -776,7 +781,9 @@ def check_shadow_drift(ctx: Context, budget_s: float) -> list[Result]:
 
     _use_compile_cache(ctx)
     device = torch.device("cpu" if ctx.cpu else "cuda:0")
-    shape = ctx.small if ctx.cpu else ctx.medium
+    # The job's shape: its compiled graphs are in the cache already, so compiling here costs
+    # seconds, not the minute a larger model's first compile takes.
+    shape = ctx.small
     torch.manual_seed(0)
     model = GPT(GPTConfig(**shape.config())).to(device)
     x, y = random_batch(shape, device, seed=0)
@@ -929,9 +936,10 @@ def rank_fsdp(workdir: Path) -> None:
         if rt.world > 1:
             parallelize(model, layout, placement)
         else:  # parallelize leaves a world of one unsharded: shard as it would
+            policy = _fsdp_policy(rt.device.type)
             for block in model.blocks:
-                fully_shard(block, mesh=placement.mesh["shard"])
-            fully_shard(model, mesh=placement.mesh["shard"])
+                fully_shard(block, mesh=placement.mesh["shard"], **policy)
+            fully_shard(model, mesh=placement.mesh["shard"], **policy)
         data["sharded_by"] = "parallelize" if rt.world > 1 else "fully_shard (world of one)"
         optimizer = model.optimizer(1e-4, 0.1)
         x, y = random_batch(shape, rt.device, seed=rt.rank)
@@ -955,6 +963,15 @@ def rank_fsdp(workdir: Path) -> None:
             data[f"step_ms_{label}"] = round(seconds * 1000, 2)
         runtime_units = sum(1 for m in model.modules() if hasattr(m, "set_custom_reduce_scatter"))
         data["fsdp_units"] = runtime_units
+
+
+def _fsdp_policy(device_type: str) -> dict[str, Any]:
+    """The mixed precision parallelize gives FSDP on this device, where the trainer has one
+    (trainer.parallel.precision_for); FSDP's default otherwise."""
+    from trainer import parallel
+
+    precision_for = getattr(parallel, "precision_for", None)
+    return {"mp_policy": precision_for(device_type).fsdp} if precision_for else {}
 
 
 def _syncs_and_time(step: Callable[[], None], steps: int, cuda: bool) -> tuple[float | None, float]:
@@ -1050,7 +1067,7 @@ def check_evaluate_sample(ctx: Context, budget_s: float) -> list[Result]:
     loss, _ = held_out_loss(model, stream, 4, 4)
     figures["val_loss_on_device"] = loss
     figures["device_vs_evaluate"] = rel_diff((loss,), (evaluation.val_loss,))
-    if figures["device_vs_evaluate"] > 1e-3:
+    if figures["device_vs_evaluate"] > 1e-2:  # TF32 or another reduction order: not 1 %
         problems.append(f"held-out loss on {device} {loss} against {evaluation.val_loss}")
     try:
         text = sample_text(model, Tokenizer.from_file(str(tokenizer_file)), prompt, 8, 0)

@@ -80,21 +80,21 @@ step() {
   "$PY" $FC settle "$name" --rc "$rc" --log "$log"
 }
 
-step versions            20  60
+step versions            15  60
 step fork                40  60
-step job                 60  90
-step process_groups      35  60
+step job                 90  90
+step process_groups      30  60
 step checkpoint          40  60
 step shadow_drift        45  120
-step ddp_compile_shadow  75  150
+step ddp_compile_shadow  70  150
 step fsdp_grad_watch     35  60
-step evaluate_sample     30  60
+step evaluate_sample     25  60
 
 # 10: bench/gpu.sh under its own timeout; its torchrun's failure is its exit status.
 gpu_rc=0
 if [ "$CPU" != 1 ]; then
-  OUT="$WORK/gpu" STEPS=${STEPS_GPU_SH:-15} TOKENS=20000000 RUN_TIMEOUT=140 PYTHON="$PY" \
-    timeout -k 5 160 bash bench/gpu.sh >"$OUT/logs/gpu_sh.log" 2>&1
+  OUT="$WORK/gpu" STEPS=${STEPS_GPU_SH:-15} TOKENS=20000000 RUN_TIMEOUT=130 PYTHON="$PY" \
+    timeout -k 5 150 bash bench/gpu.sh >"$OUT/logs/gpu_sh.log" 2>&1
   gpu_rc=$?
   tail -n 5 "$OUT/logs/gpu_sh.log"
 fi
