@@ -2,9 +2,11 @@
 
 A save runs in four stages, and training is blocked by none of them:
 
-1. stage: a background thread copies this rank's state (model and optimizer, DTensor shards as
-   they are) into fresh CPU tensors. The loop overlaps it with the next forward and backward and
-   waits for it only before the next `optimizer.step()`, the first moment the weights change.
+1. stage: this rank's state (model and optimizer, DTensor shards as they are; under data
+   parallelism alone, its share of the replicated state) is copied into fresh host tensors in
+   the background, after the step that made it (trainer.checkpoint_staging). The loop overlaps
+   it with the next forward and backward and waits for it only before the next
+   `optimizer.step()`, the first moment the weights change.
 2. write: `dcp.async_save` writes the staged copy to node-local disk, on a gloo group of its own
    (sharing the training group aborts with a collective mismatch or hangs).
 3. upload: each rank puts the files it wrote into the object store, with size and sha256.
@@ -32,12 +34,10 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from infra.digest import sha256_file
@@ -45,6 +45,7 @@ from infra.store.door import DoorFenced
 from infra.store.protocol import ObjectStore, fetch_verified
 from trainer import safe_load
 from trainer.checkpoint_manifest import CheckpointFile, CheckpointManifest
+from trainer.checkpoint_staging import own_share, stager_for
 from trainer.local_copies import LocalCopies
 from trainer.manifest import (
     CommitOutcome,
@@ -70,44 +71,9 @@ def _files_written_by(folder: Path, rank: int) -> list[Path]:
     return files
 
 
-def _copy(value: Any) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.detach().clone()
-    if isinstance(value, dict):
-        return {k: _copy(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return type(value)(_copy(v) for v in value)
-    return value
-
-
-class BackgroundCopyStager:
-    """DCP's AsyncStager protocol: copy the state in a thread; the loop decides when to wait.
-
-    torch's DefaultStager copies synchronously on CPU (its async staging needs CUDA), which would
-    block training for the whole copy; this one returns at once.
-    """
-
-    def __init__(self) -> None:
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="checkpoint-stage")
-
-    @property
-    def should_synchronize_after_execute(self) -> bool:
-        return False
-
-    def stage(self, state_dict: dict) -> Future:
-        return self._pool.submit(_copy, state_dict)
-
-    def synchronize_staging(self) -> None:  # part of the protocol; the loop waits on the future
-        pass
-
-    def close(self) -> None:
-        self._pool.shutdown(wait=True)
-
-
-def _stager_for(cuda: bool) -> BackgroundCopyStager | DefaultStager:
-    if cuda:  # device-to-host copies into pinned memory, overlapped with compute
-        return DefaultStager(StagingOptions(True, False, True, True))
-    return BackgroundCopyStager()
+def _replicas_only(layout: dict) -> bool:
+    """Every rank holds the whole state: data parallelism alone (no shard, no tensor split)."""
+    return layout.get("shard", 1) == 1 and layout.get("tensor", 1) == 1
 
 
 @dataclass
@@ -156,7 +122,7 @@ class Checkpointer:
         self.asynchronous = asynchronous
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self._group = dist.new_group(backend="gloo")
-        self._stager = _stager_for(torch.cuda.is_available())
+        self._stager = stager_for(torch.cuda.is_available())
         self._committer = ThreadPoolExecutor(1, thread_name_prefix="checkpoint-commit")
         self._staged: Future | None = None
         self._in_flight: Future | None = None
@@ -183,7 +149,9 @@ class Checkpointer:
         folder = self.staging_dir / f"step-{step}"
         folder.mkdir(parents=True, exist_ok=True)
         model_state, optim_state = get_state_dict(model, optimizer)
-        state = {"model": model_state, "optim": optim_state}
+        state: dict = {"model": model_state, "optim": optim_state}
+        if _replicas_only(self.layout) and self.world > 1:
+            state = own_share(state, self.rank, self.world)  # staged once a node, not per rank
         if self.asynchronous:
             response = dcp.async_save(
                 state,
