@@ -3,7 +3,7 @@ peaks, and on a CPU-only host slots with a peak measured at start."""
 
 from __future__ import annotations
 
-from infra.node_hardware import CPU, datasheet_peak, discover, gpu_type_slug
+from infra.node_hardware import CPU, datasheet_peak, discover, gpu_type_slug, measured_in_a_child
 
 
 def test_nvml_names_become_the_gpu_types_a_spec_names() -> None:
@@ -30,3 +30,10 @@ def test_a_cpu_host_offers_slots_with_a_measured_peak() -> None:
 def test_a_peak_measured_in_a_quieter_moment_is_taken_as_it_is() -> None:
     found = discover(slots=2, cpu_only=True, measured_peak=5e10)
     assert (found.peak_flops, found.peak_source) == (5e10, "measured")
+
+
+def test_a_peak_can_be_measured_in_a_child_process() -> None:
+    """How an agent measures a GPU the data sheet does not know: in a process of its own, so it
+    never holds a CUDA context itself (here on the CPU, the one device this machine has)."""
+    measured = measured_in_a_child("cpu")
+    assert 1e8 < measured < 1e12, measured
