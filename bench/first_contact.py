@@ -176,15 +176,6 @@ def error_text(err: BaseException) -> str:
     return "".join(traceback.format_exception(err))[-3000:]
 
 
-def rel_diff(a: tuple[float, ...], b: tuple[float, ...]) -> float:
-    """The largest relative difference between two fingerprints, component by component."""
-    worst = 0.0
-    for u, v in zip(a, b, strict=True):
-        scale = max(abs(u), abs(v))
-        worst = max(worst, abs(u - v) / scale if scale else 0.0)
-    return worst
-
-
 # ---- processes ------------------------------------------------------------------------------
 
 
@@ -777,7 +768,7 @@ def check_shadow_drift(ctx: Context, budget_s: float) -> list[Result]:
     import torch
 
     from trainer.model import GPT, GPTConfig
-    from trainer.shadow_check import fingerprint, gradient_summary, recompute
+    from trainer.shadow_check import drift, fingerprint, gradient_summary, recompute
 
     _use_compile_cache(ctx)
     device = torch.device("cpu" if ctx.cpu else "cuda:0")
@@ -810,17 +801,17 @@ def check_shadow_drift(ctx: Context, budget_s: float) -> list[Result]:
     eager = checked(model)
     figures: dict[str, Any] = {
         "device": str(device),
-        "eager_vs_eager": rel_diff(eager, checked(model)),
-        "backward_vs_recompute": rel_diff(eager, backward(model)),
+        "eager_vs_eager": drift(eager, checked(model)),
+        "backward_vs_recompute": drift(eager, backward(model)),
     }
     compiled = torch.compile(model)
-    figures["compiled_vs_eager"] = rel_diff(eager, checked(compiled))
-    figures["compiled_backward_vs_eager"] = rel_diff(eager, backward(compiled))
+    figures["compiled_vs_eager"] = drift(eager, checked(compiled))
+    figures["compiled_backward_vs_eager"] = drift(eager, backward(compiled))
     if device.type == "cuda" and torch.cuda.device_count() > 1:
         import copy
 
         other = copy.deepcopy(model).to("cuda:1")
-        figures["gpu0_vs_gpu1"] = rel_diff(eager, checked(other, (x.to("cuda:1"), y.to("cuda:1"))))
+        figures["gpu0_vs_gpu1"] = drift(eager, checked(other, (x.to("cuda:1"), y.to("cuda:1"))))
     drift = max(v for v in figures.values() if isinstance(v, float))
     figures["largest"] = drift
     figures["suggested_rtol"] = suggested_rtol(drift)
@@ -1066,7 +1057,9 @@ def check_evaluate_sample(ctx: Context, budget_s: float) -> list[Result]:
     stream = TokenStream([val], "uint16", model.config.block_size)
     loss, _ = held_out_loss(model, stream, 4, 4)
     figures["val_loss_on_device"] = loss
-    figures["device_vs_evaluate"] = rel_diff((loss,), (evaluation.val_loss,))
+    figures["device_vs_evaluate"] = abs(loss - evaluation.val_loss) / max(
+        abs(loss), abs(evaluation.val_loss)
+    )
     if figures["device_vs_evaluate"] > 1e-2:  # TF32 or another reduction order: not 1 %
         problems.append(f"held-out loss on {device} {loss} against {evaluation.val_loss}")
     try:

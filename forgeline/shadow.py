@@ -16,6 +16,7 @@ from forgeline.errors import SDKUsageError
 from trainer.grad_watch import OwnGradients
 from trainer.rng_streams import forked, seed_step
 from trainer.shadow_check import (
+    FINGERPRINT_SIZE,
     Fingerprint,
     Recompute,
     Ring,
@@ -89,8 +90,8 @@ class ShadowChecks:
         number = step.number
         checked = self._recompute(module, number, self.ring.target_of(self.run.rank))
         rows = gather_rows([*own, *checked])
-        owns = [(row[0], row[1]) for row in rows]
-        checks = [(row[2], row[3]) for row in rows]
+        owns = [_fingerprint_at(row, 0) for row in rows]
+        checks = [_fingerprint_at(row, 1) for row in rows]
         found = disagreements(self.ring, owns, checks, self.settings.rtol)
         ties: dict[tuple[int, int], Fingerprint] = {}
         needed = ties_needed(found, self.ring)
@@ -101,11 +102,10 @@ class ShadowChecks:
                 third = self.ring.third(owner, checker) == self.run.rank
                 joins = third or self.own.collective
                 tie = self._recompute(module, number, owner) if joins else None
-                mine += list(tie) if tie and third else [math.nan, math.nan]
+                mine += list(tie) if tie and third else [math.nan] * FINGERPRINT_SIZE
             rows = gather_rows(mine)
             for i, (owner, checker) in enumerate(needed):
-                row = rows[self.ring.third(owner, checker)]
-                ties[(owner, checker)] = (row[2 * i], row[2 * i + 1])
+                ties[(owner, checker)] = _fingerprint_at(rows[self.ring.third(owner, checker)], i)
         verdict = settle(number, found, self.ring, ties, self.settings.rtol)
         if verdict is None:
             self.unverified_since = number
@@ -148,6 +148,15 @@ def shadow_checks(
             "loss_of(module, x, y) returning what the loop calls backward on for one "
             "micro-batch; or set recovery.shadow_every = 0"
         )
+    if settings.rtol == 0 and run.device.type == "cuda":
+        raise SDKUsageError(
+            "the spec asks for bitwise shadow checks (recovery.shadow_rtol = 0), which GPUs "
+            "cannot pass: their kernels (attention's backward, atomic adds) and a compiled "
+            "model against its eager recompute differ in the last bits, so every pair would "
+            "disagree and every node be quarantined. Set recovery.shadow_rtol (1e-3 is a "
+            "start; bench/gpu_first_contact.sh measures the drift on your GPUs), or "
+            "recovery.shadow_every = 0"
+        )
     if run.layout.data_parallel < 2:
         run._say("shadow recompute needs two data-parallel ranks or more: not checking")
         return None
@@ -158,6 +167,12 @@ def shadow_checks(
             "parallelism inside it); or set recovery.shadow_every = 0"
         )
     return ShadowChecks(run, settings, loss_of, own)
+
+
+def _fingerprint_at(row: list[float], at: int) -> Fingerprint:
+    """The `at`-th fingerprint of a gathered row (a rank's fingerprints, one after another)."""
+    total, magnitudes, squares = row[at * FINGERPRINT_SIZE : (at + 1) * FINGERPRINT_SIZE]
+    return total, magnitudes, squares
 
 
 def _comparable(step: Step, micro: int) -> None:

@@ -9,10 +9,15 @@ with the same randomness (trainer.rng_streams derives it from the step and the d
 rank), and the gang compares what the owner computed in its real backward (seen in DDP's
 all-reduce hook, before the reduction mixed it) with what its checker computed again.
 
-Gradients are compared by a fingerprint: the sum and the sum of squares of every gradient, in
-float64, parameter by parameter in the model's order, so the two sides add them up alike.
-Where kernels are deterministic (CPU) the fingerprints agree bitwise on a healthy gang; on GPUs
-the spec may allow a relative tolerance (`recovery.shadow_rtol`).
+Gradients are compared by a fingerprint: the sum, the sum of magnitudes and the sum of squares
+of every gradient, in float64, parameter by parameter in the model's order, so the two sides add
+them up alike. Where kernels are deterministic (CPU) the fingerprints agree bitwise on a healthy
+gang. On GPUs they do not (SDPA's backward and atomic adds are not bitwise reproducible, and the
+owner's gradients come from the compiled model while the recompute runs eagerly), so there the
+spec must allow a relative tolerance (`recovery.shadow_rtol`; zero is refused on CUDA). Each
+part is compared relative to a scale that does not cancel: the sum against the sum of
+magnitudes (a sum of signed gradients can be near zero while the gradients are not, and a
+tolerance relative to it would fail every healthy pair), the others against themselves.
 
 Who is wrong: a device that computes wrong makes its own gradients and its recompute of another
 rank's disagree, so a rank in two disagreeing pairs is named. Where one pair alone disagrees
@@ -39,7 +44,9 @@ import torch
 # calls backward on for that micro-batch (its loss divided by the accumulation steps).
 Recompute = Callable[[torch.nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
 
-Fingerprint = tuple[float, float]  # (sum, sum of squares) of every gradient, in float64
+# (sum, sum of magnitudes, sum of squares) of every gradient, in float64
+Fingerprint = tuple[float, float, float]
+FINGERPRINT_SIZE = 3
 
 
 @dataclass(frozen=True)
@@ -59,19 +66,20 @@ class ShadowSettings:
 
 
 def gradient_summary(grad: torch.Tensor | None) -> torch.Tensor:
-    """(sum, sum of squares) of one gradient in float64; zeros for a parameter without one."""
+    """(sum, sum of magnitudes, sum of squares) of one gradient in float64; zeros for a
+    parameter without one."""
     if grad is None:
-        return torch.zeros(2, dtype=torch.float64)
+        return torch.zeros(FINGERPRINT_SIZE, dtype=torch.float64)
     flat = grad.detach().to(torch.float64).reshape(-1)
-    return torch.stack((flat.sum(), flat.pow(2).sum())).cpu()
+    return torch.stack((flat.sum(), flat.abs().sum(), flat.pow(2).sum())).cpu()
 
 
 def fingerprint(summaries: Iterable[torch.Tensor]) -> Fingerprint:
     """The parameters' summaries added up in the order given (the model's parameter order)."""
-    total = torch.zeros(2, dtype=torch.float64)
+    total = torch.zeros(FINGERPRINT_SIZE, dtype=torch.float64)
     for summary in summaries:
         total += summary
-    return float(total[0]), float(total[1])
+    return float(total[0]), float(total[1]), float(total[2])
 
 
 def recompute(module: torch.nn.Module, loss: Callable[[], torch.Tensor]) -> Fingerprint:
@@ -84,9 +92,25 @@ def recompute(module: torch.nn.Module, loss: Callable[[], torch.Tensor]) -> Fing
 
 
 def agree(a: Fingerprint, b: Fingerprint, rtol: float) -> bool:
-    if rtol == 0:
-        return a == b
-    return all(math.isclose(u, v, rel_tol=rtol, abs_tol=0.0) for u, v in zip(a, b, strict=True))
+    """Bitwise with `rtol` 0; else within `rtol` (see `drift`)."""
+    return a == b if rtol == 0 else drift(a, b) <= rtol
+
+
+def drift(a: Fingerprint, b: Fingerprint) -> float:
+    """The smallest relative tolerance at which `a` and `b` agree: each part's difference
+    against its scale, the sum's being the sum of magnitudes (it cannot cancel), the others'
+    their own."""
+    (sum_a, mag_a, sq_a), (sum_b, mag_b, sq_b) = a, b
+
+    def relative(difference: float, scale: float) -> float:
+        return difference / scale if scale else (0.0 if difference == 0 else math.inf)
+
+    magnitude = max(mag_a, mag_b)
+    return max(
+        relative(abs(sum_a - sum_b), magnitude),
+        relative(abs(mag_a - mag_b), magnitude),
+        relative(abs(sq_a - sq_b), max(sq_a, sq_b)),
+    )
 
 
 @dataclass(frozen=True)
@@ -168,10 +192,14 @@ class Verdict:
 
 def describe(d: Disagreement) -> str:
     return (
-        f"rank {d.owner}'s own gradients (sum {d.own[0]:.9g}, sum of squares {d.own[1]:.9g}) "
-        f"differ from rank {d.checker}'s recompute of its micro-batch "
-        f"(sum {d.checked[0]:.9g}, sum of squares {d.checked[1]:.9g})"
+        f"rank {d.owner}'s own gradients ({_parts(d.own)}) differ from rank {d.checker}'s "
+        f"recompute of its micro-batch ({_parts(d.checked)})"
     )
+
+
+def _parts(found: Fingerprint) -> str:
+    total, magnitudes, squares = found
+    return f"sum {total:.9g}, sum of magnitudes {magnitudes:.9g}, sum of squares {squares:.9g}"
 
 
 def settle(

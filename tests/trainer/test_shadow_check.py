@@ -22,7 +22,8 @@ from trainer.shadow_check import (
 from workflows.contracts.spec import RunSpec
 
 EXAMPLES = Path(__file__).parents[2] / "examples"
-GOOD, BAD, OTHER = (1.0, 2.0), (1.02, 2.0808), (7.0, 9.0)
+# (sum, sum of magnitudes, sum of squares)
+GOOD, BAD, OTHER = (1.0, 3.0, 2.0), (1.02, 3.06, 2.0808), (7.0, 8.0, 9.0)
 
 
 def test_the_ring_checks_across_nodes_and_finds_a_third_node() -> None:
@@ -79,8 +80,21 @@ def test_two_ranks_report_a_mismatch_but_name_no_one() -> None:
 
 
 def test_agreement_is_bitwise_unless_a_tolerance_is_set() -> None:
-    assert agree(GOOD, GOOD, 0) and not agree(GOOD, (1.0 + 1e-15, 2.0), 0)
-    assert agree(GOOD, (1.0 + 1e-7, 2.0), 1e-6) and not agree(GOOD, BAD, 1e-3)
+    assert agree(GOOD, GOOD, 0) and not agree(GOOD, (1.0 + 1e-15, 3.0, 2.0), 0)
+    assert agree(GOOD, (1.0 + 1e-7, 3.0, 2.0), 1e-6) and not agree(GOOD, BAD, 1e-3)
+
+
+def test_a_tolerance_is_relative_to_what_does_not_cancel() -> None:
+    """Gradients whose signed sum nearly cancels: a healthy recompute's last-bit drift is
+    tiny beside their magnitudes (it agrees, though it is large beside the sum), while a
+    gradient of flipped sign, which leaves the magnitudes and the squares as they were,
+    moves the sum by twice its own size (it disagrees)."""
+    own = (1e-9, 40.0, 3.0)
+    drifted = (1e-9 + 4e-6, 40.0 * (1 + 1e-7), 3.0 * (1 - 1e-7))
+    assert agree(own, drifted, 1e-6)
+    flipped = (1e-9 - 2 * 0.1, 40.0, 3.0)  # one gradient of 0.1 with its sign flipped
+    assert not agree(own, flipped, 1e-3)
+    assert not agree(own, (1e-9, 40.0 * 1.01, 3.0), 1e-3)  # scaled magnitudes
     assert settle(5, [], Ring(3, 1), {}, 0) is None
     assert ShadowSettings(every=50).due(100) and not ShadowSettings().due(100)
 
@@ -99,7 +113,9 @@ def test_a_recompute_leaves_the_models_gradients_alone() -> None:
     assert first == recompute(model, lambda: loss_of(model, x, y))
     assert all(torch.equal(p.grad, k) for p, k in zip(model.parameters(), kept, strict=True))
     expected = sum(float(g.double().pow(2).sum()) for g in kept)
-    assert first[1] == pytest.approx(expected, rel=1e-12)
+    assert first[2] == pytest.approx(expected, rel=1e-12)
+    magnitudes = sum(float(g.double().abs().sum()) for g in kept)
+    assert first[1] == pytest.approx(magnitudes, rel=1e-12)
 
 
 def test_the_spec_refuses_shadow_checks_without_two_data_parallel_groups() -> None:

@@ -9,7 +9,9 @@ import pytest
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from forgeline.shadow import plain_module
+from forgeline.errors import SDKUsageError
+from forgeline.shadow import plain_module, shadow_checks
+from trainer.shadow_check import ShadowSettings
 
 
 @pytest.mark.usefixtures("one_rank")
@@ -21,3 +23,18 @@ def test_the_checks_reach_the_module_inside_compile_and_ddp() -> None:
     assert plain_module(DistributedDataParallel(torch.compile(inner, backend="eager"))) is inner
     assert plain_module(ddp) is inner
     assert plain_module(inner) is inner
+
+
+class _RunOn:
+    """What `shadow_checks` reads of a run before it checks anything: its device."""
+
+    def __init__(self, device: str) -> None:
+        self.device = torch.device(device)
+
+
+def test_bitwise_checks_are_refused_on_a_gpu_with_the_setting_to_change() -> None:
+    """GPU kernels are not bitwise reproducible: a zero tolerance there would quarantine every
+    node at its first check. The script's run fails before its first step, saying what to set."""
+    settings = ShadowSettings(every=50, rtol=0.0)
+    with pytest.raises(SDKUsageError, match=r"recovery.shadow_rtol \(1e-3 is a start"):
+        shadow_checks(_RunOn("cuda"), settings, lambda m, x, y: m(x).sum(), None)  # type: ignore[arg-type]

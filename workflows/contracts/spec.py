@@ -456,7 +456,8 @@ class RecoverySpec(_Strict):
         ge=0,
         le=0.1,
         description="how far a recompute may differ, relatively: 0 (bitwise) where kernels are "
-        "deterministic, as on CPU",
+        "deterministic, as on CPU; on GPUs it must be above 0 (refused at 0: their kernels are "
+        "not bitwise reproducible)",
     )
 
     def shadow_settings(self) -> dict:
