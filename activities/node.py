@@ -26,11 +26,13 @@ from activities.metric_tap import MetricTap
 from activities.node_confinement import door_policy, quoted_output
 from infra import code_snapshot, node_health
 from infra.gpu_devices import device_minors
+from infra.node_hardware import CPU
 from infra.requirements import unmet
 from infra.sandbox import Box
 from infra.settings import Settings
 from registry.metric_stream import MetricShipper, MetricSpool
 from trainer.checkpoint_manifest import CheckpointManifest, PeerManifest
+from trainer.device_env import GrantedDevices
 from trainer.errors import NodeFault, RanksFailed, UserCodeFailed
 from trainer.hang import HangWatch
 from trainer.job import CHAOS_FILE, ResumePoint, TrainJob
@@ -42,7 +44,12 @@ from trainer.rank_box import DOOR_SOCKET, Confinement, NodeConfinement, door_url
 from trainer.rank_logs import LogShipper, shipped_while_running
 from trainer.store_door import StoreDoor, door_folder, door_path
 from trainer.warm_launch import WarmLauncher
-from workflows.contracts.cluster_models import CheckpointCommitted, WarmInput
+from workflows.contracts.cluster_models import (
+    Allocation,
+    CheckpointCommitted,
+    NodeInfo,
+    WarmInput,
+)
 from workflows.contracts.models import (
     CheckpointRef,
     HealthEvent,
@@ -188,7 +195,10 @@ class NodeActivities:
                         launcher=self.launcher,
                         box=box,
                         compile_cache=self._run_dir(inp.run_id) / COMPILE_CACHE,
-                        devices=allocation.devices_on(self.node_id),
+                        devices=GrantedDevices(
+                            allocation.devices_on(self.node_id),
+                            cuda=self._node_info(allocation).gpu_type != CPU,
+                        ),
                     )
         finally:
             reporter.close_metrics()
@@ -263,6 +273,10 @@ class NodeActivities:
         """Where this node's cache keeps the run's own checkpoints (NodeCacheLease.checkpoint:
         the folder of a manifest key `runs/<run>/checkpoints/...`)."""
         return self.cache.root / "checkpoints" / "runs" / run_id
+
+    def _node_info(self, allocation: Allocation) -> NodeInfo:
+        """This node as the grant carries it."""
+        return next(n for n in allocation.nodes if n.node_id == self.node_id)
 
     def _run_dir(self, run_id: str) -> Path:
         """This node's folder for one run: its generations' folders, its code, its copies."""
@@ -365,7 +379,7 @@ class NodeActivities:
             if spec.train.peer_every
             and (spec.resources.nodes > 1 or spec.resources.min_nodes is not None)
             else "",
-            node_domain=next(n.pod for n in inp.allocation.nodes if n.node_id == self.node_id),
+            node_domain=self._node_info(inp.allocation).pod,
             progress_file=str(gen_dir / "progress.jsonl"),
             stop_file=str(gen_dir / STOP_FILE),
             chaos_file=str(gen_dir / CHAOS_FILE),

@@ -18,7 +18,7 @@ from pathlib import Path
 from infra.host_network import is_loopback
 from infra.parent_death import die_with_parent
 from infra.sandbox import Box
-from trainer.device_env import device_environment
+from trainer.device_env import GrantedDevices, device_environment
 from trainer.errors import NodeFault, RanksFailed, RanksHung, UserCodeFailed
 from trainer.hang import HangWatch
 from trainer.job import TrainJob
@@ -229,7 +229,7 @@ async def run_ranks(
     launcher: WarmLauncher | None = None,
     box: Box | None = None,
     compile_cache: Path | None = None,
-    devices: list[int] | None = None,
+    devices: GrantedDevices | None = None,
 ) -> ProgressTail:
     """Run torchrun to completion; report progress every `report_every_s` (also when idle, so
     the caller can heartbeat); raise RanksFailed with the log tail if the ranks fail, or if
@@ -238,8 +238,8 @@ async def run_ranks(
     With a `launcher`, its standby becomes torchrun if it has one, and it makes the next once
     the ranks train. With a `box` (trainer.rank_box), torchrun and its ranks run inside it.
     `compile_cache`: where the ranks keep what torch.compile builds (trainer.device_env; by
-    default in `workdir`), writable in the box. `devices`: the node's GPUs the job holds (by
-    index), the only ones its processes are shown."""
+    default in `workdir`), writable in the box. `devices`: what the job holds of the node (its
+    grant's), the only GPUs its processes are shown."""
     workdir.mkdir(parents=True, exist_ok=True)
     job_file = job.write(workdir / "job.json")
     log_file = workdir / "torchrun.log"

@@ -17,6 +17,7 @@ from dataprep.snapshot import Snapshot, prepare_snapshot
 from infra.processes import free_port
 from infra.store.local import LocalStore
 from tests.conftest import SHAKESPEARE
+from trainer.device_env import GrantedDevices
 from trainer.job import ResumePoint, TrainJob
 from trainer.launch import ProgressTail, Rendezvous, printed_stacks, run_ranks
 from trainer.manifest import committed_steps
@@ -83,13 +84,23 @@ class Trainer:
         return task
 
     def run(
-        self, job: TrainJob, ranks: int, timeout_s: float = 240, start_limit_s: float = 0
+        self,
+        job: TrainJob,
+        ranks: int,
+        timeout_s: float = 240,
+        start_limit_s: float = 0,
+        devices: GrantedDevices | None = None,
     ) -> ProgressTail:
         """Run the job to the end; past `timeout_s`, fail with the ranks' stacks and log."""
         rdzv = Rendezvous(f"127.0.0.1:{free_port()}", f"{job.run_id}-{self.jobs}", 1, ranks)
         workdir = Path(job.progress_file).parent
         launch = run_ranks(
-            job, workdir, rdzv, on_progress=lambda _: None, start_limit_s=start_limit_s or None
+            job,
+            workdir,
+            rdzv,
+            on_progress=lambda _: None,
+            start_limit_s=start_limit_s or None,
+            devices=devices,
         )
         try:
             return asyncio.run(asyncio.wait_for(launch, timeout_s))

@@ -22,6 +22,7 @@ from infra import sandbox
 from infra.processes import free_port
 from tests.trainer.conftest import Trainer
 from tests.workflows.scheduling.policy_fixtures import NOW, node, request
+from trainer.device_env import GrantedDevices
 from trainer.errors import UserCodeFailed
 from trainer.launch import Rendezvous, run_ranks
 from trainer.rank_box import (
@@ -292,7 +293,14 @@ def test_two_four_gpu_jobs_packed_on_an_eight_gpu_node_never_see_the_same_gpu(
         box = rank_box(job, workdir, tmp_path / run_id / "own", None, tuple(grants[run_id]))
         rdzv = Rendezvous(f"127.0.0.1:{free_port()}", f"{run_id}-g1", 1, 4)
         with pytest.raises(UserCodeFailed, match="returned without training"):
-            await run_ranks(job, workdir, rdzv, lambda _: None, box=box, devices=grants[run_id])
+            await run_ranks(
+                job,
+                workdir,
+                rdzv,
+                lambda _: None,
+                box=box,
+                devices=GrantedDevices(grants[run_id], cuda=False),
+            )
         return workdir
 
     async def both() -> list[Path]:

@@ -22,6 +22,7 @@ from tests.trainer.conftest import Trainer
 from tests.trainer.test_distributed_training import job_processes, resume_point
 from trainer.checkpoint import fetch_checkpoint, load_model_weights
 from trainer.checkpoint_manifest import CheckpointManifest
+from trainer.device_env import GrantedDevices
 from trainer.errors import NodeFault, RanksFailed, UserCodeFailed
 from trainer.job import ResumePoint, TrainJob
 from trainer.manifest import find_latest
@@ -256,6 +257,21 @@ def test_a_device_fault_before_the_first_step_is_a_crash_not_the_user_s(
         trainer.run(user_job(trainer, "device-fault", code, user_train(code)), ranks=2)
     assert isinstance(failed.value, NodeFault) and not isinstance(failed.value, UserCodeFailed)
     assert "AcceleratorError: CUDA error: uncorrectable ECC error encountered" in str(failed.value)
+
+
+def test_a_rank_that_finds_no_gpu_on_a_gpu_node_fails_the_node_not_the_run(
+    trainer: Trainer, tmp_path: Path
+) -> None:
+    """Its agent says the node's devices are GPUs; this rank sees none (a driver gone, a GPU
+    fallen off the bus). Training on its CPU instead would run a hundred times slower and
+    nobody would know: the node is taken out instead (NodeFault) and the run goes on."""
+    code = broken_script(tmp_path, "no-gpu", (GRU / "train.py").read_text())
+    with pytest.raises(NodeFault, match="no CUDA-capable device is visible to this rank"):
+        trainer.run(
+            user_job(trainer, "no-gpu", code, user_train(code)),
+            ranks=2,
+            devices=GrantedDevices([0, 1], cuda=True),
+        )
 
 
 def test_a_crash_after_training_began_is_a_crash(trainer: Trainer, tmp_path: Path) -> None:
