@@ -8,6 +8,7 @@ GPUs, `trainer.runtime.Runtime.autocast`), so a checkpoint's loss is measured as
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from collections.abc import Callable
 from contextlib import AbstractContextManager
@@ -22,7 +23,7 @@ from forgeline.shadow import plain_module
 from trainer.checkpoint import load_model_weights
 from trainer.data import TokenStream, rank_batches
 from trainer.model import GPT, GPTConfig
-from trainer.runtime import Runtime
+from trainer.runtime import autocast_for
 from trainer.sampling import default_device, sample_text
 
 Autocast = Callable[[], AbstractContextManager]
@@ -45,9 +46,9 @@ def load_model(
 
 
 def autocast_on(device: torch.device) -> Autocast:
-    """The training runtime's precision on `device`, for a process that is no rank (the
-    control worker's evaluation): the one policy, `Runtime.autocast`, not a second copy."""
-    return Runtime(device=device, rank=0, world=1, local_rank=0).autocast
+    """The training runtime's precision on `device` (trainer.runtime.autocast_for), for a
+    process that is no rank (the control worker's evaluation)."""
+    return functools.partial(autocast_for, device)
 
 
 @torch.no_grad()

@@ -43,10 +43,16 @@ class Runtime:
         return self.device.type == "cuda"
 
     def autocast(self) -> contextlib.AbstractContextManager:
-        """bf16 autocast on GPUs; full precision on CPU, where bf16 matmuls are slower."""
-        if self.is_cuda:
-            return torch.autocast("cuda", dtype=torch.bfloat16)
-        return contextlib.nullcontext()
+        return autocast_for(self.device)
+
+
+def autocast_for(device: torch.device) -> contextlib.AbstractContextManager:
+    """The one precision policy, for ranks and for processes that are none (the control
+    worker's evaluation): bf16 autocast on GPUs; full precision on CPU, where bf16 matmuls are
+    slower."""
+    if device.type == "cuda":
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    return contextlib.nullcontext()
 
 
 def start(node_index: int, collective_timeout_s: int) -> Runtime:
