@@ -38,6 +38,12 @@ from trainer.rng_streams import sharded_draws
 MESH_DIMS = ("replicate", "shard", "tensor")
 
 
+class MetaBuildError(RuntimeError):
+    """The model cannot be built on the meta device and filled bitwise as the eager build
+    fills it: an initialization the recorder does not know, or a parameter never initialized.
+    The message names it; the fix is in this module's tables, not the model."""
+
+
 @dataclass(frozen=True)
 class Layout:
     replicate: int = 1
@@ -211,7 +217,7 @@ class _InitRecorder(TorchDispatchMode):
             if func in _RANDOM_INITS or func in _CONSTANT_INITS:
                 self.inits[id(target)] = (target, self._made(func, target, args[1:], kwargs))
             elif _in_place(func):
-                raise NotImplementedError(
+                raise MetaBuildError(
                     f"{func} on a meta tensor while building the model: trainer.parallel's "
                     "meta build cannot replay it; add it to _RANDOM_INITS or _CONSTANT_INITS"
                 )
@@ -232,7 +238,7 @@ class _InitRecorder(TorchDispatchMode):
         inits = {}
         for name, param in model.named_parameters():
             if id(param) not in self.inits:
-                raise NotImplementedError(f"{name} was never initialized while the model was built")
+                raise MetaBuildError(f"{name} was never initialized while the model was built")
             inits[name] = self.inits[id(param)][1]
         return inits
 

@@ -88,18 +88,25 @@ def look(box: Box, host: dict[str, Path], before_looking: list[Mount] | None = N
     """Start LOOK in `box`; add `before_looking` to its box while it waits; what it saw. What
     it wrote is removed on the host, for the next look."""
     wanted = ["/run/forgeline", *sorted(str(p) for p in host.values())]
+    seen = run_in(box, LOOK, json.dumps(wanted), before_looking)
+    for written in (host["run"].parent.parent.parent).rglob("written-by-the-box"):
+        written.unlink()
+    return seen
+
+
+def run_in(box: Box, script: str, line: str, before_looking: list[Mount] | None) -> dict:
+    """Start `script` in `box`; add `before_looking` to its box while it waits for `line`;
+    the JSON object it prints."""
     proc = subprocess.Popen(
-        box.argv([sys.executable, "-c", LOOK]),
+        box.argv([sys.executable, "-c", script]),
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
     )  # fmt: skip
     try:
         if before_looking is not None:
             asyncio.run(add_binds(inside(proc), before_looking))
-        out, _ = proc.communicate(json.dumps(wanted) + "\n", timeout=30)
+        out, _ = proc.communicate(line + "\n", timeout=30)
     finally:
         proc.kill()
-    for written in (host["run"].parent.parent.parent).rglob("written-by-the-box"):
-        written.unlink()
     return json.loads(out)
 
 
@@ -188,17 +195,7 @@ def eight_gpus(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 
 def gpus_seen(box: Box, before_looking: list[Mount] | None = None) -> dict[str, str]:
-    proc = subprocess.Popen(
-        box.argv([sys.executable, "-c", LIST_GPUS]),
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-    )  # fmt: skip
-    try:
-        if before_looking is not None:
-            asyncio.run(add_binds(inside(proc), before_looking))
-        out, _ = proc.communicate("go\n", timeout=30)
-    finally:
-        proc.kill()
-    return json.loads(out)
+    return run_in(box, LIST_GPUS, "go", before_looking)
 
 
 def test_a_box_shows_its_job_s_gpus_alone_whether_started_with_them_or_given_them_late(
