@@ -68,6 +68,9 @@ def _rank_main(rank: int, port: int, layout_name: str, out: str) -> None:
                 differ.append("no DDP wrapper")
             outcome[config_name] = differ
         (Path(out) / f"rank{rank}.json").write_text(json.dumps(outcome))
+        # Together: rank 0 serves the rendezvous store, and a rank still talking to it when
+        # rank 0's process is gone aborts (SIGABRT in its destroy_process_group).
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
