@@ -30,9 +30,9 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from forgeline.client import ApiError, Client
     from forgeline.errors import SDKUsageError
+    from forgeline.randomness import sharded_draws
     from forgeline.step import Step
     from forgeline.training import Run, init
-    from trainer.rng_streams import sharded_draws
 
 # Loaded when first used: a program that only calls the API (and the `forgeline` CLI, which
 # is one) must not pay for importing torch, and a rank script does not load the client.
@@ -43,7 +43,7 @@ _WHERE = {
     "Step": "forgeline.step",
     "Run": "forgeline.training",
     "init": "forgeline.training",
-    "sharded_draws": "trainer.rng_streams",
+    "sharded_draws": "forgeline.randomness",
 }
 __all__ = [  # = _WHERE
     "ApiError", "Client", "Run", "SDKUsageError", "Step", "init", "sharded_draws",

@@ -34,6 +34,7 @@ from trainer.job import TrainJob
 from trainer.platform_faults import is_broken_node, is_device_fault, is_fabric_fault
 from trainer.progress import ProgressFile
 from trainer.rank_logs import rank_log_name
+from trainer.user_module_names import make_way_for
 
 BUILT_IN = "trainer.train:main"
 EXIT_USER_ERROR = 4
@@ -73,9 +74,12 @@ def _report(job: TrainJob, event: str, **fields: str | bool) -> None:
         handle.write(json.dumps(line) + "\n")
 
 
-def _run_entrypoint(entry: str, code_dir: str) -> None:
+def _run_entrypoint(job: TrainJob, entry: str) -> None:
+    code_dir = job.code_dir
     if code_dir:
-        sys.path.insert(0, code_dir)  # the script's own modules import as they do at home
+        # The script's own modules import as they do at home, `trainer.py` and `infra/` too.
+        make_way_for(Path(code_dir), job.store_url, job.twin_store_url)
+        sys.path.insert(0, code_dir)
     if entry.endswith(".py"):
         path = Path(code_dir) / entry
         sys.argv = [str(path)]
@@ -137,7 +141,7 @@ def main(job: TrainJob) -> None:
     entry = job.train.get("entrypoint") or BUILT_IN
     _mark_the_script_s_start(job)
     try:
-        _run_entrypoint(entry, job.code_dir)
+        _run_entrypoint(job, entry)
     except SystemExit as done:
         if done.code in (None, 0) or _Progress.began:
             raise
