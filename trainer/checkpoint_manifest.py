@@ -13,7 +13,7 @@ later build adds get defaults, so today's manifests keep loading.
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Final, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
 
@@ -21,6 +21,9 @@ from infra.stored_format import StoredRecord
 
 MANIFEST_FORMAT = "forgeline.checkpoint/1"
 PEER_FORMAT = "forgeline.peer-checkpoint/1"
+# What a checkpoint's files are (`CheckpointManifest.contents`).
+DCP_CONTENTS: Final = "dcp"
+FOLDER_CONTENTS: Final = "folder"
 
 
 class CheckpointFile(BaseModel):
@@ -73,7 +76,20 @@ class CheckpointManifest(StoredRecord):
     dataset_snapshot: str | None = None
     dataset_manifest_sha256: str | None = None
     init_from: str | None = None
+    # What the files are: the SDK's training state (torch.distributed.checkpoint files, read
+    # through trainer.safe_load), or the files a script that never imports Forgeline wrote into
+    # its checkpoint folder, each named by its '/'-separated path in it
+    # (trainer.folder_checkpoint). Stored only for a folder: the SDK's manifests say what
+    # they always said, and those written before the field are the SDK's.
+    contents: Literal["dcp", "folder"] = DCP_CONTENTS
     files: list[CheckpointFile]
+
+    @model_serializer(mode="wrap")
+    def _contents_of_a_folder_only(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        stored = handler(self)
+        if stored.get("contents") == DCP_CONTENTS:
+            del stored["contents"]
+        return stored
 
     def belongs_to(self, run_uid: str) -> bool:
         """Whether this is that run's checkpoint (a run without a uid takes any)."""
