@@ -10,8 +10,10 @@ from infra import code_snapshot
 from infra.cache_budget import CacheBudget, CacheLease, default_budget
 from infra.digest import is_sha256_hex
 from infra.errors import IntegrityError
+from infra.requirements import DeclaredKind, declared_environment, unmet
 from infra.store.protocol import ObjectStore, fetch_verified
 from infra.stored_format import StoredFile
+from infra.user_envs import NodePython, UserEnv, ensure, environment_key
 from trainer.checkpoint import fetch_checkpoint
 from trainer.checkpoint_manifest import CheckpointManifest
 from trainer.local_copies import LocalCopies
@@ -173,6 +175,24 @@ class NodeCacheLease:
                 ref.bytes,
                 lambda: code_snapshot.fetch(store, ref.snapshot_id, ref.manifest_sha256, dest),
             )
+        finally:
+            self.cache.budget.save()
+
+    def environment(self, code_dir: Path) -> UserEnv | None:
+        """The Python environment the code folder's requirements declare, built here once and
+        shared by every run that declares the same (infra.user_envs); None when it declares
+        none, or only what the node has. Its size is known once it is built: room is made after
+        the fact."""
+        wanted = declared_environment(code_dir)
+        if wanted is None or (wanted.kind is DeclaredKind.REQUIREMENTS and not unmet(code_dir)):
+            # What it asks for is what the node has (`torch>=2.6`): the node's interpreter, and
+            # its warm standby, serve it as they serve a folder without requirements.
+            return None
+        node = NodePython.this()
+        rel = f"envs/{environment_key(wanted, node)}"
+        folder = self.cache.root / rel
+        try:
+            return self.pins.admit(rel, 0, lambda: ensure(wanted, folder, node))
         finally:
             self.cache.budget.save()
 

@@ -27,9 +27,9 @@ from activities.node_confinement import door_policy, quoted_output
 from infra import code_snapshot, node_health
 from infra.gpu_devices import device_minors
 from infra.node_hardware import CPU
-from infra.requirements import unmet
 from infra.sandbox import Box
 from infra.settings import Settings
+from infra.user_envs import EnvironmentBuildFailed, UserEnv
 from registry.metric_stream import MetricShipper, MetricSpool
 from trainer.checkpoint_manifest import CheckpointManifest, PeerManifest
 from trainer.device_env import GrantedDevices
@@ -166,6 +166,9 @@ class NodeActivities:
             job = await _heartbeating(
                 self._prepare_job(inp, cache), lambda: reporter.beat("fetching")
             )
+            python_env = await _heartbeating(
+                self._environment(job, cache), lambda: reporter.beat("building its environment")
+            )
         if self.on_cache_changed is not None:
             await self.on_cache_changed(self.cache.held())
         rdzv = Rendezvous(
@@ -181,7 +184,7 @@ class NodeActivities:
         gen_dir = self._generation_dir(inp.run_id, generation)
         logs = LogShipper(self.store, inp.run_id, generation, self.node_id, gen_dir)
         try:
-            with as_run_errors(self.workdir), self._confined(inp, job) as box:
+            with as_run_errors(self.workdir), self._confined(inp, job, python_env) as box:
                 async with reporter.alive(), shipped_while_running(logs):
                     tail = await run_ranks(
                         job,
@@ -199,6 +202,7 @@ class NodeActivities:
                             allocation.devices_on(self.node_id),
                             cuda=self._node_info(allocation).gpu_type != CPU,
                         ),
+                        python_env=python_env,
                     )
         finally:
             reporter.close_metrics()
@@ -254,7 +258,9 @@ class NodeActivities:
         (folder / STOP_FILE).write_text("checkpoint and exit\n")
 
     @contextlib.contextmanager
-    def _confined(self, inp: NodeTrainInput, job: TrainJob) -> Iterator[Box | None]:
+    def _confined(
+        self, inp: NodeTrainInput, job: TrainJob, python_env: UserEnv | None
+    ) -> Iterator[Box | None]:
         """The box the job's ranks run in (None: this node runs them unconfined), with the
         run's store door open for as long as they run: the job's store becomes the door, and
         no credential of the store goes into the box."""
@@ -265,7 +271,8 @@ class NodeActivities:
         folder = door_folder(self.workdir, inp.run_id)
         job.store_url, job.twin_store_url = door_url(), ""
         gpus = device_minors(inp.allocation.devices_on(self.node_id), os.environ)
-        box = rank_box(job, run_dir, self._own_checkpoints(inp.run_id), folder, gpus)
+        env_folder = python_env.folder if python_env else None
+        box = rank_box(job, run_dir, self._own_checkpoints(inp.run_id), folder, gpus, env_folder)
         with StoreDoor(self.store, door_policy(inp, run_dir), folder / DOOR_SOCKET):
             yield box
 
@@ -404,24 +411,27 @@ class NodeActivities:
 
     def _user_code(self, inp: NodeTrainInput, cache: NodeCacheLease, dest: Path) -> Path | None:
         """The run's own copy of its code snapshot in `dest` (from this node's cache, every
-        file verified), its declared requirements met by this node's environment; None for the
-        built-in trainer."""
+        file verified); None for the built-in trainer."""
         if inp.code is None:
             return None
         ref = inp.code
         files = code_snapshot.manifest_files(self.store, ref.snapshot_id, ref.manifest_sha256)
-        folder = code_snapshot.materialize(
-            self.store, ref.snapshot_id, files, cache.code(ref), dest
-        )
-        if problems := unmet(folder):
+        return code_snapshot.materialize(self.store, ref.snapshot_id, files, cache.code(ref), dest)
+
+    async def _environment(self, job: TrainJob, cache: NodeCacheLease) -> UserEnv | None:
+        """The Python environment the run's code folder declares (infra.user_envs), built once
+        on this node, before its ranks start; None when it declares none. A build that fails
+        is the user's to fix: said once, by this agent, not as an ImportError by every rank."""
+        if not job.code_dir:
+            return None
+        try:
+            return await asyncio.to_thread(cache.environment, Path(job.code_dir))
+        except EnvironmentBuildFailed as err:
             raise ApplicationError(
-                f"train.code's requirements are not met on node {self.node_id}: "
-                + "; ".join(problems)
-                + " (install them in the node agents' environment, or change requirements.txt)",
+                f"train.code's requirements cannot be installed on node {self.node_id}: {err}",
                 type=USER_CODE_ERROR,
                 non_retryable=True,
-            )
-        return folder
+            ) from err
 
 
 class _Reporter:

@@ -2,13 +2,14 @@
 last used it, so that a fetch that would go over the budget first evicts what was used longest
 ago, and never what a running job holds.
 
-The cache's layout (activities.fetch.NodeCache) has three kinds of entries, each evicted whole:
+The cache's layout (activities.fetch.NodeCache) has four kinds of entries, each evicted whole:
 `blobs/<sha256>` (a dataset shard or tokenizer), `checkpoints/<folder of a manifest key>` (the
-plain files a checkpoint's manifest lists, directly in that folder) and `code/<snapshot id>` (a
-user's code snapshot, a tree). The index (`index.json`, written atomically) only adds the order
-of use and which dataset snapshots are held whole; sizes are always read from the disk when the
-cache opens, so a missing or corrupt index costs the order of use, never a wrong size or a
-file nobody accounts for.
+plain files a checkpoint's manifest lists, directly in that folder), `code/<snapshot id>` (a
+user's code snapshot, a tree) and `envs/<key>` (a Python environment built for a code folder's
+requirements, infra.user_envs; a tree whose links, to the node's interpreter, are not counted).
+The index (`index.json`, written atomically) only adds the order of use and which dataset
+snapshots are held whole; sizes are always read from the disk when the cache opens, so a missing
+or corrupt index costs the order of use, never a wrong size or a file nobody accounts for.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import re
 import shutil
 import threading
 import time
+import uuid
 from collections import Counter
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -34,6 +36,8 @@ GB = 1_000_000_000
 # one disk).
 DEFAULT_DISK_SHARE = 0.25
 _SHA256 = re.compile(r"[0-9a-f]{64}")
+# Kinds of entries that are trees of files, evicted as one folder.
+TREES = ("code", "envs")
 
 log = logging.getLogger(__name__)
 
@@ -330,9 +334,17 @@ def _size_of(root: Path, rel: str) -> int | None:
             return None
         if kind == "checkpoints":
             return sum(f.stat().st_size for f in _plain_files(path))
-        return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+        return _tree_bytes(path)[0]
     except FileNotFoundError:
         return None
+
+
+def _tree_bytes(folder: Path) -> tuple[int, float]:
+    """The bytes of a tree's files and its newest modification time; links are not its
+    bytes (an environment's interpreter is a link to the node's)."""
+    stats = [f.lstat() for f in folder.rglob("*") if f.is_file() and not f.is_symlink()]
+    newest = max((s.st_mtime for s in stats), default=folder.stat().st_mtime)
+    return sum(s.st_size for s in stats), newest
 
 
 def _plain_files(folder: Path) -> list[Path]:
@@ -351,6 +363,12 @@ def _remove(root: Path, rel: str) -> None:
             for file in _plain_files(path):
                 file.unlink(missing_ok=True)
             _prune_empty(path, root / "checkpoints")
+        elif kind == "envs":
+            # Out of its name first: a removal cut short never leaves a folder under the
+            # environment's name (its record is what says it is whole, but this is cheaper).
+            gone = path.with_name(f".evicted-{path.name}-{uuid.uuid4().hex[:8]}")
+            os.rename(path, gone)
+            shutil.rmtree(gone, ignore_errors=True)
         else:
             shutil.rmtree(path, ignore_errors=True)
     except OSError:
@@ -377,13 +395,16 @@ def _scan(root: Path) -> dict[str, tuple[int, float]]:
                 found[f"blobs/{file.name}"] = (stat.st_size, stat.st_mtime)
             elif file.is_file():  # a download cut short by a crash: no fetch runs yet
                 file.unlink(missing_ok=True)
-    code = root / "code"
-    if code.is_dir():
-        for folder in code.iterdir():
-            if folder.is_dir():
-                files = [f for f in folder.rglob("*") if f.is_file()]
-                newest = max((f.stat().st_mtime for f in files), default=folder.stat().st_mtime)
-                found[f"code/{folder.name}"] = (sum(f.stat().st_size for f in files), newest)
+    for kind in TREES:
+        if (root / kind).is_dir():
+            for folder in (root / kind).iterdir():
+                if folder.name.startswith("."):
+                    # An environment's build or eviction cut short by a crash (its lock files
+                    # are empty and stay): no job runs yet.
+                    if folder.is_dir():
+                        shutil.rmtree(folder, ignore_errors=True)
+                elif folder.is_dir():
+                    found[f"{kind}/{folder.name}"] = _tree_bytes(folder)
     checkpoints = root / "checkpoints"
     if checkpoints.is_dir():
         for folder, _dirs, _files in os.walk(checkpoints):

@@ -18,6 +18,7 @@ from pathlib import Path
 from infra.host_network import is_loopback
 from infra.parent_death import die_with_parent
 from infra.sandbox import Box
+from infra.user_envs import UserEnv
 from trainer.device_env import GrantedDevices, device_environment
 from trainer.errors import NodeFault, RanksFailed, RanksHung, UserCodeFailed
 from trainer.hang import HangWatch
@@ -230,6 +231,7 @@ async def run_ranks(
     box: Box | None = None,
     compile_cache: Path | None = None,
     devices: GrantedDevices | None = None,
+    python_env: UserEnv | None = None,
 ) -> ProgressTail:
     """Run torchrun to completion; report progress every `report_every_s` (also when idle, so
     the caller can heartbeat); raise RanksFailed with the log tail if the ranks fail, or if
@@ -239,7 +241,9 @@ async def run_ranks(
     the ranks train. With a `box` (trainer.rank_box), torchrun and its ranks run inside it.
     `compile_cache`: where the ranks keep what torch.compile builds (trainer.device_env; by
     default in `workdir`), writable in the box. `devices`: what the job holds of the node (its
-    grant's), the only GPUs its processes are shown."""
+    grant's), the only GPUs its processes are shown. `python_env`: the environment built for the
+    code folder's requirements (infra.user_envs), whose interpreter runs torchrun and the ranks
+    (None: the node's own)."""
     workdir.mkdir(parents=True, exist_ok=True)
     job_file = job.write(workdir / "job.json")
     log_file = workdir / "torchrun.log"
@@ -256,12 +260,17 @@ async def run_ranks(
             os.environ, workdir, compile_cache or workdir / COMPILE_CACHE, devices
         ),
     }
+    if python_env is not None:
+        env.update(python_env.variables(env))
     if box is not None:
         env = box_environment(env)
     order = LaunchOrder(torchrun_args(job_file, rdzv, fabric), env, str(workdir), str(log_file))
-    proc = await launcher.start(order, box) if launcher is not None else None
+    # A standby is the node's interpreter with torch imported from the node's packages: a job
+    # with an environment of its own starts cold, in its environment's interpreter.
+    warm = launcher if python_env is None else None
+    proc = await warm.start(order, box) if warm is not None else None
     if proc is None:
-        proc = await _start_cold(order, box)
+        proc = await _start_cold(order, box, str(python_env.python) if python_env else None)
     ranks = TorchrunProcess(proc, boxed=box is not None)
     finished_at: float | None = None
     start = StartWatch(start_limit_s, time.monotonic()) if start_limit_s else None
@@ -337,9 +346,11 @@ async def run_ranks(
     return tail
 
 
-async def _start_cold(order: LaunchOrder, box: Box | None) -> asyncio.subprocess.Process:
-    """torchrun in a fresh interpreter, in `box` when there is one."""
-    command = [sys.executable, "-m", "torch.distributed.run", *order.args]
+async def _start_cold(
+    order: LaunchOrder, box: Box | None, python: str | None = None
+) -> asyncio.subprocess.Process:
+    """torchrun in a fresh interpreter (`python`, else the node's), in `box` when there is one."""
+    command = [python or sys.executable, "-m", "torch.distributed.run", *order.args]
     with open(order.log_file, "ab") as log:
         return await asyncio.create_subprocess_exec(
             *(box.argv(command, order.cwd) if box is not None else command),

@@ -2,7 +2,8 @@
 
 What a job's box shows, at the paths the job file names:
 
-- read-only: the Python environment and Forgeline's packages; the job's token shards; the
+- read-only: the Python environment and Forgeline's packages, and the environment built for
+  the run's requirements (infra.user_envs) when it has one; the job's token shards; the
   run's code as materialized for this run (infra.code_snapshot.materialize); the base model a
   fine-tune starts from; this node's cached copies of the run's own checkpoints;
 - writable: the run's folder on this node (job file, progress, logs, staging, the peer-tier
@@ -108,11 +109,14 @@ def rank_box(
     own_checkpoints: Path,
     door: Path | None,
     gpus: tuple[int, ...] | None = None,
+    python_env: Path | None = None,
 ) -> Box:
     """The box of `job`'s ranks: `run_dir` is the run's folder on this node (every generation's
     folder is inside it), `own_checkpoints` the node cache's folder of the run's checkpoints,
     `door` the folder of the run's store door (trainer.store_door), at BOX_DOOR inside; `gpus`
-    the device files of the GPUs the job holds (infra.gpu_devices; None: every GPU's)."""
+    the device files of the GPUs the job holds (infra.gpu_devices; None: every GPU's);
+    `python_env` the folder of the environment its ranks run in (shared by every run that
+    declares the same requirements: read-only)."""
     run_dir.mkdir(parents=True, exist_ok=True)
     own_checkpoints.mkdir(parents=True, exist_ok=True)
     read_only = [
@@ -122,6 +126,7 @@ def rank_box(
         job.code_dir,
         job.init_weights,
         str(own_checkpoints),
+        str(python_env) if python_env else "",
     ]
     # The node's copies of the run's checkpoints are in the run's folder (activities.node): the
     # ranks move their files there from staging by a rename, which fails between two mounts.
