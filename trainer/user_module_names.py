@@ -71,13 +71,14 @@ def taken_names(code_dir: Path) -> tuple[str, ...]:
 
 def make_way_for(code_dir: Path, store_url: str, twin_store_url: str = "") -> tuple[str, ...]:
     """Import what the SDK needs, then give the code folder its own names (see the module's
-    docstring); returns the names given. Call once, before the script runs."""
-    for module in SDK_MODULES:
-        importlib.import_module(module)
-    preload(store_url, twin_store_url)
+    docstring); returns the names given. Call once, before the script runs. A folder that takes
+    none of Forgeline's names costs nothing: the SDK is imported when the script imports it."""
     names = taken_names(code_dir)
     if not names:
         return names
+    for module in SDK_MODULES:
+        importlib.import_module(module)
+    preload(store_url, twin_store_url)
     for key in list(sys.modules):
         if key.split(".", 1)[0] in names:
             _MOVED_ASIDE[key] = sys.modules.pop(key)

@@ -258,11 +258,14 @@ def test_a_host_without_bwrap_refuses_user_code_saying_why(
 # Each rank says which GPUs it was told it has and which GPU files it can open.
 SAYS_ITS_GPUS = textwrap.dedent(
     """
-    import json, os, pathlib
+    import json, os, pathlib, time
     seen = {"visible": os.environ.get("CUDA_VISIBLE_DEVICES"),
             "files": sorted(n for n in os.listdir("/dev") if n.startswith("nvidia"))}
     out = pathlib.Path(os.environ["FORGELINE_JOB"]).with_name(f"gpus-{os.environ['RANK']}.json")
     out.write_text(json.dumps(seen))
+    # The first rank to return ends the job (the script never trains): wait for the others.
+    while len(list(out.parent.glob("gpus-*.json"))) < int(os.environ["WORLD_SIZE"]):
+        time.sleep(0.01)
     """
 )
 

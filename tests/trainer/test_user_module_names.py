@@ -90,7 +90,9 @@ from trainer import warm_launch
 from trainer.user_module_names import make_way_for
 for module in warm_launch.RANK_IMPORTS:
     importlib.import_module(module)
-make_way_for(Path(tempfile.mkdtemp()), "file:///nowhere")
+code = Path(tempfile.mkdtemp())
+(code / "trainer.py").write_text("")
+make_way_for(code, "file:///nowhere")
 print(json.dumps(sorted(m.__file__ for n, m in sys.modules.items()
                         if n.split(".")[0] in sys.argv[1:] and getattr(m, "__file__", None))))
 """
