@@ -25,6 +25,7 @@ class Saves:
         self.clock = clock
         self.progress = progress
         self.last_committed = committed_step  # the newest step whose manifest committed
+        self.last_issued: int | None = None  # the newest step a store save was started for
         self.costs: tuple[float | None, float | None] = (None, None)  # stall, save to commit
         self.last_save_at = time.monotonic()
 
@@ -41,14 +42,16 @@ class Saves:
         meta: dict,
         *,
         peer: bool = False,
+        extra: dict | None = None,
     ) -> None:
-        """Start a save of this step (`peer`: of the peer tier); returns once the state is
-        being copied."""
+        """Start a save of this step (`peer`: of the peer tier; `extra`: the script's own
+        state, `forgeline.kept_state`); returns once the state is being copied."""
         if not peer:  # the interval policy times the store's checkpoints
             self.last_save_at = time.monotonic()
+            self.last_issued = step
         started = time.monotonic()
         self.clock.save_issued(step)
-        previous = self.checkpointer.save(model, optimizer, step, meta, peer=peer)
+        previous = self.checkpointer.save(model, optimizer, step, meta, peer=peer, extra=extra)
         self._report(previous)  # the one before
         self.clock.add(stall_s=time.monotonic() - started)
 
@@ -56,10 +59,15 @@ class Saves:
         """Report a save that committed since the last look, without waiting."""
         self._report(self.checkpointer.poll())
 
-    def wait(self) -> None:
-        """Wait for the save in flight to commit (before a stop: only then is it safe)."""
+    def holds(self, step: int) -> bool:
+        """A store checkpoint of `step` is committed or on its way (the resume point counts)."""
+        return step in (self.last_committed, self.last_issued)
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Wait for the save in flight to commit (before a stop: only then is it safe); with
+        `timeout`, at most that long (trainer.checkpoint.Checkpointer.wait)."""
         waited = time.perf_counter()
-        self._report(self.checkpointer.wait())
+        self._report(self.checkpointer.wait(timeout))
         self.clock.add(stall_s=time.perf_counter() - waited)
 
     def close(self) -> None:

@@ -45,6 +45,7 @@ class Step:
         self.verdict: Verdict | None = None  # a shadow check's, set by gradients()
         self.shadow_s = 0.0  # the shadow check's time (goodput's own cause)
         self.micro_index = 0  # the micro-batch micro_batches() handed out last, from 1
+        self.weights_changed = False  # the script's optimizer stepped in this step
         self.started = time.perf_counter()
 
     def micro_batches(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:

@@ -13,9 +13,13 @@ itself. Everything the platform needs from a rank happens inside these calls:
   allocation's generation;
 - stop requests (preemption, drain, a straggler swap, a newer generation) end the loop after a
   checkpoint commits;
+- the loop's end is kept whatever the script's loop does: a `break` out of it, an exception in
+  it (`forgeline.loop_end`);
 - progress goes to the node agent (heartbeats, MLflow) and the goodput ledger to the store.
 
-The script keeps what is its own: the model, the optimizer, the forward and backward pass.
+The script keeps what is its own: the model, the optimizer, the forward and backward pass,
+and whatever else it names in `restore(state=...)` (`forgeline.kept_state`): checkpointed and
+restored with them.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ import os
 import re
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +39,8 @@ import torch.distributed as dist
 
 from forgeline.errors import SDKUsageError
 from forgeline.findings import Findings
+from forgeline.kept_state import KeptState
+from forgeline.loop_end import LeftLoop
 from forgeline.saves import Saves
 from forgeline.shadow import ShadowChecks, shadow_checks
 from forgeline.step import Step
@@ -113,6 +119,7 @@ class Run:
         self.loss_history: list[list[float]] = []  # [step, mean loss] on the log grid
         self._model: torch.nn.Module | None = None
         self._optimizer: torch.optim.Optimizer | None = None
+        self._kept: KeptState | None = None  # restore(state=...)
         self._own_norms: OwnGradients | None = None
         self._shadow = ShadowSettings.from_dict(job.shadow)
         self._loss_of: Recompute | None = None  # recompute_with()
@@ -127,6 +134,10 @@ class Run:
         # measured inside the run, so a busy machine moves it no more than the step it divides.
         self._sdk_s = 0.0
         self._current: Step | None = None  # the step the script is in
+        self._loop: Generator[Step, None, None] | None = None  # what steps() returned
+        self._rules: StopRules | None = None  # made by steps()
+        self._loop_start = 0  # the step steps() started from
+        self._left: LeftLoop | None = None  # the script left steps() early; finish() ends it
         self._last_eval: dict[str, float | int] | None = None  # the newest report_eval
         self._serving: dict[str, str] | None = None  # serve_with(): how the model is served
         self._progress.write(event="sdk", call="init", state="returned")
@@ -169,7 +180,13 @@ class Run:
         """The run's training split in windows of `block_size + 1` tokens, each data-parallel
         rank reading its slice of every global batch (`batch_size` sequences, split into
         `grad_accum_steps` micro-batches). The order is a permutation keyed by (seed, epoch),
-        so a resume on any number of ranks neither skips nor repeats a sample."""
+        so a resume on any number of ranks neither skips nor repeats a sample.
+
+        Returns the sampler `step.micro_batches()` draws from (also `run.sampler`): its
+        position is the run's, kept in every checkpoint. A script that brings its own loader
+        does not call this; it hands its loader's position to `restore(state=...)` (an object
+        with `state_dict()`/`load_state_dict()`, the same on every rank) and gets it back on
+        resume."""
         stream = TokenStream([Path(p) for p in self.job.train_shards], self.job.dtype, block_size)
         self.sampler = Sampler(
             stream,
@@ -209,16 +226,22 @@ class Run:
         *,
         model_config: dict[str, Any] | None = None,
         flops_per_token: float | None = None,
+        state: Mapping[str, Any] | None = None,
     ) -> int:
         """Hand the platform the (parallelized) model and its optimizer, and load the last
         committed checkpoint into them when the run resumes (files verified by sha256 before
         any is read, resharded to this attempt's layout). Returns the step to start from.
 
         `model_config` goes into every checkpoint manifest (evaluation and serving rebuild the
-        model from it); `flops_per_token` lets the platform report MFU.
+        model from it); `flops_per_token` lets the platform report MFU. `state` names whatever
+        else the script keeps, each an object with `state_dict()`/`load_state_dict()` (an LR
+        scheduler, an EMA, a GradScaler, its own loader's position): in every checkpoint, and
+        loaded back on resume (`forgeline.kept_state` says what its state may hold).
         """
         if self._model is not None:
             raise SDKUsageError("run.restore() was called twice")
+        # Checked before anything else: a script's mistake is refused before it trains.
+        self._kept = KeptState(state) if state is not None else None
         self._progress.write(event="sdk", call="restore", state="entered")
         self._model, self._optimizer = model, optimizer
         self._model_config = dict(model_config or {})
@@ -242,7 +265,10 @@ class Run:
             self._progress.write(event="peer_skipped", why=skipped)
             self.job.resume = resume  # `resuming` tells the truth from here on
         if resume is not None:
-            load_training_state(model, optimizer, Path(resume.folder))
+            kept = self._kept.capture() if self._kept is not None else None
+            load_training_state(model, optimizer, Path(resume.folder), kept)
+            if self._kept is not None and kept is not None:
+                self._kept.load(kept)
             self.step, self.tokens_seen = resume.step, resume.tokens_seen
             self.loss_history = list(resume.loss_history)
             self.samples_seen = resume.samples_seen
@@ -278,56 +304,119 @@ class Run:
         """The training loop: one `Step` per optimizer step until `steps` are done or the run
         is asked to stop. Before each step the RNG is seeded from (seed, step, rank), so a
         resumed run draws what an uninterrupted one would; after each, the ranks agree on
-        stopping and checkpointing, and the platform does both."""
+        stopping and checkpointing, and the platform does both. A script may leave it early
+        with `break` (every rank at the same step): `run.finish()` then commits a checkpoint
+        of where it stopped (`forgeline.loop_end`)."""
         if self._saves is None or self._clock is None:
             raise SDKUsageError("call run.restore(model, optimizer) before run.steps()")
+        if self._loop is not None:
+            raise SDKUsageError("run.steps() was called twice: a run has one training loop")
+        self._loop = self._steps()
+        return self._loop
+
+    def _steps(self) -> Generator[Step, None, None]:
+        assert self._saves is not None
         watch = SpikeWatch(SpikeSettings.from_dict(self.job.spikes), self.world)
         self._checks = shadow_checks(self, self._shadow, self._loss_of, self._own_norms)
-        rules = StopRules(self.job.stragglers, self._findings, self.ranks_per_node, self._term,
-                          self._stop_file, watch, on_suspect=self._suspect_at)  # fmt: skip
+        self._rules = StopRules(self.job.stragglers, self._findings, self.ranks_per_node,
+                                self._term, self._stop_file, watch,
+                                on_suspect=self._suspect_at)  # fmt: skip
         self._policy = CheckpointPolicy.from_train_config(self.job.train, self.job.mtbf_s)
         self._window = (time.perf_counter(), 0)
         self._sdk_s = 0.0
-        start_step = self.step
+        self._loop_start = self.step
         self._progress.write(event="sdk", call="steps", state="entered")
-        while self.step < self.settings.steps:
-            entered = time.perf_counter()
-            # Randomness (dropout) derives from (seed, step, coordinates): nothing to save for
-            # resume, and a tensor-parallel group draws alike where it holds the same values.
-            seed_step(self.device, self.settings.seed, self.step + 1,
-                      self.placement.dp_rank, self.rank, self.layout.tensor > 1)  # fmt: skip
-            self._stall_s = 0.0
-            step = self._current = Step(self, self.step + 1)
-            if self._checks is not None:
-                self._checks.starting(step.number)
-            if self._model is not None and chaos_order(self._corrupt_next, step.number, "flip-bit"):
-                flip_low_bit(self._model)  # `forgeline chaos flip-bit`, for tests and demos
-            self._sdk_s += time.perf_counter() - entered
-            yield step
-            # The step's device values are read here, before the SDK's clock starts: on a GPU
-            # that read waits for the device to finish the script's work, which is the step's
-            # compute, not the platform's share (`sdk_share`). After it the device is idle, so
-            # nothing the SDK reads below waits for the script's kernels.
-            # What waits for the device each step, on a GPU, and why it must: the local gradient
-            # norm in `step.gradients()` (the host decides whether to clip by it, and hands it to
-            # the script as a number), and this read of the loss (every rank must decide at
-            # this step, from every rank's loss, whether the gang stops on a non-finite value,
-            # and the spike watch compares it every step). The step's all-gather (gloo, host
-            # numbers) waits for the other ranks, not the device: all of them must agree on
-            # stopping and saving at the same step. On logging steps, the mean loss too.
-            step._settle()
-            entered = time.perf_counter()
-            stop = self._end_step(step, rules, first=self.step == start_step)
-            self._sdk_s += time.perf_counter() - entered
-            mark_began()  # a failure from here on is a crash, not a script that cannot start
-            if stop:
-                break
+        step: Step | None = None
+        try:
+            while self.step < self.settings.steps:
+                entered = time.perf_counter()
+                # Randomness (dropout) derives from (seed, step, coordinates): nothing to save
+                # for resume, and a tensor-parallel group draws alike where it holds the same
+                # values.
+                seed_step(self.device, self.settings.seed, self.step + 1,
+                          self.placement.dp_rank, self.rank, self.layout.tensor > 1)  # fmt: skip
+                self._stall_s = 0.0
+                step = self._current = Step(self, self.step + 1)
+                if self._checks is not None:
+                    self._checks.starting(step.number)
+                if self._model is not None and chaos_order(
+                    self._corrupt_next, step.number, "flip-bit"
+                ):
+                    flip_low_bit(self._model)  # `forgeline chaos flip-bit`, for tests and demos
+                self._sdk_s += time.perf_counter() - entered
+                yield step
+                if self._after_step(step):
+                    break
+        except BaseException as left:
+            self._leave_loop(step, crashed=not isinstance(left, GeneratorExit))
+            raise
         mark_began()  # also when a resume found every step done
+        self._end_loop()
+
+    def _after_step(self, step: Step) -> bool:
+        """The platform's part of a step the script has done; True when the loop must end."""
+        assert self._rules is not None
+        # The step's device values are read here, before the SDK's clock starts: on a GPU
+        # that read waits for the device to finish the script's work, which is the step's
+        # compute, not the platform's share (`sdk_share`). After it the device is idle, so
+        # nothing the SDK reads below waits for the script's kernels.
+        # What waits for the device each step, on a GPU, and why it must: the local gradient
+        # norm in `step.gradients()` (the host decides whether to clip by it, and hands it to
+        # the script as a number), and this read of the loss (every rank must decide at
+        # this step, from every rank's loss, whether the gang stops on a non-finite value,
+        # and the spike watch compares it every step). The step's all-gather (gloo, host
+        # numbers) waits for the other ranks, not the device: all of them must agree on
+        # stopping and saving at the same step. On logging steps, the mean loss too.
+        step._settle()
+        entered = time.perf_counter()
+        stop = self._end_step(step, self._rules, first=self.step == self._loop_start)
+        self._sdk_s += time.perf_counter() - entered
+        mark_began()  # a failure from here on is a crash, not a script that cannot start
+        return stop
+
+    def _end_loop(self, reason: str | None = None) -> None:
+        """The loop's end: its last save committed, and the run's final record where the loop
+        ran its course (`reason`: why it ended before `steps`, the script's own choice)."""
+        assert self._saves is not None and self._clock is not None
         self._saves.wait()
         self._saves.close()
         if self.step >= self.settings.steps:
             self._clock.end("done")
             self._progress.write(event="done", step=self.step, tokens_seen=self.tokens_seen)
+        elif reason is not None:
+            self._clock.end(f"done: {reason}")
+            self._progress.write(event="done", step=self.step, tokens_seen=self.tokens_seen,
+                                 reason=reason)  # fmt: skip
+
+    def _leave_loop(self, step: Step | None, crashed: bool) -> None:
+        """The script left the loop early, on purpose or by an exception (forgeline.loop_end):
+        what is right for both. No collective: after a crash the other ranks may be anywhere."""
+        assert self._saves is not None
+        self._left = LeftLoop(step, crashed)
+        try:
+            # Bounded: a checkpoint whose peer is gone waits out its collective's timeout.
+            self._saves.wait(timeout=self.settings.collective_timeout_s)
+        except Exception as failed:  # the exception unwinding (if any) is the one to report
+            self._say(f"the checkpoint in flight when the loop was left failed: {failed!r}")
+
+    def _finish_left_loop(self, left: LeftLoop) -> None:
+        """`run.finish()` after the script left the loop: a `break` finishes the step it was in
+        and commits where it stopped; a crash saves nothing more (forgeline.loop_end)."""
+        assert self._saves is not None and self._clock is not None
+        if not left.on_purpose():
+            unwinding = sys.exc_info()[1]
+            why = f"{type(unwinding).__name__}: {unwinding}" if unwinding else "the step failed"
+            at = left.step.number if left.step is not None else self.step
+            self._clock.end(f"failed: the loop was left at step {at} ({why})"[:500])
+            return
+        mark_began()  # a loop that ended, however early, trained
+        if left.step is not None and left.step_finished and self._after_step(left.step):
+            self._saves.close()  # it stopped (asked to, or fenced) and said so
+            return
+        if self.step > 0 and not self._saves.holds(self.step):
+            self.checkpoint()
+        self._end_loop(reason=f"the script's loop ended at step {self.step} of "
+                              f"{self.settings.steps}")  # fmt: skip
 
     @contextlib.contextmanager
     def evaluating(self) -> Iterator[None]:
@@ -376,13 +465,23 @@ class Run:
         self._serving = {"module": module}
 
     def finish(self) -> None:
-        """Leave the process group; the last call of a rank script."""
+        """Leave the process group; the last call of a rank script. After a loop the script
+        left with `break`, it first ends the loop: the step the script was in, a checkpoint of
+        where it stopped, the run's final record (every rank calls it: a collective)."""
+        if self._loop is not None:
+            # A loop the script still holds (`it = run.steps()`) ends here, as after a break.
+            self._loop.close()
+        left, self._left = self._left, None
+        if left is not None:
+            self._finish_left_loop(left)
         if dist.is_initialized():
             dist.destroy_process_group()
 
     # ---- the platform's side of a step -------------------------------------------------
 
     def _before_weights_change(self, *_: object) -> None:
+        if self._current is not None:
+            self._current.weights_changed = True
         if self._saves is not None:
             started = time.perf_counter()
             self._saves.checkpointer.before_weights_change()
@@ -527,10 +626,10 @@ class Run:
         self._sdk_s = 0.0  # the rest of this step's platform work falls in the next window
 
     def checkpoint(self) -> None:
-        """Start an asynchronous checkpoint of the model and optimizer at this step (every rank
-        calls it; the loop does so by the spec's policy, and on every stop). It returns once
-        the state is being copied; the files upload and the manifest commits in the
-        background."""
+        """Start an asynchronous checkpoint of the model, the optimizer and the state named in
+        `restore(state=...)` at this step (every rank calls it; the loop does so by the spec's
+        policy, and on every stop). It returns once the state is being copied; the files
+        upload and the manifest commits in the background."""
         self._save(peer=False)
 
     def _save(self, peer: bool) -> None:
@@ -542,6 +641,7 @@ class Run:
             self._optimizer,
             self.step,
             peer=peer,
+            extra=self._kept.capture() if self._kept is not None else None,
             meta={
                 "tokens_seen": self.tokens_seen,
                 "samples_seen": self.samples_seen,

@@ -17,6 +17,11 @@ A generation that has been superseded (`trainer.manifest.Fences`) uploads and co
 each rank checks before it uploads, rank 0 again before it commits, and the save reports itself
 fenced so the loop stops.
 
+Beside the model and the optimizer, a save keeps what the script names in `extra`
+(`forgeline.kept_state`: an LR scheduler, an EMA, a scaler, a loader's position) under the key
+`state`, through the same stages: its tensors sharded and resharded as the model's, its other
+values as DCP's plain items.
+
 One save is in flight at a time: a new one first waits for the previous commit. Loading fetches
 and verifies every file first (`fetch_checkpoint`), then each rank reads what it needs, resharded
 to whatever layout it now has, through `trainer.safe_load`: nothing in a checkpoint is unpickled
@@ -31,6 +36,7 @@ import shutil
 import time
 import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -38,6 +44,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from infra.digest import sha256_file
@@ -46,6 +53,7 @@ from infra.store.protocol import ObjectStore, fetch_verified
 from trainer import safe_load
 from trainer.checkpoint_manifest import CheckpointFile, CheckpointManifest
 from trainer.checkpoint_staging import own_share, stager_for
+from trainer.errors import CheckpointError
 from trainer.local_copies import LocalCopies
 from trainer.manifest import (
     CommitOutcome,
@@ -61,6 +69,9 @@ from trainer.rollback_points import RollbackPoints
 from trainer.safe_load import METADATA_FILE, UnsafeCheckpoint
 from trainer.typed_exchange import all_gather_typed, broadcast_typed
 
+# The checkpoint's key for what a script keeps beside its model and optimizer (`extra`).
+KEPT_STATE = "state"
+
 
 def _files_written_by(folder: Path, rank: int) -> list[Path]:
     # DCP's file writer names each rank's data files `__<rank>_<n>.distcp`; the coordinator
@@ -69,6 +80,17 @@ def _files_written_by(folder: Path, rank: int) -> list[Path]:
     if rank == 0:
         files.append(folder / METADATA_FILE)
     return files
+
+
+def _training_state(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, extra: dict | None
+) -> dict:
+    """What a checkpoint holds, as DCP saves and loads it."""
+    model_state, optim_state = get_state_dict(model, optimizer)
+    state: dict = {"model": model_state, "optim": optim_state}
+    if extra:
+        state[KEPT_STATE] = extra
+    return state
 
 
 def _replicas_only(layout: dict) -> bool:
@@ -138,18 +160,19 @@ class Checkpointer:
         meta: dict,
         *,
         peer: bool = False,
+        extra: dict | None = None,
     ) -> SaveReport | None:
         """Start a checkpoint of the current state once the previous one has committed (one
         save in flight); returns that previous save's report if it had to wait for it. With
-        `peer`, a peer-tier checkpoint: to the node and its peer, not the store."""
+        `peer`, a peer-tier checkpoint: to the node and its peer, not the store. `extra`: the
+        script's own state by name (`forgeline.kept_state`), saved beside the model's."""
         if peer and self.peer is None:
             raise ValueError("a peer-tier save needs the Checkpointer's `peer`")
         started = time.perf_counter()
         previous = self.wait()
         folder = self.staging_dir / f"step-{step}"
         folder.mkdir(parents=True, exist_ok=True)
-        model_state, optim_state = get_state_dict(model, optimizer)
-        state: dict = {"model": model_state, "optim": optim_state}
+        state = _training_state(model, optimizer, extra)
         if _replicas_only(self.layout) and self.world > 1:
             state = own_share(state, self.rank, self.world)  # staged once a node, not per rank
         if self.asynchronous:
@@ -196,9 +219,13 @@ class Checkpointer:
             return self.wait()
         return None
 
-    def wait(self) -> SaveReport | None:
-        """Wait for the save in flight to commit; its report, or None if none was in flight."""
+    def wait(self, timeout: float | None = None) -> SaveReport | None:
+        """Wait for the save in flight to commit; its report, or None if none was in flight.
+        With `timeout`, None too when it has not committed within that many seconds: it goes
+        on in the background (a peer it needs may be gone, and its collective times out)."""
         if self._in_flight is None:
+            return None
+        if timeout is not None and not futures_wait([self._in_flight], timeout).done:
             return None
         self.before_weights_change()
         future, self._in_flight = self._in_flight, None
@@ -368,15 +395,43 @@ def local_path(dest: Path, name: object) -> Path:
 
 
 def load_training_state(
-    model: torch.nn.Module, optimizer: torch.optim.Optimizer, folder: Path
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    folder: Path,
+    extra: dict | None = None,
 ) -> None:
-    """Restore model and optimizer in place from a fetched checkpoint, resharded to this layout."""
-    model_state, optim_state = get_state_dict(model, optimizer)
-    state = {"model": model_state, "optim": optim_state}
+    """Restore model and optimizer in place from a fetched checkpoint, resharded to this layout;
+    and `extra`, the script's own state by name as it is now (its template: tensors are loaded
+    into it, other values replaced), with what the checkpoint holds of it."""
+    state = _training_state(model, optimizer, extra)
+    if extra:
+        _check_kept_state(extra, folder)
     safe_load.load(state, folder)
     set_state_dict(
         model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
     )
+
+
+def _check_kept_state(extra: dict, folder: Path) -> None:
+    """DCP loads what the template names: a name the checkpoint lacks would load nothing, and
+    a value the template has no room for would be dropped, each without a word. Say so."""
+    saved = set(safe_load.read_metadata(folder).state_dict_metadata)
+    wanted = set(flatten_state_dict({KEPT_STATE: extra})[0])
+    for name in extra:
+        prefix = f"{KEPT_STATE}.{name}."
+        ours = {key for key in wanted if key.startswith(prefix)}
+        theirs = {key for key in saved if key.startswith(prefix)}
+        if ours and not theirs:
+            raise CheckpointError(
+                f"the checkpoint in {folder} holds no state {name!r}: its run saved none under "
+                "that name (run.restore(state=...) must name what the run's checkpoints keep)"
+            )
+        if extra_keys := sorted(theirs - ours):
+            raise CheckpointError(
+                f"the checkpoint in {folder} holds {', '.join(extra_keys[:3])} of state "
+                f"{name!r}, for which its state_dict() now has no place: its state_dict() must "
+                "have the same keys before and after training starts"
+            )
 
 
 def load_model_weights(model: torch.nn.Module, folder: Path) -> None:
@@ -392,14 +447,21 @@ def load_model_weights(model: torch.nn.Module, folder: Path) -> None:
 def load_model_state(folder: Path) -> dict[str, torch.Tensor]:
     """The model's weights of a fetched checkpoint as a flat state dict, without the model's
     class (a user's script owns it): shapes and dtypes come from the vetted DCP metadata."""
+    return load_saved_tensors(folder, "model")
+
+
+def load_saved_tensors(folder: Path, under: str) -> dict[str, torch.Tensor]:
+    """Every tensor a fetched checkpoint holds under `under` (`model`, or `state.<name>` for a
+    script's own state), whole, by its name below it, in a plain process."""
+    prefix = f"{under}."
     metadata = safe_load.read_metadata(folder)
     template = {
-        key.removeprefix("model."): torch.empty(entry.size, dtype=entry.properties.dtype)
+        key.removeprefix(prefix): torch.empty(entry.size, dtype=entry.properties.dtype)
         for key, entry in metadata.state_dict_metadata.items()
-        if key.startswith("model.") and hasattr(entry, "size")
+        if key.startswith(prefix) and hasattr(entry, "size")
     }
-    state = {"model": template}
+    state = {under: template}
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         safe_load.load(state, folder)
-    return state["model"]
+    return state[under]
