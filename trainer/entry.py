@@ -65,7 +65,7 @@ def _where(tb: list[traceback.FrameSummary], code_dir: str) -> str:
     return "(no frame)"
 
 
-def _report(job: TrainJob, event: str, **fields: str | bool) -> None:
+def _report(job: TrainJob, event: str, **fields: str | bool | int) -> None:
     """One progress line, from whichever rank found it (appends of a line are atomic)."""
     if not job.progress_file:
         return
@@ -82,10 +82,11 @@ def _run_entrypoint(job: TrainJob, entry: str) -> None:
         sys.path.insert(0, code_dir)
     if entry.endswith(".py"):
         path = Path(code_dir) / entry
-        sys.argv = [str(path)]
+        sys.argv = [str(path), *job.script_argv]
         runpy.run_path(str(path), run_name="__main__")
         return
     module, _, function = entry.partition(":")
+    sys.argv = [module, *job.script_argv]
     getattr(importlib.import_module(module), function)()
 
 
@@ -135,6 +136,25 @@ def _mark_the_script_s_start(job: TrainJob) -> None:
     progress.write(event="sdk", call="script", state="entered")
 
 
+def _began(job: TrainJob) -> bool:
+    """Whether the script is past its set-up: it finished a step through the SDK, or, keeping
+    its own checkpoints, it resumed from one or has written one (a script that fails before
+    that fails the same way on every node: the user's error)."""
+    if _Progress.began:
+        return True
+    folder = Path(job.checkpoint_folder) if job.checkpoint_folder else None
+    return folder is not None and (
+        job.checkpoint_resumed or (folder.is_dir() and any(folder.iterdir()))
+    )
+
+
+def _exited(job: TrainJob) -> None:
+    """A script that keeps its own checkpoints returned: its folder is whole (the agent
+    commits it once more even if the gang was stopped by a signal: trainer.script_folder)."""
+    if job.checkpoint_folder:
+        _report(job, "exited", rank=int(os.environ.get("RANK", "0")))
+
+
 def main(job: TrainJob) -> None:
     _copy_output_to_rank_log(job)
     _print_stacks_when_asked(job)
@@ -143,12 +163,15 @@ def main(job: TrainJob) -> None:
     try:
         _run_entrypoint(job, entry)
     except SystemExit as done:
-        if done.code in (None, 0) or _Progress.began:
+        if done.code in (None, 0):
+            _exited(job)
+            raise
+        if _began(job):
             raise
         fail_user(job, f"the rank script {entry} exited with status {done.code} before its "
                   "first step", "")  # fmt: skip
     except BaseException as err:
-        if _Progress.began or isinstance(err, KeyboardInterrupt):
+        if _began(job) or isinstance(err, KeyboardInterrupt):
             raise
         if is_fabric_fault(err) or is_device_fault(err):
             raise  # the node's or the fabric's: a crash, restarted, not the user's mistake
@@ -157,7 +180,9 @@ def main(job: TrainJob) -> None:
         where = _where(frames, job.code_dir)
         fail_user(job, f"the rank script {entry} failed before its first step: "
                   f"{type(err).__name__}: {err} ({where})", detail)  # fmt: skip
-    if not _Progress.began:
+    if job.checkpoint_folder:
+        _exited(job)
+    elif not _Progress.began:
         fail_user(job, f"the rank script {entry} returned without training: it must call "
                   "run.steps() (see README, Your own training code)", "")  # fmt: skip
 

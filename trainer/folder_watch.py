@@ -97,9 +97,16 @@ class FolderWatcher:
             self._seen, self._changed_at = signature, now
         if signature == self._committed:
             return FolderPoll(FolderState.UNCHANGED, skipped=scan.skipped)
-        if now - self._changed_at < self.settle_s:
+        if now - self._changed_at < self.settle_s and not self._written_before_settling(scan):
             return FolderPoll(FolderState.SETTLING, skipped=scan.skipped)
         return self._commit(scan, step)
+
+    def _written_before_settling(self, scan: FolderScan) -> bool:
+        """No file changed (by the files' own ctimes) for a settle period. A script that saves
+        more often than the agent polls changes the folder between every two polls, so the
+        folder never looks quiet from one poll to the next; between its saves it is."""
+        newest = max((f.stamp.ctime_ns for f in scan.files.values()), default=0)
+        return time.time_ns() - newest >= self.settle_s * 1e9
 
     def final(self, step: int | None = None, timeout_s: float = 30.0) -> FolderPoll:
         """Commit what the ranks left, now that they have exited: no settle period, but a file

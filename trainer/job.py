@@ -78,6 +78,11 @@ class TrainJob:
     # The node's folder of peer-tier copies and its failure domain (pod): "" takes none
     peer_copies: str = ""
     node_domain: str = ""
+    # A script that keeps its own checkpoints (train.checkpoints = "folder"): its folder on this
+    # node (trainer.script_folder), and whether it holds the run's last commit ("": the SDK's)
+    checkpoint_folder: str = ""
+    checkpoint_resumed: bool = False
+    script_argv: list[str] = field(default_factory=list)  # the script's sys.argv[1:]
 
     def stacks_file(self, local_rank: int) -> Path | None:
         """Where a rank of this node prints its threads' stacks when asked (SIGUSR1): one file

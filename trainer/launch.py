@@ -28,6 +28,7 @@ from trainer.progress_events import (
     CrashedLine,
     EndLine,
     EvalLine,
+    ExitedLine,
     FailedLine,
     HealthLine,
     OddLine,
@@ -41,6 +42,7 @@ from trainer.progress_events import (
 from trainer.rank_box import box_environment, standby_box
 from trainer.rank_env import rank_environment
 from trainer.rank_lines import MAX_READ, BoundedLines, line_cap, read_to_end, tail_lines
+from trainer.script_folder import SCRIPT_STOP_GRACE_S, ScriptFolder, script_folder_environment
 from trainer.start_watch import StartWatch, Verdict
 from trainer.step_rate import StepRate
 from trainer.torchrun_process import RANK_SCRIPT, TorchrunProcess
@@ -147,6 +149,7 @@ class ProgressTail:
         self.sdk = ""  # the SDK call the ranks were last in or back from ("init:entered", ...)
         self.crash: str | None = None  # the first rank's uncaught exception (trainer.entry)
         self.node_fault: str | None = None  # the first that said the node is broken
+        self.exited: set[int] = set()  # the ranks whose script returned (trainer.entry)
         self._rate = StepRate()
 
     def poll(self) -> None:
@@ -190,6 +193,8 @@ class ProgressTail:
                 self.latest["health_seen"] = self.latest.get("health_seen", 0) + 1
             case SdkLine():
                 self.sdk = f"{line.call}:{line.state}"
+            case ExitedLine():
+                self.exited.add(line.rank)
             case StepLine():
                 # The fields the line has, as it has them (a None included).
                 self.latest.update(line.model_dump(include=line.model_fields_set & _STEP_FIELDS))
@@ -232,6 +237,8 @@ async def run_ranks(
     compile_cache: Path | None = None,
     devices: GrantedDevices | None = None,
     python_env: UserEnv | None = None,
+    script_folder: ScriptFolder | None = None,
+    stop_grace_s: float = SCRIPT_STOP_GRACE_S,
 ) -> ProgressTail:
     """Run torchrun to completion; report progress every `report_every_s` (also when idle, so
     the caller can heartbeat); raise RanksFailed with the log tail if the ranks fail, or if
@@ -243,7 +250,13 @@ async def run_ranks(
     default in `workdir`), writable in the box. `devices`: what the job holds of the node (its
     grant's), the only GPUs its processes are shown. `python_env`: the environment built for the
     code folder's requirements (infra.user_envs), whose interpreter runs torchrun and the ranks
-    (None: the node's own)."""
+    (None: the node's own). `script_folder`: the checkpoint folder of a script that keeps its
+    own (trainer.script_folder), committed while the ranks run; asked to stop, its ranks get a
+    SIGTERM and `stop_grace_s` to save."""
+    if script_folder is not None:
+        # Such a script reports no steps and calls no SDK: the hang and start watches, which
+        # read those, would take it for stuck.
+        hang, start_limit_s = None, None
     workdir.mkdir(parents=True, exist_ok=True)
     job_file = job.write(workdir / "job.json")
     log_file = workdir / "torchrun.log"
@@ -255,6 +268,7 @@ async def run_ranks(
         "OMP_NUM_THREADS": str(threads_per_rank),
         "PYTHONUNBUFFERED": "1",
         "FORGELINE_JOB": str(job_file),  # what forgeline.init() reads in a rank script
+        **script_folder_environment(job),
         **fabric.environment(os.environ),
         **device_environment(
             os.environ, workdir, compile_cache or workdir / COMPILE_CACHE, devices
@@ -275,6 +289,9 @@ async def run_ranks(
     finished_at: float | None = None
     start = StartWatch(start_limit_s, time.monotonic()) if start_limit_s else None
     report_at = time.monotonic()
+    stopping = whole = False
+    if script_folder is not None:
+        script_folder.start()
     try:
         while True:
             with contextlib.suppress(TimeoutError):
@@ -296,6 +313,10 @@ async def run_ranks(
                 # job that ends within one report of its first step still leaves one behind.
                 await launcher.prepare(standby_box() if box is not None else None)
             if ranks.returncode is not None:
+                break
+            if script_folder is not None and (script_folder.asked_to_stop or script_folder.fenced):
+                stopping = True
+                whole = await ranks.stop(grace_s=stop_grace_s, dump_stacks=False)
                 break
             if start is not None and not tail.stepped:
                 start.observe(tail.sdk, time.monotonic())
@@ -323,7 +344,15 @@ async def run_ranks(
         # soon. Anyone else gets the full grace to checkpoint on the way out.
         await ranks.stop(grace_s=2.0 if isinstance(err, RanksHung) else 10.0)
         raise
+    finally:
+        if script_folder is not None:
+            await script_folder.stop()
     tail.drain()
+    if script_folder is not None:
+        # Whole: every rank returned, by itself or after saving on the SIGTERM it was sent.
+        whole = ranks.returncode == 0 or (whole and len(tail.exited) >= rdzv.nproc_per_node)
+        await script_folder.end(whole, stopped=stopping)
+        tail.drain()
     # torchrun exits non-zero when it was itself SIGTERMed (or stopped above), even though its
     # ranks finished or checkpointed and stopped as asked: their own word is what counts.
     if ranks.returncode != 0 and not tail.finished:

@@ -99,6 +99,15 @@ class SdkLine(_Line):
     state: str
 
 
+class ExitedLine(_Line):
+    """A rank of a script that keeps its own checkpoints returned (trainer.entry): what it
+    left in its checkpoint folder is whole, even if the gang was stopped by a signal
+    (trainer.script_folder)."""
+
+    event: Literal["exited"]
+    rank: int = Field(ge=0)
+
+
 ProgressLine = (
     StepLine
     | CheckpointLine
@@ -110,6 +119,7 @@ ProgressLine = (
     | CrashedLine
     | HealthLine
     | SdkLine
+    | ExitedLine
 )
 _LINE: TypeAdapter[ProgressLine] = TypeAdapter(
     Annotated[ProgressLine, Field(discriminator="event")]

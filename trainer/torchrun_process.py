@@ -103,12 +103,12 @@ class TorchrunProcess:
         reaps it, with an empty command line)."""
         return any(runs_trainer(pid) for pid in self.ranks())
 
-    async def stop(self, grace_s: float = 10.0, dump_stacks: bool = True) -> None:
+    async def stop(self, grace_s: float = 10.0, dump_stacks: bool = True) -> bool:
         """Record the ranks' stacks, SIGTERM torchrun (it passes it on: the ranks try to
         checkpoint), then SIGKILL torchrun and its ranks if they linger (a stopped or wedged
-        rank would not notice it was orphaned)."""
+        rank would not notice it was orphaned). True if they ended within the grace."""
         if self.returncode is not None:
-            return
+            return True
         torchrun = await self._found_torchrun()
         ranks = self.ranks()
         if dump_stacks and torchrun is not None:
@@ -123,6 +123,8 @@ class TorchrunProcess:
             await asyncio.wait_for(self.proc.wait(), timeout=grace_s)
         except TimeoutError:
             await self.kill(ranks)
+            return False
+        return True
 
     async def kill(self, ranks: list[int] | None = None) -> None:
         """SIGKILL torchrun (or its box) and its ranks; `ranks` as they were before torchrun

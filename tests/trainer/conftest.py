@@ -71,12 +71,17 @@ class Trainer:
             **fields,
         )
 
-    async def start_until_committed(self, job: TrainJob, ranks: int) -> asyncio.Task:
+    async def start_until_committed(
+        self, job: TrainJob, ranks: int, **launch: object
+    ) -> asyncio.Task:
         """Start the job's ranks in the background; return their task once the run has
-        committed its first checkpoint (the moment the fault tests strike)."""
+        committed its first checkpoint (the moment the fault tests strike). `launch`: more of
+        run_ranks's arguments."""
         rdzv = Rendezvous(f"127.0.0.1:{free_port()}", f"{job.run_id}-{self.jobs}", 1, ranks)
         workdir = Path(job.progress_file).parent
-        task = asyncio.create_task(run_ranks(job, workdir, rdzv, on_progress=lambda _: None))
+        task = asyncio.create_task(
+            run_ranks(job, workdir, rdzv, on_progress=lambda _: None, **launch)
+        )
         deadline = time.monotonic() + 120
         while not committed_steps(self.store, job.run_id):
             assert time.monotonic() < deadline and not task.done(), "no checkpoint committed"
@@ -90,8 +95,10 @@ class Trainer:
         timeout_s: float = 240,
         start_limit_s: float = 0,
         devices: GrantedDevices | None = None,
+        **launch: object,
     ) -> ProgressTail:
-        """Run the job to the end; past `timeout_s`, fail with the ranks' stacks and log."""
+        """Run the job to the end; past `timeout_s`, fail with the ranks' stacks and log.
+        `launch`: more of run_ranks's arguments."""
         rdzv = Rendezvous(f"127.0.0.1:{free_port()}", f"{job.run_id}-{self.jobs}", 1, ranks)
         workdir = Path(job.progress_file).parent
         launch = run_ranks(
@@ -101,6 +108,7 @@ class Trainer:
             on_progress=lambda _: None,
             start_limit_s=start_limit_s or None,
             devices=devices,
+            **launch,
         )
         try:
             return asyncio.run(asyncio.wait_for(launch, timeout_s))

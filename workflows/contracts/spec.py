@@ -46,6 +46,9 @@ class _Strict(BaseModel):
 ENTRY_SCRIPT = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*(/[A-Za-z0-9_][A-Za-z0-9_.-]*)*\.py")
 ENTRY_FUNCTION = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*")
 MAX_ARGS_BYTES = 64 * 1024  # train.args travels in every history of the run
+# In train.argv: the path of the script's checkpoint folder on its node.
+CHECKPOINT_DIR = "{checkpoint_dir}"
+_Arg = Annotated[str, StringConstraints(max_length=1000)]
 
 # Counts of steps (and step intervals): a year of 3-second steps is ~10 M.
 MAX_STEPS = 10_000_000
@@ -258,6 +261,19 @@ class TrainSpec(_Strict):
     args: dict[Annotated[str, StringConstraints(min_length=1, max_length=100)], JsonValue] = Field(
         {}, max_length=256, description="handed to your script as it is (forgeline run.args)"
     )
+    # A script as it is (it never imports forgeline): it saves where FORGELINE_CHECKPOINT_DIR
+    # says (or the argument that names {checkpoint_dir}), and Forgeline commits that folder.
+    checkpoints: Literal["sdk", "folder"] = Field(
+        "sdk",
+        description='"sdk": run.restore() saves and restores; "folder": your script saves into '
+        "its checkpoint folder, which Forgeline commits and restores for the next gang",
+    )
+    argv: list[_Arg] = Field(
+        [], max_length=256, description=f"your script's arguments; {CHECKPOINT_DIR} is its folder"
+    )
+    resume_argv: list[_Arg] = Field(
+        [], max_length=64, description="added after argv when the folder holds a checkpoint"
+    )
 
     @model_validator(mode="after")
     def _schedule_fits(self) -> TrainSpec:
@@ -287,6 +303,18 @@ class TrainSpec(_Strict):
                 f"train.entrypoint {self.entrypoint!r} is neither a .py file inside train.code "
                 '(such as "train.py" or "src/train.py") nor "module:function"'
             )
+        if self.entrypoint is None and (self.argv or self.resume_argv or self.checkpoints != "sdk"):
+            raise ValueError(
+                "train.argv, train.resume_argv and train.checkpoints are for your own script: "
+                "set train.code and train.entrypoint too"
+            )
+        if self.checkpoints == "sdk" and any(
+            CHECKPOINT_DIR in arg for arg in (*self.argv, *self.resume_argv)
+        ):
+            raise ValueError(
+                f"train.argv names {CHECKPOINT_DIR}, which only a script that keeps its own "
+                'checkpoints has: set train.checkpoints = "folder" (or take the argument out)'
+            )
         encoded = json.dumps(self.args, allow_nan=False)
         if len(encoded) > MAX_ARGS_BYTES:
             raise ValueError(
@@ -298,6 +326,12 @@ class TrainSpec(_Strict):
     @property
     def user_code(self) -> bool:
         return self.entrypoint is not None
+
+    def script_argv(self, checkpoint_folder: str, resumed: bool) -> list[str]:
+        """The script's arguments on a node whose checkpoint folder is `checkpoint_folder`:
+        argv, then resume_argv when the folder holds the run's last commit."""
+        argv = [*self.argv, *(self.resume_argv if resumed else [])]
+        return [arg.replace(CHECKPOINT_DIR, checkpoint_folder) for arg in argv]
 
 
 class ResourcesSpec(_Strict):
