@@ -24,6 +24,7 @@ from activities.errors import domain_errors
 from activities.fetch import NodeCache, NodeCacheLease
 from activities.metric_tap import MetricTap
 from activities.node_confinement import door_policy, quoted_output
+from activities.script_folders import keeps_its_own, restore_script_folder, script_folder_watch
 from infra import code_snapshot, node_health
 from infra.gpu_devices import device_minors
 from infra.node_hardware import CPU
@@ -203,6 +204,11 @@ class NodeActivities:
                             cuda=self._node_info(allocation).gpu_type != CPU,
                         ),
                         python_env=python_env,
+                        script_folder=script_folder_watch(
+                            self.store, inp, job, self._folder_staging(inp)
+                        )
+                        if keeps_its_own(inp)
+                        else None,
                     )
         finally:
             reporter.close_metrics()
@@ -218,6 +224,7 @@ class NodeActivities:
             tokens_per_s=last.get("tokens_per_s"),
             mfu=last.get("mfu"),
             stopped=tail.stopped,
+            finished=last.get("state") == "done",
             stop_reason=last.get("stop_reason"),
             skipped=[last["peer_skipped"]] if "peer_skipped" in last else [],
         )
@@ -285,6 +292,11 @@ class NodeActivities:
         """This node as the grant carries it."""
         return next(n for n in allocation.nodes if n.node_id == self.node_id)
 
+    def _folder_staging(self, inp: NodeTrainInput) -> Path:
+        """Where a script's own folder is copied to be committed: the agent's, not in the
+        run's folder, which its ranks' box can write (activities.script_folders)."""
+        return self.workdir / "folder-staging" / inp.run_id / f"gen-{inp.allocation.generation}"
+
     def _run_dir(self, run_id: str) -> Path:
         """This node's folder for one run: its generations' folders, its code, its copies."""
         return self.workdir / "runs" / run_id
@@ -326,7 +338,9 @@ class NodeActivities:
         # (or a base model trained) before the fused layout resumes in the layout it has.
         stored: dict = {}
         gen_dir = self._generation_dir(inp.run_id, inp.allocation.generation)
-        if inp.resume is not None and inp.resume.tier == "peer":
+        if keeps_its_own(inp):
+            pass  # the script's own folder is restored below, once the job is made
+        elif inp.resume is not None and inp.resume.tier == "peer":
             # The ranks gather the files from the gang's nodes, or fetch the fallback.
             key = inp.resume.manifest_key
             manifest = PeerManifest.parse(self.store.get_bytes(key), key)
@@ -352,7 +366,7 @@ class NodeActivities:
         spec = inp.spec
         replicate, shard, tensor = spec.parallel.degrees(spec.resources.world_size)
         node_ids = [node.node_id for node in inp.allocation.nodes]
-        return TrainJob(
+        job = TrainJob(
             run_id=inp.run_id,
             run_uid=inp.run_uid,
             node_id=self.node_id,
@@ -408,6 +422,9 @@ class NodeActivities:
             shadow=spec.recovery.shadow_settings(),
             code_dir=str(code_dir) if code_dir else "",
         )
+        if keeps_its_own(inp):
+            restore_script_folder(self.store, inp, job)
+        return job
 
     def _user_code(self, inp: NodeTrainInput, cache: NodeCacheLease, dest: Path) -> Path | None:
         """The run's own copy of its code snapshot in `dest` (from this node's cache, every

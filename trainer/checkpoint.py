@@ -51,7 +51,7 @@ from infra.digest import sha256_file
 from infra.store.door import DoorFenced
 from infra.store.protocol import ObjectStore, fetch_verified
 from trainer import safe_load
-from trainer.checkpoint_manifest import CheckpointFile, CheckpointManifest
+from trainer.checkpoint_manifest import FOLDER_CONTENTS, CheckpointFile, CheckpointManifest
 from trainer.checkpoint_staging import own_share, stager_for
 from trainer.errors import CheckpointError
 from trainer.local_copies import LocalCopies
@@ -380,7 +380,11 @@ def fetch_checkpoint(
 def vet_metadata(store: ObjectStore, manifest: CheckpointManifest) -> None:
     """Refuse (UnsafeCheckpoint) a committed checkpoint whose DCP metadata would run code when
     unpickled, before any rank is started on it: resume then falls back to the one before, as
-    it does for a file whose hash is wrong. (Items are vetted when the ranks load them.)"""
+    it does for a file whose hash is wrong. (Items are vetted when the ranks load them.) A
+    script's own folder (trainer.folder_checkpoint) holds no DCP metadata, whatever its
+    files are named: its script reads them, not Forgeline."""
+    if manifest.contents == FOLDER_CONTENTS:
+        return
     for entry in manifest.files:
         if entry.name == METADATA_FILE:
             safe_load.check_metadata(store.get_bytes(entry.key), entry.key)

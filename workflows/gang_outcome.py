@@ -21,7 +21,7 @@ from temporalio.exceptions import (
 from workflows.contracts.cluster_models import Allocation, NodeInfo, PreemptNotice
 from workflows.contracts.models import Failure, HealthEvent, NodeTrainResult
 from workflows.contracts.names import node_task_queue
-from workflows.contracts.spec import RecoverySpec
+from workflows.contracts.spec import RecoverySpec, TrainSpec
 
 # How long a live node agent takes at most to answer the liveness probe: the task waits in its
 # queue for one of the agent's idle pollers (milliseconds), the answer is a constant. A node
@@ -137,8 +137,16 @@ def failures_of(
     ]
 
 
+def reached_the_end(train: TrainSpec, result: NodeTrainResult) -> bool:
+    """The node's ranks trained to the run's end: the SDK's, to train.steps; a script that
+    keeps its own checkpoints decides its own length, and ended when its ranks all returned."""
+    if train.checkpoints == "folder":
+        return result.finished
+    return result.final_step >= train.steps
+
+
 def stopped_early(
-    results: list[NodeTrainResult], total_steps: int, generation: int, now: datetime
+    results: list[NodeTrainResult], train: TrainSpec, generation: int, now: datetime
 ) -> list[Failure]:
     """Nodes whose ranks stopped before the end without the run asking (the machine or an
     operator sent SIGTERM). They committed a checkpoint first, so the next attempt loses
@@ -152,7 +160,7 @@ def stopped_early(
             at=now,
         )
         for r in results
-        if r.stopped and r.final_step < total_steps
+        if r.stopped and not reached_the_end(train, r)
     ]
 
 

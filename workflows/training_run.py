@@ -71,6 +71,7 @@ with workflow.unsafe.imports_passed_through():
         cancel_all,
         describe,
         failures_of,
+        reached_the_end,
         stopped_early,
         straggler_swap,
         swap_refused,
@@ -315,7 +316,10 @@ class TrainingRun:
             await self._close_attempt(AttemptOutcome.COMPLETED, kept_step=self._spec.train.steps)
             await self._release_gang()
             final = await self._latest_checkpoint(allocation.generation)
-            if final is None or final.step < self._spec.train.steps:
+            # A script that keeps its own checkpoints ends at whatever step its commits reached.
+            if final is None or (
+                self._spec.train.checkpoints == "sdk" and final.step < self._spec.train.steps
+            ):
                 raise ApplicationError(
                     f"training finished but the store holds no committed checkpoint at step "
                     f"{self._spec.train.steps} (found {final.step if final else 'none'})",
@@ -556,7 +560,7 @@ class TrainingRun:
             results = [h.result() for h in handles]
             # A peer-tier checkpoint the gang could not assemble, and why (the ranks said).
             add_skipped(self._status, [why for r in results for why in r.skipped])
-            if self._preempt is not None and results[0].final_step < self._spec.train.steps:
+            if self._preempt is not None and not reached_the_end(self._spec.train, results[0]):
                 raise Preempted(self._preempt, results[0].final_step)
             if swap := straggler_swap(results):
                 refused = swap_refused(
@@ -567,9 +571,7 @@ class TrainingRun:
                 if refused is not None and workflow.patched("swaps-bounded"):
                     raise GangFailed([refused])
                 raise swap
-            early = stopped_early(
-                results, self._spec.train.steps, allocation.generation, workflow.now()
-            )
+            early = stopped_early(results, self._spec.train, allocation.generation, workflow.now())
             if early:
                 raise GangFailed(early)
             return results

@@ -222,6 +222,7 @@ class NodeTrainResult(BaseModel):
     tokens_per_s: float | None = None
     mfu: float | None = None
     stopped: bool = False  # asked to stop early: checkpointed at final_step and exited
+    finished: bool = False  # the ranks said they are done (all of a script's ranks returned)
     stop_reason: str | None = None  # "asked to stop" (preemption, drain) or "preempted" (SIGTERM)
     health: list[HealthEvent] = []  # what the gang's health checks found in this attempt
     # A peer-tier checkpoint its ranks passed over for the store's, and why (trainer.peer_restore)
