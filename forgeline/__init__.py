@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     from forgeline.client import ApiError, Client
     from forgeline.errors import SDKUsageError
     from forgeline.randomness import sharded_draws
+    from forgeline.reporting import report
     from forgeline.step import Step
     from forgeline.training import Run, init
 
@@ -43,10 +44,11 @@ _WHERE = {
     "Step": "forgeline.step",
     "Run": "forgeline.training",
     "init": "forgeline.training",
+    "report": "forgeline.reporting",
     "sharded_draws": "forgeline.randomness",
 }
 __all__ = [  # = _WHERE
-    "ApiError", "Client", "Run", "SDKUsageError", "Step", "init", "sharded_draws",
+    "ApiError", "Client", "Run", "SDKUsageError", "Step", "init", "report", "sharded_draws",
 ]  # fmt: skip
 
 
