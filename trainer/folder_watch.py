@@ -108,16 +108,19 @@ class FolderWatcher:
         newest = max((f.stamp.ctime_ns for f in scan.files.values()), default=0)
         return time.time_ns() - newest >= self.settle_s * 1e9
 
-    def final(self, step: int | None = None, timeout_s: float = 30.0) -> FolderPoll:
+    def final(
+        self, step: int | None = None, timeout_s: float = 30.0, unchanged_too: bool = False
+    ) -> FolderPoll:
         """Commit what the ranks left, now that they have exited: no settle period, but a file
         a straggling process still writes is waited for, a settle period at a time, up to
-        `timeout_s`."""
+        `timeout_s`. `unchanged_too`: commit at `step` even if nothing changed since the last
+        commit (the script went on reporting steps after its last save was committed)."""
         deadline = self._clock() + timeout_s
         while True:
             if self.fenced:
                 return FolderPoll(FolderState.FENCED)
             scan = scan_folder(self.folder)
-            if scan.signature() == self._committed:
+            if scan.signature() == self._committed and not unchanged_too:
                 return FolderPoll(FolderState.UNCHANGED, skipped=scan.skipped)
             outcome = self._commit(scan, step)
             # A step the script named and this generation already committed stays taken.

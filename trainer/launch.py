@@ -136,6 +136,9 @@ def torchrun_args(job_file: Path, rdzv: Rendezvous, fabric: Fabric = LOOPBACK) -
     ]  # fmt: skip
 
 
+LOSSES_KEPT = 1000  # a script's reported losses a commit's manifest carries, the newest
+
+
 class ProgressTail:
     """Reads complete new lines of the progress file; keeps the newest step and checkpoint
     (the file itself stays on the node as the full record). The ranks write the file: it is
@@ -150,6 +153,12 @@ class ProgressTail:
         self.crash: str | None = None  # the first rank's uncaught exception (trainer.entry)
         self.node_fault: str | None = None  # the first that said the node is broken
         self.exited: set[int] = set()  # the ranks whose script returned (trainer.entry)
+        # What the ranks reported of their steps (the SDK, or forgeline.report): the newest
+        # step, the newest losses and the newest held-out loss with its step. A script that
+        # keeps its own checkpoints has them put in its commits' manifests.
+        self.reported_step: int | None = None
+        self.losses: list[tuple[int, float]] = []
+        self.evaluated: tuple[int, float] | None = None
         self._rate = StepRate()
 
     def poll(self) -> None:
@@ -171,12 +180,15 @@ class ProgressTail:
         match line:
             case CheckpointLine():
                 self.latest["checkpoint_step"] = line.step
+                if self.reported_step is None:  # a script that reports no steps: its commits
+                    self.latest["step"] = line.step
             case EndLine():
                 self.latest["step"] = line.step
                 if line.reason is not None:
                     self.latest["stop_reason"] = line.reason
             case EvalLine():
                 self.latest["val_loss"] = line.val_loss
+                self.evaluated = (self.reported_step or 0, line.val_loss)
             case FailedLine():
                 self.latest["failure"] = line.reason
             case PeerSkippedLine():  # every rank says the same
@@ -196,6 +208,9 @@ class ProgressTail:
             case ExitedLine():
                 self.exited.add(line.rank)
             case StepLine():
+                self.reported_step = line.step
+                if line.loss is not None:
+                    self.losses = [*self.losses[-LOSSES_KEPT + 1 :], (line.step, line.loss)]
                 # The fields the line has, as it has them (a None included).
                 self.latest.update(line.model_dump(include=line.model_fields_set & _STEP_FIELDS))
                 if line.time is not None:
@@ -297,6 +312,8 @@ async def run_ranks(
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(ranks.wait(), timeout=CRASH_POLL_S)
             tail.poll()
+            if script_folder is not None:  # its commits take the newest step it reported
+                script_folder.heard(tail.reported_step, tail.losses, tail.evaluated)
             if tail.crash is not None and ranks.returncode is None and not ranks.ranks_alive():
                 # A rank died of an exception, and every rank has exited (a rank's exit waits
                 # for its checkpoint upload in flight, which may still commit): the gang is
@@ -351,6 +368,7 @@ async def run_ranks(
     if script_folder is not None:
         # Whole: every rank returned, by itself or after saving on the SIGTERM it was sent.
         whole = ranks.returncode == 0 or (whole and len(tail.exited) >= rdzv.nproc_per_node)
+        script_folder.heard(tail.reported_step, tail.losses, tail.evaluated)
         await script_folder.end(whole, stopped=stopping)
         tail.drain()
     # torchrun exits non-zero when it was itself SIGTERMed (or stopped above), even though its

@@ -3,9 +3,10 @@ Forgeline): commit its checkpoint folder while the ranks run, and once more at t
 
 The ranks write wherever the script saves (`FORGELINE_CHECKPOINT_DIR`, or the argument the spec
 puts it in); trainer.folder_watch decides when the folder is quiet enough to commit. Each commit
-becomes progress lines in the ranks' progress file, written here for them (a step and its
-checkpoint: the script says nothing), so heartbeats, the cluster's view of what a preemption
-would lose, and the run's final step read as they do for the SDK's runs.
+becomes a checkpoint line in the ranks' progress file, written here for them, so heartbeats, the
+cluster's view of what a preemption would lose, and the run's final step read as they do for
+the SDK's runs. A commit's step is the newest the script reported (forgeline.report), or one
+more than the last commit's: then the commits count the run's progress.
 
 The end decides what is committed last:
 - the ranks all exited 0: the folder is committed once more (no settle period), and the job is
@@ -67,6 +68,38 @@ class ScriptFolder:
         self.committed = watcher.last_step if watcher is not None else 0
         self._stopping = asyncio.Event()
         self._task: asyncio.Task | None = None
+        # What the script reported (forgeline.report), as the launch's tail heard it.
+        self._step: int | None = None
+        self._losses: list[tuple[int, float]] = []
+        self._evaluated: tuple[int, float] | None = None
+        if watcher is not None:
+            # Every commit's manifest also carries what the script reported: the run's
+            # evaluation reads it there, as it does from the SDK's (trainer.reported_eval).
+            given = watcher.meta
+            watcher.meta = lambda: {**given(), **self._reported()}
+
+    def heard(
+        self,
+        step: int | None,
+        losses: list[tuple[int, float]],
+        evaluated: tuple[int, float] | None,
+    ) -> None:
+        """The script's newest reported step, its losses and its newest held-out loss (the
+        tail replaces its list on each report, never changes it: kept as it is)."""
+        self._step, self._losses, self._evaluated = step, losses, evaluated
+
+    def _reported(self) -> dict[str, object]:
+        found: dict[str, object] = {"loss_history": self._losses}
+        if self._evaluated is not None:
+            step, val_loss = self._evaluated
+            found["evaluation"] = {"step": step, "val_loss": val_loss, "val_tokens": 0}
+        return found
+
+    def _commit_step(self) -> int | None:
+        """The step a commit now is: the script's newest reported, if it reported one past
+        the last commit; else None, one past the last commit (the commits count the run)."""
+        last = self.watcher.last_step if self.watcher is not None else 0
+        return self._step if self._step is not None and self._step > last else None
 
     @property
     def asked_to_stop(self) -> bool:
@@ -92,7 +125,7 @@ class ScriptFolder:
     async def _watch(self, stop: asyncio.Event, every_s: float) -> None:
         assert self.watcher is not None
         while not stop.is_set():
-            self._follow(await asyncio.to_thread(self.watcher.poll))
+            self._follow(await asyncio.to_thread(self.watcher.poll, self._commit_step()))
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), every_s)
 
@@ -102,7 +135,13 @@ class ScriptFolder:
         whether the script saved on the SIGTERM or died of it), `done` when the ranks finished
         by themselves. A crash writes neither: the run restarts from the last commit."""
         if whole and self.watcher is not None:
-            self._follow(await asyncio.to_thread(self.watcher.final, None, FINAL_COMMIT_S))
+            # At the newest step the script reported, if past the last commit: what it left is
+            # its state at the end, whether or not it saved again after that commit.
+            step = self._commit_step()
+            final = self.watcher.final
+            self._follow(
+                await asyncio.to_thread(final, step, FINAL_COMMIT_S, unchanged_too=step is not None)
+            )
         if self.fenced:
             return  # a later generation owns the run: this one neither finished nor stopped
         if stopped:
@@ -121,8 +160,9 @@ class ScriptFolder:
             log.warning("not committed from %s: %s", self.folder, poll.skipped)
         if poll.state is FolderState.COMMITTED and poll.commit is not None:
             self.committed = poll.commit.step
+            # A checkpoint line: for a script that reports no steps, the run's step too
+            # (trainer.launch.ProgressTail).
             self._write(event="checkpoint", step=self.committed)
-            self._write(event="step", step=self.committed, checkpoint_step=self.committed)
         elif poll.state in (FolderState.BUSY, FolderState.TORN, FolderState.LOST):
             log.info("%s not committed yet: %s (%s)", self.folder, poll.state.value, poll.why)
         elif poll.state is FolderState.FENCED:

@@ -40,7 +40,13 @@ from infra.store.factory import preload
 PLATFORM_PACKAGES = ("activities", "dataprep", "infra", "registry", "trainer", "worker",
                      "workflows")  # fmt: skip
 # What a user's script can reach through `import forgeline`, imported before the script runs.
-SDK_MODULES = ("forgeline.errors", "forgeline.randomness", "forgeline.step", "forgeline.training")
+SDK_MODULES = (
+    "forgeline.errors",
+    "forgeline.randomness",
+    "forgeline.reporting",
+    "forgeline.step",
+    "forgeline.training",
+)
 
 _MOVED_ASIDE: dict[str, ModuleType] = {}
 

@@ -24,7 +24,9 @@ from tests.trainer.test_script_folder import PLAIN, plain_job, plain_spec
 from trainer import entry
 from trainer.job import TrainJob
 from trainer.launch import ProgressTail
+from trainer.manifest import find_latest
 from trainer.progress_events import EvalLine, StepLine, progress_line
+from trainer.reported_eval import reported_evaluation
 
 
 @pytest.fixture(autouse=True)
@@ -186,13 +188,16 @@ def test_a_plain_script_s_reports_are_its_run_s_loss(
     assert tail.latest["loss"] == reported[-1]["loss"]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="trainer.script_folder writes a step line and the end line with its commit count "
-    "(1, 2, ...) after the script's reported steps: the run's step ends at the commits' count",
-)
-def test_a_plain_script_s_reports_are_its_run_s_step(
-    reported_run: tuple[ProgressTail, Path],
+def test_a_plain_script_s_reports_are_its_run_s_step_and_its_commits_losses(
+    trainer: Trainer, reported_run: tuple[ProgressTail, Path]
 ) -> None:
-    tail, _ = reported_run
+    """The last commit is at the last reported step, and its manifest carries the reported
+    losses: what the run's evaluation reads of a script (trainer.reported_eval)."""
+    tail, progress = reported_run
     assert tail.latest["step"] == 60
+    last = find_latest(trainer.store, "plain-reports", max_generation=1)
+    assert last is not None and last.step == 60
+    losses = [(line["step"], line["loss"]) for line in written(progress) if "loss" in line]
+    assert last.manifest.loss_history == losses
+    judged = reported_evaluation(last.manifest)
+    assert judged is not None and (judged.step, judged.measured_on) == (60, "train")
