@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import re
 import subprocess
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -53,13 +54,16 @@ def test_run_to_approval_and_the_registered_model(stack: Stack, tmp_path: Path) 
     submitted = stack.cli("run", str(TINY), "--detach")
     assert "submitted run tiny" in submitted.stdout
 
-    # Approving before there is a model is refused with a reason, not a traceback.
-    bob, dave = ("bob", "approve:default"), ("dave", "approve:model:tiny")
-    early = stack.cli("approve", "tiny", check=False, as_person=bob)
-    assert early.returncode == REFUSED and "only a run AWAITING_APPROVAL" in early.stdout
-
-    # Submitting the same name again attaches to the run and follows it to the approval gate.
-    followed = stack.cli("run", str(TINY))
+    # Submitting the same name again attaches to the run and follows it to the approval gate:
+    # at once, while the approval below is tried, so that it sees the run train (attached a
+    # CLI call later, it once found the 60 steps already done).
+    with ThreadPoolExecutor(1) as follower:
+        following = follower.submit(stack.cli, "run", str(TINY))
+        # Approving before there is a model is refused with a reason, not a traceback.
+        bob, dave = ("bob", "approve:default"), ("dave", "approve:model:tiny")
+        early = stack.cli("approve", "tiny", check=False, as_person=bob)
+        assert early.returncode == REFUSED and "only a run AWAITING_APPROVAL" in early.stdout
+        followed = following.result()
     assert "run tiny exists with this spec: attaching to it" in followed.stdout
     assert "AWAITING_APPROVAL" in followed.stdout and "model tiny v1" in followed.stdout
     assert re.search(r"TRAINING +step \d+/60 +loss \d", followed.stdout)
