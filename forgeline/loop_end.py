@@ -2,15 +2,16 @@
 
 Python hands a generator the same GeneratorExit at its `yield` for a `break` (or `return`) in
 the loop's body as for an exception raised there: inside `run.steps()` a script that stopped on
-purpose and one that crashed look alike. So the loop does at once only what is right for both,
-and never a collective (after a crash the other ranks may be anywhere): it waits, bounded, for
-the checkpoint in flight, so that what was staged commits, and notes where it was left
-(`LeftLoop`). What differs waits for the script's next call to the SDK, `run.finish()`, which
-can tell: called while an exception is being handled (a `finally:` or `except:` around the
-loop) or after the SDK's own step work raised, it is a crash, which must stay one (nothing more
-is saved; the run restarts from the last commit); called plainly, after a `break`, it finishes
-the step the script was in, commits a checkpoint of where the loop stopped and writes the run's
-final record, as the loop's own end would have.
+purpose and one that crashed look alike. So the loop only notes where it was left (`LeftLoop`),
+and waits for nothing: a crashed rank's loop is also finalized at the interpreter's exit, where
+waiting for a save whose peer is gone would hold the rank, and its gang's recovery, until the
+collective times out. What to do waits for the script's next call to the SDK, `run.finish()`,
+which can tell: called while an exception is being handled (a `finally:` or `except:` around
+the loop) or after the SDK's own step work raised, it is a crash, which must stay one (it waits,
+bounded, for the save in flight, saves nothing more, and the run restarts from the last
+commit); called plainly, after a `break`, it finishes the step the script was in, commits a
+checkpoint of where the loop stopped and writes the run's final record, as the loop's own end
+would have.
 """
 
 from __future__ import annotations

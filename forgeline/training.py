@@ -390,11 +390,17 @@ class Run:
 
     def _leave_loop(self, step: Step | None, crashed: bool) -> None:
         """The script left the loop early, on purpose or by an exception (forgeline.loop_end):
-        what is right for both. No collective: after a crash the other ranks may be anywhere."""
-        assert self._saves is not None
+        note where, and nothing more. Not even wait for the save in flight: this also runs
+        when a crashed rank's loop is finalized at the interpreter's exit, and a save whose
+        peer is gone waits there until its collective times out (collective_timeout_s: it held
+        a dead node's survivors for minutes, and their gang's recovery with them). A script
+        that goes on calls run.finish(), which waits (`_finish_left_loop`)."""
         self._left = LeftLoop(step, crashed)
+
+    def _wait_for_the_save_in_flight(self) -> None:
+        """Bounded: a checkpoint whose peer is gone waits out its collective's timeout."""
+        assert self._saves is not None
         try:
-            # Bounded: a checkpoint whose peer is gone waits out its collective's timeout.
             self._saves.wait(timeout=self.settings.collective_timeout_s)
         except Exception as failed:  # the exception unwinding (if any) is the one to report
             self._say(f"the checkpoint in flight when the loop was left failed: {failed!r}")
@@ -404,6 +410,7 @@ class Run:
         and commits where it stopped; a crash saves nothing more (forgeline.loop_end)."""
         assert self._saves is not None and self._clock is not None
         if not left.on_purpose():
+            self._wait_for_the_save_in_flight()  # what it commits is not redone
             unwinding = sys.exc_info()[1]
             why = f"{type(unwinding).__name__}: {unwinding}" if unwinding else "the step failed"
             at = left.step.number if left.step is not None else self.step

@@ -33,7 +33,7 @@ from pathlib import Path
 
 from trainer.folder_watch import FolderPoll, FolderState, FolderWatcher
 from trainer.job import TrainJob
-from trainer.step_share import ASKED_TO_STOP, STOP_REASONS
+from trainer.stop_reasons import ASKED_TO_STOP, STOP_REASONS
 
 log = logging.getLogger(__name__)
 

@@ -12,14 +12,19 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-# Why a rank wants to stop, in increasing precedence: the largest wins across the gang.
-# A straggler verdict needs no vote: every rank reaches it from the same shared times.
-KEEP_GOING, ASKED_TO_STOP, PREEMPTED, FENCED, NON_FINITE = 0, 1, 2, 3, 4
-STRAGGLER = ASKED_TO_STOP
+from trainer.stop_reasons import (  # noqa: F401 (the SDK's stop votes, imported from here)
+    ASKED_TO_STOP,
+    FENCED,
+    KEEP_GOING,
+    NON_FINITE,
+    PREEMPTED,
+    STOP_REASONS,
+    STRAGGLER,
+)
+
 # Exit status of ranks that found non-finite numbers: the attempt fails and the run resumes
 # from the last committed checkpoint, which holds none of them.
 EXIT_NON_FINITE = 3
-STOP_REASONS = {ASKED_TO_STOP: "asked to stop", PREEMPTED: "preempted", FENCED: "fenced"}
 # Rank 0's call on a checkpoint at this step: none, the store's, or the peer tier's.
 NO_SAVE, STORE_SAVE, PEER_SAVE = 0, 1, 2
 
