@@ -35,7 +35,19 @@ def plain_spec(steps: int = STEPS) -> TrainSpec:
         code=str(PLAIN),
         entrypoint="train.py",
         checkpoints="folder",
-        argv=["--out", "{checkpoint_dir}", "--steps", str(steps), "--save-every", "40"],
+        # Batches of 32 make a step long enough that the folder is quiet between saves for
+        # the watch to commit early: with the default 8, a fast machine ran all 400 steps
+        # before the first commit, and the kill test found the run already done.
+        argv=[
+            "--out",
+            "{checkpoint_dir}",
+            "--steps",
+            str(steps),
+            "--save-every",
+            "40",
+            "--batch",
+            "32",
+        ],
         resume_argv=["--resume"],
     )
 
