@@ -7,13 +7,15 @@ from __future__ import annotations
 import functools
 import json
 import tempfile
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from temporalio import activity
 
 from activities.decisions import DecisionActivities
 from activities.errors import domain_errors
-from activities.fetch import NodeCache
+from activities.fetch import NodeCache, NodeCacheLease
 from activities.heartbeat import keep_alive
 from infra.code_version import code_version, installed_packages, packages_digest
 from infra.errors import IntegrityError, ObjectNotFound
@@ -32,14 +34,17 @@ from registry.tracking import (
 from registry.tracking import record_decision as record_version_decision
 from trainer.attempt_clock import Mark, read_ledger
 from trainer.checkpoint import vet_metadata
+from trainer.checkpoint_manifest import CheckpointManifest
 from trainer.errors import CheckpointError
 from trainer.evaluate import checkpoint_val_loss, evaluate_checkpoint, load_model
+from trainer.folder_export import export_folder
 from trainer.manifest import (
     CommittedCheckpoint,
     counted,
     find_latest,
     load_for_init,
     newest_commit_of,
+    read_manifest,
     record_generation,
 )
 from trainer.peer_tier import find_peer, peer_steps_of
@@ -67,6 +72,19 @@ from workflows.contracts.models import (
     Sample,
     TrackingInput,
 )
+
+if TYPE_CHECKING:  # trainer.serving pulls in mlflow.pyfunc, which only registration needs
+    from trainer.serving import ServedCode
+
+
+@dataclass(frozen=True)
+class ModelFiles:
+    """What a registered version is made of, as ControlActivities._model_files exported it."""
+
+    manifest: CheckpointManifest
+    artifacts: dict[str, str]  # by role (weights, config, tokenizer)
+    served: ServedCode | None  # None: weights and lineage only
+    folder_files: dict[str, str] = field(default_factory=dict)  # a script's, by folder path
 
 
 def _reference(found: CommittedCheckpoint) -> CheckpointRef:
@@ -318,6 +336,13 @@ class ControlActivities:
                     final = found
                 if found.measured_on == "held-out":
                     curve.append(EvalPoint(step=found.step, val_loss=found.val_loss))
+            if final is None and inp.spec.train.keeps_its_own_checkpoints:
+                # A script as it is reports nothing unless it calls forgeline.report: it is
+                # registered without a loss, and no eval gate passes it.
+                return EvalResult(
+                    step=inp.checkpoint.step, val_loss=None, perplexity=None, val_tokens=0,
+                    sample="", measured_on="nothing", source=EvalSource.SCRIPT,
+                )  # fmt: skip
             if final is None:
                 raise CheckpointError(
                     f"{inp.checkpoint.manifest_key} holds neither a held-out nor a training loss "
@@ -372,26 +397,14 @@ class ControlActivities:
 
     @activity.defn(name="register_model")
     def register_model(self, inp: RegisterInput) -> ModelVersionRef:
-        # Imported here: it pulls in mlflow.pyfunc, which only registration needs.
-        from trainer.serving import export_model, served_code
-        from trainer.weights_export import export_weights, user_served_code
-
         info = activity.info()
         with (
             domain_errors(),
             tempfile.TemporaryDirectory(prefix="forgeline-export-") as tmp,
             self.cache.lease() as cache,  # what the export reads stays while it reads it
         ):
-            dataset = cache.dataset_manifest(inp.dataset)
-            folder, manifest = cache.checkpoint(inp.checkpoint)
-            if inp.code is not None:  # a user's model: its weights, served by its own code
-                artifacts = export_weights(folder, manifest, cache.tokenizer(dataset), Path(tmp))
-                serving = manifest.serving
-                served = user_served_code(cache.code(inp.code), serving) if serving else None
-            else:
-                model = load_model(folder, manifest.network)
-                artifacts = export_model(model, cache.tokenizer(dataset), Path(tmp))
-                served = served_code()
+            files = self._model_files(inp, cache, Path(tmp))
+            manifest, served = files.manifest, files.served
             packages = installed_packages()
             lineage = version_lineage(inp, info.workflow_id, packages, served is not None).dump()
             final = inp.training[0] if inp.training else None
@@ -401,6 +414,8 @@ class ControlActivities:
                 "restarts": float(inp.attempts),
                 "tokens_seen": float(inp.checkpoint.tokens_seen),
             }
+            # A script that reports no loss registers without one (its curve is its own).
+            metrics = {k: v for k, v in metrics.items() if v is not None}
             if final is not None:
                 metrics |= {
                     k: v
@@ -449,7 +464,8 @@ class ControlActivities:
                     },
                     run_tags=lineage,
                     version_tags=lineage,
-                    artifacts=artifacts,
+                    artifacts=files.artifacts,
+                    folder_files=files.folder_files,
                     python_model=served.entry if served else None,
                     code_modules=served.modules if served else (),
                     code_files=served.files if served else (),
@@ -469,9 +485,32 @@ class ControlActivities:
             )
         return ModelVersionRef(
             model_name=registered.model_name,
-            version=registered.version,
+            version=str(registered.version),  # an int from a SQLite store, a string over REST
             mlflow_run_id=registered.mlflow_run_id,
         )
+
+    def _model_files(self, inp: RegisterInput, cache: NodeCacheLease, tmp: Path) -> ModelFiles:
+        """What the version holds, written under `tmp`: the built-in GPT's served model, a
+        user's weights (served by its own code where it said how), or the files a script that
+        keeps its own checkpoints names in its final commit (registry.files)."""
+        # Imported here: it pulls in mlflow.pyfunc, which only registration needs.
+        from trainer.serving import export_model, served_code
+        from trainer.weights_export import export_weights, user_served_code
+
+        if inp.spec.train.keeps_its_own_checkpoints:
+            manifest = read_manifest(self.store, inp.checkpoint.manifest_key)
+            kept = export_folder(self.store, manifest, inp.spec.registry.files, tmp / "folder")
+            return ModelFiles(manifest, artifacts={}, served=None, folder_files=kept)
+        dataset = cache.dataset_manifest(inp.dataset)
+        folder, manifest = cache.checkpoint(inp.checkpoint)
+        if inp.code is not None:  # a user's model: its weights, served by its own code
+            artifacts = export_weights(folder, manifest, cache.tokenizer(dataset), tmp)
+            serving = manifest.serving
+            served = user_served_code(cache.code(inp.code), serving) if serving else None
+            return ModelFiles(manifest, artifacts, served)
+        model = load_model(folder, manifest.network)
+        artifacts = export_model(model, cache.tokenizer(dataset), tmp)
+        return ModelFiles(manifest, artifacts, served_code())
 
     @activity.defn(name="record_decision")
     def record_decision(self, inp: DecisionInput) -> None:

@@ -24,7 +24,7 @@ SCRIPT_FOLDER = "checkpoint"  # in the generation's folder on the node
 
 
 def keeps_its_own(inp: NodeTrainInput) -> bool:
-    return inp.spec.train.checkpoints == FOLDER_CONTENTS
+    return inp.spec.train.keeps_its_own_checkpoints
 
 
 def restore_script_folder(store: ObjectStore, inp: NodeTrainInput, job: TrainJob) -> None:

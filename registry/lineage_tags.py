@@ -47,12 +47,14 @@ class LineageTags(StoredRecord):
     dataset_manifest_sha256: str
     checkpoint_manifest_key: str
     checkpoint_step: int
-    val_loss: float
-    val_perplexity: float
+    # None (no tag): a script as it is that reported no loss; eval_measured_on says "nothing".
+    val_loss: float | None = None
+    val_perplexity: float | None = None
     # Added since the first versions were registered (theirs lack them).
     packages_sha256: str | None = None  # of packages.txt, the installed packages
     eval_step: int | None = None
-    eval_measured_on: str | None = None  # "held-out", or "train": the script reported no eval
+    # "held-out"; "train": the script reported no eval; "nothing": it reported no loss at all.
+    eval_measured_on: str | None = None
     # Who measured val_loss: "platform" (Forgeline, from the final checkpoint) or "script" (the
     # run's own script reported it: self-reported, and the gate judged it as given).
     eval_source: Literal["platform", "script"] | None = None

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import posixpath
 import shutil
 import tempfile
 import time
@@ -94,6 +95,9 @@ class Registration:
     mlflow_run_id: str | None = None  # the run opened at the start (open_run); None: a new one
     dataset: DatasetUsed | None = None
     team: str = ""  # the run's team: the model must be its own, or new ("": not checked)
+    # A weights-only version of a script that keeps its own checkpoints: its files, by their
+    # path in the script's folder, kept at that path in the version's model folder.
+    folder_files: dict[str, str] = field(default_factory=dict)
 
 
 def flatten(data: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
@@ -163,6 +167,10 @@ def register(tracking_uri: str, reg: Registration) -> RegisteredVersion:
         if reg.python_model is None:
             for path in reg.artifacts.values():
                 mlflow.log_artifact(path, artifact_path="model")
+            for name, path in reg.folder_files.items():
+                mlflow.log_artifact(
+                    path, artifact_path=posixpath.join("model", posixpath.dirname(name)).rstrip("/")
+                )
             source, model_id = f"{run.info.artifact_uri}/model", None
             location = source
         else:
@@ -209,7 +217,8 @@ def artifact_paths(reg: Registration) -> dict[str, Path]:
     model keeps them under artifacts/, a weights-only version at the folder's top."""
     folder = "artifacts/" if reg.python_model is not None else ""
     files = [Path(path) for path in reg.artifacts.values()]
-    return {f"{folder}{path.name}": path for path in files}
+    kept = {name: Path(path) for name, path in reg.folder_files.items()}
+    return {f"{folder}{path.name}": path for path in files} | kept
 
 
 def record_model_files(location: str, uploaded: Mapping[str, Path]) -> ModelFiles:

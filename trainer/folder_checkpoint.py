@@ -24,6 +24,7 @@ import os
 import shutil
 import uuid
 from collections import Counter
+from collections.abc import Collection
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path, PurePosixPath
@@ -193,10 +194,16 @@ class RestoredFolder:
     bytes: int
 
 
-def restore_folder(store: ObjectStore, manifest: CheckpointManifest, dest: Path) -> RestoredFolder:
+def restore_folder(
+    store: ObjectStore,
+    manifest: CheckpointManifest,
+    dest: Path,
+    only: Collection[str] | None = None,
+) -> RestoredFolder:
     """Make `dest` the folder checkpoint `manifest` commits, every file checked by sha256: it is
     fetched into a fresh folder beside `dest`, which then takes its place (what was in `dest`
-    is removed). A file that does not verify raises IntegrityError and leaves `dest` as it was."""
+    is removed). A file that does not verify raises IntegrityError and leaves `dest` as it was.
+    `only`: the names of the files to fetch (registration takes those the spec names)."""
     if manifest.contents != FOLDER_CONTENTS:
         raise CheckpointError(
             f"checkpoint of step {manifest.step} holds {manifest.contents!r} files, not a "
@@ -206,6 +213,8 @@ def restore_folder(store: ObjectStore, manifest: CheckpointManifest, dest: Path)
     incoming = _new_folder_beside(dest)
     try:
         for name, entry in zip(names, manifest.files, strict=True):
+            if only is not None and entry.name not in only:
+                continue
             local = incoming.joinpath(*name.parts)
             local.parent.mkdir(parents=True, exist_ok=True)
             fetch_verified(store, entry.key, local, entry.sha256, entry.bytes)
@@ -213,8 +222,9 @@ def restore_folder(store: ObjectStore, manifest: CheckpointManifest, dest: Path)
     except BaseException:
         shutil.rmtree(incoming, ignore_errors=True)
         raise
-    size = sum(entry.bytes for entry in manifest.files)
-    return RestoredFolder(dest, manifest.step, manifest.generation, len(manifest.files), size)
+    fetched = [e for e in manifest.files if only is None or e.name in only]
+    size = sum(entry.bytes for entry in fetched)
+    return RestoredFolder(dest, manifest.step, manifest.generation, len(fetched), size)
 
 
 def clear_folder(dest: Path) -> None:

@@ -162,7 +162,7 @@ class ScriptFolder:
             self.committed = poll.commit.step
             # A checkpoint line: for a script that reports no steps, the run's step too
             # (trainer.launch.ProgressTail).
-            self._write(event="checkpoint", step=self.committed)
+            self._write(event="checkpoint", step=self.committed, manifest_key=poll.commit.key)
         elif poll.state in (FolderState.BUSY, FolderState.TORN, FolderState.LOST):
             log.info("%s not committed yet: %s (%s)", self.folder, poll.state.value, poll.why)
         elif poll.state is FolderState.FENCED:

@@ -8,14 +8,21 @@ from rich.table import Table
 
 from infra.settings import Settings
 from worker.runs import RunView
+from workflows.approval import gate_passed
 from workflows.contracts.models import (
     SELF_REPORTED,
     DatasetProgress,
+    EvalResult,
     Goodput,
     Phase,
     RunStatus,
     Sample,
 )
+
+
+def of_total(step: int | None, total: int) -> str:
+    """ "12/200"; "12" for a script that counts its own steps (no total is known)."""
+    return f"{step}/{total}" if total else f"{step}"
 
 
 def _num(value: float | None, fmt: str) -> str:
@@ -65,7 +72,7 @@ def progress_line(view: RunView) -> str:
     if view.dataset is not None:
         line += f" {stage_bars(view.dataset)}"
     if beat is not None:
-        line += f" step {beat.step}/{status.total_steps}"
+        line += f" step {of_total(beat.step, status.total_steps)}"
         line += f"  loss {_num(beat.loss, '.4f')}"
         line += f"  tokens/s {_num(beat.tokens_per_s, ',.0f')}"
         if (eta := eta_of(view)) is not None:
@@ -77,7 +84,7 @@ def progress_line(view: RunView) -> str:
         committed = status.last_checkpoint.step
     if committed is not None:
         line += f"  ckpt {committed}"
-    if status.evaluation:
+    if status.evaluation and status.evaluation.val_loss is not None:
         line += f"  val_loss {status.evaluation.val_loss:.4f}"
         if status.evaluation.self_reported:
             line += " (self-reported)"
@@ -99,7 +106,7 @@ def runs_table(views: list[RunView]) -> Table:
         table.add_row(
             status.name,
             status.phase.value,
-            f"{step_of(view)}/{status.total_steps}",
+            of_total(step_of(view), status.total_steps),
             eta_text(eta_of(view)),
             _num(loss_of(view), ".4f"),
             str(status.attempts),
@@ -119,7 +126,8 @@ def status_text(view: RunView, settings: Settings) -> str:
         else f"allocation     none held (last generation {s.generation or '-'})",
         f"attempts       {s.attempts} restart(s), {s.swaps} straggler swap(s)"
         + (f"; history continued as new {s.continued} time(s)" if s.continued else ""),
-        f"progress       step {step_of(view)}/{s.total_steps}  loss {_num(loss_of(view), '.4f')}"
+        f"progress       step {of_total(step_of(view), s.total_steps)}"
+        f"  loss {_num(loss_of(view), '.4f')}"
         f"  tokens/s {_num(beat.tokens_per_s if beat else s.tokens_per_s, ',.0f')}"
         f"  MFU {_num(beat.mfu if beat else s.mfu, '.2%')}",
     ]
@@ -159,16 +167,7 @@ def status_text(view: RunView, settings: Settings) -> str:
         lines.append(f"dataset        {stage_bars(view.dataset)}")
     if s.evaluation:
         e = s.evaluation
-        measured = (
-            f"on {e.val_tokens:,} tokens at step {e.step}"
-            if e.measured_on == "held-out"
-            else f"the last training loss, step {e.step}: the script reports no held-out loss"
-        )
-        if e.self_reported:
-            measured += f" ({SELF_REPORTED})"
-        lines.append(
-            f"evaluation     val_loss {e.val_loss:.4f}  perplexity {e.perplexity:.2f}  {measured}"
-        )
+        lines.append(f"evaluation     {evaluation_line(e)}")
         if len(e.curve) > 1:
             points = ", ".join(f"{p.step}: {p.val_loss:.3f}" for p in e.curve)
             lines.append(f"val curve      {points}")
@@ -215,6 +214,23 @@ def status_text(view: RunView, settings: Settings) -> str:
     return "\n".join(lines)
 
 
+def evaluation_line(e: EvalResult) -> str:
+    """The final evaluation in one line: the loss, what it was measured on, and by whom."""
+    if e.val_loss is None or e.perplexity is None:
+        return (
+            f"none at step {e.step}: the script reports no loss (forgeline.report(step, "
+            "loss=...) would give one)"
+        )
+    measured = (
+        f"on {e.val_tokens:,} tokens at step {e.step}"
+        if e.measured_on == "held-out"
+        else f"the last training loss, step {e.step}: the script reports no held-out loss"
+    )
+    if e.self_reported:
+        measured += f" ({SELF_REPORTED})"
+    return f"val_loss {e.val_loss:.4f}  perplexity {e.perplexity:.2f}  {measured}"
+
+
 def approval_lines(s: RunStatus) -> list[str]:
     """Who may decide and by when, the eval gate, and the decision once there is one."""
     lines = []
@@ -225,13 +241,14 @@ def approval_lines(s: RunStatus) -> list[str]:
             who += f" (not {s.owner}, who submitted it)"
         lines.append(f"approvers      {who}  (rules: {policy.source})")
         if policy.max_val_loss is not None:
-            passed = s.evaluation is not None and s.evaluation.val_loss <= policy.max_val_loss
+            passed = gate_passed(policy, s.evaluation)
             verdict = "passes" if passed else "FAILS: approval needs --override-gate and a --note"
             lines.append(f"eval gate      val_loss <= {policy.max_val_loss:g}: {verdict}")
-        if s.evaluation is not None and s.evaluation.self_reported:
+        reported = s.evaluation.val_loss if s.evaluation is not None else None
+        if reported is not None and s.evaluation is not None and s.evaluation.self_reported:
             # What the approver decides on: a number nothing of Forgeline's measured.
             lines.append(
-                f"eval source    val_loss {s.evaluation.val_loss:.4f} is {SELF_REPORTED}, "
+                f"eval source    val_loss {reported:.4f} is {SELF_REPORTED}, "
                 "not measured by Forgeline: check the run's code before you trust it"
             )
         if s.approval_deadline is not None:

@@ -54,7 +54,7 @@ def loss_figure(status: RunStatus, metrics: Metrics, missing: list[str]) -> Figu
     if val:
         steps, values = _xy(val)
         ax.plot(steps, values, "o--", color="tab:red", ms=4, label="val loss (during training)")
-    if status.evaluation:
+    if status.evaluation and status.evaluation.val_loss is not None:
         e = status.evaluation
         # Held-out loss of each kept checkpoint, where the evaluation recorded them (newer runs).
         curve = sorted((p.step, p.val_loss) for p in getattr(e, "curve", []))

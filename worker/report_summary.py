@@ -38,7 +38,9 @@ def summary(status: RunStatus, metrics: Metrics, report: Report) -> str:
         ("steps", steps),
         ("final train loss", _fmt(loss, ".4f", loss_from)),
     ]
-    if s.evaluation:
+    if s.evaluation and s.evaluation.val_loss is None:
+        rows.append(("val loss", f"none: the script reports no loss (step {s.evaluation.step})"))
+    elif s.evaluation:
         e = s.evaluation
         rows += [
             (

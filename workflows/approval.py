@@ -31,7 +31,8 @@ def with_spec(policy: ApprovalPolicy, spec: RunSpec) -> ApprovalPolicy:
 def gate_passed(policy: ApprovalPolicy, evaluation: EvalResult | None) -> bool:
     if policy.max_val_loss is None:
         return True
-    return evaluation is not None and evaluation.val_loss <= policy.max_val_loss
+    loss = evaluation.val_loss if evaluation is not None else None
+    return loss is not None and loss <= policy.max_val_loss
 
 
 def gate_tags(policy: ApprovalPolicy, evaluation: EvalResult | None, decision: Decision) -> dict:
@@ -101,6 +102,8 @@ def measured_loss(evaluation: EvalResult | None) -> str:
     approver should know that no measurement of Forgeline's backs it."""
     if evaluation is None:
         return "no evaluation"
+    if evaluation.val_loss is None:
+        return "no loss: the run's script reported none (it may call forgeline.report)"
     loss = f"val loss {evaluation.val_loss:.4f}"
     return f"{loss} ({SELF_REPORTED})" if evaluation.self_reported else loss
 

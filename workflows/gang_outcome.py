@@ -140,7 +140,7 @@ def failures_of(
 def reached_the_end(train: TrainSpec, result: NodeTrainResult) -> bool:
     """The node's ranks trained to the run's end: the SDK's, to train.steps; a script that
     keeps its own checkpoints decides its own length, and ended when its ranks all returned."""
-    if train.checkpoints == "folder":
+    if train.keeps_its_own_checkpoints:
         return result.finished
     return result.final_step >= train.steps
 

@@ -118,7 +118,8 @@ class TrainingRun:
                 name=inp.spec.name,
                 phase=Phase.PREPARING,
                 owner=inp.spec.owner,
-                total_steps=inp.spec.train.steps,
+                # A script that keeps its own checkpoints counts its own steps: none to show.
+                total_steps=0 if inp.spec.train.keeps_its_own_checkpoints else inp.spec.train.steps,
                 spec_sha256=inp.spec_sha256,
                 team=inp.spec.resources.team,
                 model_name=inp.spec.model_name,
@@ -425,6 +426,10 @@ class TrainingRun:
             attempt.ledger = await self._ledger(attempt.generation, kept_step)
             await self._recount_rewound(attempt)
         add_attempt(self._status, attempt)
+        if self._spec.train.keeps_its_own_checkpoints:
+            # Its ranks keep no ledger of their time (the script never imports forgeline): a
+            # goodput counted without one would book every second as lost. None is the truth.
+            self._status.goodput = None
 
     async def _recount_rewound(self, attempt: AttemptRecord) -> None:
         """An attempt that resumed from an older checkpoint than an earlier attempt kept (the

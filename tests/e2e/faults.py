@@ -6,6 +6,7 @@ import os
 import random
 import re
 import signal
+import time
 from collections.abc import Callable
 from subprocess import CompletedProcess
 from typing import Protocol
@@ -63,7 +64,7 @@ def kill_a_node_of(
         lambda: (gang := gang_of(stack, run))[0] > after_generation and gang, 120, "a new gang"
     )
     victim = chance.choice(nodes)
-    agent = int((stack.home / "run" / f"{victim}.pid").read_text().split()[0])
+    agent = agent_pid(stack, victim)
     committed = wait_for(lambda: committed_by(stack, run, generation), 120, "a commit", poll=0.05)
     past = committed + chance.randint(5, 40)
     wait_for(
@@ -72,7 +73,28 @@ def kill_a_node_of(
         f"generation {generation} to reach step {past}",
         poll=0.02,
     )
-    os.kill(agent, signal.SIGKILL)
-    # The other node's ranks fail at their next collective: nothing of this gang is left.
-    wait_for(lambda: not any(map(alive, ranks_of(stack.home, run))), 60, "the gang to die")
+    sigkill_agent(stack, run, agent)
     return generation
+
+
+def kill_after_a_commit(stack: Stack, run: str, chance: random.Random) -> int:
+    """SIGKILL the agent of a random node of the run's first gang a moment after its first
+    commit (maybe mid-save: a torn last.pt must never be what resumes); return the generation."""
+    generation, nodes = wait_for(
+        lambda: (gang := gang_of(stack, run))[0] > 0 and gang, 120, "a gang"
+    )
+    wait_for(lambda: commits_of(stack, run, generation), 120, "a commit", poll=0.05)
+    time.sleep(chance.uniform(0.0, 1.5))
+    sigkill_agent(stack, run, agent_pid(stack, chance.choice(nodes)))
+    return generation
+
+
+def agent_pid(stack: Stack, node: str) -> int:
+    return int((stack.home / "run" / f"{node}.pid").read_text().split()[0])
+
+
+def sigkill_agent(stack: Stack, run: str, agent: int) -> None:
+    """SIGKILL a node agent and wait until no rank of the run is left: the other node's ranks
+    fail at their next collective."""
+    os.kill(agent, signal.SIGKILL)
+    wait_for(lambda: not any(map(alive, ranks_of(stack.home, run))), 60, "the gang to die")

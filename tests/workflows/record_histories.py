@@ -1,7 +1,7 @@
 """Record real workflow histories for the replay test (tests/workflows/test_replay.py).
 
     .venv/bin/python -m tests.workflows.record_histories tests/workflows/histories \
-        [--scenario tiny-restart|byo] [--label L]
+        [--scenario tiny-restart|byo|plain] [--label L]
 
 Starts a private local stack with `forgeline up` (its own FORGELINE_HOME in a temporary folder,
 free ports, the local-folder store, three node agents of one GPU slot), and drives a scenario
@@ -24,6 +24,10 @@ mid-run):
 2. a copy of the GRU code whose train.py has a typo before the first step (`modle` for `model`
    in the optimizer line) as run `byo-typo`: the rank script fails before its first step, the
    node activity says UserCodeError, and the run is FAILED at once, with no restart.
+
+`plain`: a plain torchrun script that keeps its own checkpoints (examples/byo/plain.toml) as
+run `byo-plain-restart`, a node agent SIGKILLed a moment after the first commit of its folder;
+it resumes from that commit, is followed to AWAITING_APPROVAL and approved as bob.
 
 Then, for either: fetch the history of every workflow execution on the server (the TrainingRuns,
 their DatasetSnapshot children, the Cluster workflow's run or runs, as they are at that moment),
@@ -59,7 +63,7 @@ from temporalio.client import WorkflowFailureError, WorkflowHistory
 
 from infra.settings import Settings
 from tests.e2e.conftest import Stack, variant
-from tests.e2e.faults import kill_a_node_of
+from tests.e2e.faults import kill_a_node_of, kill_after_a_commit
 from tests.e2e.test_user_code import BYO, byo_spec
 from tests.workflows.replaying import read_history, replayer, workflow_type, write_history
 from worker.stack import free_port_flags
@@ -79,6 +83,10 @@ BYO_KILL_SEED = 18
 # The optimizer line of examples/byo/gru/train.py, and the typo that fails it before step 1.
 OPTIMIZER_LINE = "optimizer = torch.optim.AdamW(model"
 TYPO_LINE = "optimizer = torch.optim.AdamW(modle"
+PLAIN_RUN = "byo-plain-restart"
+
+# How a scenario kills a node of the run's first gang: it returns that gang's generation.
+Kill = Callable[[Stack, str, random.Random], int]
 
 
 def stack_env(home: Path) -> dict[str, str]:
@@ -92,10 +100,16 @@ def stack_env(home: Path) -> dict[str, str]:
     return env | {"FORGELINE_HOME": str(home)}
 
 
-def restart_and_approve(stack: Stack, run: str, spec: Path, seed: int) -> None:
+def kill_in_the_first_gang(stack: Stack, run: str, chance: random.Random) -> int:
+    return kill_a_node_of(stack, run, 0, chance)
+
+
+def restart_and_approve(
+    stack: Stack, run: str, spec: Path, seed: int, kill: Kill = kill_in_the_first_gang
+) -> None:
     """Submit, kill a node mid-training, let the run recover, follow it to approval, approve."""
     stack.cli("run", str(spec), "--detach")
-    killed = kill_a_node_of(stack, run, 0, random.Random(seed))
+    killed = kill(stack, run, random.Random(seed))
     print(f"{run}: killed a node of generation {killed}", flush=True)
     stack.cli("up", "--nodes", "3")  # the node is repaired and its agent registers again
     followed = stack.cli("run", str(spec), timeout=600).stdout
@@ -139,6 +153,13 @@ def drive_byo(stack: Stack) -> None:
         raise RuntimeError(f"run {BYO_TYPO_RUN} is not FAILED without a restart:\n{status}")
 
 
+def drive_plain(stack: Stack) -> None:
+    """A plain torchrun script (level 1: it keeps its own checkpoints) through a dead node to
+    approval: its folder committed, restored for the next gang, registered by its files."""
+    spec = byo_spec(stack.home, PLAIN_RUN, BYO / "plain", "plain.toml", heartbeat_timeout_s=5)
+    restart_and_approve(stack, PLAIN_RUN, spec, KILL_SEED, kill=kill_after_a_commit)
+
+
 @dataclass(frozen=True)
 class Scenario:
     drive: Callable[[Stack], None]
@@ -148,6 +169,7 @@ class Scenario:
 SCENARIOS = {
     "tiny-restart": Scenario(drive_tiny_restart, (TINY_RUN,)),
     "byo": Scenario(drive_byo, (BYO_RUN, BYO_TYPO_RUN)),
+    "plain": Scenario(drive_plain, (PLAIN_RUN,)),
 }
 
 

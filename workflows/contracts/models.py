@@ -334,15 +334,17 @@ SELF_REPORTED = "self-reported by the run's script"
 
 class EvalResult(BaseModel):
     step: int
-    val_loss: float
-    perplexity: float
+    # None (with measured_on "nothing"): a script as it is (train.checkpoints = "folder")
+    # reported no loss at all; the version is registered without one, and no gate passes it.
+    val_loss: float | None
+    perplexity: float | None
     val_tokens: int
     sample: str  # the first prompt's continuation
     samples: list[Sample] = []  # every prompt's (registry.sample_prompt, then sample_prompts)
     curve: list[EvalPoint] = []  # held-out loss of every committed checkpoint kept, by step
     curve_left_out: list[str] = []  # older checkpoints that did not verify, and why
     # "held-out": the validation split; "train": a user's script reported no held-out loss, and
-    # this is its last training loss (trainer.reported_eval).
+    # this is its last training loss (trainer.reported_eval); "nothing": it reported no loss.
     measured_on: str = "held-out"
     # Who measured it (None: an evaluation from before this was recorded).
     source: EvalSource | None = None

@@ -50,6 +50,18 @@ MAX_ARGS_BYTES = 64 * 1024  # train.args travels in every history of the run
 CHECKPOINT_DIR = "{checkpoint_dir}"
 _Arg = Annotated[str, StringConstraints(max_length=1000)]
 
+
+def _inside_the_folder(glob: str) -> str:
+    if glob.startswith("/") or ".." in glob.split("/"):
+        raise ValueError(f"{glob!r} is not inside the checkpoint folder: name it relative to it")
+    return glob
+
+
+# A glob inside a script's checkpoint folder: relative, never climbing out of it.
+_FolderGlob = Annotated[
+    str, StringConstraints(min_length=1, max_length=300), AfterValidator(_inside_the_folder)
+]
+
 # Counts of steps (and step intervals): a year of 3-second steps is ~10 M.
 MAX_STEPS = 10_000_000
 # A document longer than this cannot reach a filter: readers skip records over 64 MiB.
@@ -327,6 +339,11 @@ class TrainSpec(_Strict):
     def user_code(self) -> bool:
         return self.entrypoint is not None
 
+    @property
+    def keeps_its_own_checkpoints(self) -> bool:
+        """A script as it is (level 1): it saves into its folder, which Forgeline commits."""
+        return self.checkpoints == "folder"
+
     def script_argv(self, checkpoint_folder: str, resumed: bool) -> list[str]:
         """The script's arguments on a node whose checkpoint folder is `checkpoint_folder`:
         argv, then resume_argv when the folder holds the run's last commit."""
@@ -538,6 +555,14 @@ class RegistrySpec(_Strict):
     approval_window_hours: float = Field(
         168.0, gt=0, le=24 * 365, description="nobody decides within this: the run ends EXPIRED"
     )
+    # A script that keeps its own checkpoints (train.checkpoints = "folder") says which of its
+    # final commit's files make the model: its weights, config, tokenizer.
+    files: list[_FolderGlob] = Field(
+        [],
+        max_length=64,
+        description='train.checkpoints = "folder": the files of the final commit the version '
+        'holds, as globs in the checkpoint folder ("last.pt", "tokenizer/*"); empty: all of them',
+    )
 
     @property
     def prompts(self) -> list[str]:
@@ -608,6 +633,15 @@ class RunSpec(_Strict):
             f"train.batch_size ({batch}) cannot be split evenly over {ranks} data-parallel "
             f"ranks in micro-batches no larger than on the full gang ({batch // full_split})"
         )
+
+    @model_validator(mode="after")
+    def _files_of_a_folder(self) -> RunSpec:
+        if self.registry.files and self.train.checkpoints != "folder":
+            raise ValueError(
+                "registry.files names files of a script's own checkpoint folder: it needs "
+                'train.checkpoints = "folder" (the SDK\'s checkpoints register their weights)'
+            )
+        return self
 
     @model_validator(mode="after")
     def _layout_fits_the_gang(self) -> RunSpec:
