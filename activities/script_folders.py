@@ -14,7 +14,7 @@ from infra.store.protocol import ObjectStore
 from trainer.checkpoint_manifest import FOLDER_CONTENTS
 from trainer.errors import CheckpointError
 from trainer.folder_checkpoint import CommitTarget, clear_folder, restore_folder
-from trainer.folder_watch import FolderWatcher
+from trainer.folder_watch import SETTLE_S, FolderWatcher
 from trainer.job import TrainJob
 from trainer.manifest import read_manifest
 from trainer.script_folder import ScriptFolder
@@ -49,11 +49,16 @@ def restore_script_folder(store: ObjectStore, inp: NodeTrainInput, job: TrainJob
 
 
 def script_folder_watch(
-    store: ObjectStore, inp: NodeTrainInput, job: TrainJob, staging: Path
+    store: ObjectStore,
+    inp: NodeTrainInput,
+    job: TrainJob,
+    staging: Path,
+    settle_s: float = SETTLE_S,
 ) -> ScriptFolder:
     """The watch over the job's folder: committing on the gang's first node, restoring only
     on the others. `staging` is the agent's own, outside the ranks' box: a file is hashed
-    there and uploaded from there, where the script cannot change it in between."""
+    there and uploaded from there, where the script cannot change it in between. `settle_s`:
+    how long the folder is quiet before a commit (a test's small script saves more often)."""
     watcher = None
     if inp.allocation.nodes[0].node_id == job.node_id:
         world = inp.spec.resources.world_size
@@ -63,6 +68,7 @@ def script_folder_watch(
             store,
             CommitTarget(inp.run_id, inp.allocation.generation, inp.run_uid),
             last_step=inp.resume.step if inp.resume else 0,
+            settle_s=settle_s,
             keep=inp.spec.train.keep_checkpoints,
             # As the SDK's manifests say it: the data the weights were trained on, the spec.
             meta=lambda: {"world_size": world, "train_config": job.train, **job.lineage},

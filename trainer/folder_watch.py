@@ -36,6 +36,8 @@ from trainer.folder_checkpoint import (
 from trainer.folder_scan import FileStamp, FolderScan, open_for_writing, scan_folder
 from trainer.manifest import CommitOutcome
 
+SETTLE_S = 2.0  # how long a changed folder stays untouched before it is committed
+
 
 class FolderState(Enum):
     UNCHANGED = "nothing written since the last commit"
@@ -67,7 +69,7 @@ class FolderWatcher:
         store: ObjectStore,
         target: CommitTarget,
         last_step: int,
-        settle_s: float = 2.0,
+        settle_s: float = SETTLE_S,
         keep: int | None = None,
         meta: Callable[[], dict[str, Any]] = dict,
         clock: Callable[[], float] = time.monotonic,

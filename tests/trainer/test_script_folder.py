@@ -14,17 +14,20 @@ from pathlib import Path
 import pytest
 import torch
 
+from activities.control import _reference
+from activities.script_folders import restore_script_folder, script_folder_watch
+from tests.activities.test_node_health_check import train_input
 from tests.conftest import REPO
 from tests.trainer.conftest import Trainer
 from tests.trainer.test_distributed_training import job_processes
 from trainer.errors import RanksFailed
-from trainer.folder_checkpoint import CommitTarget, restore_folder
-from trainer.folder_watch import FolderWatcher
+from trainer.folder_checkpoint import restore_folder
 from trainer.job import TrainJob
 from trainer.launch import ProgressTail
 from trainer.manifest import CommittedCheckpoint, find_latest
 from trainer.script_folder import ScriptFolder
-from workflows.contracts.spec import TrainSpec
+from workflows.contracts.models import NodeTrainInput
+from workflows.contracts.spec import ResourcesSpec, TrainSpec
 
 PLAIN = REPO / "examples" / "byo" / "plain"
 STEPS = 400
@@ -52,6 +55,27 @@ def plain_spec(steps: int = STEPS) -> TrainSpec:
     )
 
 
+def node_input(
+    run_id: str, spec: TrainSpec, generation: int, resume: CommittedCheckpoint | None
+) -> NodeTrainInput:
+    """What the run's workflow hands the gang's first node (n0, the node of Trainer.job): the
+    script's spec on two ranks, and the commit to resume from as the workflow refers to it."""
+    base = train_input()
+    run = base.spec.model_copy(
+        update={"train": spec, "resources": ResourcesSpec(nodes=1, gpus_per_node=2)}
+    )
+    allocation = base.allocation.model_copy(update={"run_id": run_id, "generation": generation})
+    return base.model_copy(
+        update={
+            "run_id": run_id,
+            "spec": run,
+            "allocation": allocation,
+            "node_id": "n0",
+            "resume": _reference(resume) if resume is not None else None,
+        }
+    )
+
+
 def plain_job(
     trainer: Trainer,
     run_id: str,
@@ -59,28 +83,20 @@ def plain_job(
     resume: CommittedCheckpoint | None = None,
     spec: TrainSpec | None = None,
 ) -> tuple[TrainJob, ScriptFolder]:
-    """The job as a node agent hands it over: its folder restored from `resume` (or empty),
-    its arguments filled in, and the watch that commits the folder."""
+    """The job as a node agent hands it over (activities.script_folders): its folder restored
+    from `resume` (or empty), its arguments filled in, and the watch that commits the folder."""
     spec = spec or plain_spec()
+    inp = node_input(run_id, spec, generation, resume)
     job = trainer.job(run_id, spec, generation=generation, code_dir=str(PLAIN))
     workdir = Path(job.progress_file).parent
-    folder = workdir / "checkpoint"
-    if resume is None:
-        folder.mkdir(parents=True)
-    else:
-        restore_folder(trainer.store, resume.manifest, folder)
-    job.checkpoint_folder, job.checkpoint_resumed = str(folder), resume is not None
-    job.script_argv = spec.script_argv(str(folder), job.checkpoint_resumed)
-    job.stop_file = str(workdir / "STOP")
-    watcher = FolderWatcher(
-        folder,
-        workdir / "staging-of-folder",
-        trainer.store,
-        CommitTarget(run_id, generation),
-        last_step=resume.step if resume else 0,
-        settle_s=0.2,
+    job.stop_file = str(workdir / "STOP")  # as activities.node sets it
+    restore_script_folder(trainer.store, inp, job)
+    # Shorter than a node's settle period (SETTLE_S): the kill and stop tests strike at the
+    # first commit, which must come while the script, quick to save, is still far from its end.
+    folder = script_folder_watch(
+        trainer.store, inp, job, workdir / "staging-of-folder", settle_s=0.2
     )
-    return job, ScriptFolder(folder, Path(job.progress_file), watcher, Path(job.stop_file))
+    return job, folder
 
 
 def final_state(trainer: Trainer, run_id: str, generation: int) -> tuple[int, dict]:
