@@ -80,13 +80,26 @@ class FolderWatcher:
         self.last_step = last_step
         self.settle_s = settle_s
         self.keep = keep
-        self.meta = meta  # more fields for each manifest (tokens_seen, world_size, ...)
+        # Where each manifest's more fields come from (tokens_seen, world_size, ...), asked at
+        # every commit: what they say changes as the run goes on (add_meta).
+        self._meta: list[Callable[[], dict[str, Any]]] = [meta]
         self.fenced = False
         self._clock = clock
         self._verified: set[str] = set()  # pruning's cache
         self._committed = scan_folder(folder).signature()
         self._seen: dict[str, FileStamp] | None = self._committed
         self._changed_at = clock()
+
+    def add_meta(self, more: Callable[[], dict[str, Any]]) -> None:
+        """From now on, each manifest also carries the fields `more` returns at its commit
+        (over those of the sources given before, where they name the same field)."""
+        self._meta.append(more)
+
+    def _manifest_fields(self) -> dict[str, Any]:
+        fields: dict[str, Any] = {}
+        for source in self._meta:
+            fields.update(source())
+        return fields
 
     def poll(self, step: int | None = None) -> FolderPoll:
         """Commit the folder if it changed and has been quiet for the settle period; `step`:
@@ -148,7 +161,13 @@ class FolderWatcher:
         at = self.last_step + 1 if step is None else step
         try:
             commit = commit_snapshot(
-                self.store, snapshot, self.target, at, self.meta(), self.keep, self._verified
+                self.store,
+                snapshot,
+                self.target,
+                at,
+                self._manifest_fields(),
+                self.keep,
+                self._verified,
             )
         finally:
             shutil.rmtree(staging, ignore_errors=True)

@@ -75,8 +75,7 @@ class ScriptFolder:
         if watcher is not None:
             # Every commit's manifest also carries what the script reported: the run's
             # evaluation reads it there, as it does from the SDK's (trainer.reported_eval).
-            given = watcher.meta
-            watcher.meta = lambda: {**given(), **self._reported()}
+            watcher.add_meta(self._reported)
 
     def heard(
         self,

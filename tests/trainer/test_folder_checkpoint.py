@@ -217,6 +217,28 @@ def test_a_fenced_generation_commits_nothing_once_a_newer_one_has_started(
     assert committed(store, generation=2).generation == 2
 
 
+def test_each_manifest_carries_the_fields_its_sources_give_at_its_commit(
+    store: LocalStore, folder: Path
+) -> None:
+    """The watcher's own fields, then those added later (a script's reports), asked again at
+    every commit: a later source's field stands over an earlier one's."""
+    reported: list[tuple[int, float]] = []
+    watcher = FolderWatcher(
+        folder, folder.parent / "staging", store, CommitTarget(RUN, 1), 0,
+        meta=lambda: {"world_size": 2, "loss_history": [(0, 9.0)]},
+    )  # fmt: skip
+    watcher.add_meta(lambda: {"loss_history": list(reported)})
+    reported.append((1, 4.0))
+    (folder / "last.pt").write_bytes(b"step 1")
+    assert watcher.final().state is FolderState.COMMITTED
+    assert (committed(store).world_size, committed(store).loss_history) == (2, [(1, 4.0)])
+
+    reported.append((2, 3.0))
+    (folder / "last.pt").write_bytes(b"step 2")
+    assert watcher.final().state is FolderState.COMMITTED
+    assert committed(store).loss_history == [(1, 4.0), (2, 3.0)]
+
+
 def test_restore_reproduces_the_folder_and_refuses_a_flipped_byte(
     store: LocalStore, folder: Path, tmp_path: Path
 ) -> None:
