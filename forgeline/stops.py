@@ -15,7 +15,8 @@ from forgeline.findings import Findings
 from forgeline.step import Step
 from trainer.runtime import TermSignal
 from trainer.spike_watch import SpikeWatch
-from trainer.step_share import (
+from trainer.step_share import StepShare
+from trainer.stop_reasons import (
     ASKED_TO_STOP,
     FENCED,
     KEEP_GOING,
@@ -23,7 +24,6 @@ from trainer.step_share import (
     PREEMPTED,
     STOP_REASONS,
     STRAGGLER,
-    StepShare,
 )
 from trainer.stragglers import StragglerWatch
 

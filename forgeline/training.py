@@ -64,14 +64,13 @@ from trainer.shadow_check import Recompute, ShadowSettings, Verdict
 from trainer.spike_watch import SpikeSettings, SpikeWatch
 from trainer.step_share import (
     EXIT_NON_FINITE,
-    FENCED,
     NO_SAVE,
-    NON_FINITE,
     PEER_SAVE,
     STORE_SAVE,
     StepShare,
     share_step,
 )
+from trainer.stop_reasons import FENCED, NON_FINITE
 from workflows.contracts.spec import TrainSpec
 
 SERVING_MODULE = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*")

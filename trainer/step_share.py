@@ -12,16 +12,6 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from trainer.stop_reasons import (  # noqa: F401 (the SDK's stop votes, imported from here)
-    ASKED_TO_STOP,
-    FENCED,
-    KEEP_GOING,
-    NON_FINITE,
-    PREEMPTED,
-    STOP_REASONS,
-    STRAGGLER,
-)
-
 # Exit status of ranks that found non-finite numbers: the attempt fails and the run resumes
 # from the last committed checkpoint, which holds none of them.
 EXIT_NON_FINITE = 3
@@ -31,7 +21,7 @@ NO_SAVE, STORE_SAVE, PEER_SAVE = 0, 1, 2
 
 @dataclass(frozen=True)
 class StepShare:
-    stop: int  # the strongest stop request of any rank
+    stop: int  # the strongest stop request of any rank (a vote of trainer.stop_reasons)
     save: bool  # rank 0's call on a time- or epoch-based checkpoint, the same on every rank
     peer: bool  # rank 0's call on a peer-tier checkpoint (trainer.peer_tier)
     step_s: list[float]  # every rank's step time
