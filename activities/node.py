@@ -22,25 +22,23 @@ from temporalio.exceptions import ApplicationError
 
 from activities.errors import domain_errors
 from activities.fetch import NodeCache, NodeCacheLease
+from activities.job_setup import STOP_FILE, JobSite, job_environment, prepare_job
 from activities.metric_tap import MetricTap
 from activities.node_confinement import door_policy, quoted_output
-from activities.script_folders import keeps_its_own, restore_script_folder, script_folder_watch
-from infra import code_snapshot, node_health
+from activities.script_folders import keeps_its_own, script_folder_watch
+from infra import node_health
 from infra.gpu_devices import device_minors
 from infra.node_hardware import CPU
 from infra.sandbox import Box
 from infra.settings import Settings
-from infra.user_envs import EnvironmentBuildFailed, UserEnv
+from infra.user_envs import UserEnv
 from registry.metric_stream import MetricShipper, MetricSpool
-from trainer.checkpoint_manifest import CheckpointManifest, PeerManifest
 from trainer.device_env import GrantedDevices
 from trainer.errors import NodeFault, RanksFailed, UserCodeFailed
 from trainer.hang import HangWatch
-from trainer.job import CHAOS_FILE, ResumePoint, TrainJob
+from trainer.job import TrainJob
 from trainer.launch import COMPILE_CACHE, LOOPBACK, Fabric, Rendezvous, run_ranks
 from trainer.local_copies import LocalCopies
-from trainer.manifest import read_manifest
-from trainer.model import laid_out_as
 from trainer.rank_box import DOOR_SOCKET, Confinement, NodeConfinement, door_url, rank_box
 from trainer.rank_logs import LogShipper, shipped_while_running
 from trainer.store_door import StoreDoor, door_folder, door_path
@@ -52,7 +50,6 @@ from workflows.contracts.cluster_models import (
     WarmInput,
 )
 from workflows.contracts.models import (
-    CheckpointRef,
     HealthEvent,
     NodeStopInput,
     NodeTrainInput,
@@ -66,7 +63,6 @@ from workflows.gang_outcome import NODE_UNHEALTHY, USER_CODE_ERROR
 HEALTH_SIGNALS = 10
 
 T = TypeVar("T")
-STOP_FILE = "STOP"
 # In a run's folder on the node: its ranks' copies of its newest checkpoint, and of the peer tier.
 CHECKPOINT_COPIES = "checkpoint-copies"
 PEER_COPIES = "peer-copies"
@@ -168,7 +164,8 @@ class NodeActivities:
                 self._prepare_job(inp, cache), lambda: reporter.beat("fetching")
             )
             python_env = await _heartbeating(
-                self._environment(job, cache), lambda: reporter.beat("building its environment")
+                job_environment(job, cache, self.node_id),
+                lambda: reporter.beat("building its environment"),
             )
         if self.on_cache_changed is not None:
             await self.on_cache_changed(self.cache.held())
@@ -331,124 +328,19 @@ class NodeActivities:
 
     def _prepare_job_sync(self, inp: NodeTrainInput, cache: NodeCacheLease) -> TrainJob:
         self._drop_what_other_runs_left()
-        dataset = cache.dataset_manifest(inp.dataset)
-        shards = cache.split(dataset, "train")
-        resume = None
-        # The built-in GPT is built as the weights it starts from are laid out: a run begun
-        # (or a base model trained) before the fused layout resumes in the layout it has.
-        stored: dict = {}
-        gen_dir = self._generation_dir(inp.run_id, inp.allocation.generation)
-        if keeps_its_own(inp):
-            pass  # the script's own folder is restored below, once the job is made
-        elif inp.resume is not None and inp.resume.tier == "peer":
-            # The ranks gather the files from the gang's nodes, or fetch the fallback.
-            key = inp.resume.manifest_key
-            manifest = PeerManifest.parse(self.store.get_bytes(key), key)
-            stored = manifest.network
-            resume = _resume_point(inp.resume, gen_dir / "peer-checkpoint", manifest)
-            resume.manifest_file = _keep_beside_job(manifest, gen_dir / "peer-manifest.json")
-            if (fallback := inp.resume.fallback) is not None:
-                kept = read_manifest(self.store, fallback.manifest_key)
-                resume.fallback = _resume_point(fallback, gen_dir / "store-checkpoint", kept)
-                resume.fallback.manifest_file = _keep_beside_job(
-                    kept, gen_dir / "store-manifest.json"
-                )
-        elif inp.resume is not None:
-            folder, manifest = cache.checkpoint(inp.resume, self._copies(inp.run_id))
-            stored = manifest.network
-            resume = _resume_point(inp.resume, folder, manifest)
-        code_dir = self._user_code(inp, cache, gen_dir.parent / "code")
-        init_weights = ""
-        if inp.init_from is not None and inp.resume is None:
-            folder, base = cache.checkpoint(inp.init_from)
-            init_weights = str(folder)
-            stored = base.network
-        spec = inp.spec
-        replicate, shard, tensor = spec.parallel.degrees(spec.resources.world_size)
-        node_ids = [node.node_id for node in inp.allocation.nodes]
-        job = TrainJob(
-            run_id=inp.run_id,
-            run_uid=inp.run_uid,
+        return prepare_job(self._job_site(inp), inp, cache)
+
+    def _job_site(self, inp: NodeTrainInput) -> JobSite:
+        """This node and its folders for the run, as its job is set up (activities.job_setup)."""
+        return JobSite(
             node_id=self.node_id,
-            node_index=node_ids.index(self.node_id),
-            layout={"replicate": replicate, "shard": shard, "tensor": tensor},
-            val_shards=(
-                [str(p) for p in cache.split(dataset, "val")]
-                if spec.train.eval_every or inp.code is not None  # a script evaluates itself
-                else []
-            ),
-            generation=inp.allocation.generation,
-            model=laid_out_as(
-                {**spec.model.architecture(), "vocab_size": inp.dataset.vocab_size},
-                stored if inp.code is None else None,  # a script's model_config is its own
-            ),
-            train={
-                **spec.train.model_dump(),
-                # MFU against what this gang's devices can do, unless the spec says otherwise.
-                "peak_flops_per_gpu": spec.train.peak_flops_per_gpu
-                or inp.allocation.device_peak_flops(spec.train.threads_per_rank),
-            },
-            train_shards=[str(p) for p in shards],
-            dtype=dataset.dtype,
-            store_url=self.store.url,
-            twin_store_url=self.settings.twin_store_url,
-            staging_dir=str(gen_dir / "staging"),
-            local_copies=str(self._copies(inp.run_id).folder),
-            # A multi-node run (or an elastic one, shrunk) holds its nodes whole, so one run at
-            # a time prunes the folder; a single-node run has no peer to send to.
-            peer_copies=str(self._run_dir(inp.run_id) / PEER_COPIES)
-            if spec.train.peer_every
-            and (spec.resources.nodes > 1 or spec.resources.min_nodes is not None)
-            else "",
             node_domain=self._node_info(inp.allocation).pod,
-            progress_file=str(gen_dir / "progress.jsonl"),
-            stop_file=str(gen_dir / STOP_FILE),
-            chaos_file=str(gen_dir / CHAOS_FILE),
-            lineage={
-                "dataset_snapshot": inp.dataset.snapshot_id,
-                "dataset_manifest_sha256": inp.dataset.manifest_sha256,
-                "init_from": inp.init_from.manifest_key if inp.init_from else None,
-            },
-            resume=resume,
-            init_weights=init_weights,
-            mtbf_s=spec.recovery.gang_mtbf_s(
-                spec.resources.nodes,
-                inp.allocation.fleet_node_seconds,
-                inp.allocation.fleet_fail_stops,
-            ),
-            nodes=len(node_ids),
-            stragglers=spec.recovery.straggler_settings(),
-            spikes=spec.recovery.spike_settings(),
-            shadow=spec.recovery.shadow_settings(),
-            code_dir=str(code_dir) if code_dir else "",
+            store=self.store,
+            twin_store_url=self.settings.twin_store_url,
+            generation_dir=self._generation_dir(inp.run_id, inp.allocation.generation),
+            copies=self._copies(inp.run_id),
+            peer_copies=self._run_dir(inp.run_id) / PEER_COPIES,
         )
-        if keeps_its_own(inp):
-            restore_script_folder(self.store, inp, job)
-        return job
-
-    def _user_code(self, inp: NodeTrainInput, cache: NodeCacheLease, dest: Path) -> Path | None:
-        """The run's own copy of its code snapshot in `dest` (from this node's cache, every
-        file verified); None for the built-in trainer."""
-        if inp.code is None:
-            return None
-        ref = inp.code
-        files = code_snapshot.manifest_files(self.store, ref.snapshot_id, ref.manifest_sha256)
-        return code_snapshot.materialize(self.store, ref.snapshot_id, files, cache.code(ref), dest)
-
-    async def _environment(self, job: TrainJob, cache: NodeCacheLease) -> UserEnv | None:
-        """The Python environment the run's code folder declares (infra.user_envs), built once
-        on this node, before its ranks start; None when it declares none. A build that fails
-        is the user's to fix: said once, by this agent, not as an ImportError by every rank."""
-        if not job.code_dir:
-            return None
-        try:
-            return await asyncio.to_thread(cache.environment, Path(job.code_dir))
-        except EnvironmentBuildFailed as err:
-            raise ApplicationError(
-                f"train.code's requirements cannot be installed on node {self.node_id}: {err}",
-                type=USER_CODE_ERROR,
-                non_retryable=True,
-            ) from err
 
 
 class _Reporter:
@@ -597,23 +489,3 @@ async def _heartbeating(work: Awaitable[T], beat: Callable[[], None], every_s: f
     except asyncio.CancelledError:
         task.cancel()
         raise
-
-
-def _keep_beside_job(manifest: CheckpointManifest, path: Path) -> str:
-    """A manifest the ranks read from the node's disk rather than each from the store."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_bytes(manifest.dump_bytes())
-    return str(path)
-
-
-def _resume_point(ref: CheckpointRef, folder: Path, manifest: CheckpointManifest) -> ResumePoint:
-    """Where the ranks resume: the checkpoint's step and the loop's state its manifest keeps."""
-    return ResumePoint(
-        folder=str(folder),
-        step=ref.step,
-        tokens_seen=ref.tokens_seen,
-        manifest_key=ref.manifest_key,
-        loss_history=[[step, loss] for step, loss in manifest.loss_history],
-        samples_seen=manifest.samples_seen,
-        tier=ref.tier,
-    )
