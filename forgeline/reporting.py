@@ -84,6 +84,10 @@ class _Reporter:
         if self.in_a_job:
             mark_began()
 
+    def saved(self, step: object) -> None:
+        number = _step_number(step, None)
+        self.progress.write(event="saved", step=number)
+
 
 @functools.cache
 def this_process() -> _Reporter:
@@ -96,6 +100,14 @@ def report(step: int, /, **metrics: float) -> None:
     module's docstring): one line to the run's progress file, from each node's local rank 0;
     nothing outside a Forgeline job. Raises SDKUsageError for a bad step or metric."""
     this_process().report(step, metrics)
+
+
+def saved(step: int, /) -> None:
+    """Tell the node agent that a save of `step` into the checkpoint folder is complete, so it
+    commits the folder now rather than once the folder has been quiet a while. For the
+    integrations (forgeline.integrations), which know when their library's save is done; call
+    it from the rank that saved, after the last file is closed. Nothing outside a job."""
+    this_process().saved(step)
 
 
 def _step_number(step: object, last: int | None) -> int:

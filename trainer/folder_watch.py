@@ -101,9 +101,10 @@ class FolderWatcher:
             fields.update(source())
         return fields
 
-    def poll(self, step: int | None = None) -> FolderPoll:
+    def poll(self, step: int | None = None, settled: bool = False) -> FolderPoll:
         """Commit the folder if it changed and has been quiet for the settle period; `step`:
-        the step the script last reported, if it did."""
+        the step the script last reported, if it did. `settled`: the script's library said its
+        save is complete (forgeline.integrations): no settle period to wait for."""
         if self.fenced:
             return FolderPoll(FolderState.FENCED)
         scan = scan_folder(self.folder)
@@ -112,7 +113,8 @@ class FolderWatcher:
             self._seen, self._changed_at = signature, now
         if signature == self._committed:
             return FolderPoll(FolderState.UNCHANGED, skipped=scan.skipped)
-        if now - self._changed_at < self.settle_s and not self._written_before_settling(scan):
+        quiet = settled or now - self._changed_at >= self.settle_s
+        if not quiet and not self._written_before_settling(scan):
             return FolderPoll(FolderState.SETTLING, skipped=scan.skipped)
         return self._commit(scan, step)
 

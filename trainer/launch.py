@@ -34,6 +34,7 @@ from trainer.progress_events import (
     OddLine,
     PeerSkippedLine,
     ProgressLine,
+    SavedLine,
     SdkLine,
     StepLine,
     UserErrorLine,
@@ -159,6 +160,7 @@ class ProgressTail:
         self.reported_step: int | None = None
         self.losses: list[tuple[int, float]] = []
         self.evaluated: tuple[int, float] | None = None
+        self.saved_step: int | None = None  # the newest save a library said is complete
         self._rate = StepRate()
 
     def poll(self) -> None:
@@ -186,6 +188,8 @@ class ProgressTail:
                 self.latest["step"] = line.step
                 if line.reason is not None:
                     self.latest["stop_reason"] = line.reason
+            case SavedLine():
+                self.saved_step = line.step
             case EvalLine():
                 self.latest["val_loss"] = line.val_loss
                 self.evaluated = (self.reported_step or 0, line.val_loss)
@@ -313,7 +317,7 @@ async def run_ranks(
                 await asyncio.wait_for(ranks.wait(), timeout=CRASH_POLL_S)
             tail.poll()
             if script_folder is not None:  # its commits take the newest step it reported
-                script_folder.heard(tail.reported_step, tail.losses, tail.evaluated)
+                script_folder.heard(tail)
             if tail.crash is not None and ranks.returncode is None and not ranks.ranks_alive():
                 # A rank died of an exception, and every rank has exited (a rank's exit waits
                 # for its checkpoint upload in flight, which may still commit): the gang is
@@ -368,7 +372,7 @@ async def run_ranks(
     if script_folder is not None:
         # Whole: every rank returned, by itself or after saving on the SIGTERM it was sent.
         whole = ranks.returncode == 0 or (whole and len(tail.exited) >= rdzv.nproc_per_node)
-        script_folder.heard(tail.reported_step, tail.losses, tail.evaluated)
+        script_folder.heard(tail)
         await script_folder.end(whole, stopped=stopping)
         tail.drain()
     # torchrun exits non-zero when it was itself SIGTERMed (or stopped above), even though its

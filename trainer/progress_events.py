@@ -108,9 +108,19 @@ class ExitedLine(_Line):
     rank: int = Field(ge=0)
 
 
+class SavedLine(_Line):
+    """A training library's save is complete (forgeline.integrations: the Trainer's
+    `checkpoint-N`, Lightning's `.ckpt`): the folder holds a whole checkpoint of `step`, which
+    the node agent commits at once instead of waiting for the folder to be quiet."""
+
+    event: Literal["saved"]
+    step: _Step
+
+
 ProgressLine = (
     StepLine
     | CheckpointLine
+    | SavedLine
     | EndLine
     | EvalLine
     | FailedLine

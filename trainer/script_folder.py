@@ -26,10 +26,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import time
 from pathlib import Path
+from typing import Protocol
 
 from trainer.folder_watch import FolderPoll, FolderState, FolderWatcher
 from trainer.job import TrainJob
@@ -55,6 +57,17 @@ def script_folder_environment(job: TrainJob) -> dict[str, str]:
     }
 
 
+class Reports(Protocol):
+    """What the ranks reported (trainer.launch.ProgressTail follows their lines)."""
+
+    reported_step: int | None  # the newest step (forgeline.report)
+    # The newest losses by step (the tail replaces its list on each report, never changes it:
+    # kept as it is), and the newest held-out loss with its step.
+    losses: list[tuple[int, float]]
+    evaluated: tuple[int, float] | None
+    saved_step: int | None  # the newest save its library said is complete
+
+
 class ScriptFolder:
     """One generation's checkpoint folder on this node, as its ranks run."""
 
@@ -72,20 +85,17 @@ class ScriptFolder:
         self._step: int | None = None
         self._losses: list[tuple[int, float]] = []
         self._evaluated: tuple[int, float] | None = None
+        self._saved: int | None = None
+        self._saved_tried: int | None = None  # the save the watch last committed without settling
         if watcher is not None:
             # Every commit's manifest also carries what the script reported: the run's
             # evaluation reads it there, as it does from the SDK's (trainer.reported_eval).
             watcher.add_meta(self._reported)
 
-    def heard(
-        self,
-        step: int | None,
-        losses: list[tuple[int, float]],
-        evaluated: tuple[int, float] | None,
-    ) -> None:
-        """The script's newest reported step, its losses and its newest held-out loss (the
-        tail replaces its list on each report, never changes it: kept as it is)."""
-        self._step, self._losses, self._evaluated = step, losses, evaluated
+    def heard(self, reports: Reports) -> None:
+        """What the script reported so far, as the launch's tail follows it."""
+        self._step, self._losses = reports.reported_step, reports.losses
+        self._evaluated, self._saved = reports.evaluated, reports.saved_step
 
     def _reported(self) -> dict[str, object]:
         found: dict[str, object] = {"loss_history": self._losses}
@@ -99,6 +109,17 @@ class ScriptFolder:
         the last commit; else None, one past the last commit (the commits count the run)."""
         last = self.watcher.last_step if self.watcher is not None else 0
         return self._step if self._step is not None and self._step > last else None
+
+    def _fresh_save(self) -> int | None:
+        """The step of a save the library said is complete and no commit has taken yet: the
+        folder is committed now, at that step, without a settle period. Tried once: if the
+        folder is busy by then (the next save has begun), the settle period decides again,
+        so a half-written next save is never committed under this one's step."""
+        saved, last = self._saved, self.watcher.last_step if self.watcher is not None else 0
+        if saved is None or saved <= last or saved == self._saved_tried:
+            return None
+        self._saved_tried = saved
+        return saved
 
     @property
     def asked_to_stop(self) -> bool:
@@ -124,7 +145,11 @@ class ScriptFolder:
     async def _watch(self, stop: asyncio.Event, every_s: float) -> None:
         assert self.watcher is not None
         while not stop.is_set():
-            self._follow(await asyncio.to_thread(self.watcher.poll, self._commit_step()))
+            step, complete = self._commit_step(), self._fresh_save()
+            if complete is not None:
+                step = complete
+            poll = functools.partial(self.watcher.poll, step, settled=complete is not None)
+            self._follow(await asyncio.to_thread(poll))
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), every_s)
 

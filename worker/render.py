@@ -221,8 +221,10 @@ def evaluation_line(e: EvalResult) -> str:
             f"none at step {e.step}: the script reports no loss (forgeline.report(step, "
             "loss=...) would give one)"
         )
+    # A script's own evaluation may not say how many tokens it read.
+    on = f"on {e.val_tokens:,} tokens " if e.val_tokens else ""
     measured = (
-        f"on {e.val_tokens:,} tokens at step {e.step}"
+        f"{on}at step {e.step}"
         if e.measured_on == "held-out"
         else f"the last training loss, step {e.step}: the script reports no held-out loss"
     )
