@@ -337,7 +337,7 @@ async def run_ranks(
                 break
             if script_folder is not None and (script_folder.asked_to_stop or script_folder.fenced):
                 stopping = True
-                whole = await ranks.stop(grace_s=stop_grace_s, dump_stacks=False)
+                whole = await ranks.ask_ranks_to_stop(stop_grace_s)
                 break
             if start is not None and not tail.stepped:
                 start.observe(tail.sdk, time.monotonic())

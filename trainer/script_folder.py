@@ -108,7 +108,10 @@ class ScriptFolder:
         """The step a commit now is: the script's newest reported, if it reported one past
         the last commit; else None, one past the last commit (the commits count the run)."""
         last = self.watcher.last_step if self.watcher is not None else 0
-        return self._step if self._step is not None and self._step > last else None
+        # A save said complete may be newer than the last report (a stop's save, between two
+        # reports): the folder holds that step.
+        newest = max((s for s in (self._step, self._saved) if s is not None), default=None)
+        return newest if newest is not None and newest > last else None
 
     def _fresh_save(self) -> int | None:
         """The step of a save the library said is complete and no commit has taken yet: the

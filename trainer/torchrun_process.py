@@ -126,6 +126,28 @@ class TorchrunProcess:
             return False
         return True
 
+    async def ask_ranks_to_stop(self, grace_s: float) -> bool:
+        """SIGTERM the ranks themselves, not torchrun, and give them `grace_s` to save and
+        return (a script that keeps its own checkpoints). torchrun then ends as it does when
+        its ranks finish: it reads each rank's result, which a rank that returned waits for.
+        A torchrun that was SIGTERMed itself never reads them, so a rank that saved and
+        returned would wait out torchrun's own 30 s before being killed. Past the grace, or
+        with no rank to ask: `stop`. True if they ended within the grace."""
+        if self.returncode is not None:
+            return True
+        ranks = [pid for pid in self.ranks() if runs_trainer(pid)]
+        if not ranks:
+            return await self.stop(grace_s=grace_s, dump_stacks=False)
+        for pid in ranks:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGTERM)
+        try:
+            await asyncio.wait_for(self.proc.wait(), timeout=grace_s)
+        except TimeoutError:
+            await self.stop(grace_s=2.0, dump_stacks=False)
+            return False
+        return True
+
     async def kill(self, ranks: list[int] | None = None) -> None:
         """SIGKILL torchrun (or its box) and its ranks; `ranks` as they were before torchrun
         was asked to stop."""

@@ -19,7 +19,8 @@ What the callback does:
   value MLflow as `train/<name>`, and `val_loss` is the run's held-out loss, which the eval gate
   judges as self-reported;
 - each `.ckpt` the `ModelCheckpoint` saves is committed by the node agent as soon as it is
-  written (put the callback after the `ModelCheckpoint` in the list: it tells the agent);
+  written (Lightning runs the ModelCheckpoint after the other callbacks, so the callback sees
+  the save at the next batch's end and tells the agent the save's own step);
 - a SIGTERM (a preemption or a drain) becomes, at the end of the batch every rank agrees on
   (forgeline.integrations.stop_request), a save of `last.ckpt` and a clean end of `fit()`: the
   script returns, and the agent commits that save.
@@ -62,7 +63,13 @@ class ForgelineCallback(pl.Callback):
         self.saves = saves
         self.stop = StopRequest()
         self._reported_step = -1
-        self._saved_path = ""  # the ModelCheckpoint's newest save, as last said to the agent
+        self._seen_save: tuple[object, ...] | None = None  # the newest save told to the agent
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # fit() has put Lightning's own SIGTERM handler in place by now. It broadcasts from
+        # inside the handler, which can land in the middle of the step's all-reduce and hang
+        # the gang, then raises out of fit(): a crash, not a stop. Ours only notes the request.
+        self.stop.install()
 
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
@@ -84,10 +91,20 @@ class ForgelineCallback(pl.Callback):
             trainer.should_stop = True
         # The ModelCheckpoint (before this callback in the list) has saved in this hook when
         # its newest path changed: the save is complete, commit it now.
-        newest = self.saves.last_model_path
-        if trainer.is_global_zero and (stopping or newest != self._saved_path):
-            self._saved_path = newest
-            saved(step)
+        newest = self._newest_save()
+        if trainer.is_global_zero and (stopping or newest != self._seen_save):
+            self._seen_save = newest
+            # Lightning runs the ModelCheckpoint after the other callbacks: its save at the
+            # previous batch's end is seen here one batch later, and says its own step.
+            at = getattr(self.saves, "_last_global_step_saved", step) if not stopping else step
+            saved(at)
+
+    def _newest_save(self) -> tuple[object, ...]:
+        """What changes with each save of the ModelCheckpoint: the step it saved at (kept in
+        an attribute of its own), and its paths, which alone do not change for last.ckpt."""
+        saves = self.saves
+        step = getattr(saves, "_last_global_step_saved", None)
+        return (step, saves.last_model_path, saves.best_model_path)
 
 
 def last_checkpoint(dirpath: str | os.PathLike[str]) -> str | None:

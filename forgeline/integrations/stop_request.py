@@ -23,6 +23,10 @@ class StopRequest:
 
     def __init__(self) -> None:
         self.asked = False
+        self.install()
+
+    def install(self) -> None:
+        """Make this the SIGTERM handler (again, after a library put its own in its place)."""
         signal.signal(signal.SIGTERM, self._on_sigterm)
 
     def _on_sigterm(self, signum: int, frame: FrameType | None) -> None:

@@ -17,8 +17,8 @@ import pytest
 import torch
 from mlflow.tracking import MlflowClient
 
-from tests.e2e.conftest import Stack, progress_events
-from tests.e2e.faults import kill_after_a_commit
+from tests.e2e.conftest import Stack, progress_events, wait_for
+from tests.e2e.faults import commits_of, gang_of, kill_after_a_commit
 from tests.e2e.test_user_code import BYO, byo_spec
 from trainer.folder_checkpoint import restore_folder
 from trainer.manifest import find_latest
@@ -40,8 +40,8 @@ def lightning_step(folder: Path) -> int:
 # files the version holds). Each saves every 3 s or so here: the folder is quiet long enough
 # between saves for commits during the run, so the kill lands mid-run.
 EXAMPLES: list[tuple[str, int, Callable[[Path], int], set[str]]] = [
-    ("hf", 400, hf_step, {"model.safetensors", "config.json", "vocab.json"}),
-    ("lightning", 600, lightning_step, {"last.ckpt", "vocab.json"}),
+    ("hf", 600, hf_step, {"model.safetensors", "config.json", "vocab.json"}),
+    ("lightning", 900, lightning_step, {"last.ckpt", "vocab.json"}),
 ]
 
 
@@ -56,7 +56,7 @@ def reported(stack: Stack, run: str, generation: int) -> list[tuple[int, float]]
 @pytest.mark.parametrize(
     ("example", "steps", "library_step", "registered"), EXAMPLES, ids=[e[0] for e in EXAMPLES]
 )
-def test_a_library_s_trainer_survives_a_dead_node_and_is_registered(
+def test_a_library_s_trainer_survives_a_dead_node_and_a_drain_and_is_registered(
     stack: Stack, tmp_path: Path, example: str, steps: int,
     library_step: Callable[[Path], int], registered: set[str],
 ) -> None:  # fmt: skip
@@ -67,21 +67,37 @@ def test_a_library_s_trainer_survives_a_dead_node_and_is_registered(
     before = reported(stack, run, killed)
     stack.cli("up", "--nodes", "3")  # the node comes back
 
-    followed = stack.cli("run", str(spec), timeout=600).stdout
+    # The next gang, after its first commit, loses a node to a drain: its ranks get SIGTERM,
+    # save at a step they all agree on and return; the gang after it goes on from that save.
+    resumed, nodes = wait_for(lambda: (g := gang_of(stack, run))[0] > killed and g, 120, "a gang")
+    wait_for(lambda: commits_of(stack, run, resumed), 120, "its first commit", poll=0.05)
+    try:
+        drained_at = max(step for step, _ in reported(stack, run, resumed))
+        stack.cli("node", "drain", nodes[1])
+        followed = stack.cli("run", str(spec), timeout=600).stdout
+    finally:
+        stack.cli("node", "undrain", nodes[1], check=False)
     assert "AWAITING_APPROVAL" in followed, followed
     status = stack.cli("status", run).stdout
-    assert re.search(r"attempts +1 restart", status), status
+    assert re.search(r"attempts +1 restart", status), status  # the drain is no failure
+    assert re.search(rf"preempted +gen {resumed} at [0-9:]+ at step \d+", status), status
     assert re.search(r"evaluation +val_loss \d+\.\d+ .*self-reported", status), status
+    # Each node says it stopped; the first node's line names the step its agent committed.
+    ends = [e["step"] for e in progress_events(stack, run, resumed) if e["event"] == "stopped"]
+    stopped = max(ends, default=-1)
+    assert len(ends) == 2 and stopped >= drained_at, (ends, drained_at)
+    assert stopped == max(commits_of(stack, run, resumed))  # the stop's save
 
     final = find_latest(stack.store(), run, max_generation=10**9)
-    assert final is not None and final.generation > killed and final.step == steps
+    assert final is not None and final.generation > resumed and final.step == steps
     folder = restore_folder(stack.store(), final.manifest, tmp_path / "final").path
     assert library_step(folder) == steps
-    # The next gang went on from a commit: its first report is past the killed gang's first,
-    # at a loss below where the killed gang began.
-    after = reported(stack, run, final.generation)
-    assert before and after, (before, after)
+    # Each gang went on from a commit: its first report is past the one before's first, at a
+    # loss below where the killed gang began, and the last gang's past the stop's save.
+    after, last = reported(stack, run, resumed), reported(stack, run, final.generation)
+    assert before and after and last, (before, after, last)
     assert after[0][0] > before[0][0] and after[0][1] < before[0][1], (before, after)
+    assert last[0][0] > stopped, (stopped, last)
 
     client = MlflowClient(tracking_uri=stack.settings.mlflow_uri)
     version = client.get_model_version_by_alias(run, "candidate")
