@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 FL     := $(BIN)/forgeline
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test test-all up down lint format clean bench-dataprep bench-trainer bench-recovery bench-load bench-shadow bench-hot-start bench-door
+.PHONY: demo test test-all up down lint format clean bench-dataprep bench-trainer bench-recovery bench-load bench-shadow bench-hot-start bench-door bench-byo
 
 # torch first, pinned to the CPU wheel on this machine's disk: resolving `torch` through the
 # project's dependencies could pull a multi-GB CUDA build.
@@ -51,6 +51,11 @@ bench-shadow: $(STAMP)
 # A checkpoint's stall and save to commit through a boxed rank's store door, beside direct writes.
 bench-door: $(STAMP)
 	$(BIN)/python -m bench.door
+
+# A code folder's environment built, reused, or not needed; a script's own checkpoint folder
+# committed beside the SDK's asynchronous save of the same state.
+bench-byo: $(STAMP)
+	$(BIN)/python -m bench.byo
 
 bench-hot-start: $(STAMP)
 	$(BIN)/python -m bench.hot_start

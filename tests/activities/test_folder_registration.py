@@ -6,8 +6,12 @@ real MLflow (SQLite), with lineage that says no loss was reported."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
+import mlflow.tracking._model_registry.utils as registry_utils
+import mlflow.tracking._tracking_service.utils as tracking_utils
+import mlflow.tracking.fluent as fluent
 import pytest
 from mlflow.tracking import MlflowClient
 from temporalio.exceptions import ApplicationError
@@ -48,9 +52,24 @@ def spec(files: list[str]) -> RunSpec:
     })  # fmt: skip
 
 
+def keep_mlflow_s_process_state(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Registration sets MLflow's process-wide tracking and registry URIs and its experiment
+    (registry.tracking), in module state and in the environment: all are put back after the
+    test, or a later test's client without URIs of its own would look for its models in this
+    test's SQLite file (the CLI's end-to-end test did)."""
+    monkeypatch.setattr(registry_utils, "_registry_uri", registry_utils._registry_uri)
+    monkeypatch.setattr(tracking_utils, "_tracking_uri", tracking_utils._tracking_uri)
+    monkeypatch.setattr(fluent, "_active_experiment_id", fluent._active_experiment_id)
+    for name in ("MLFLOW_TRACKING_URI", "MLFLOW_REGISTRY_URI", "MLFLOW_EXPERIMENT_ID"):
+        monkeypatch.setenv(name, os.environ.get(name, ""))
+        if not os.environ[name]:
+            monkeypatch.delenv(name)
+
+
 @pytest.fixture
-def control(tmp_path: Path) -> ControlActivities:
+def control(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> ControlActivities:
     """The control worker's activities on a store that holds one folder commit at step 30."""
+    keep_mlflow_s_process_state(monkeypatch)
     store = LocalStore(tmp_path / "store")
     folder = tmp_path / "checkpoint"
     for name, data in FILES.items():
