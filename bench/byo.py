@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from activities.fetch import NodeCache
-from bench.trainer import BIG, big_model_in_a_gang_of_one, table
+from bench.trainer import big_model_in_a_gang_of_one, overlapped_save, table
 from infra.store.local import LocalStore
 from trainer.checkpoint import Checkpointer
 from trainer.folder_checkpoint import CommitTarget
@@ -96,20 +96,9 @@ def checkpoints(root: Path, repeats: int) -> list[tuple[str, str, str, str]]:
                             CommitTarget("big", 1, ""), last_step=0, keep=2)  # fmt: skip
     sdk_stall, sdk_commit, own_stall, own_commit = [], [], [], []
     for i in range(repeats):
-        # The SDK, as its loop does it: save, the next forward and backward, wait for the copy.
-        started = time.perf_counter()
-        sdk.save(model, optimizer, step=i + 1, meta={})
-        blocked = time.perf_counter() - started
-        x = torch.randint(0, BIG.vocab_size, (1, 128))
-        _, loss = model(x, x)
-        loss.backward()
-        resumed = time.perf_counter()
-        sdk.before_weights_change()
-        sdk_stall.append(blocked + time.perf_counter() - resumed)
-        optimizer.zero_grad(set_to_none=True)
-        report = sdk.wait()
-        assert report is not None and report.manifest_key is not None
-        sdk_commit.append(report.total_s)
+        stall, committed = overlapped_save(sdk, model, optimizer, step=i + 1)
+        sdk_stall.append(stall)
+        sdk_commit.append(committed)
 
         # A script as it is: its own torch.save (the loop waits), then the agent's commit.
         state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": i}

@@ -21,15 +21,13 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
 
-from bench.trainer import BIG, big_model_in_a_gang_of_one, table
+from bench.trainer import big_model_in_a_gang_of_one, overlapped_save, table
 from infra.store.door import DoorStore
 from infra.store.local import LocalStore
 from infra.store.protocol import ObjectStore
 from trainer.checkpoint import Checkpointer
-from trainer.model import GPT
 from trainer.store_door import DoorPolicy, StoreDoor
 
 RUN = "bench-door"
@@ -42,23 +40,6 @@ def _serve(store_root: str, socket_path: str, run_dir: str, ready: multiprocessi
         ready.set()
         while True:
             time.sleep(3600)
-
-
-def _save(model: GPT, optimizer: torch.optim.Optimizer, checkpointer: Checkpointer, step: int):
-    """One save as the loop does it; (stall, save to commit) in seconds."""
-    started = time.perf_counter()
-    checkpointer.save(model, optimizer, step=step, meta={})
-    blocked = time.perf_counter() - started
-    x = torch.randint(0, BIG.vocab_size, (1, 128))
-    _, loss = model(x, x)
-    loss.backward()
-    started = time.perf_counter()
-    checkpointer.before_weights_change()
-    stall = blocked + time.perf_counter() - started
-    optimizer.zero_grad(set_to_none=True)
-    report = checkpointer.wait()
-    assert report is not None and report.manifest_key is not None, report
-    return stall, report.total_s
 
 
 def _checkpointer(store: ObjectStore, staging: Path) -> Checkpointer:
@@ -84,13 +65,13 @@ def measure(root: Path, repeats: int) -> list[tuple[str, str, str, str]]:
     figures: dict[str, list[tuple[float, float]]] = {"direct": [], "door": []}
     try:
         for warm_up in (direct, door):  # the staging buffers are made on a first save
-            _save(model, optimizer, warm_up, step=1)
+            overlapped_save(warm_up, model, optimizer, step=1)
         for i in range(repeats):
             # Each repeat's pair in turn, the order swapped every other repeat.
             order = ("direct", "door") if i % 2 == 0 else ("door", "direct")
             for name in order:
                 chosen = direct if name == "direct" else door
-                figures[name].append(_save(model, optimizer, chosen, step=i + 2))
+                figures[name].append(overlapped_save(chosen, model, optimizer, step=i + 2))
     finally:
         direct.close()
         door.close()

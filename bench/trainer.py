@@ -261,6 +261,26 @@ def big_model_in_a_gang_of_one() -> tuple[GPT, torch.optim.Optimizer]:
     return model, optimizer
 
 
+def overlapped_save(
+    checkpointer: Checkpointer, model: GPT, optimizer: torch.optim.Optimizer, step: int
+) -> tuple[float, float]:
+    """One asynchronous save as the SDK's loop does it: save, the next forward and backward,
+    then wait for the staging copy. Returns the loop's stall and the save's time to commit."""
+    started = time.perf_counter()
+    checkpointer.save(model, optimizer, step=step, meta={})
+    blocked = time.perf_counter() - started
+    x = torch.randint(0, BIG.vocab_size, (1, 128))
+    _, loss = model(x, x)
+    loss.backward()
+    started = time.perf_counter()
+    checkpointer.before_weights_change()
+    stall = blocked + time.perf_counter() - started
+    optimizer.zero_grad(set_to_none=True)
+    report = checkpointer.wait()
+    assert report is not None and report.manifest_key is not None
+    return stall, report.total_s
+
+
 def checkpoints(root: Path, repeats: int) -> list[tuple[str, str, str, str]]:
     model, optimizer = big_model_in_a_gang_of_one()
     params = sum(p.numel() for p in model.parameters())
@@ -279,20 +299,9 @@ def checkpoints(root: Path, repeats: int) -> list[tuple[str, str, str, str]]:
         torch.save({"model": model.state_dict(), "optim": optimizer.state_dict()}, root / "t.pt")
         sync_torch.append(time.perf_counter() - started)
 
-        # As the loop does it: save, then the next forward and backward, then wait for the copy.
-        started = time.perf_counter()
-        checkpointer.save(model, optimizer, step=2 * i + 1, meta={})
-        blocked = time.perf_counter() - started
-        x = torch.randint(0, BIG.vocab_size, (1, 128))
-        _, loss = model(x, x)
-        loss.backward()
-        started = time.perf_counter()
-        checkpointer.before_weights_change()
-        stall_overlap.append(blocked + time.perf_counter() - started)
-        optimizer.zero_grad(set_to_none=True)
-        report = checkpointer.wait()
-        assert report is not None and report.manifest_key is not None
-        commit.append(report.total_s)
+        stall, committed = overlapped_save(checkpointer, model, optimizer, step=2 * i + 1)
+        stall_overlap.append(stall)
+        commit.append(committed)
 
         started = time.perf_counter()
         checkpointer.save(model, optimizer, step=2 * i + 2, meta={})
