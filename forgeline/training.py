@@ -17,6 +17,9 @@ itself. Everything the platform needs from a rank happens inside these calls:
   it (`forgeline.loop_end`);
 - progress goes to the node agent (heartbeats, MLflow) and the goodput ledger to the store.
 
+This module holds the calls the script makes; the platform's side of each step, and the loop's
+end, are `forgeline.step_loop`'s, and what a health verdict does, `forgeline.health_verdicts`'.
+
 The script keeps what is its own: the model, the optimizer, the forward and backward pass,
 and whatever else it names in `restore(state=...)` (`forgeline.kept_state`): checkpointed and
 restored with them.
@@ -25,12 +28,11 @@ restored with them.
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 import re
 import sys
 import time
-from collections.abc import Generator, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -40,37 +42,22 @@ import torch.distributed as dist
 from forgeline.errors import SDKUsageError
 from forgeline.findings import Findings
 from forgeline.kept_state import KeptState
-from forgeline.loop_end import LeftLoop
 from forgeline.saves import Saves
-from forgeline.shadow import ShadowChecks, shadow_checks
+from forgeline.shadow import ShadowChecks
 from forgeline.step import Step
-from forgeline.stops import StopRules
+from forgeline.step_loop import StepLoop
 from infra.store.factory import open_store
 from trainer import runtime
 from trainer.attempt_clock import AttemptClock
 from trainer.checkpoint import load_training_state
-from trainer.checkpoint_policy import CheckpointPolicy
 from trainer.data import RankSlice, Sampler, TokenStream
-from trainer.entry import mark_began
-from trainer.grad_watch import ChaosPoison, OwnGradients, chaos_order, flip_low_bit
+from trainer.grad_watch import ChaosPoison, OwnGradients
 from trainer.job import TrainJob
 from trainer.job_checkpoints import checkpointer_for, resolve
-from trainer.metrics import mfu
 from trainer.own_gradients import own_gradients
 from trainer.parallel import Layout, Placement, build_mesh
 from trainer.progress import ProgressFile
-from trainer.rng_streams import seed_step
-from trainer.shadow_check import Recompute, ShadowSettings, Verdict
-from trainer.spike_watch import SpikeSettings, SpikeWatch
-from trainer.step_share import (
-    EXIT_NON_FINITE,
-    NO_SAVE,
-    PEER_SAVE,
-    STORE_SAVE,
-    StepShare,
-    share_step,
-)
-from trainer.stop_reasons import FENCED, NON_FINITE
+from trainer.shadow_check import Recompute, ShadowSettings
 from workflows.contracts.spec import TrainSpec
 
 SERVING_MODULE = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*")
@@ -133,10 +120,10 @@ class Run:
         # measured inside the run, so a busy machine moves it no more than the step it divides.
         self._sdk_s = 0.0
         self._current: Step | None = None  # the step the script is in
-        self._loop: Generator[Step, None, None] | None = None  # what steps() returned
-        self._rules: StopRules | None = None  # made by steps()
-        self._loop_start = 0  # the step steps() started from
-        self._left: LeftLoop | None = None  # the script left steps() early; finish() ends it
+        # Set when the loop starts (forgeline.step_loop): (its start, steps since) for the
+        # logged tokens/s, which evaluating() moves on by the evaluation's time.
+        self._window: tuple[float, int]
+        self._loop: StepLoop | None = None  # made by steps()
         self._last_eval: dict[str, float | int] | None = None  # the newest report_eval
         self._serving: dict[str, str] | None = None  # serve_with(): how the model is served
         self._progress.write(event="sdk", call="init", state="returned")
@@ -310,119 +297,8 @@ class Run:
             raise SDKUsageError("call run.restore(model, optimizer) before run.steps()")
         if self._loop is not None:
             raise SDKUsageError("run.steps() was called twice: a run has one training loop")
-        self._loop = self._steps()
-        return self._loop
-
-    def _steps(self) -> Generator[Step, None, None]:
-        assert self._saves is not None
-        watch = SpikeWatch(SpikeSettings.from_dict(self.job.spikes), self.world)
-        self._checks = shadow_checks(self, self._shadow, self._loss_of, self._own_norms)
-        self._rules = StopRules(self.job.stragglers, self._findings, self.ranks_per_node,
-                                self._term, self._stop_file, watch,
-                                on_suspect=self._suspect_at)  # fmt: skip
-        self._policy = CheckpointPolicy.from_train_config(self.job.train, self.job.mtbf_s)
-        self._window = (time.perf_counter(), 0)
-        self._sdk_s = 0.0
-        self._loop_start = self.step
-        self._progress.write(event="sdk", call="steps", state="entered")
-        step: Step | None = None
-        try:
-            while self.step < self.settings.steps:
-                entered = time.perf_counter()
-                # Randomness (dropout) derives from (seed, step, coordinates): nothing to save
-                # for resume, and a tensor-parallel group draws alike where it holds the same
-                # values.
-                seed_step(self.device, self.settings.seed, self.step + 1,
-                          self.placement.dp_rank, self.rank, self.layout.tensor > 1)  # fmt: skip
-                self._stall_s = 0.0
-                step = self._current = Step(self, self.step + 1)
-                if self._checks is not None:
-                    self._checks.starting(step.number)
-                if self._model is not None and chaos_order(
-                    self._corrupt_next, step.number, "flip-bit"
-                ):
-                    flip_low_bit(self._model)  # `forgeline chaos flip-bit`, for tests and demos
-                self._sdk_s += time.perf_counter() - entered
-                yield step
-                if self._after_step(step):
-                    break
-        except BaseException as left:
-            self._leave_loop(step, crashed=not isinstance(left, GeneratorExit))
-            raise
-        mark_began()  # also when a resume found every step done
-        self._end_loop()
-
-    def _after_step(self, step: Step) -> bool:
-        """The platform's part of a step the script has done; True when the loop must end."""
-        assert self._rules is not None
-        # The step's device values are read here, before the SDK's clock starts: on a GPU
-        # that read waits for the device to finish the script's work, which is the step's
-        # compute, not the platform's share (`sdk_share`). After it the device is idle, so
-        # nothing the SDK reads below waits for the script's kernels.
-        # What waits for the device each step, on a GPU, and why it must: the local gradient
-        # norm in `step.gradients()` (the host decides whether to clip by it, and hands it to
-        # the script as a number), and this read of the loss (every rank must decide at
-        # this step, from every rank's loss, whether the gang stops on a non-finite value,
-        # and the spike watch compares it every step). The step's all-gather (gloo, host
-        # numbers) waits for the other ranks, not the device: all of them must agree on
-        # stopping and saving at the same step. On logging steps, the mean loss too.
-        step._settle()
-        entered = time.perf_counter()
-        stop = self._end_step(step, self._rules, first=self.step == self._loop_start)
-        self._sdk_s += time.perf_counter() - entered
-        mark_began()  # a failure from here on is a crash, not a script that cannot start
-        return stop
-
-    def _end_loop(self, reason: str | None = None) -> None:
-        """The loop's end: its last save committed, and the run's final record where the loop
-        ran its course (`reason`: why it ended before `steps`, the script's own choice)."""
-        assert self._saves is not None and self._clock is not None
-        self._saves.wait()
-        self._saves.close()
-        if self.step >= self.settings.steps:
-            self._clock.end("done")
-            self._progress.write(event="done", step=self.step, tokens_seen=self.tokens_seen)
-        elif reason is not None:
-            self._clock.end(f"done: {reason}")
-            self._progress.write(event="done", step=self.step, tokens_seen=self.tokens_seen,
-                                 reason=reason)  # fmt: skip
-
-    def _leave_loop(self, step: Step | None, crashed: bool) -> None:
-        """The script left the loop early, on purpose or by an exception (forgeline.loop_end):
-        note where, and nothing more. Not even wait for the save in flight: this also runs
-        when a crashed rank's loop is finalized at the interpreter's exit, and a save whose
-        peer is gone waits there until its collective times out (collective_timeout_s: it held
-        a dead node's survivors for minutes, and their gang's recovery with them). A script
-        that goes on calls run.finish(), which waits (`_finish_left_loop`)."""
-        self._left = LeftLoop(step, crashed)
-
-    def _wait_for_the_save_in_flight(self) -> None:
-        """Bounded: a checkpoint whose peer is gone waits out its collective's timeout."""
-        assert self._saves is not None
-        try:
-            self._saves.wait(timeout=self.settings.collective_timeout_s)
-        except Exception as failed:  # the exception unwinding (if any) is the one to report
-            self._say(f"the checkpoint in flight when the loop was left failed: {failed!r}")
-
-    def _finish_left_loop(self, left: LeftLoop) -> None:
-        """`run.finish()` after the script left the loop: a `break` finishes the step it was in
-        and commits where it stopped; a crash saves nothing more (forgeline.loop_end)."""
-        assert self._saves is not None and self._clock is not None
-        if not left.on_purpose():
-            self._wait_for_the_save_in_flight()  # what it commits is not redone
-            unwinding = sys.exc_info()[1]
-            why = f"{type(unwinding).__name__}: {unwinding}" if unwinding else "the step failed"
-            at = left.step.number if left.step is not None else self.step
-            self._clock.end(f"failed: the loop was left at step {at} ({why})"[:500])
-            return
-        mark_began()  # a loop that ended, however early, trained
-        if left.step is not None and left.step_finished and self._after_step(left.step):
-            self._saves.close()  # it stopped (asked to, or fenced) and said so
-            return
-        if self.step > 0 and not self._saves.holds(self.step):
-            self.checkpoint()
-        self._end_loop(reason=f"the script's loop ended at step {self.step} of "
-                              f"{self.settings.steps}")  # fmt: skip
+        self._loop = StepLoop(self, self._saves, self._clock, self._progress, self._findings)
+        return self._loop.steps
 
     @contextlib.contextmanager
     def evaluating(self) -> Iterator[None]:
@@ -475,15 +351,11 @@ class Run:
         left with `break`, it first ends the loop: the step the script was in, a checkpoint of
         where it stopped, the run's final record (every rank calls it: a collective)."""
         if self._loop is not None:
-            # A loop the script still holds (`it = run.steps()`) ends here, as after a break.
-            self._loop.close()
-        left, self._left = self._left, None
-        if left is not None:
-            self._finish_left_loop(left)
+            self._loop.finish()
         if dist.is_initialized():
             dist.destroy_process_group()
 
-    # ---- the platform's side of a step -------------------------------------------------
+    # ---- the platform's side of a step: hooks and saves (the rest: forgeline.step_loop) --
 
     def _before_weights_change(self, *_: object) -> None:
         if self._current is not None:
@@ -497,139 +369,9 @@ class Run:
         """The micro-batch of the step being computed, from 1 (0: none handed out yet)."""
         return self._current.micro_index if self._current else 0
 
-    def _suspect_at(self, step: int) -> None:
-        """A rank was named a suspect at `step`: keep what a rollback past it needs (rank 0
-        pins), and check the next step's work at once where the run has shadow checks."""
-        points = self._saves.checkpointer.rollback_points if self._saves else None
-        if points is not None:
-            points.suspect_at(step)
-        if self._checks is not None:
-            self._checks.check_next(step)
-
-    def _end_step(self, step: Step, rules: StopRules, first: bool) -> bool:
-        """Everything after the script's optimizer step; True when the loop must end."""
-        assert self._saves is not None and self._clock is not None
-        if self._checks is not None:
-            self._checks.step_ended()
-        saves = self._saves
-        cfg = self.settings
-        own_loss = step.own_loss  # read by step._settle(), once
-        if step.loss is not None and not math.isfinite(own_loss):
-            step.finite = False
-        self.step = step.number
-        self.samples_seen += cfg.batch_size
-        tokens_per_step = cfg.batch_size * (self.sampler.stream.block_size if self.sampler else 0)
-        self.tokens_seen += tokens_per_step
-        self._window = (self._window[0], self._window[1] + 1)
-        saves.poll()
-
-        asked = rules.request(step, fenced=saves.fenced)
-        # Time and epoch boundaries are rank 0's call, so every rank saves at the same step.
-        save_due = self.rank == 0 and self._policy.due(
-            self.step,
-            time.monotonic() - saves.last_save_at,
-            epoch_ended=self._epoch_ended(),
-            stall_s=saves.costs[0],
-            commit_s=saves.costs[1],
-        )
-        # A peer-tier save only when no save is on its way: it must never make the loop wait.
-        peer_due = (
-            self.rank == 0
-            and saves.checkpointer.peer is not None
-            and cfg.peer_every > 0
-            and self.step % cfg.peer_every == 0
-            and not saves.checkpointer.busy
-        )
-        step_s = time.perf_counter() - step.started
-        grad_norm = step.grad_norm if step.grad_norm is not None else 0.0
-        call = STORE_SAVE if save_due else PEER_SAVE if peer_due else NO_SAVE
-        shared = share_step(asked, call, step_s, grad_norm, step.forward_s, own_loss)
-        stop, straggler_s = rules.judge(self.step, shared, step_s - self._stall_s, shared.stop)
-        self._clock.step_done(
-            self.step,
-            train_s=step_s - self._stall_s,
-            stall_s=self._stall_s,
-            straggler_s=straggler_s,
-            shadow_s=step.shadow_s,
-        )
-        if stop == NON_FINITE:
-            self._fail_non_finite(shared)
-        if step.verdict is not None:
-            self._act_on(step.verdict)
-
-        # The first step of a (re)start is always reported: it marks when recovery paid off.
-        on_grid = self.step % cfg.log_every == 0 or self.step == cfg.steps
-        if on_grid or first:
-            self._log_step(step, shared, tokens_per_step, on_grid)
-
-        if stop == FENCED:
-            # A save that straddled the fence may still report; it goes before the stop, so
-            # "stopped" is the last word of this generation.
-            self._stop_here("fenced")
-            return True
-        if stop or shared.save or self.step == cfg.steps:
-            self.checkpoint()
-        elif shared.peer:
-            self._save(peer=True)
-        if stop:
-            # After the commit landed: only then is it safe.
-            self._stop_here(rules.reason(stop, fenced=saves.fenced))
-            return True
-        return False
-
     def _say(self, text: str) -> None:
         """A line of this rank's log (`forgeline logs RUN --rank R`), every rank's own."""
         print(f"[rank {self.rank}/{self.world} gen {self.job.generation}] {text}", flush=True)
-
-    def _stop_here(self, reason: str) -> None:
-        assert self._saves is not None and self._clock is not None
-        self._saves.wait()
-        self._clock.end(f"stopped: {reason}")
-        self._progress.write(event="stopped", step=self.step, tokens_seen=self.tokens_seen,
-                             reason=reason)  # fmt: skip
-
-    def _epoch_ended(self) -> bool:
-        if self.sampler is None:
-            return False
-        return self.sampler.epoch(self.samples_seen) > self.sampler.epoch(
-            self.samples_seen - self.settings.batch_size
-        )
-
-    def _log_step(self, step: Step, shared: StepShare, tokens_per_step: int, on_grid: bool) -> None:
-        loss = step.loss if step.loss is not None else torch.zeros(())
-        # Each tensor-parallel rank holds the same loss; averaging over all ranks is exact.
-        mean_loss = loss.detach().to(self.device, torch.float32).clone()
-        if self.world > 1:  # the mean over one rank is its own loss
-            dist.all_reduce(mean_loss, op=dist.ReduceOp.AVG)
-        mean = mean_loss.item()  # read once: only a logged value
-        started, steps = self._window
-        elapsed = time.perf_counter() - started
-        tokens_per_s = steps * tokens_per_step / elapsed
-        cfg = self.settings
-        if on_grid:  # the same points whether or not the run was ever restarted
-            self.loss_history.append([self.step, mean])
-            self._say(f"step {self.step}/{cfg.steps} loss {mean:.4f} tokens/s {tokens_per_s:,.0f}")
-        self._progress.write(
-            event="step",
-            step=self.step,
-            total_steps=cfg.steps,
-            loss=mean,
-            lr=step.metrics.get("lr"),
-            tokens_per_s=tokens_per_s,
-            mfu=(
-                mfu(tokens_per_s, self._flops_per_token, cfg.peak_flops_per_gpu, self.world)
-                if self._flops_per_token and cfg.peak_flops_per_gpu
-                else None
-            ),
-            checkpoint_step=self._saves.last_committed if self._saves else None,
-            epoch=self.sampler.epoch(self.samples_seen) if self.sampler else 0,
-            rank_step_s=shared.step_s,
-            rank_grad_norm=shared.grad_norm,
-            sdk_share=self._sdk_s / elapsed,
-            metrics={k: v for k, v in step.metrics.items() if k != "lr"},
-        )
-        self._window = (time.perf_counter(), 0)
-        self._sdk_s = 0.0  # the rest of this step's platform work falls in the next window
 
     def checkpoint(self) -> None:
         """Start an asynchronous checkpoint of the model, the optimizer and the state named in
@@ -667,37 +409,6 @@ class Run:
                 **self.job.lineage,
             },
         )
-
-    def _fail_non_finite(self, shared: StepShare) -> None:
-        """End this attempt so the run resumes from the last committed checkpoint, which holds
-        none of the NaN or inf the gang saw."""
-        reason = self._findings.non_finite(self.step, shared.grad_norm)
-        self._fail("non-finite loss or gradients", reason)
-
-    def _act_on(self, verdict: Verdict) -> None:
-        """A shadow check disagreed. Ranks named: the attempt fails, their nodes are
-        quarantined and the run rolls back past the last passed check (rank 0 keeps the
-        checkpoints from before it). None named: reported, and the gang goes on."""
-        assert self._checks is not None
-        since = self._checks.unverified_since
-        if not verdict.ranks:
-            self._findings.health("shadow-mismatch", verdict.step, None, "report", verdict.evidence)
-            return
-        assert self._saves is not None
-        if (points := self._saves.checkpointer.rollback_points) is not None:  # rank 0's
-            points.suspect_at(since)
-        reason = self._findings.shadow_verdict(verdict, since)
-        self._fail("a shadow recompute disagreed", reason)
-
-    def _fail(self, what: str, reason: str) -> None:
-        """End this attempt with the exit status of corruption: nothing from this step on is
-        saved, and the run resumes from a checkpoint committed before it."""
-        assert self._saves is not None and self._clock is not None
-        self._clock.end(f"failed: {what}")
-        self._progress.write(event="failed", step=self.step, reason=reason)
-        self._saves.close()  # a save in flight was staged before this step: let it commit
-        dist.destroy_process_group()
-        sys.exit(EXIT_NON_FINITE)
 
 
 def init(job_path: str | None = None) -> Run:
