@@ -21,6 +21,7 @@ from temporalio.exceptions import ApplicationError
 from activities.fetch import NodeCacheLease
 from activities.script_folders import keeps_its_own, restore_script_folder
 from infra import code_snapshot
+from infra.containers import ImageUnusable, ensure_image
 from infra.store.protocol import ObjectStore
 from infra.user_envs import EnvironmentBuildFailed, UserEnv
 from trainer.checkpoint_manifest import CheckpointManifest, PeerManifest
@@ -170,10 +171,22 @@ def _user_code(
     return code_snapshot.materialize(store, ref.snapshot_id, files, cache.code(ref), dest)
 
 
-async def job_environment(job: TrainJob, cache: NodeCacheLease, node_id: str) -> UserEnv | None:
+async def job_environment(
+    job: TrainJob, cache: NodeCacheLease, node_id: str, image: str | None = None
+) -> UserEnv | None:
     """The Python environment the run's code folder declares (infra.user_envs), built once
-    on this node, before its ranks start; None when it declares none. A build that fails
-    is the user's to fix: said once, by this agent, not as an ImportError by every rank."""
+    on this node, before its ranks start; None when it declares none, or when the run names an
+    `image` (pulled and checked here instead: infra.containers). A build that fails, or an
+    image that cannot run the ranks, is the user's to fix: said once, by this agent, not as an
+    ImportError by every rank."""
+    if image is not None:
+        try:
+            await asyncio.to_thread(ensure_image, image)
+        except ImageUnusable as err:
+            raise ApplicationError(
+                f"node {node_id}: {err}", type=USER_CODE_ERROR, non_retryable=True
+            ) from err
+        return None
     if not job.code_dir:
         return None
     try:

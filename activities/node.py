@@ -27,6 +27,7 @@ from activities.metric_tap import MetricTap
 from activities.node_confinement import door_policy, quoted_output
 from activities.script_folders import keeps_its_own, script_folder_watch
 from infra import node_health
+from infra.containers import ContainerBox, ContainerRuntime
 from infra.gpu_devices import device_minors
 from infra.node_hardware import CPU
 from infra.sandbox import Box
@@ -106,10 +107,13 @@ class NodeActivities:
         fabric: Fabric = LOOPBACK,
         incarnation: str = "",
         confinement: NodeConfinement | None = None,
+        container_runtime: ContainerRuntime | None = None,
     ) -> None:
         self.settings = settings
         # Whether this node boxes its ranks (trainer.rank_box.decide, at the agent's start).
         self.confinement = confinement or NodeConfinement(Confinement.UNCONFINED, "not asked")
+        # What runs a spec's train.image here (infra.containers.detect; None: nothing does).
+        self.container_runtime = container_runtime
         self.node_id = node_id
         self.incarnation = incarnation  # this agent process's, as it registered (NodeInfo)
         self.fabric = fabric  # the address this node advertises and its interface
@@ -142,7 +146,17 @@ class NodeActivities:
             self._training.discard(inp.run_id)
 
     async def _train(self, inp: NodeTrainInput, cache: NodeCacheLease) -> NodeTrainResult:
-        if inp.code is not None and self.confinement.mode is Confinement.REFUSED:
+        image = inp.spec.train.image
+        if image is not None and self.container_runtime is None:
+            raise ApplicationError(
+                f"node {self.node_id} cannot run train.image {image!r}: it has no container "
+                "runtime (its operator may install podman), so its ranks would not run in the "
+                "image the spec names",
+                type="NodeRefusesImage",
+                non_retryable=True,
+            )
+        # A container is a box of its own: a node that cannot make bubblewrap's may run it.
+        if inp.code is not None and image is None and self.confinement.mode is Confinement.REFUSED:
             raise ApplicationError(
                 f"node {self.node_id} runs no user code: it cannot box it "
                 f"({self.confinement.why}); its operator may install bubblewrap, or start the "
@@ -164,8 +178,8 @@ class NodeActivities:
                 self._prepare_job(inp, cache), lambda: reporter.beat("fetching")
             )
             python_env = await _heartbeating(
-                job_environment(job, cache, self.node_id),
-                lambda: reporter.beat("building its environment"),
+                job_environment(job, cache, self.node_id, image),
+                lambda: reporter.beat("pulling its image" if image else "building its environment"),
             )
         if self.on_cache_changed is not None:
             await self.on_cache_changed(self.cache.held())
@@ -264,11 +278,13 @@ class NodeActivities:
     @contextlib.contextmanager
     def _confined(
         self, inp: NodeTrainInput, job: TrainJob, python_env: UserEnv | None
-    ) -> Iterator[Box | None]:
-        """The box the job's ranks run in (None: this node runs them unconfined), with the
-        run's store door open for as long as they run: the job's store becomes the door, and
-        no credential of the store goes into the box."""
-        if self.confinement.mode is not Confinement.BOX:
+    ) -> Iterator[Box | ContainerBox | None]:
+        """The box the job's ranks run in (None: this node runs them unconfined; a container
+        of the spec's image where it names one), with the run's store door open for as long
+        as they run: the job's store becomes the door, and no credential of the store goes
+        into the box."""
+        image = inp.spec.train.image
+        if self.confinement.mode is not Confinement.BOX and image is None:
             yield None
             return
         run_dir = self._run_dir(inp.run_id)
@@ -278,7 +294,7 @@ class NodeActivities:
         env_folder = python_env.folder if python_env else None
         box = rank_box(job, run_dir, self._own_checkpoints(inp.run_id), folder, gpus, env_folder)
         with StoreDoor(self.store, door_policy(inp, run_dir), folder / DOOR_SOCKET):
-            yield box
+            yield box if image is None else ContainerBox(image, box, self.node_id)
 
     def _own_checkpoints(self, run_id: str) -> Path:
         """Where this node's cache keeps the run's own checkpoints (NodeCacheLease.checkpoint:

@@ -20,6 +20,7 @@ import importlib
 import json
 import os
 import runpy
+import shutil
 import signal
 import subprocess
 import sys
@@ -114,7 +115,7 @@ def _copy_output_to_rank_log(job: TrainJob) -> None:
     sys.stderr.flush()
     console, errors = os.dup(1), os.dup(2)  # torchrun's log, where the copy also goes
     tee = subprocess.Popen(
-        ["tee", "-a", str(path)],
+        _tee(path),
         stdin=subprocess.PIPE,
         stdout=console,
         stderr=errors,
@@ -127,6 +128,21 @@ def _copy_output_to_rank_log(job: TrainJob) -> None:
     os.dup2(tee.stdin.fileno(), 1)
     os.dup2(tee.stdin.fileno(), 2)
     tee.stdin.close()  # fds 1 and 2 hold the pipe now; it closes when the rank exits
+
+
+# `tee -a FILE` where an image has no coreutils (infra.containers): the same copy, in Python.
+_PYTHON_TEE = """import os, sys
+with open(sys.argv[1], "ab", buffering=0) as log:
+    while chunk := os.read(0, 65536):
+        log.write(chunk)
+        os.write(1, chunk)
+"""
+
+
+def _tee(path: Path) -> list[str]:
+    if shutil.which("tee") is not None:
+        return ["tee", "-a", str(path)]
+    return [sys.executable, "-c", _PYTHON_TEE, str(path)]
 
 
 def _mark_the_script_s_start(job: TrainJob) -> None:

@@ -15,10 +15,12 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from infra.containers import IMAGE_PYTHON, ContainerBox, container_environment
 from infra.host_network import is_loopback
 from infra.parent_death import die_with_parent
 from infra.sandbox import Box
 from infra.user_envs import UserEnv
+from trainer.container_launch import start_in_container, torchrun_in
 from trainer.device_env import GrantedDevices, device_environment
 from trainer.errors import NodeFault, RanksFailed, RanksHung, UserCodeFailed
 from trainer.hang import HangWatch
@@ -252,7 +254,7 @@ async def run_ranks(
     start_limit_s: float | None = None,
     fabric: Fabric = LOOPBACK,
     launcher: WarmLauncher | None = None,
-    box: Box | None = None,
+    box: Box | ContainerBox | None = None,
     compile_cache: Path | None = None,
     devices: GrantedDevices | None = None,
     python_env: UserEnv | None = None,
@@ -264,7 +266,8 @@ async def run_ranks(
     `hang` sees them make no progress (their stacks then go to their stacks files); raise
     UserCodeFailed if the script's own set-up runs past `start_limit_s` (trainer.start_watch).
     With a `launcher`, its standby becomes torchrun if it has one, and it makes the next once
-    the ranks train. With a `box` (trainer.rank_box), torchrun and its ranks run inside it.
+    the ranks train. With a `box` (trainer.rank_box), torchrun and its ranks run inside it; a
+    ContainerBox is a box in the run's image (infra.containers), with the image's Python.
     `compile_cache`: where the ranks keep what torch.compile builds (trainer.device_env; by
     default in `workdir`), writable in the box. `devices`: what the job holds of the node (its
     grant's), the only GPUs its processes are shown. `python_env`: the environment built for the
@@ -297,14 +300,10 @@ async def run_ranks(
         env.update(python_env.variables(env))
     if box is not None:
         env = box_environment(env)
+    if isinstance(box, ContainerBox):
+        env = container_environment(env)
     order = LaunchOrder(torchrun_args(job_file, rdzv, fabric), env, str(workdir), str(log_file))
-    # A standby is the node's interpreter with torch imported from the node's packages: a job
-    # with an environment of its own starts cold, in its environment's interpreter.
-    warm = launcher if python_env is None else None
-    proc = await warm.start(order, box) if warm is not None else None
-    if proc is None:
-        proc = await _start_cold(order, box, str(python_env.python) if python_env else None)
-    ranks = TorchrunProcess(proc, boxed=box is not None)
+    ranks = await _started(order, launcher, box, python_env)
     finished_at: float | None = None
     start = StartWatch(start_limit_s, time.monotonic()) if start_limit_s else None
     report_at = time.monotonic()
@@ -329,7 +328,7 @@ async def run_ranks(
                 continue
             report_at = time.monotonic() + report_every_s
             on_progress(dict(tail.latest))
-            if launcher is not None and tail.stepped:
+            if launcher is not None and tail.stepped and not isinstance(box, ContainerBox):
                 # For the next generation, now that this one trains; before the exit check, so a
                 # job that ends within one report of its first step still leaves one behind.
                 await launcher.prepare(standby_box() if box is not None else None)
@@ -366,6 +365,7 @@ async def run_ranks(
         await ranks.stop(grace_s=2.0 if isinstance(err, RanksHung) else 10.0)
         raise
     finally:
+        ranks.release()
         if script_folder is not None:
             await script_folder.stop()
     tail.drain()
@@ -395,6 +395,30 @@ async def run_ranks(
             f"last lines of {log_file}:\n{tail_lines(log_file)}"
         )
     return tail
+
+
+async def _started(
+    order: LaunchOrder,
+    launcher: WarmLauncher | None,
+    box: Box | ContainerBox | None,
+    python_env: UserEnv | None,
+) -> TorchrunProcess:
+    """torchrun started for `order`: the warm standby's if there is one, else a fresh one (in a
+    container, a fresh one in the image's Python)."""
+    if isinstance(box, ContainerBox):
+        command = [IMAGE_PYTHON, "-m", "torch.distributed.run", *order.args]
+        box = box.named()
+        proc, lifeline = await start_in_container(
+            command, box, order.env, order.cwd, order.log_file
+        )
+        return TorchrunProcess(proc, True, lambda: torchrun_in(box.name), lifeline)
+    # A standby is the node's interpreter with torch imported from the node's packages: a job
+    # with an environment of its own starts cold, in its environment's interpreter.
+    warm = launcher if python_env is None else None
+    proc = await warm.start(order, box) if warm is not None else None
+    if proc is None:
+        proc = await _start_cold(order, box, str(python_env.python) if python_env else None)
+    return TorchrunProcess(proc, boxed=box is not None)
 
 
 async def _start_cold(

@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import os
 import signal
+from collections.abc import Callable
 from pathlib import Path
 
 # What every rank runs; a rank names itself with this path (trainer.entry.as_a_fresh_rank),
@@ -19,6 +20,8 @@ from pathlib import Path
 RANK_SCRIPT = str(Path(__file__).resolve().with_name("entry.py"))
 # How long a boxed torchrun may take to appear under bwrap (a few milliseconds, measured).
 _BOX_START_S = 2.0
+# A container takes longer: podman sets up its mounts and namespaces (about a second here).
+_CONTAINER_START_S = 30.0
 
 
 def children(pid: int) -> list[int]:
@@ -37,14 +40,19 @@ def in_box(bwrap_pid: int) -> int | None:
     return inside[0] if inside else None
 
 
-async def started_in_box(bwrap: asyncio.subprocess.Process) -> int | None:
-    """`in_box`, once bwrap has made the box and started it (a few milliseconds, seconds on a
-    busy machine); None if bwrap exits first or it takes longer than _BOX_START_S."""
-    deadline = asyncio.get_running_loop().time() + _BOX_START_S
-    while (pid := in_box(bwrap.pid)) is None and bwrap.returncode is None:
+async def started_in_box(
+    bwrap: asyncio.subprocess.Process, find: Callable[[], int | None] | None = None
+) -> int | None:
+    """`in_box` (or `find`), once bwrap (or podman) has made the box and started it (a few
+    milliseconds, seconds on a busy machine); None if bwrap exits first or it takes longer
+    than _BOX_START_S."""
+    within_s = _BOX_START_S if find is None else _CONTAINER_START_S
+    find = find or (lambda: in_box(bwrap.pid))
+    deadline = asyncio.get_running_loop().time() + within_s
+    while (pid := find()) is None and bwrap.returncode is None:
         if asyncio.get_running_loop().time() > deadline:
             break
-        await asyncio.sleep(0.01)
+        await asyncio.sleep(0.01 if within_s == _BOX_START_S else 0.2)
     return pid
 
 
@@ -69,12 +77,23 @@ def dump_rank_stacks(launcher_pid: int) -> None:
 
 
 class TorchrunProcess:
-    """The process the agent started for one job (torchrun, or bwrap around it)."""
+    """The process the agent started for one job (torchrun, or bwrap around it, or podman
+    running a container with it inside: trainer.container_launch)."""
 
-    def __init__(self, proc: asyncio.subprocess.Process, boxed: bool) -> None:
+    def __init__(
+        self,
+        proc: asyncio.subprocess.Process,
+        boxed: bool,
+        find_inside: Callable[[], int | None] | None = None,
+        lifeline: int | None = None,
+    ) -> None:
         self.proc = proc
-        self.boxed = boxed
-        self._torchrun: int | None = None if boxed else proc.pid
+        self.boxed = boxed or find_inside is not None
+        self._torchrun: int | None = None if self.boxed else proc.pid
+        # How a container's torchrun is found (through podman); a box's is bwrap's grandchild.
+        self._find_in_container = find_inside
+        # A container's: the pipe whose closing ends it (trainer/container_init.py).
+        self._lifeline = lifeline
 
     @property
     def returncode(self) -> int | None:
@@ -83,15 +102,23 @@ class TorchrunProcess:
     async def wait(self) -> int:
         return await self.proc.wait()
 
+    def release(self) -> None:
+        """Let go of a container's lifeline: whatever still runs inside it ends."""
+        if self._lifeline is not None:
+            with contextlib.suppress(OSError):
+                os.close(self._lifeline)
+            self._lifeline = None
+
     def torchrun_pid(self) -> int | None:
         """torchrun's pid on the host (None: a box whose torchrun is not there yet or is gone)."""
         if self._torchrun is None:
-            self._torchrun = in_box(self.proc.pid)
+            find = self._find_in_container
+            self._torchrun = find() if find is not None else in_box(self.proc.pid)
         return self._torchrun
 
     async def _found_torchrun(self) -> int | None:
         if self._torchrun is None and self.boxed:
-            self._torchrun = await started_in_box(self.proc)
+            self._torchrun = await started_in_box(self.proc, self._find_in_container)
         return self._torchrun
 
     def ranks(self) -> list[int]:
@@ -117,6 +144,7 @@ class TorchrunProcess:
         with contextlib.suppress(ProcessLookupError):
             if torchrun is None:  # a box that never started its torchrun: nothing to save
                 self.proc.kill()
+                self.release()
             else:
                 os.kill(torchrun, signal.SIGTERM)
         try:
@@ -154,6 +182,7 @@ class TorchrunProcess:
         ranks = self.ranks() if ranks is None else ranks
         with contextlib.suppress(ProcessLookupError):
             self.proc.kill()
+        self.release()  # a container's processes are not podman's children: end them too
         for pid in ranks:
             if runs_trainer(pid):  # still the rank, not a process that reused its pid
                 with contextlib.suppress(ProcessLookupError):

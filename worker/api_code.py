@@ -12,6 +12,7 @@ from pathlib import Path
 
 from infra import code_snapshot
 from infra.errors import ObjectNotFound
+from infra.requirements import LOCK_FILE, REQUIREMENTS_FILE
 from infra.store.protocol import ObjectStore
 from worker.request_limits import BodyCap
 from workflows.contracts.models import CodeRef
@@ -77,7 +78,14 @@ def check_code(store: ObjectStore, spec: RunSpec, code: CodeRef | None) -> None:
     # The script is looked for in the snapshot: train.code names a folder of the submitter's
     # machine, and the API looks at no folder of its own on a spec's word.
     entry = spec.train.entrypoint or ""
-    if ":" not in entry and entry not in {f["path"] for f in json.loads(raw)["files"]}:
+    paths = {f["path"] for f in json.loads(raw)["files"]}
+    if ":" not in entry and entry not in paths:
         raise CodeRefused(422, f"train.entrypoint: no file {entry!r} in the code uploaded "
                                f"(snapshot {code.snapshot_id})",
                           fix="name a script of the train.code folder, relative to it")  # fmt: skip
+    declared = {REQUIREMENTS_FILE, LOCK_FILE} & paths
+    if spec.train.image is not None and declared:
+        raise CodeRefused(422, f"train.image: the code uploaded declares its own packages "
+                               f"({', '.join(sorted(declared))}), which a run in an image does "
+                               "not install: the image's packages are the ones its ranks get",
+                          fix="put them in the image, or leave out train.image")  # fmt: skip

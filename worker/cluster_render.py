@@ -42,17 +42,18 @@ def nodes_table(state: ClusterState, now: datetime | None = None) -> Table:
             node.state,
             ", ".join(f"{run} ({gpus})" for run, gpus in sorted(node.jobs.items())) or "-",
             _holds(node.info.holdings, hot),
-            _user_code(node.info.confinement),
+            _user_code(node.info.confinement, node.info.container_runtime),
             _short(node.down_reason or node_reports.suspicion(node, state.config)),
         )
     return table
 
 
-def _user_code(confinement: str) -> str:
-    """How the node runs users' code (NodeInfo.confinement), in a word or two; the reason is in
-    `forgeline nodes --json`."""
+def _user_code(confinement: str, container_runtime: str = "") -> str:
+    """How the node runs users' code (NodeInfo.confinement), in a word or two, and what runs
+    their images if anything does ("boxed, podman"); the reason is in `forgeline nodes --json`."""
     mode = confinement.partition(":")[0]
-    return {"box": "boxed", "": "?"}.get(mode, mode.upper() if mode == "unconfined" else mode)
+    shown = {"box": "boxed", "": "?"}.get(mode, mode.upper() if mode == "unconfined" else mode)
+    return f"{shown}, {container_runtime.split()[0]}" if container_runtime else shown
 
 
 def _position(topology: dict[str, str], levels: list[str]) -> str:

@@ -18,7 +18,7 @@ from activities.control import ControlActivities
 from activities.data import DataActivities
 from activities.grants import GrantActivities
 from activities.node import NodeActivities
-from infra import node_health
+from infra import containers, node_health
 from infra.node_hardware import NodeHardware
 from infra.processes import free_port
 from infra.settings import Settings
@@ -125,6 +125,10 @@ async def run_node_agent(
     if confinement.mode is not rank_box.Confinement.BOX:
         logging.warning("node %s: user code %s", node_id, confinement.describe())
     previous = previous_incarnation(node_dir, node_id)  # refused here while it still runs
+    runtime = containers.detect()
+    # A predecessor that died left its containers running (their lifeline is closed, so they
+    # are ending): none of them may hold the node's GPUs when this agent's first job starts.
+    containers.remove_left_behind(node_id)
     metrics = ProcessMetrics(settings.home, node_id)
     client = await reach_temporal(settings, metrics.runtime)
     # The list agents kept before the cache had a budget: it only grew, so it is not the truth
@@ -145,6 +149,7 @@ async def run_node_agent(
         rdzv_ports=ports.count,
         incarnation=incarnation or uuid.uuid4().hex,
         confinement=confinement.describe()[:300],
+        container_runtime=runtime.describe()[:100] if runtime else "",
     )
 
     async def on_cache_changed(held: dict[str, int]) -> None:
@@ -158,7 +163,7 @@ async def run_node_agent(
 
     node_health.repaired(node_dir)  # a new incarnation runs on a repaired node
     activities = NodeActivities(
-        settings, node_id, on_cache_changed, fabric, info.incarnation, confinement
+        settings, node_id, on_cache_changed, fabric, info.incarnation, confinement, runtime
     )
     info = info.model_copy(update={"held": activities.cache.held()})
     # No writer of this node's spool is alive yet: what a crashed predecessor left open is

@@ -66,16 +66,31 @@ async def cluster_state(client: Client) -> ClusterState:
 
 
 async def refuse_what_the_cluster_lacks(client: Client, spec: RunSpec) -> None:
-    """A spec that asks for a `gpu_type` no registered node reports, or a topology level the
-    cluster file does not declare, would wait forever: refuse it before it starts, with what
-    the cluster has (the agents' NVML names, e.g. `h100-80gb-hbm3`; the declared levels). A
-    cluster with no node registered yet is not judged on GPU types."""
-    wanted, level = spec.resources.gpu_type, spec.resources.topology
-    if wanted is None and level is None:
+    """A spec that asks for what the cluster does not have (`cluster_lacks`), refused before
+    it starts; the cluster's state is read only when the spec asks for any such thing."""
+    res = spec.resources
+    if res.gpu_type is None and res.topology is None and spec.train.image is None:
         return
-    state = await cluster_state(client)
+    if (lack := cluster_lacks(spec, await cluster_state(client))) is not None:
+        raise lack
+
+
+def cluster_lacks(spec: RunSpec, state: ClusterState) -> ClusterLacks | None:
+    """Why `spec` would wait forever or fail on the cluster `state` describes, with what the
+    cluster has: a `gpu_type` no registered node reports (the agents' NVML names, e.g.
+    `h100-80gb-hbm3`), a topology level the cluster file does not declare, or an image where
+    no node runs containers. A cluster with no node registered yet is not judged on GPU types
+    or images."""
+    wanted, level, image = spec.resources.gpu_type, spec.resources.topology, spec.train.image
+    if image is not None and state.nodes and not any(n.info.container_runtime for n in state.nodes):
+        return ClusterLacks(
+            f"train.image = {image!r} needs a container runtime on the nodes, and no node of "
+            "this cluster has one (`forgeline nodes`): its operator may install podman on "
+            "them, or leave train.image out and give train.code a requirements.txt",
+            "train.image",
+        )
     if level is not None and level not in topology.names(state.config.levels):
-        raise ClusterLacks(
+        return ClusterLacks(
             f"resources.topology = {level!r} is a level this cluster does not declare: its "
             f"levels are {', '.join(topology.names(state.config.levels))} (the cluster file's "
             "`levels`); use one of them or leave it unset",
@@ -83,11 +98,12 @@ async def refuse_what_the_cluster_lacks(client: Client, spec: RunSpec) -> None:
         )
     reported = sorted({node.info.gpu_type for node in state.nodes})
     if wanted is not None and reported and wanted not in reported:
-        raise ClusterLacks(
+        return ClusterLacks(
             f"resources.gpu_type = {wanted!r} is a type no node reports: the nodes report "
             f"{', '.join(reported)}; use one of them (`forgeline nodes`) or leave it unset",
             "resources.gpu_type",
         )
+    return None
 
 
 async def submit(

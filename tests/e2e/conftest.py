@@ -318,6 +318,8 @@ def stack(tmp_path_factory: pytest.TempPathFactory, s3_sites: Sites) -> Iterator
     env |= s3_sites.env | {
         # The stack reads the corpora of examples/ wherever pytest was started.
         "FORGELINE_DATA_ROOTS": str(REPO / "examples" / "data"),
+        # podman as this kind of host needs it (tests/e2e/test_image.py): runc, not crun.
+        "CONTAINERS_CONF": str(REPO / "tests" / "e2e" / "containers.conf"),
         "FORGELINE_STORE": f"s3://{BUCKET}/{home.name}",
         "FORGELINE_TWIN_STORE": f"s3://{TWIN_BUCKET}/{home.name}?endpoint={s3_sites.twin_endpoint}",
     }

@@ -8,6 +8,7 @@ import re
 import signal
 import time
 from collections.abc import Callable
+from pathlib import Path
 from subprocess import CompletedProcess
 from typing import Protocol
 
@@ -87,6 +88,19 @@ def kill_after_a_commit(stack: Stack, run: str, chance: random.Random) -> int:
     time.sleep(chance.uniform(0.0, 1.5))
     sigkill_agent(stack, run, agent_pid(stack, chance.choice(nodes)))
     return generation
+
+
+def survives_a_dead_agent(stack: Stack, run: str, spec: Path, seed: int) -> tuple[int, str]:
+    """Kill an agent of the run's first gang after a commit (`kill_after_a_commit`), bring its
+    node back, follow the run to AWAITING_APPROVAL and check it restarted once; the killed
+    generation and `forgeline status`."""
+    killed = kill_after_a_commit(stack, run, random.Random(seed))
+    stack.cli("up", "--nodes", "3")  # the node comes back
+    followed = stack.cli("run", str(spec), timeout=300).stdout
+    assert "AWAITING_APPROVAL" in followed, followed
+    status = stack.cli("status", run).stdout
+    assert re.search(r"attempts +1 restart", status), status
+    return killed, status
 
 
 def agent_pid(stack: Stack, node: str) -> int:

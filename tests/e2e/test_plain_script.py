@@ -6,7 +6,6 @@ registered with the file the spec names, its lineage saying that it reported no 
 from __future__ import annotations
 
 import io
-import random
 import re
 from pathlib import Path
 
@@ -15,7 +14,7 @@ import torch
 from mlflow.tracking import MlflowClient
 
 from tests.e2e.conftest import Stack
-from tests.e2e.faults import kill_after_a_commit
+from tests.e2e.faults import survives_a_dead_agent
 from tests.e2e.test_user_code import BYO, byo_spec
 from trainer.folder_checkpoint import restore_folder
 from trainer.manifest import find_latest
@@ -41,13 +40,7 @@ def test_a_plain_torchrun_script_survives_a_dead_node_and_is_registered(
     # Every commit kept, so the killed gang's last one can be read once the run is over.
     spec.write_text(spec.read_text().replace("[registry]", "keep_checkpoints = 100\n\n[registry]"))
     assert "submitted run byo-plain" in stack.cli("run", str(spec), "--detach").stdout
-    killed = kill_after_a_commit(stack, "byo-plain", random.Random(46))
-    stack.cli("up", "--nodes", "3")  # the node comes back
-
-    followed = stack.cli("run", str(spec), timeout=300).stdout
-    assert "AWAITING_APPROVAL" in followed, followed
-    status = stack.cli("status", "byo-plain").stdout
-    assert re.search(r"attempts +1 restart", status), status
+    killed, status = survives_a_dead_agent(stack, "byo-plain", spec, seed=46)
     assert "the script reports no loss" in status, status
     # It counts its own steps, and keeps no ledger of its time: no total, no goodput to show.
     assert re.search(r"^progress +step \d+  loss -", status, re.M), status

@@ -81,6 +81,12 @@ class NodeInfo(BaseModel):
         "'unconfined: …' (its operator allowed them to run as the agent runs), or 'refuses user "
         "code: …' (it cannot box them), with why; '' from an agent before it",
     )
+    container_runtime: str = Field(
+        default="",
+        max_length=100,
+        description="what runs a spec's train.image on the node ('podman 4.3.1'); '': none, and "
+        "the node refuses runs that name an image",
+    )
 
     @property
     def holdings(self) -> dict[str, int]:

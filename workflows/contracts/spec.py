@@ -49,6 +49,11 @@ MAX_ARGS_BYTES = 64 * 1024  # train.args travels in every history of the run
 # In train.argv: the path of the script's checkpoint folder on its node.
 CHECKPOINT_DIR = "{checkpoint_dir}"
 _Arg = Annotated[str, StringConstraints(max_length=1000)]
+# An image reference as podman takes it: [registry[:port]/]name[:tag][@sha256:digest].
+IMAGE_REFERENCE = (
+    r"^[a-z0-9]+([._-][a-z0-9]+)*(:[0-9]+)?(/[a-z0-9]+([._-]+[a-z0-9]+)*)*"
+    r"(:[A-Za-z0-9_][A-Za-z0-9_.-]{0,127})?(@sha256:[0-9a-f]{64})?$"
+)
 
 
 def _inside_the_folder(glob: str) -> str:
@@ -285,6 +290,14 @@ class TrainSpec(_Strict):
     )
     resume_argv: list[_Arg] = Field(
         [], max_length=64, description="added after argv when the folder holds a checkpoint"
+    )
+
+    image: str | None = Field(
+        None,
+        max_length=255,
+        pattern=IMAGE_REFERENCE,
+        description="a container image the ranks run in (podman on the nodes), in place of "
+        "train.code's requirements: its python3 (the nodes' minor version) and torch run them",
     )
 
     @model_validator(mode="after")
