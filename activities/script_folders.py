@@ -60,6 +60,7 @@ def script_folder_watch(
     there and uploaded from there, where the script cannot change it in between. `settle_s`:
     how long the folder is quiet before a commit (a test's small script saves more often)."""
     watcher = None
+    start_step = inp.resume.step if inp.resume else 0
     if inp.allocation.nodes[0].node_id == job.node_id:
         world = inp.spec.resources.world_size
         watcher = FolderWatcher(
@@ -67,12 +68,16 @@ def script_folder_watch(
             staging,
             store,
             CommitTarget(inp.run_id, inp.allocation.generation, inp.run_uid),
-            last_step=inp.resume.step if inp.resume else 0,
+            last_step=start_step,
             settle_s=settle_s,
             keep=inp.spec.train.keep_checkpoints,
             # As the SDK's manifests say it: the data the weights were trained on, the spec.
             meta=lambda: {"world_size": world, "train_config": job.train, **job.lineage},
         )
     return ScriptFolder(
-        Path(job.checkpoint_folder), Path(job.progress_file), watcher, Path(job.stop_file)
+        Path(job.checkpoint_folder),
+        Path(job.progress_file),
+        watcher,
+        Path(job.stop_file),
+        start_step,
     )

@@ -72,13 +72,20 @@ class ScriptFolder:
     """One generation's checkpoint folder on this node, as its ranks run."""
 
     def __init__(
-        self, folder: Path, progress_file: Path, watcher: FolderWatcher | None, stop_file: Path
+        self,
+        folder: Path,
+        progress_file: Path,
+        watcher: FolderWatcher | None,
+        stop_file: Path,
+        start_step: int = 0,
     ) -> None:
         self.folder = folder
         self.watcher = watcher  # None: another node of the gang commits
         self.stop_file = stop_file
         self.progress_file = progress_file
-        self.committed = watcher.last_step if watcher is not None else 0
+        # The newest commit's step (the one the gang resumed from, to begin with): on a node
+        # that does not commit, what its end line says unless its ranks reported a later one.
+        self.committed = watcher.last_step if watcher is not None else start_step
         self._stopping = asyncio.Event()
         self._task: asyncio.Task | None = None
         # What the script reported (forgeline.report), as the launch's tail heard it.
@@ -171,11 +178,14 @@ class ScriptFolder:
             )
         if self.fenced:
             return  # a later generation owns the run: this one neither finished nor stopped
+        # The gang's first node says the step it committed; another node, which commits
+        # nothing, the newest its ranks reported (the same step: every rank steps together).
+        step = self.committed if self.watcher is not None else max(self.committed, self._step or 0)
         if stopped:
             reason = STOP_REASONS[ASKED_TO_STOP]
-            self._write(event="stopped", step=self.committed, reason=reason)
+            self._write(event="stopped", step=step, reason=reason)
         elif whole:
-            self._write(event="done", step=self.committed)
+            self._write(event="done", step=step)
 
     def _write(self, **event: object) -> None:
         # Opened for each line: the launch starts the file afresh after this object is made.

@@ -5,7 +5,10 @@ The whole path, torchrun ranks included, is tests/trainer/test_script_folder.py.
 
 from __future__ import annotations
 
+import asyncio
+import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -112,3 +115,24 @@ def test_a_script_s_run_ends_when_its_ranks_return_not_at_train_steps() -> None:
     assert reached_the_end(folder, done) and not reached_the_end(sdk, done)
     at_steps = result.model_copy(update={"final_step": sdk.steps})
     assert reached_the_end(sdk, at_steps) and not reached_the_end(folder, at_steps)
+
+
+def test_a_node_that_commits_nothing_ends_at_the_gang_s_step_not_at_zero(tmp_path: Path) -> None:
+    """The gang's other nodes commit nothing; their end line says the step the gang resumed
+    from, or the newest their ranks reported, as the first node's does."""
+    store = LocalStore(tmp_path / "store")
+    resume = committed_folder(store, tmp_path)  # at step 4
+    job = job_on(tmp_path, "n1")
+    inp = folder_input("n1", resume)
+    restore_script_folder(store, inp, job)
+    watch = script_folder_watch(store, inp, job, tmp_path / "s")
+    assert watch.watcher is None
+
+    def last_line() -> dict:
+        return json.loads(Path(job.progress_file).read_text().splitlines()[-1])
+
+    asyncio.run(watch.end(whole=True, stopped=False))
+    assert last_line()["event"] == "done" and last_line()["step"] == 4
+    watch.heard(SimpleNamespace(reported_step=9, losses=[], evaluated=None, saved_step=None))
+    asyncio.run(watch.end(whole=True, stopped=True))
+    assert last_line()["event"] == "stopped" and last_line()["step"] == 9
