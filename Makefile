@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 FL     := $(BIN)/forgeline
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test test-all up down lint format clean bench-dataprep bench-trainer bench-recovery bench-load bench-shadow bench-hot-start bench-door bench-byo
+.PHONY: demo test test-all up down lint format clean bench-dataprep bench-trainer bench-recovery bench-load bench-shadow bench-hot-start bench-door bench-byo bench-byo-start
 
 # torch first, pinned to the CPU wheel on this machine's disk: resolving `torch` through the
 # project's dependencies could pull a multi-GB CUDA build.
@@ -56,6 +56,11 @@ bench-door: $(STAMP)
 # committed beside the SDK's asynchronous save of the same state.
 bench-byo: $(STAMP)
 	$(BIN)/python -m bench.byo
+
+# A plain script from `forgeline run` to its first step on a private stack: its environment
+# built, reused or not needed, and in a container image (about 4 minutes; podman).
+bench-byo-start: $(STAMP)
+	$(BIN)/python -m bench.byo_start
 
 bench-hot-start: $(STAMP)
 	$(BIN)/python -m bench.hot_start
