@@ -103,6 +103,11 @@ class ImageFacts:
     torch: str  # "2.13.0+cpu"
 
 
+# What this agent found of each image it checked, by image id (a probe is a container start
+# and a torch import: seconds).
+_CHECKED: dict[str, ImageFacts] = {}
+
+
 def node_python() -> str:
     return ".".join(str(part) for part in sys.version_info[:2])
 
@@ -119,7 +124,11 @@ def ensure_image(image: str) -> ImageFacts:
                 f"{_last_line(pulled.stderr)} (push it to a registry the nodes reach, or load "
                 "it on every node with `podman load`)"
             )
-    return probe(image)
+    # Checked once per image, by its id: a tag moved to another image is checked again.
+    image_id = _podman("image", "inspect", "--format", "{{.Id}}", image).stdout.strip()
+    if image_id not in _CHECKED:
+        _CHECKED[image_id] = probe(image)
+    return _CHECKED[image_id]
 
 
 def probe(image: str) -> ImageFacts:

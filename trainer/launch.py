@@ -237,6 +237,18 @@ class ProgressTail:
         return "state" in self.latest
 
     @property
+    def training(self) -> bool:
+        """The ranks are past their start: they reported a step, or (a script that reports
+        none) a commit of its folder was made or its library said a save is complete."""
+        committed = "checkpoint_step" in self.latest
+        return (
+            self.stepped
+            or self.reported_step is not None
+            or committed
+            or (self.saved_step is not None)
+        )
+
+    @property
     def finished(self) -> bool:
         """The ranks said they are done or stopped: their work and its checkpoint are in."""
         return self.latest.get("state") in ("done", "stopped")
@@ -328,7 +340,7 @@ async def run_ranks(
                 continue
             report_at = time.monotonic() + report_every_s
             on_progress(dict(tail.latest))
-            if launcher is not None and tail.stepped and not isinstance(box, ContainerBox):
+            if launcher is not None and tail.training and not isinstance(box, ContainerBox):
                 # For the next generation, now that this one trains; before the exit check, so a
                 # job that ends within one report of its first step still leaves one behind.
                 await launcher.prepare(standby_box() if box is not None else None)

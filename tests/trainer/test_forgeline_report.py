@@ -201,3 +201,20 @@ def test_a_plain_script_s_reports_are_its_run_s_step_and_its_commits_losses(
     assert last.manifest.loss_history == losses
     judged = reported_evaluation(last.manifest)
     assert judged is not None and (judged.step, judged.measured_on) == (60, "train")
+
+
+def test_a_script_that_reports_nothing_is_training_once_its_folder_is_committed(
+    tmp_path: Path,
+) -> None:
+    """The node makes its next warm standby once the ranks train (trainer.launch.run_ranks):
+    for a script that reports no step, its first commit says so."""
+    progress = tmp_path / "progress.jsonl"
+    progress.write_text("")
+    tail = ProgressTail(progress, start_step=250)
+    tail.poll()
+    assert not tail.training
+    key = "runs/r/checkpoints/step-300/gen-2/MANIFEST.json"
+    line = {"time": 1.0, "event": "checkpoint", "step": 300, "manifest_key": key}
+    progress.write_text(json.dumps(line) + "\n")
+    tail.poll()
+    assert tail.training and tail.latest["step"] == 300
