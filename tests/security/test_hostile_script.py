@@ -20,6 +20,7 @@ import pytest
 
 from forgeline import ApiError, Client
 from tests.e2e.conftest import Stack
+from tests.e2e.images import ensure_test_image
 from tests.e2e.test_user_code import BYO, byo_spec
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -33,6 +34,8 @@ HOSTILE = textwrap.dedent(
 
     probe = json.loads(pathlib.Path(__file__).with_name("probe.json").read_text())
     found = {"uid": os.getuid(), "processes": 0, "leaks_in_proc": [], "read": {}, "door": {}}
+    status = pathlib.Path("/proc/self/status").read_text()
+    found["capabilities"] = status.split("CapEff:")[1].split()[0]
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             found["processes"] += 1
@@ -88,7 +91,11 @@ def node_states(stack: Stack) -> list[tuple[str, str, str, str | None]]:
     )
 
 
-def test_a_hostile_script_gets_nothing(stack: Stack, tmp_path: Path) -> None:
+@pytest.mark.parametrize("in_an_image", [False, True], ids=["bubblewrap", "podman"])
+def test_a_hostile_script_gets_nothing(stack: Stack, tmp_path: Path, in_an_image: bool) -> None:
+    """In a bubblewrap box, or in a container of its own image (train.image): the same doors
+    stay closed. A container's ranks are uid 0 inside, with no capability at all."""
+    run = "hostile-image" if in_an_image else "hostile"
     store = stack.store()
     manifest, weights = b'{"team": "b"}', b"team b's weights" * 64
     store.put_bytes(f"{THEIRS}/MANIFEST.json", manifest)
@@ -99,26 +106,32 @@ def test_a_hostile_script_gets_nothing(stack: Stack, tmp_path: Path) -> None:
     code = tmp_path / "hostile"
     shutil.copytree(BYO / "gru", code)
     (code / "train.py").write_text(HOSTILE)
+    if in_an_image:
+        (code / "requirements.txt").unlink()  # an image brings its own packages
     home = stack.home
     probe = {
         "secret": secret,
         "theirs": THEIRS,
-        "fence": "runs/hostile/generations/gen-9.json",
+        "fence": f"runs/{run}/generations/gen-9.json",
         "read": [str(home / "tokens.json"), str(home / "token"), str(home / "stack.json"),
                  str(home / "mlflow-login.json"), str(home / "mlflow-auth.ini")],
     }  # fmt: skip
     (code / "probe.json").write_text(json.dumps(probe))
-    spec = byo_spec(tmp_path, "hostile", code)
-    spec.write_text(spec.read_text().replace("[resources]\n", '[resources]\nteam = "research"\n'))
+    spec = byo_spec(tmp_path, run, code)
+    text = spec.read_text().replace("[resources]\n", '[resources]\nteam = "research"\n')
+    if in_an_image:
+        text = text.replace("[train]\n", f'[train]\nimage = "{ensure_test_image()}"\n')
+    spec.write_text(text)
 
     mallory = ("mallory", "submit:research")
     failed = stack.cli("run", str(spec), check=False, timeout=300, as_person=mallory)
     assert failed.returncode == 1 and "returned without training" in failed.stdout, failed.stdout
-    logs = stack.cli("logs", "hostile").stdout
+    logs = stack.cli("logs", run).stdout
     reports = [json.loads(line.split(REPORT, 1)[1]) for line in logs.splitlines() if REPORT in line]
     assert reports, logs[-3000:]
     for found in reports:  # every rank of the gang, each in its own box
-        assert found["uid"] == 61000 and found["processes"] <= 8, found
+        assert found["uid"] == (0 if in_an_image else 61000) and found["processes"] <= 8, found
+        assert int(found["capabilities"], 16) == 0, found
         assert found["leaks_in_proc"] == [] and not found["leak_in_env"], found
         assert found["store_env"] == [] and found["store"].startswith("door://"), found
         assert set(found["read"].values()) == {"FileNotFoundError"}, found["read"]
@@ -130,7 +143,7 @@ def test_a_hostile_script_gets_nothing(stack: Stack, tmp_path: Path) -> None:
     client = Client(stack.settings.api_url, stack.token(*mallory))
     taking = tmp_path / "taking.toml"
     taking.write_text(
-        spec.read_text().replace('name = "hostile"', 'name = "taking"')
+        spec.read_text().replace(f'name = "{run}"', f'name = "taking-{run}"')
         + f'\n[model]\ninit_from = "{THEIRS}/MANIFEST.json"\n'
     )
     with pytest.raises(ApiError) as refused:
@@ -140,5 +153,5 @@ def test_a_hostile_script_gets_nothing(stack: Stack, tmp_path: Path) -> None:
     # Nothing it aimed at changed.
     assert store.get_bytes(f"{THEIRS}/MANIFEST.json") == manifest
     assert store.get_bytes(f"{THEIRS}/model.safetensors") == weights
-    assert not store.exists("runs/hostile/generations/gen-9.json")
+    assert not store.exists(f"runs/{run}/generations/gen-9.json")
     assert node_states(stack) == nodes_before
