@@ -380,6 +380,10 @@ async def run_ranks(
         ranks.release()
         if script_folder is not None:
             await script_folder.stop()
+    if launcher is not None and not isinstance(box, ContainerBox):
+        # A job that ended before it showed it trained (a short script that reports no step,
+        # committed only at its end) leaves one behind too: a no-op where one waits already.
+        await launcher.prepare(standby_box() if box is not None else None)
     tail.drain()
     if script_folder is not None:
         # Whole: every rank returned, by itself or after saving on the SIGTERM it was sent.
