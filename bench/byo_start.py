@@ -19,9 +19,10 @@ with `forgeline run SPEC --detach`, one run at a time:
     reused     the same folder under another run name: the environment is in the node cache.
     none       the folder without requirements.txt: the node's own interpreter (the baseline).
     image      the same folder with `train.image` the test image (tests/e2e/images.py, built
-               before anything is timed): it is local, so nothing is pulled, but every start
-               probes it (`podman run` of its python3 importing torch: infra.containers) and
-               starts torchrun cold in a container.
+               before anything is timed): it is local, so nothing is pulled; the agent checks
+               it at its first start (`podman run` of its python3 importing torch, once per
+               image id: infra.containers), the first repeat's, and every start is torchrun
+               started cold in a container.
 
 Measured: seconds from starting `forgeline run SPEC --detach` (the CLI itself, the code
 snapshot's upload, admission, the grant, the node's fetch and environment, torchrun, the
@@ -32,10 +33,9 @@ run is then followed to AWAITING_APPROVAL (`forgeline run SPEC`), and the node l
 seconds, before the next. One untimed run of the baseline comes first, so that no subject pays
 for the dataset snapshot, or for the stack's first run. Medians over the repeats; a footnote
 says how long uv's build itself took (the environment's record) and which starts the node's
-warm standby served (its agent's log). None, as a rule: the agent makes its next standby once
-a job's ranks report a step (trainer/launch.py), which this script never does, so the standby
-made at the agent's start goes to the warm-up run and every timed start is a cold torchrun,
-the baseline's too (a run with an environment or an image starts cold anyway).
+warm standby served (its agent's log): the baseline's, since each job leaves one behind
+(trainer/launch.py); a run with an environment or an image starts cold by design (a standby
+is the node's own interpreter, outside any image).
 """
 
 from __future__ import annotations
@@ -173,7 +173,7 @@ def rows(starts: dict[str, list[Start]]) -> list[tuple[str, str, str, str]]:
     measures = {
         "built": "submit → first step, environment built, empty uv cache (s)",
         "reused": "submit → first step, environment reused (s)",
-        "image": "submit → first step, in a container image (local, probed) (s)",
+        "image": "submit → first step, in a container image (local) (s)",
     }
     return [(measure, f"{med[s]:.1f}", baseline, f"{med[s] - med['none']:+.1f} s")
             for s, measure in measures.items()]  # fmt: skip
