@@ -52,8 +52,9 @@ bench-shadow: $(STAMP)
 bench-door: $(STAMP)
 	$(BIN)/python -m bench.door
 
-# A code folder's environment built, reused, or not needed; a script's own checkpoint folder
-# committed beside the SDK's asynchronous save of the same state.
+# A code folder's environment built, reused, or not needed, on the node and through a private
+# stack (submit to first step, an image too); a script's own checkpoint folder committed beside
+# the SDK's asynchronous save of the same state.
 bench-byo: $(STAMP)
 	$(BIN)/python -m bench.byo
 

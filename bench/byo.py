@@ -1,7 +1,7 @@
 """What a user's own script costs at the two places Forgeline adds work, side by side with the
 baseline in one run (issue 46's benchmark).
 
-    python -m bench.byo [--repeats 3] [--skip-envs] [--skip-checkpoints]
+    python -m bench.byo [--repeats 3] [--skip-envs] [--skip-starts] [--skip-checkpoints]
 
 1. A node's start with a code folder's own environment (infra.user_envs), for
    examples/byo/hf/requirements.txt (transformers, accelerate): built with an empty uv cache
@@ -9,7 +9,8 @@ baseline in one run (issue 46's benchmark).
    of the same host), reused (the environment is there), against a folder whose requirements
    the node meets (examples/byo/gru: the node's own interpreter). As the node agent does it
    (activities.fetch: NodeCache.environment). Node-side only: the time before the ranks can
-   start, not submission to first step.
+   start. Then submission to first step through a private stack, built, reused, none needed,
+   and in a container image (bench/byo_start.py, which says how).
 2. A checkpoint of the same ~60 M-parameter GPT with AdamW state (bench.trainer's): a script
    that keeps its own checkpoints (level 1) blocks its loop for its own `torch.save` into its
    folder, then the node agent commits the folder (copy, sha256, upload, manifest last:
@@ -36,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 from activities.fetch import NodeCache
+from bench import byo_start
 from bench.trainer import big_model_in_a_gang_of_one, overlapped_save, table
 from infra.store.local import LocalStore
 from trainer.checkpoint import Checkpointer
@@ -128,6 +130,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--skip-envs", action="store_true")
+    parser.add_argument("--skip-starts", action="store_true", help="no stack (bench.byo_start)")
     parser.add_argument("--skip-checkpoints", action="store_true")
     args = parser.parse_args()
     rows = []
@@ -135,6 +138,8 @@ def main() -> None:
         root = Path(tmp)
         if not args.skip_envs:
             rows += environments(root / "envs", args.repeats)
+        if not args.skip_starts:  # the same environments through the stack, and an image
+            rows += byo_start.rows(byo_start.measure(root / "starts", args.repeats)[0])
         if not args.skip_checkpoints:
             rows += checkpoints(root / "checkpoints", args.repeats)
     print(table(rows))

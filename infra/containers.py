@@ -20,6 +20,7 @@ it, and that process then kills everything inside.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import resource
 import shutil
@@ -31,6 +32,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from infra.sandbox import Box
+
+log = logging.getLogger(__name__)
 
 PODMAN = "podman"
 # The file descriptor inside the container that the agent's lifeline pipe is (podman passes
@@ -240,11 +243,11 @@ def node_site_folders() -> list[str]:
 def container_pid(name: str) -> int | None:
     """The host's pid of the container's first process (trainer/container_init.py); None while
     it is not running."""
-    said = _podman("inspect", "--format", "{{.State.Pid}}", name, check=False, timeout=10)
     try:
+        said = _podman("inspect", "--format", "{{.State.Pid}}", name, check=False, timeout=10)
         pid = int(said.stdout.strip())
-    except ValueError:
-        return None
+    except (ValueError, OSError, subprocess.TimeoutExpired):
+        return None  # not there (yet), or podman busy: asked again at the next look
     return pid if said.returncode == 0 and pid > 0 else None
 
 
@@ -252,7 +255,12 @@ def remove_left_behind(node_id: str) -> None:
     """Remove the containers a previous agent of this node left (it died before it could)."""
     if shutil.which(PODMAN) is None:
         return
-    _podman("rm", "--force", "--filter", f"label={NODE_LABEL}={node_id}", check=False)
+    try:
+        _podman("rm", "--force", "--filter", f"label={NODE_LABEL}={node_id}", check=False)
+    except (OSError, subprocess.TimeoutExpired) as err:
+        # A podman that does not answer is no reason for the agent not to start: what it left
+        # has no lifeline and is ending anyway.
+        log.warning("podman did not remove node %s's old containers: %s", node_id, err)
 
 
 def _podman(
