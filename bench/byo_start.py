@@ -131,6 +131,7 @@ def _build_seconds(stack: LocalStack) -> list[float]:
 
 
 def measure(root: Path, repeats: int) -> tuple[dict[str, list[Start]], list[float]]:
+    root.mkdir(parents=True, exist_ok=True)
     image = ensure_test_image()  # built once per machine (about 30 s), before any timing
     uv_cache = root / "uv-cache"
     stack = LocalStack(root / "home", {
