@@ -27,7 +27,13 @@ def health(job) -> list[dict]:
     return [e for e in map(json.loads, lines) if e["event"] == "health"]
 
 
-@pytest.mark.parametrize(("layout", "ranks"), [(None, 4), (FSDP, 2)], ids=["ddp", "fsdp"])
+# Each test's other layout with the slow tests (make test within 15 minutes): between them,
+# make test still runs a clean gang of four and a corrupt rank under FSDP.
+@pytest.mark.parametrize(
+    ("layout", "ranks"),
+    [(None, 4), pytest.param(FSDP, 2, marks=pytest.mark.slow)],
+    ids=["ddp", "fsdp"],
+)
 def test_clean_runs_raise_no_suspect(trainer: Trainer, layout: dict | None, ranks: int) -> None:
     """The spec's own settings (a window of 50 steps), on runs more than twice that long."""
     job = trainer.job(f"clean-{ranks}", LONG, layout=layout)
@@ -35,7 +41,9 @@ def test_clean_runs_raise_no_suspect(trainer: Trainer, layout: dict | None, rank
     assert health(job) == []
 
 
-@pytest.mark.parametrize("layout", [None, FSDP], ids=["ddp", "fsdp"])
+@pytest.mark.parametrize(
+    "layout", [pytest.param(None, marks=pytest.mark.slow), FSDP], ids=["ddp", "fsdp"]
+)
 def test_finitely_scaled_gradients_name_their_rank(trainer: Trainer, layout: dict | None) -> None:
     name = "scaled-" + ("fsdp" if layout else "ddp")
     often = LONG.model_copy(update={"checkpoint_every": 20})  # 6 commits, 2 kept
