@@ -1,5 +1,5 @@
 """The ranks' side of the progress file: one JSON object a line, which the node agent tails
-(trainer.launch.ProgressTail), heartbeats to Temporal and copies to MLflow."""
+(trainer.progress_tail.ProgressTail), heartbeats to Temporal and copies to MLflow."""
 
 from __future__ import annotations
 

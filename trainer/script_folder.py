@@ -58,7 +58,7 @@ def script_folder_environment(job: TrainJob) -> dict[str, str]:
 
 
 class Reports(Protocol):
-    """What the ranks reported (trainer.launch.ProgressTail follows their lines)."""
+    """What the ranks reported (trainer.progress_tail.ProgressTail follows their lines)."""
 
     reported_step: int | None  # the newest step (forgeline.report)
     # The newest losses by step (the tail replaces its list on each report, never changes it:
@@ -198,7 +198,7 @@ class ScriptFolder:
         if poll.state is FolderState.COMMITTED and poll.commit is not None:
             self.committed = poll.commit.step
             # A checkpoint line: for a script that reports no steps, the run's step too
-            # (trainer.launch.ProgressTail).
+            # (trainer.progress_tail.ProgressTail).
             self._write(event="checkpoint", step=self.committed, manifest_key=poll.commit.key)
         elif poll.state in (FolderState.BUSY, FolderState.TORN, FolderState.LOST):
             log.info("%s not committed yet: %s (%s)", self.folder, poll.state.value, poll.why)

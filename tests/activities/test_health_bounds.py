@@ -9,7 +9,7 @@ from pathlib import Path
 
 from activities.node import HEALTH_SIGNALS, _Reporter
 from tests.activities.test_node_health_check import train_input
-from trainer.launch import HEALTH_KEPT, ProgressTail
+from trainer.progress_tail import HEALTH_KEPT, ProgressTail
 
 
 def _append(path: Path, events: list[dict]) -> None:

@@ -13,7 +13,7 @@ from activities.metric_tap import MetricTap
 from activities.node import _Reporter
 from registry.metric_stream import MetricSpool
 from tests.activities.test_node_health_check import train_input
-from trainer.launch import ProgressTail
+from trainer.progress_tail import ProgressTail
 from trainer.rank_lines import MAX_READ
 
 

@@ -19,8 +19,9 @@ from infra.store.local import LocalStore
 from tests.conftest import SHAKESPEARE
 from trainer.device_env import GrantedDevices
 from trainer.job import ResumePoint, TrainJob
-from trainer.launch import ProgressTail, Rendezvous, printed_stacks, run_ranks
+from trainer.launch import Rendezvous, printed_stacks, run_ranks
 from trainer.manifest import committed_steps
+from trainer.progress_tail import ProgressTail
 from workflows.contracts.spec import ModelSpec, RecoverySpec, TrainSpec
 
 MODEL = ModelSpec(n_layer=2, n_head=2, n_embd=32, block_size=32)

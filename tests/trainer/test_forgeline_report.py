@@ -23,9 +23,9 @@ from tests.trainer.conftest import Trainer
 from tests.trainer.test_script_folder import PLAIN, plain_job, plain_spec
 from trainer import entry
 from trainer.job import TrainJob
-from trainer.launch import ProgressTail
 from trainer.manifest import find_latest
 from trainer.progress_events import EvalLine, StepLine, progress_line
+from trainer.progress_tail import ProgressTail
 from trainer.reported_eval import reported_evaluation
 
 

@@ -23,8 +23,8 @@ from infra.store.local import LocalStore
 from tests.trainer.test_forgeline_report import a_fresh_process, in_a_job, written
 from trainer.folder_checkpoint import CommitTarget
 from trainer.folder_watch import FolderWatcher
-from trainer.launch import ProgressTail
 from trainer.manifest import find_latest
+from trainer.progress_tail import ProgressTail
 from trainer.script_folder import ScriptFolder
 
 __all__ = ["a_fresh_process"]  # the autouse fixture: each test starts as a new rank would

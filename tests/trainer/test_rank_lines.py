@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from trainer.launch import ProgressTail
+from trainer.progress_tail import ProgressTail
 from trainer.rank_lines import MAX_READ, ODD_WARNINGS, TAIL_BYTES, line_cap, tail_lines
 
 TEN_MIB = 10 << 20

@@ -23,8 +23,8 @@ from tests.trainer.test_distributed_training import job_processes
 from trainer.errors import RanksFailed
 from trainer.folder_checkpoint import restore_folder
 from trainer.job import TrainJob
-from trainer.launch import ProgressTail
 from trainer.manifest import CommittedCheckpoint, find_latest
+from trainer.progress_tail import ProgressTail
 from trainer.script_folder import ScriptFolder
 from workflows.contracts.models import NodeTrainInput
 from workflows.contracts.spec import ResourcesSpec, TrainSpec

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from trainer.launch import ProgressTail
+from trainer.progress_tail import ProgressTail
 from trainer.step_rate import StepRate
 
 
