@@ -24,7 +24,11 @@ from activities.errors import domain_errors
 from activities.fetch import NodeCache, NodeCacheLease
 from activities.job_setup import STOP_FILE, JobSite, job_environment, prepare_job
 from activities.metric_tap import MetricTap
-from activities.node_confinement import door_policy, quoted_output
+from activities.node_confinement import (
+    door_policy,
+    quoted_output,
+    refuse_what_this_node_cannot_run,
+)
 from activities.script_folders import keeps_its_own, script_folder_watch
 from infra import node_health
 from infra.containers import ContainerBox, ContainerRuntime
@@ -146,24 +150,10 @@ class NodeActivities:
             self._training.discard(inp.run_id)
 
     async def _train(self, inp: NodeTrainInput, cache: NodeCacheLease) -> NodeTrainResult:
+        refuse_what_this_node_cannot_run(
+            inp, self.node_id, self.confinement, self.container_runtime
+        )
         image = inp.spec.train.image
-        if image is not None and self.container_runtime is None:
-            raise ApplicationError(
-                f"node {self.node_id} cannot run train.image {image!r}: it has no container "
-                "runtime (its operator may install podman), so its ranks would not run in the "
-                "image the spec names",
-                type="NodeRefusesImage",
-                non_retryable=True,
-            )
-        # A container is a box of its own: a node that cannot make bubblewrap's may run it.
-        if inp.code is not None and image is None and self.confinement.mode is Confinement.REFUSED:
-            raise ApplicationError(
-                f"node {self.node_id} runs no user code: it cannot box it "
-                f"({self.confinement.why}); its operator may install bubblewrap, or start the "
-                "agent with --unconfined-user-code",
-                type="NodeRefusesUserCode",
-                non_retryable=True,
-            )
         allocation = inp.allocation
         generation = allocation.generation
         reporter = _Reporter(
