@@ -74,7 +74,12 @@ def prepare_job(site: JobSite, inp: NodeTrainInput, cache: NodeCacheLease) -> Tr
         run_uid=inp.run_uid,
         node_id=site.node_id,
         node_index=node_ids.index(site.node_id),
-        layout={"replicate": replicate, "shard": shard, "tensor": tensor},
+        layout={
+            "replicate": replicate,
+            "shard": shard,
+            "tensor": tensor,
+            "activation_checkpointing": spec.parallel.activation_checkpointing,
+        },
         val_shards=(
             [str(p) for p in cache.split(dataset, "val")]
             if spec.train.eval_every or inp.code is not None  # a script evaluates itself

@@ -32,7 +32,7 @@ import os
 import re
 import sys
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +48,7 @@ from forgeline.step import Step
 from forgeline.step_loop import StepLoop
 from infra.store.factory import open_store
 from trainer import runtime
+from trainer.activation_recompute import recompute
 from trainer.attempt_clock import AttemptClock
 from trainer.checkpoint import load_training_state
 from trainer.data import RankSlice, Sampler, TokenStream
@@ -126,6 +127,7 @@ class Run:
         self._loop: StepLoop | None = None  # made by steps()
         self._last_eval: dict[str, float | int] | None = None  # the newest report_eval
         self._serving: dict[str, str] | None = None  # serve_with(): how the model is served
+        self._recomputed: int | None = None  # recompute_activations(): blocks recomputed
         self._progress.write(event="sdk", call="init", state="returned")
 
     # ---- what the script reads ---------------------------------------------------------
@@ -203,6 +205,25 @@ class Run:
         CPU."""
         self._loss_of = loss_of
 
+    @property
+    def activation_checkpointing(self) -> str:
+        """The spec's `parallel.activation_checkpointing`: "none", "full" or "selective"."""
+        return str(self.job.layout.get("activation_checkpointing", "none"))
+
+    def recompute_activations(self, blocks: Iterable[torch.nn.Module]) -> int:
+        """Recompute the activations of `blocks` in backward as the spec's
+        `parallel.activation_checkpointing` says (`trainer.activation_recompute`); "none" keeps
+        them. Pass the model's repeated layers (the built-in GPT's `model.blocks`), each called
+        with its inputs as arguments, before `run.restore()`; their parameter names, and so the
+        checkpoints, do not change. A spec that asks for recomputation from a script that never
+        calls this is refused at `run.steps()`. Returns how many blocks recompute."""
+        if self._model is not None:
+            raise SDKUsageError("call run.recompute_activations() before run.restore()")
+        if self._recomputed is not None:
+            raise SDKUsageError("run.recompute_activations() was called twice: pass every block")
+        self._recomputed = recompute(blocks, self.activation_checkpointing)
+        return self._recomputed
+
     # ---- restore, the loop, checkpoints ------------------------------------------------
 
     def restore(
@@ -266,7 +287,7 @@ class Run:
         optimizer.register_step_pre_hook(self._before_weights_change)
         self._progress.write(
             event="started", step=self.step, rank=self.rank, world=self.world,
-            layout=self.layout.to_dict(),
+            layout=self.layout.to_dict(), activation_checkpointing=self.activation_checkpointing,
         )  # fmt: skip
         # Where the fabric is: the first thing to check when ranks of two hosts cannot meet.
         env = os.environ
@@ -297,6 +318,13 @@ class Run:
             raise SDKUsageError("call run.restore(model, optimizer) before run.steps()")
         if self._loop is not None:
             raise SDKUsageError("run.steps() was called twice: a run has one training loop")
+        if self.activation_checkpointing != "none" and not self._recomputed:
+            raise SDKUsageError(
+                f"the spec asks for parallel.activation_checkpointing = "
+                f'"{self.activation_checkpointing}", but the script named no blocks to '
+                "recompute: call run.recompute_activations(model.blocks) (your model's repeated "
+                'layers) before run.restore(), or set activation_checkpointing = "none"'
+            )
         self._loop = StepLoop(self, self._saves, self._clock, self._progress, self._findings)
         return self._loop.steps
 

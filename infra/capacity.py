@@ -148,16 +148,37 @@ class Memory:
         return max(groups.items(), key=lambda item: item[1])
 
 
-def activation_bytes(shape: Shape, micro_batch: int, tensor: int, flash: bool) -> float:
-    """Activations kept for backward, all layers, 16-bit, no activation recomputation.
+def activation_bytes(
+    shape: Shape, micro_batch: int, tensor: int, flash: bool, recompute: str = "none"
+) -> float:
+    """Activations kept for backward, all layers, 16-bit.
 
     Korthikanti et al. (2022), tensor parallel without sequence parallelism: per layer
     s·b·h·(10 + 24/t + 5·a·s/(h·t)) bytes. The last term is the attention score matrices, which a
     fused (flash) attention kernel never stores; torch's SDPA uses one on GPUs, so `flash` drops it.
+
+    With activation recomputation (`trainer.activation_recompute`):
+    - "full": each layer keeps its input (2·s·b·h) and one layer's whole set lives again while it
+      is recomputed;
+    - "selective": each layer keeps its input and the outputs of its products and attention,
+      2 + 6/t (qkv) + 2/t (attention) + 2 (its projection) + 8/t (the MLP's first product) + 2
+      (its projection) = 6 + 16/t per token, and the score products (2·a·s/(h·t)) where no
+      fused kernel runs; norms, activation functions and dropout are computed again.
     """
     s, b, h, a, t = shape.block_size, micro_batch, shape.n_embd, shape.n_head, tensor
     per_token = 10 + 24 / t + (0 if flash else 5 * a * s / (h * t))
-    return shape.n_layer * s * b * h * per_token
+    layer = s * b * h * per_token
+    if recompute == "full":
+        return shape.n_layer * 2 * s * b * h + layer
+    if recompute == "selective":
+        kept = 6 + 16 / t + (0 if flash else 2 * a * s / (h * t))
+        return shape.n_layer * s * b * h * kept
+    return shape.n_layer * layer
+
+
+# The forward's share of a step's FLOPs (2 of 6 per parameter and token): what full
+# recomputation runs again. Selective recomputes no product: its extra FLOPs are negligible.
+RECOMPUTE_FLOPS = {"none": 1.0, "selective": 1.0, "full": 8 / 6}
 
 
 def logits_bytes(shape: Shape, micro_batch: int, tensor: int) -> float:
@@ -166,7 +187,13 @@ def logits_bytes(shape: Shape, micro_batch: int, tensor: int) -> float:
 
 
 def memory_per_gpu(
-    shape: Shape, precision: Precision, shard: int, tensor: int, micro_batch: int, flash: bool
+    shape: Shape,
+    precision: Precision,
+    shard: int,
+    tensor: int,
+    micro_batch: int,
+    flash: bool,
+    recompute: str = "none",
 ) -> Memory:
     """Replicas hold all the state; FSDP divides it by the shard degree, tensor parallelism by
     the tensor degree (the few replicated LayerNorm gains are counted as split too)."""
@@ -181,6 +208,6 @@ def memory_per_gpu(
         master=params * precision.master,
         moments=params * precision.moments,
         gathered=gathered,
-        activations=activation_bytes(shape, micro_batch, tensor, flash),
+        activations=activation_bytes(shape, micro_batch, tensor, flash, recompute),
         logits=logits_bytes(shape, micro_batch, tensor),
     )

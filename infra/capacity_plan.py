@@ -11,6 +11,7 @@ import math
 from dataclasses import dataclass, replace
 
 from infra.capacity import (
+    RECOMPUTE_FLOPS,
     Memory,
     Precision,
     Shape,
@@ -31,6 +32,7 @@ class Layout:
     replicate: int
     shard: int
     tensor: int
+    recompute: str = "none"  # activation checkpointing: none, selective or full
 
     @property
     def world(self) -> int:
@@ -123,10 +125,13 @@ def make_plan(
     flops_tok = flops_per_token(shape)
     micro = budget.micro_batch(layout)
     memory = memory_per_gpu(
-        shape, precision, layout.shard, layout.tensor, micro, hardware.flash_attention
-    )
+        shape, precision, layout.shard, layout.tensor, micro, hardware.flash_attention,
+        layout.recompute,
+    )  # fmt: skip
     tokens = budget.steps * budget.batch_size * shape.block_size
-    tokens_per_s = world * hardware.peak_flops_per_gpu * hardware.mfu / flops_tok
+    # A full recompute runs every forward twice: the GPUs work as hard, on fewer tokens.
+    work_per_token = flops_tok * RECOMPUTE_FLOPS[layout.recompute]
+    tokens_per_s = world * hardware.peak_flops_per_gpu * hardware.mfu / work_per_token
     step_s = budget.batch_size * shape.block_size / tokens_per_s
     mtbf = gang_mtbf_s(node_mtbf_hours, layout.nodes)
     checkpoint = params * precision.checkpoint_per_param
@@ -167,23 +172,30 @@ def make_plan(
     )
 
 
+# Activation recomputation from the cheapest: selective recomputes no product, full every one.
+_RECOMPUTE_ORDER = ("none", "selective", "full")
+
+
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
 def what_would_fit(
     shape: Shape, layout: Layout, budget: Budget, precision: Precision, hardware: Hardware
-) -> dict[str, int] | None:
+) -> dict[str, int | str] | None:
     """The smallest change to the layout that fits, tried cheapest first: more sharding (same
-    data-parallel ranks, same batch), then smaller micro-batches by gradient accumulation, then
-    tensor parallelism inside a node. None if nothing does at this gang size."""
+    data-parallel ranks, same batch); then activation recomputation, selective (almost no
+    compute) before full (a third more), where the spec recomputes less; then smaller
+    micro-batches by gradient accumulation with tensor parallelism inside a node. None if
+    nothing does at this gang size."""
     usable = hardware.gpu_memory_gib * GIB * hardware.usable_memory_fraction
 
     def fits(lay: Layout, accum: int) -> bool:
         micro = replace(budget, grad_accum_steps=accum).micro_batch(lay)
         memory = memory_per_gpu(
-            shape, precision, lay.shard, lay.tensor, micro, hardware.flash_attention
-        )
+            shape, precision, lay.shard, lay.tensor, micro, hardware.flash_attention,
+            lay.recompute,
+        )  # fmt: skip
         return memory.total <= usable
 
     def sharded(tensor: int, shard: int) -> Layout:
@@ -192,9 +204,18 @@ def what_would_fit(
         )
 
     accum = budget.grad_accum_steps
-    for shard in _divisors(layout.world // layout.tensor):
-        if shard > layout.shard and fits(sharded(layout.tensor, shard), accum):
-            return {"shard": shard, "replicate": layout.world // (layout.tensor * shard)}
+    shards = [s for s in _divisors(layout.world // layout.tensor) if s >= layout.shard]
+    for mode in _RECOMPUTE_ORDER[_RECOMPUTE_ORDER.index(layout.recompute) :]:
+        for shard in shards:
+            if (mode, shard) == (layout.recompute, layout.shard):
+                continue
+            if fits(replace(sharded(layout.tensor, shard), recompute=mode), accum):
+                change: dict[str, int | str] = {}
+                if shard != layout.shard:
+                    change |= {"shard": shard, "replicate": layout.world // (layout.tensor * shard)}
+                if mode != layout.recompute:
+                    change["activation_checkpointing"] = mode
+                return change
     for tensor in _divisors(layout.gpus_per_node):
         if tensor < layout.tensor or shape.n_head % tensor or shape.n_embd % tensor:
             continue
@@ -203,8 +224,12 @@ def what_would_fit(
         data_parallel = layout.world // tensor
         if budget.batch_size % data_parallel:
             continue
-        full = sharded(tensor, data_parallel)
-        for more in _divisors(budget.batch_size // data_parallel):
-            if more >= accum and fits(full, more):
-                return {"tensor": tensor, "shard": data_parallel, "replicate": 1, "accum": more}
+        for mode in _RECOMPUTE_ORDER[_RECOMPUTE_ORDER.index(layout.recompute) :]:
+            full = replace(sharded(tensor, data_parallel), recompute=mode)
+            for more in _divisors(budget.batch_size // data_parallel):
+                if more >= accum and fits(full, more):
+                    change = {"tensor": tensor, "shard": data_parallel, "replicate": 1}
+                    if mode != layout.recompute:
+                        change["activation_checkpointing"] = mode  # type: ignore[assignment]
+                    return change | {"accum": more}
     return None

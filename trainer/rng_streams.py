@@ -90,6 +90,34 @@ def sharded_draws() -> Iterator[None]:
             stream.state = _get_state(stream.device)
 
 
+class ShardedReplay:
+    """The sharded stream for a block whose activations are recomputed in backward
+    (`trainer.activation_recompute`): torch's checkpoint keeps the default stream's state and
+    draws again from it, but it does not know the sharded one, which has moved on to later
+    blocks by the time this block is recomputed. `noted()` wraps the forward and keeps the
+    state it started from; `replayed()` wraps the recompute, draws from that state again and
+    leaves the stream where the step has it."""
+
+    def __init__(self) -> None:
+        self._state: torch.Tensor | None = None
+
+    @contextlib.contextmanager
+    def noted(self) -> Iterator[None]:
+        # sharded_draws replaces the state with a new tensor after each draw, never writes it
+        # in place: holding the reference keeps this moment's state.
+        self._state = _SHARDED.state
+        yield
+
+    @contextlib.contextmanager
+    def replayed(self) -> Iterator[None]:
+        current = _SHARDED.state
+        _SHARDED.state = self._state
+        try:
+            yield
+        finally:
+            _SHARDED.state = current
+
+
 @contextlib.contextmanager
 def forked(device: torch.device) -> Iterator[None]:
     """Draw inside (after seeding anew with `seed_step`) and leave both streams afterwards as

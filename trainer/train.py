@@ -51,6 +51,8 @@ def main() -> None:
         model, wrapped = build(config, cfg.seed, run.layout, run.placement, run.device)
     else:
         model, wrapped = fine_tuned(config, run.init_from, run)
+    # Blocks whose activations are computed again in backward, where the spec asks for it.
+    run.recompute_activations(model.blocks)
     optimizer = model.optimizer(
         cfg.learning_rate, cfg.weight_decay, fused=precision_for(run.device.type).fused_adamw
     )

@@ -99,7 +99,14 @@ def inputs_for(spec: RunSpec, hardware: Hardware, vocab: int | None, precision: 
         shape=Shape(
             vocab_size, m.n_layer, m.n_head, m.n_embd, m.block_size, m.rope, m.swiglu, m.bias
         ),
-        layout=Layout(r.nodes, r.gpus_per_node, replicate, shard, tensor),
+        layout=Layout(
+            r.nodes,
+            r.gpus_per_node,
+            replicate,
+            shard,
+            tensor,
+            spec.parallel.activation_checkpointing,
+        ),
         budget=Budget(
             spec.train.steps,
             spec.train.batch_size,
@@ -119,9 +126,14 @@ def inputs_for(spec: RunSpec, hardware: Hardware, vocab: int | None, precision: 
             "interval": "Daly's (checkpoint_every = auto)"
             if every == "auto"
             else f"checkpoint_every = {every} steps",
-            "layout": f"replicate {replicate} × shard {shard} × tensor {tensor}",
+            "layout": f"replicate {replicate} × shard {shard} × tensor {tensor}"
+            + _recompute_note(spec.parallel.activation_checkpointing),
         },
     )
+
+
+def _recompute_note(mode: str) -> str:
+    return "" if mode == "none" else f", activation checkpointing {mode}"
 
 
 def _placement(spec: RunSpec) -> tuple[str, str]:
@@ -198,11 +210,13 @@ def verdicts(plan: Plan, given: Inputs) -> list[str]:
     m, hardware, usable = plan.memory, given.hardware, plan.usable_memory_bytes
     name, biggest = m.dominant()
     attention = "fused attention" if hardware.flash_attention else "attention scores stored"
+    mode = given.layout.recompute
+    recomputation = "no recomputation" if mode == "none" else f"{mode} recomputation"
     lines = [
         f"memory: {'fits' if plan.fits else 'does NOT fit'}: {_gib(m.total)} per GPU against "
         f"{_gib(usable)} usable ({hardware.usable_memory_fraction:.0%} of "
         f"{hardware.gpu_memory_gib:g} GiB); largest part: {name} ({_gib(biggest)}); activations "
-        f"are an estimate (Korthikanti et al. 2022, no recomputation, {attention})"
+        f"are an estimate (Korthikanti et al. 2022, {recomputation}, {attention})"
     ]
     if not plan.fits:
         change = what_would_fit(given.shape, given.layout, given.budget, given.precision, hardware)
@@ -210,7 +224,9 @@ def verdicts(plan: Plan, given: Inputs) -> list[str]:
             lines.append("  nothing fits on this gang: add nodes, or shrink the model or batch")
         else:
             keys = {"accum": "train.grad_accum_steps"}
-            said = ", ".join(f"{keys.get(k, 'parallel.' + k)} = {v}" for k, v in change.items())
+            said = ", ".join(
+                f"{keys.get(k, 'parallel.' + k)} = {json.dumps(v)}" for k, v in change.items()
+            )
             lines.append(f"  {said} would fit")
     if given.layout.gpus_per_node > hardware.gpus_per_node:
         lines.append(

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -113,18 +114,36 @@ def test_70b_replicated_does_not_fit_and_sharding_would() -> None:
     plan = make_plan(BIG, layout, budget, MIXED, Hardware(), 4380)
     assert not plan.fits and plan.memory.dominant()[0] == "training state"
     change = what_would_fit(BIG, layout, budget, MIXED, Hardware())
-    # 4,096-token sequences of 8,192 channels outgrow a GPU even one at a time: it takes
-    # tensor parallelism on top of full sharding.
-    assert change == {"tensor": 2, "shard": 256, "replicate": 1, "accum": 2}
-    changed = Layout(64, 8, change["replicate"], change["shard"], change["tensor"])
-    accumulated = Budget(steps=10, batch_size=512, grad_accum_steps=change["accum"])
-    assert make_plan(BIG, changed, accumulated, MIXED, Hardware(), 4380).fits
+    # 4,096-token sequences of 8,192 channels keep 85 GiB of activations one at a time: sharded,
+    # the selective recompute (no product computed again) brings them to 55 GiB, cheaper than
+    # tensor parallelism or a full recompute.
+    assert change == {"shard": 128, "replicate": 4, "activation_checkpointing": "selective"}
+    changed = Layout(64, 8, 4, 128, 1, "selective")
+    assert make_plan(BIG, changed, budget, MIXED, Hardware(), 4380).fits
+    # A full recompute runs each forward twice: a third more time for each step.
+    full = make_plan(BIG, replace(changed, recompute="full"), budget, MIXED, Hardware(), 4380)
+    assert full.step_s == pytest.approx(plan.step_s * 4 / 3)
+    assert full.memory.activations < changed_plan_activations(changed, budget) / 5
+
+    # Sequences of 49,152 tokens outgrow a GPU even recomputed in full: it takes tensor
+    # parallelism (a layer's working set split four ways) on top of full sharding.
+    long = replace(BIG, block_size=49152)
+    change = what_would_fit(long, layout, budget, MIXED, Hardware())
+    assert change == {"tensor": 4, "shard": 128, "replicate": 1,
+                      "activation_checkpointing": "full", "accum": 4}  # fmt: skip
+    changed = Layout(64, 8, 1, 128, 4, "full")
+    accumulated = Budget(steps=10, batch_size=512, grad_accum_steps=4)
+    assert make_plan(long, changed, accumulated, MIXED, Hardware(), 4380).fits
 
     short = Shape(32000, n_layer=80, n_head=64, n_embd=8192, block_size=512, rope=True)
     assert what_would_fit(short, layout, budget, MIXED, Hardware()) == {
         "shard": 32,
         "replicate": 16,
     }
+
+
+def changed_plan_activations(layout: Layout, budget: Budget) -> float:
+    return make_plan(BIG, layout, budget, MIXED, Hardware(), 4380).memory.activations
 
 
 def test_a_small_model_fits_one_gpu() -> None:

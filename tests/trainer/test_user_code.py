@@ -189,6 +189,39 @@ def test_an_fsdp_script_resumes_resharded_onto_one_rank(
     assert final.manifest.evaluation["val_loss"] == pytest.approx(val_loss, abs=1e-5)
 
 
+# With the slow tests, as the ones above.
+@pytest.mark.slow
+def test_a_script_s_blocks_recomputed_train_bitwise(
+    trainer: Trainer, convnet_reference: CheckpointManifest
+) -> None:
+    """The spec's activation checkpointing on the blocks the script names: the same run, bit
+    for bit, as the one that kept its activations."""
+    layout = {**FSDP, "activation_checkpointing": "selective"}
+    job = user_job(trainer, "conv-recomputed", CONVNET, user_train(CONVNET, args=CONV_ARGS),
+                   layout=layout)  # fmt: skip
+    trainer.run(job, ranks=2)
+    final = find_latest(trainer.store, "conv-recomputed", max_generation=1)
+    assert final is not None and final.step == 40
+    assert final.manifest.loss_history == convnet_reference.loss_history
+    ours = convnet_weights(trainer, final.manifest, "conv-recomputed")
+    theirs = convnet_weights(trainer, convnet_reference, "conv-c")
+    assert all(torch.equal(ours[k], theirs[k]) for k in theirs)
+
+
+def test_recomputation_asked_of_a_script_that_names_no_blocks_is_refused(
+    trainer: Trainer,
+) -> None:
+    layout = {"replicate": 2, "shard": 1, "tensor": 1, "activation_checkpointing": "full"}
+    job = user_job(trainer, "gru-recompute", GRU, user_train(GRU), layout=layout)
+    said = (
+        r"before its first step: SDKUsageError: the spec asks for "
+        r'parallel\.activation_checkpointing = "full", but the script named no blocks to '
+        r"recompute: call run\.recompute_activations\(model\.blocks\)"
+    )
+    with pytest.raises(UserCodeFailed, match=said):
+        trainer.run(job, ranks=2)
+
+
 def broken_script(tmp_path: Path, name: str, text: str) -> Path:
     """The GRU example's folder with another train.py."""
     code = tmp_path / name

@@ -56,6 +56,17 @@ def test_sources_resolve_against_the_spec_folder(tmp_path: Path) -> None:
             "model.n_head (4) must be a multiple of parallel.tensor (3)",
         ),
         ({"parallel": {"pipeline": 2}}, "parallel.pipeline: unknown key"),
+        (
+            {"parallel": {"activation_checkpointing": "some"}},
+            "parallel.activation_checkpointing: Input should be 'none', 'full' or 'selective'",
+        ),
+        (
+            {
+                "train": {"code": "src", "entrypoint": "t.py", "checkpoints": "folder"},
+                "parallel": {"activation_checkpointing": "full"},
+            },
+            'parallel.activation_checkpointing = "full" is applied by the SDK',
+        ),
         ({"model": {"rope": True, "n_embd": 12, "n_head": 4}}, "rope needs an even head size"),
         ({"model": {"init_from": "../../etc/passwd"}}, "init_from '../../etc/passwd' is neither"),
         ({"model": {"n_embd": 100, "n_head": 3}}, "n_embd (100) must be a multiple of n_head (3)"),

@@ -437,6 +437,14 @@ class ParallelSpec(_Strict):
     )
     shard: int = Field(1, ge=1, le=1 << 20, description="fully sharded ranks (FSDP2, ZeRO-3)")
     tensor: int = Field(1, ge=1, le=1024, description="tensor-parallel ranks inside a block")
+    activation_checkpointing: Literal["none", "full", "selective"] = Field(
+        "none",
+        description='recompute activations in backward to hold less of them: "full" keeps '
+        "each block's input and runs its forward again (about a third more compute), "
+        '"selective" keeps the products and attention and recomputes the cheap operations '
+        "around them (norms, activations, dropout); the built-in GPT's blocks, or those a "
+        "script names with run.recompute_activations()",
+    )
 
     def degrees(self, world: int) -> tuple[int, int, int]:
         """(replicate, shard, tensor) for a gang of `world` ranks; ValueError if they do not fit."""
@@ -653,6 +661,18 @@ class RunSpec(_Strict):
             raise ValueError(
                 "registry.files names files of a script's own checkpoint folder: it needs "
                 'train.checkpoints = "folder" (the SDK\'s checkpoints register their weights)'
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _recompute_through_the_sdk(self) -> RunSpec:
+        if self.parallel.activation_checkpointing != "none" and self.train.checkpoints == "folder":
+            raise ValueError(
+                f'parallel.activation_checkpointing = "{self.parallel.activation_checkpointing}" '
+                "is applied by the SDK (run.recompute_activations()), which a script that keeps "
+                'its own checkpoints (train.checkpoints = "folder") does not call: use its '
+                "library's own switch (gradient_checkpointing=True in Hugging Face's "
+                "TrainingArguments, torch.utils.checkpoint in your model) and leave this none"
             )
         return self
 

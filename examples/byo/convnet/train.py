@@ -89,6 +89,9 @@ def main() -> None:
 
     torch.manual_seed(run.settings.seed)  # the same initial weights on every rank
     model = ConvLM(run.vocab_size, width, layers, kernel).to(run.device)
+    # Which blocks may compute their activations again in backward: the spec's
+    # [parallel] activation_checkpointing says whether they do ("none" by default).
+    run.recompute_activations(model.blocks)
     mesh = init_device_mesh(run.device.type, (run.world,))
     for unit in model.blocks:  # one unit per block, then the root: embedding, norm and head
         fully_shard(unit, mesh=mesh)
