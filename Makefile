@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 FL     := $(BIN)/forgeline
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test test-all up down lint format clean bench-dataprep bench-trainer bench-recovery bench-load bench-shadow bench-hot-start bench-door bench-byo bench-byo-start
+.PHONY: demo test test-all up down lint format clean bench-dataprep bench-trainer bench-recovery bench-load bench-shadow bench-hot-start bench-door bench-byo bench-byo-start bench-pipeline
 
 # torch first, pinned to the CPU wheel on this machine's disk: resolving `torch` through the
 # project's dependencies could pull a multi-GB CUDA build.
@@ -62,6 +62,11 @@ bench-byo: $(STAMP)
 # built, reused or not needed, and in a container image (about 4 minutes; podman).
 bench-byo-start: $(STAMP)
 	$(BIN)/python -m bench.byo_start
+
+# A 2-stage pipeline beside 2-replica DDP, its bubble beside theory; activation recomputation's
+# memory and step time beside none; the planner's layout for the seed job.
+bench-pipeline: $(STAMP)
+	$(BIN)/python -m bench.pipeline
 
 bench-hot-start: $(STAMP)
 	$(BIN)/python -m bench.hot_start

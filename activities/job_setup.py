@@ -66,7 +66,6 @@ def prepare_job(site: JobSite, inp: NodeTrainInput, cache: NodeCacheLease) -> Tr
         init_weights = str(folder)
         stored = base.network
     spec = inp.spec
-    replicate, shard, tensor = spec.parallel.degrees(spec.resources.world_size)
     node_ids = [node.node_id for node in inp.allocation.nodes]
     gen_dir = site.generation_dir
     job = TrainJob(
@@ -74,12 +73,7 @@ def prepare_job(site: JobSite, inp: NodeTrainInput, cache: NodeCacheLease) -> Tr
         run_uid=inp.run_uid,
         node_id=site.node_id,
         node_index=node_ids.index(site.node_id),
-        layout={
-            "replicate": replicate,
-            "shard": shard,
-            "tensor": tensor,
-            "activation_checkpointing": spec.parallel.activation_checkpointing,
-        },
+        layout=spec.job_layout(),
         val_shards=(
             [str(p) for p in cache.split(dataset, "val")]
             if spec.train.eval_every or inp.code is not None  # a script evaluates itself

@@ -104,7 +104,9 @@ class Step:
         own = run._own_norms.take() if run._own_norms is not None else norm
         self.finite = self.finite and math.isfinite(norm)
         if max_norm > 0:
-            clip_grad_norm(model, max_norm, total=norm if whole else None)
+            pipeline = run._pipeline  # a stage's norm is part of the model's
+            known = norm if whole and pipeline is None else None
+            clip_grad_norm(model, max_norm, total=known, pipeline=pipeline)
         self.grad_norm = own
         return own
 

@@ -32,7 +32,7 @@ import os
 import re
 import sys
 import time
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +57,7 @@ from trainer.job import TrainJob
 from trainer.job_checkpoints import checkpointer_for, resolve
 from trainer.own_gradients import own_gradients
 from trainer.parallel import Layout, Placement, build_mesh
+from trainer.pipeline import Pipeline, PipelineSettings
 from trainer.progress import ProgressFile
 from trainer.shadow_check import Recompute, ShadowSettings
 from workflows.contracts.spec import TrainSpec
@@ -91,11 +92,9 @@ class Run:
         self._stop_file = Path(job.stop_file) if job.stop_file else None
         chaos = Path(job.chaos_file) if job.chaos_file else None
         self._corrupt_next = chaos if rt.local_rank == 0 else None
-        self.layout = (
-            Layout(**{k: job.layout[k] for k in ("replicate", "shard", "tensor")})
-            if job.layout
-            else Layout(replicate=rt.world)
-        )
+        self.layout = Layout.from_job(job.layout) if job.layout else Layout(replicate=rt.world)
+        # The spec's pipeline (ranks, schedule, stages a rank, micro-batches): 1 rank, none.
+        self.pipeline_settings = PipelineSettings.from_layout(job.layout)
         self.placement: Placement = build_mesh(self.layout, rt.device.type)
         self.sampler: Sampler | None = None
         self._sample_log = open(job.sample_log, "a", buffering=1) if job.sample_log else None  # noqa: SIM115
@@ -128,6 +127,7 @@ class Run:
         self._last_eval: dict[str, float | int] | None = None  # the newest report_eval
         self._serving: dict[str, str] | None = None  # serve_with(): how the model is served
         self._recomputed: int | None = None  # recompute_activations(): blocks recomputed
+        self._pipeline: Pipeline | None = None  # pipeline(): this rank's stages and schedule
         self._progress.write(event="sdk", call="init", state="returned")
 
     # ---- what the script reads ---------------------------------------------------------
@@ -224,6 +224,43 @@ class Run:
         self._recomputed = recompute(blocks, self.activation_checkpointing)
         return self._recomputed
 
+    @property
+    def stages(self) -> list[int]:
+        """The pipeline stages this rank holds (`[0]` without a pipeline): build one module
+        for each, with `run.stage_layers(n)` saying which of your model's n layers it runs,
+        and hand them to `run.pipeline()`."""
+        settings = self.pipeline_settings
+        return settings.stages_of(self.placement.mesh.get_local_rank("pipeline"))
+
+    def stage_layers(self, layers: int) -> list[range]:
+        """For each of `run.stages`, which of a model's `layers` repeated layers it runs (the
+        layers split evenly, in order); refused with the reason where they do not split."""
+        settings = self.pipeline_settings
+        return [settings.layers_of(stage, layers) for stage in self.stages]
+
+    def pipeline(
+        self,
+        stages: Sequence[torch.nn.Module],
+        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+        tied: Sequence[torch.nn.Parameter] | None = None,
+    ) -> Pipeline:
+        """This rank's stages (one module for each of `run.stages`, in that order; the first
+        stage takes the inputs, the last returns what `loss_fn(output, targets)` takes) and
+        the spec's schedule to run them: `pipeline.step(x, y)` in the loop is the step's
+        forward and backward over `parallel.microbatches` micro-batches, and returns its mean
+        loss on every rank. `tied`: the weights both the first and the last stage hold (a
+        tied embedding; None if the model ties none), whose gradients are summed across the
+        two. Call it before `run.restore()`, which takes a module holding all of this rank's
+        stages' parameters under the names they have in the whole model."""
+        if self._model is not None:
+            raise SDKUsageError("call run.pipeline() before run.restore()")
+        if self._pipeline is not None:
+            raise SDKUsageError("run.pipeline() was called twice: a rank has one pipeline")
+        self._pipeline = Pipeline(
+            list(stages), self.pipeline_settings, self.placement.mesh, self.device, loss_fn, tied
+        )
+        return self._pipeline
+
     # ---- restore, the loop, checkpoints ------------------------------------------------
 
     def restore(
@@ -318,6 +355,12 @@ class Run:
             raise SDKUsageError("call run.restore(model, optimizer) before run.steps()")
         if self._loop is not None:
             raise SDKUsageError("run.steps() was called twice: a run has one training loop")
+        if self.pipeline_settings.on and self._pipeline is None:
+            raise SDKUsageError(
+                f"the spec splits the model into a pipeline of {self.pipeline_settings.stages} "
+                "stages (parallel.pipeline), but the script declared none: build a module for "
+                "each of run.stages and hand them to run.pipeline(), or set pipeline = 1"
+            )
         if self.activation_checkpointing != "none" and not self._recomputed:
             raise SDKUsageError(
                 f"the spec asks for parallel.activation_checkpointing = "

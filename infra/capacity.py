@@ -58,6 +58,43 @@ def param_count(shape: Shape) -> int:
     return shape.vocab_size * c + positions + shape.n_layer * block_params(shape) + final_norm
 
 
+def stage_params(shape: Shape, pipeline: int) -> float:
+    """Parameters of a pipeline stage that holds the embeddings (the first; the last holds a
+    tied copy of the table and the final norm): its share of the blocks and the rest."""
+    rest = param_count(shape) - shape.n_layer * block_params(shape)
+    return shape.n_layer / pipeline * block_params(shape) + rest
+
+
+@dataclass(frozen=True)
+class Pipelining:
+    """A pipeline as the planner sees it (trainer/pipeline.py runs it)."""
+
+    ranks: int = 1  # parallel.pipeline
+    stages_per_rank: int = 1
+    microbatches: int = 1
+    schedule: str = "1F1B"  # 1F1B, interleaved-1F1B or zero-bubble
+
+    def bubble(self) -> float:
+        """The share of a step the pipeline idles (Narayanan et al. 2021): (P − 1)/(v·M + P − 1)
+        for P ranks of v stages over M micro-batches; zero-bubble (Qi et al. 2023, ZB-H1)
+        fills two thirds of it with the weights' half of the backward."""
+        p, v, m = self.ranks, self.stages_per_rank, self.microbatches
+        if p == 1:
+            return 0.0
+        idle = (p - 1) / (v * m + p - 1)
+        return idle / 3 if self.schedule == "zero-bubble" else idle
+
+    def in_flight(self) -> float:
+        """Micro-batches whose activations the first rank holds at once, each for its share
+        of the layers: 1F1B (and zero-bubble) fill the pipeline with P before the first
+        backward; interleaving holds (1 + (P − 1)/(P·v)) times that (Narayanan et al.)."""
+        p, v = self.ranks, self.stages_per_rank
+        if p == 1:
+            return 1.0
+        held = float(min(p, self.microbatches))
+        return held * (1 + (p - 1) / (p * v)) if self.schedule == "interleaved-1F1B" else held
+
+
 def non_embedding_params(shape: Shape) -> int:
     """As GPT.num_params(): less the position table; the tied wte stays (it is the lm_head)."""
     return param_count(shape) - (0 if shape.rope else shape.block_size * shape.n_embd)
@@ -194,10 +231,16 @@ def memory_per_gpu(
     micro_batch: int,
     flash: bool,
     recompute: str = "none",
+    pipeline: Pipelining | None = None,
 ) -> Memory:
     """Replicas hold all the state; FSDP divides it by the shard degree, tensor parallelism by
-    the tensor degree (the few replicated LayerNorm gains are counted as split too)."""
-    params = param_count(shape) / (shard * tensor)
+    the tensor degree (the few replicated LayerNorm gains are counted as split too), a
+    pipeline by its stages (the first, which holds the embeddings, is the one counted).
+    `micro_batch`: the sequences of one forward (under a pipeline, one of its micro-batches),
+    whose activations a pipeline's first rank holds `pipeline.in_flight()` of at once, each
+    for its share of the layers."""
+    pipeline = pipeline or Pipelining()
+    params = stage_params(shape, pipeline.ranks) / (shard * tensor)
     # FSDP2 gathers a block's weights before use and prefetches the next one; the block's
     # gradients exist unsharded until their reduce-scatter.
     block = block_params(shape) / tensor
@@ -208,6 +251,8 @@ def memory_per_gpu(
         master=params * precision.master,
         moments=params * precision.moments,
         gathered=gathered,
-        activations=activation_bytes(shape, micro_batch, tensor, flash, recompute),
+        activations=activation_bytes(shape, micro_batch, tensor, flash, recompute)
+        * pipeline.in_flight()
+        / pipeline.ranks,
         logits=logits_bytes(shape, micro_batch, tensor),
     )

@@ -34,6 +34,11 @@ class Hardware:
     restart_s: float = 300.0  # detect, swap a spare, rendezvous, load the checkpoint
     usable_memory_fraction: float = 0.9  # the rest: CUDA context, NCCL buffers, fragmentation
     flash_attention: bool = True  # fused attention: no T×T score matrices kept for backward
+    # Where the planner's layout proposal weighs communication (infra/capacity_layouts.py):
+    # each GPU's share of the fabric between nodes (400 Gb/s InfiniBand a GPU) and NVLink's
+    # bandwidth inside a node.
+    network_gb_per_s_per_gpu: float = 50.0
+    nvlink_gb_per_s: float = 450.0
 
 
 # (lowest, lowest allowed, highest) for each number; `None` in a bound: no bound.
@@ -48,6 +53,8 @@ _RANGES: dict[str, tuple[float, bool, float | None]] = {
     "node_mtbf_hours": (0, False, None),
     "restart_s": (0, True, None),
     "usable_memory_fraction": (0, False, 1),
+    "network_gb_per_s_per_gpu": (0, False, None),
+    "nvlink_gb_per_s": (0, False, None),
 }
 
 

@@ -8,11 +8,12 @@ Daly's first-order correction √(2·C·M) − C for a save costing C seconds an
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from infra.capacity import (
     RECOMPUTE_FLOPS,
     Memory,
+    Pipelining,
     Precision,
     Shape,
     flops_per_token,
@@ -33,10 +34,15 @@ class Layout:
     shard: int
     tensor: int
     recompute: str = "none"  # activation checkpointing: none, selective or full
+    pipeline: Pipelining = field(default_factory=Pipelining)
 
     @property
     def world(self) -> int:
         return self.nodes * self.gpus_per_node
+
+    @property
+    def data_parallel(self) -> int:
+        return self.replicate * self.shard
 
 
 @dataclass(frozen=True)
@@ -47,8 +53,10 @@ class Budget:
     checkpoint_every: int | None = None  # steps; None: "auto" (Daly's interval)
 
     def micro_batch(self, layout: Layout) -> int:
-        """Sequences one rank runs per forward: tensor-parallel ranks share theirs."""
-        return max(1, self.batch_size // (layout.replicate * layout.shard * self.grad_accum_steps))
+        """Sequences one rank runs per forward: tensor-parallel ranks share theirs, and a
+        pipeline splits a rank's batch into its micro-batches."""
+        split = layout.data_parallel * self.grad_accum_steps * layout.pipeline.microbatches
+        return max(1, self.batch_size // split)
 
 
 def gang_mtbf_s(node_mtbf_hours: float, nodes: int) -> float:
@@ -87,6 +95,8 @@ class Plan:
     precision: Precision
     model_state_bytes: int
     micro_batch: int
+    bubble: float  # the pipeline's idle share of a step
+    pipeline_bytes_per_step: float  # activations and their gradients between stages, a rank
     memory: Memory
     usable_memory_bytes: float
     tokens: int
@@ -126,12 +136,16 @@ def make_plan(
     micro = budget.micro_batch(layout)
     memory = memory_per_gpu(
         shape, precision, layout.shard, layout.tensor, micro, hardware.flash_attention,
-        layout.recompute,
+        layout.recompute, layout.pipeline,
     )  # fmt: skip
     tokens = budget.steps * budget.batch_size * shape.block_size
-    # A full recompute runs every forward twice: the GPUs work as hard, on fewer tokens.
+    # A full recompute runs every forward twice: the GPUs work as hard, on fewer tokens; a
+    # pipeline's ranks idle for its bubble.
     work_per_token = flops_tok * RECOMPUTE_FLOPS[layout.recompute]
-    tokens_per_s = world * hardware.peak_flops_per_gpu * hardware.mfu / work_per_token
+    bubble = layout.pipeline.bubble()
+    tokens_per_s = (
+        world * hardware.peak_flops_per_gpu * hardware.mfu * (1 - bubble) / work_per_token
+    )
     step_s = budget.batch_size * shape.block_size / tokens_per_s
     mtbf = gang_mtbf_s(node_mtbf_hours, layout.nodes)
     checkpoint = params * precision.checkpoint_per_param
@@ -149,6 +163,8 @@ def make_plan(
         precision=precision,
         model_state_bytes=params * precision.per_param,
         micro_batch=micro,
+        bubble=bubble,
+        pipeline_bytes_per_step=pipeline_bytes(shape, layout, micro),
         memory=memory,
         usable_memory_bytes=hardware.gpu_memory_gib * GIB * hardware.usable_memory_fraction,
         tokens=tokens,
@@ -176,6 +192,17 @@ def make_plan(
 _RECOMPUTE_ORDER = ("none", "selective", "full")
 
 
+def pipeline_bytes(shape: Shape, layout: Layout, micro_batch: int) -> float:
+    """What a pipeline rank sends and receives a step: each micro-batch's activations forward
+    and their gradients back, 16-bit, at each of its stages' boundaries (a tensor-parallel
+    rank sends its share)."""
+    pipe = layout.pipeline
+    if pipe.ranks == 1:
+        return 0.0
+    per_micro = shape.block_size * micro_batch * shape.n_embd * 2 / layout.tensor
+    return 2 * 2 * per_micro * pipe.microbatches * pipe.stages_per_rank
+
+
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
@@ -189,22 +216,21 @@ def what_would_fit(
     micro-batches by gradient accumulation with tensor parallelism inside a node. None if
     nothing does at this gang size."""
     usable = hardware.gpu_memory_gib * GIB * hardware.usable_memory_fraction
+    ranks = layout.world // layout.pipeline.ranks  # those of one stage: the rest split them
 
     def fits(lay: Layout, accum: int) -> bool:
         micro = replace(budget, grad_accum_steps=accum).micro_batch(lay)
         memory = memory_per_gpu(
             shape, precision, lay.shard, lay.tensor, micro, hardware.flash_attention,
-            lay.recompute,
+            lay.recompute, lay.pipeline,
         )  # fmt: skip
         return memory.total <= usable
 
     def sharded(tensor: int, shard: int) -> Layout:
-        return replace(
-            layout, replicate=layout.world // (tensor * shard), shard=shard, tensor=tensor
-        )
+        return replace(layout, replicate=ranks // (tensor * shard), shard=shard, tensor=tensor)
 
     accum = budget.grad_accum_steps
-    shards = [s for s in _divisors(layout.world // layout.tensor) if s >= layout.shard]
+    shards = [s for s in _divisors(ranks // layout.tensor) if s >= layout.shard]
     for mode in _RECOMPUTE_ORDER[_RECOMPUTE_ORDER.index(layout.recompute) :]:
         for shard in shards:
             if (mode, shard) == (layout.recompute, layout.shard):
@@ -212,21 +238,23 @@ def what_would_fit(
             if fits(replace(sharded(layout.tensor, shard), recompute=mode), accum):
                 change: dict[str, int | str] = {}
                 if shard != layout.shard:
-                    change |= {"shard": shard, "replicate": layout.world // (layout.tensor * shard)}
+                    change |= {"shard": shard, "replicate": ranks // (layout.tensor * shard)}
                 if mode != layout.recompute:
                     change["activation_checkpointing"] = mode
                 return change
     for tensor in _divisors(layout.gpus_per_node):
         if tensor < layout.tensor or shape.n_head % tensor or shape.n_embd % tensor:
             continue
-        if layout.world % tensor:
+        if ranks % tensor:
             continue
-        data_parallel = layout.world // tensor
+        data_parallel = ranks // tensor
         if budget.batch_size % data_parallel:
             continue
         for mode in _RECOMPUTE_ORDER[_RECOMPUTE_ORDER.index(layout.recompute) :]:
             full = replace(sharded(tensor, data_parallel), recompute=mode)
-            for more in _divisors(budget.batch_size // data_parallel):
+            # A pipeline's micro-batches are its accumulation (the spec refuses both).
+            piped = layout.pipeline.ranks > 1
+            for more in [accum] if piped else _divisors(budget.batch_size // data_parallel):
                 if more >= accum and fits(full, more):
                     change = {"tensor": tensor, "shard": data_parallel, "replicate": 1}
                     if mode != layout.recompute:

@@ -45,7 +45,11 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_state_dict,
+    set_state_dict,
+)
 
 from infra.digest import sha256_file
 from infra.store.door import DoorFenced
@@ -82,11 +86,25 @@ def _files_written_by(folder: Path, rank: int) -> list[Path]:
     return files
 
 
+# What a checkpoint whose param groups are lists holds (`flat_optimizer` off): the first
+# group's parameter names.
+LISTED_PARAM_GROUPS = "optim.param_groups.0.params"
+
+
 def _training_state(
-    model: torch.nn.Module, optimizer: torch.optim.Optimizer, extra: dict | None
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    extra: dict | None,
+    flat_optimizer: bool = False,
 ) -> dict:
-    """What a checkpoint holds, as DCP saves and loads it."""
-    model_state, optim_state = get_state_dict(model, optimizer)
+    """What a checkpoint holds, as DCP saves and loads it. `flat_optimizer`: the optimizer's
+    param groups one item a parameter (`optim.param_groups.<name>.lr`, ...) instead of one
+    list of every group. A pipeline's ranks hold different parameters, so their lists differ,
+    and DCP keeps one rank's copy of an item all ranks save: the list of the first stage's
+    parameters would be every stage's on load. One item a parameter is right for any layout;
+    checkpoints of data and tensor parallelism keep the list they always had."""
+    options = StateDictOptions(flatten_optimizer_state_dict=flat_optimizer)
+    model_state, optim_state = get_state_dict(model, optimizer, options=options)
     state: dict = {"model": model_state, "optim": optim_state}
     if extra:
         state[KEPT_STATE] = extra
@@ -94,8 +112,10 @@ def _training_state(
 
 
 def _replicas_only(layout: dict) -> bool:
-    """Every rank holds the whole state: data parallelism alone (no shard, no tensor split)."""
-    return layout.get("shard", 1) == 1 and layout.get("tensor", 1) == 1
+    """Every rank holds the whole state: data parallelism alone (no shard, no tensor split,
+    no pipeline stages)."""
+    split = ("shard", "tensor", "pipeline")
+    return all(layout.get(degree, 1) == 1 for degree in split)
 
 
 @dataclass
@@ -172,7 +192,7 @@ class Checkpointer:
         previous = self.wait()
         folder = self.staging_dir / f"step-{step}"
         folder.mkdir(parents=True, exist_ok=True)
-        state = _training_state(model, optimizer, extra)
+        state = _training_state(model, optimizer, extra, self.layout.get("pipeline", 1) > 1)
         if _replicas_only(self.layout) and self.world > 1:
             state = own_share(state, self.rank, self.world)  # staged once a node, not per rank
         if self.asynchronous:
@@ -407,12 +427,17 @@ def load_training_state(
     """Restore model and optimizer in place from a fetched checkpoint, resharded to this layout;
     and `extra`, the script's own state by name as it is now (its template: tensors are loaded
     into it, other values replaced), with what the checkpoint holds of it."""
-    state = _training_state(model, optimizer, extra)
+    flat = LISTED_PARAM_GROUPS not in safe_load.read_metadata(folder).state_dict_metadata
+    state = _training_state(model, optimizer, extra, flat)
     if extra:
         _check_kept_state(extra, folder)
     safe_load.load(state, folder)
     set_state_dict(
-        model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
+        model,
+        optimizer,
+        model_state_dict=state["model"],
+        optim_state_dict=state["optim"],
+        options=StateDictOptions(flatten_optimizer_state_dict=flat),
     )
 
 

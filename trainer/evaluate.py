@@ -78,6 +78,9 @@ def held_out_loss(
             sums[1] += y.numel()
     if ranks > 1:
         dist.all_reduce(sums)
+        # Ranks that share a data-parallel rank (tensor-parallel, pipeline) scored the same
+        # share: each counted once.
+        sums /= dist.get_world_size() // ranks
     return float(sums[0] / sums[1]), int(sums[1])
 
 

@@ -205,6 +205,25 @@ class Block(nn.Module):
         return x + self.drop(self.mlp(self.ln_2(x)))
 
 
+def adamw(
+    model: nn.Module, learning_rate: float, weight_decay: float, fused: bool | None = None
+) -> torch.optim.AdamW:
+    """The GPT's AdamW over `model`'s parameters (the whole model's, or a pipeline stage's)."""
+    # Decay matrices only: biases and norm gains have no scale to regularise.
+    params = [p for p in model.parameters() if p.requires_grad]
+    decay = [p for p in params if p.dim() >= 2]
+    no_decay = [p for p in params if p.dim() < 2]
+    return torch.optim.AdamW(
+        [
+            {"params": decay, "weight_decay": weight_decay},
+            {"params": no_decay, "weight_decay": 0.0},
+        ],
+        lr=learning_rate,
+        betas=(0.9, 0.95),
+        fused=fused,
+    )
+
+
 class GPT(nn.Module):
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
@@ -268,19 +287,7 @@ class GPT(nn.Module):
     ) -> torch.optim.AdamW:
         """AdamW; `fused` as torch takes it (trainer.parallel.precision_for chooses: the fused
         kernel on GPUs, torch's default elsewhere)."""
-        # Decay matrices only: biases and norm gains have no scale to regularise.
-        params = [p for p in self.parameters() if p.requires_grad]
-        decay = [p for p in params if p.dim() >= 2]
-        no_decay = [p for p in params if p.dim() < 2]
-        return torch.optim.AdamW(
-            [
-                {"params": decay, "weight_decay": weight_decay},
-                {"params": no_decay, "weight_decay": 0.0},
-            ],
-            lr=learning_rate,
-            betas=(0.9, 0.95),
-            fused=fused,
-        )
+        return adamw(self, learning_rate, weight_decay, fused)
 
     @torch.no_grad()
     def generate(

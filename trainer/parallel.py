@@ -1,6 +1,9 @@
 """The declared parallel layout: how a gang's ranks split the model and the data.
 
-Three degrees, as in torchtitan, whose product is the world size:
+Four degrees, as in torchtitan, whose product is the world size:
+
+- `pipeline`: pipeline stages, the model's layers split in order (`trainer.pipeline`; the
+  built-in GPT's stages: `trainer.gpt_stages`).
 
 - `replicate`: data-parallel replicas. Alone, plain DDP; with `shard`, HSDP (shard inside a
   replica group, all-reduce across them).
@@ -9,8 +12,9 @@ Three degrees, as in torchtitan, whose product is the world size:
 - `tensor`: tensor parallel inside each block (`parallelize_module`): attention heads and MLP
   columns split across these ranks, the output projections reduce.
 
-The mesh is (replicate, shard, tensor), tensor innermost so a tensor-parallel group sits on
-consecutive ranks, which are the GPUs of one node.
+The mesh is (pipeline, replicate, shard, tensor), tensor innermost so a tensor-parallel group
+sits on consecutive ranks, which are the GPUs of one node, and pipeline outermost: a stage's
+ranks hold the same layers, and only activations of one micro-batch cross between stages.
 """
 
 from __future__ import annotations
@@ -33,9 +37,10 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from trainer.model import GPT, GPTConfig, Rotary
+from trainer.pipeline import Pipeline
 from trainer.rng_streams import sharded_draws
 
-MESH_DIMS = ("replicate", "shard", "tensor")
+MESH_DIMS = ("pipeline", "replicate", "shard", "tensor")
 
 
 class MetaBuildError(RuntimeError):
@@ -49,10 +54,17 @@ class Layout:
     replicate: int = 1
     shard: int = 1
     tensor: int = 1
+    pipeline: int = 1
+
+    @classmethod
+    def from_job(cls, layout: dict) -> Layout:
+        """The degrees of a job file's layout (a job from before pipelines has none: 1)."""
+        return cls(**{k: int(layout[k]) for k in ("replicate", "shard", "tensor", "pipeline")
+                      if k in layout})  # fmt: skip
 
     @property
     def world_size(self) -> int:
-        return self.replicate * self.shard * self.tensor
+        return self.pipeline * self.replicate * self.shard * self.tensor
 
     @property
     def data_parallel(self) -> int:
@@ -68,10 +80,16 @@ class Layout:
             parts.append("ddp")
         if self.tensor > 1:
             parts.append("tp")
+        if self.pipeline > 1:
+            parts.append("pp")
         return "+".join(parts) or "single"
 
     def to_dict(self) -> dict:
-        return {**asdict(self), "strategy": self.strategy, "world_size": self.world_size}
+        """As manifests record it; `pipeline` only where there is one (as before pipelines)."""
+        degrees = asdict(self)
+        if self.pipeline == 1:
+            del degrees["pipeline"]
+        return {**degrees, "strategy": self.strategy, "world_size": self.world_size}
 
 
 @dataclass(frozen=True)
@@ -105,20 +123,25 @@ def precision_for(device_type: str) -> Precision:
 
 
 def build_mesh(layout: Layout, device_type: str) -> Placement:
-    mesh = init_device_mesh(
-        device_type, (layout.replicate, layout.shard, layout.tensor), mesh_dim_names=MESH_DIMS
-    )
+    shape = (layout.pipeline, layout.replicate, layout.shard, layout.tensor)
+    mesh = init_device_mesh(device_type, shape, mesh_dim_names=MESH_DIMS)
     replicate_rank = mesh.get_local_rank("replicate")
     shard_rank = mesh.get_local_rank("shard")
     return Placement(mesh, replicate_rank * layout.shard + shard_rank, layout.data_parallel)
 
 
-def _tensor_parallel(model: GPT, mesh: DeviceMesh) -> None:
+def blocks_of(model: nn.Module) -> list[nn.Module]:
+    """The transformer blocks of a GPT or of a pipeline stage of one (`trainer.gpt_stages`)."""
+    blocks = model.blocks  # type: ignore[union-attr]
+    return list(blocks.values()) if isinstance(blocks, nn.ModuleDict) else list(blocks)
+
+
+def _tensor_parallel(model: nn.Module, mesh: DeviceMesh) -> None:
     """Split each block: qkv and the MLP's input projections by columns (whole heads: qkv's
     rows are grouped by head), the output projections by rows, so each block costs one
     all-reduce in forward and one in backward."""
     attention = ("attn.qkv",) if model.config.fused_qkv else ("attn.q", "attn.k", "attn.v")
-    for block in model.blocks:
+    for block in blocks_of(model):
         plan = {
             **{name: ColwiseParallel() for name in attention},
             "attn.proj": RowwiseParallel(),
@@ -133,28 +156,36 @@ def _tensor_parallel(model: GPT, mesh: DeviceMesh) -> None:
 
 def parallelize(model: GPT, layout: Layout, placement: Placement) -> nn.Module:
     """Apply the layout in place where possible; returns the module the loop calls."""
-    _shard(model, layout, placement.mesh)
-    return _replicate(model, layout, placement.mesh)
+    shard_in_place(model, layout, placement.mesh)
+    return replicated(model, layout, placement.mesh)
 
 
-def _shard(model: GPT, layout: Layout, mesh: DeviceMesh) -> None:
-    """Tensor parallelism and FSDP, in place: both work on a model of the meta device."""
+def _sharded(layout: Layout) -> bool:
+    return layout.shard > 1 or (layout.tensor > 1 and layout.data_parallel > 1)
+
+
+def shard_in_place(
+    model: nn.Module, layout: Layout, mesh: DeviceMesh, roots: list[nn.Module] | None = None
+) -> None:
+    """Tensor parallelism and FSDP, in place: both work on a model of the meta device.
+    `roots`: the modules whose FSDP unit holds what no block does (a pipeline's stages, each
+    a root of its own); the model itself by default."""
     if layout.tensor > 1:
         _tensor_parallel(model, mesh["tensor"])
-    if layout.shard > 1 or (layout.tensor > 1 and layout.data_parallel > 1):
+    if _sharded(layout):
         dp_mesh = mesh["replicate", "shard"] if layout.replicate > 1 else mesh["shard"]
         policy = precision_for(mesh.device_type).fsdp
         # One unit per block so only one block's full weights exist at a time; the root unit
         # holds the embeddings (tied with the head) and the final norm.
-        for block in model.blocks:
+        for block in blocks_of(model):
             fully_shard(block, mesh=dp_mesh, mp_policy=policy)
-        fully_shard(model, mesh=dp_mesh, mp_policy=policy)
+        for root in roots or [model]:
+            fully_shard(root, mesh=dp_mesh, mp_policy=policy)
 
 
-def _replicate(model: GPT, layout: Layout, mesh: DeviceMesh) -> nn.Module:
+def replicated(model: nn.Module, layout: Layout, mesh: DeviceMesh) -> nn.Module:
     """DDP where the layout is plain data parallel (it needs the weights: it broadcasts them)."""
-    sharded = layout.shard > 1 or (layout.tensor > 1 and layout.data_parallel > 1)
-    if layout.replicate > 1 and not sharded:
+    if layout.replicate > 1 and not _sharded(layout):
         return DistributedDataParallel(model, process_group=mesh.get_group("replicate"))
     return model
 
@@ -249,11 +280,20 @@ def _in_place(func: Callable[..., Any]) -> bool:
 
 
 @torch.no_grad()
-def _fill(model: GPT, inits: dict[str, _Init], device: torch.device) -> None:
+def fill(
+    model: nn.Module,
+    inits: dict[str, _Init],
+    device: torch.device,
+    parts: list[nn.Module] | None = None,
+) -> None:
     """Storage on `device` for this rank's part of every weight, filled as an eager build
-    fills it; the rotary tables, which are computed, computed again."""
-    model.to_empty(device=device)
-    model.tie_weights()  # a plain (unsharded) parameter comes back from to_empty untied
+    fills it; the rotary tables, which are computed, computed again. `parts`: the FSDP roots
+    that hold the model's parameters between them (a pipeline's stages), given storage each
+    through its own root; the model itself by default."""
+    for part in parts or [model]:
+        part.to_empty(device=device)
+        part.tie_weights()  # type: ignore[operator]  # to_empty leaves a plain parameter untied
+    model.tie_weights()  # type: ignore[operator]
     for name, param in model.named_parameters():
         full = inits[name].replay()
         if isinstance(param, DTensor):
@@ -273,14 +313,20 @@ def build(
 ) -> tuple[GPT, nn.Module]:
     """The GPT with the seeded initial weights, split as the layout says, without ever holding
     the whole model on the host: (the model, the module the loop calls)."""
+    model, inits = built_on_meta(config, seed)
+    shard_in_place(model, layout, placement.mesh)
+    fill(model, inits, device)
+    return model, replicated(model, layout, placement.mesh)
+
+
+def built_on_meta(config: GPTConfig, seed: int) -> tuple[GPT, dict[str, _Init]]:
+    """The GPT on the meta device, and each parameter's initialization as the eager build of
+    `torch.manual_seed(seed); GPT(config)` makes it, to replay once it has storage."""
     torch.manual_seed(seed)
     recorder = _InitRecorder()
     with recorder, torch.device("meta"):
         model = GPT(config)
-    inits = recorder.by_name(model)
-    _shard(model, layout, placement.mesh)
-    _fill(model, inits, device)
-    return model, _replicate(model, layout, placement.mesh)
+    return model, recorder.by_name(model)
 
 
 def local_grad_norm(model: torch.nn.Module) -> tuple[float, bool]:
@@ -310,7 +356,12 @@ def local_grad_norm(model: torch.nn.Module) -> tuple[float, bool]:
         return float(stacked.square().sum().sqrt()), whole
 
 
-def clip_grad_norm(model: nn.Module, max_norm: float, total: float | None = None) -> float:
+def clip_grad_norm(
+    model: nn.Module,
+    max_norm: float,
+    total: float | None = None,
+    pipeline: Pipeline | None = None,
+) -> float:
     """Clip all gradients by their global norm and return it (before clipping). `total` is
     that norm when the caller already has it (`local_grad_norm` of whole gradients): taking it
     again would be a second pass over every gradient each step.
@@ -318,12 +369,18 @@ def clip_grad_norm(model: nn.Module, max_norm: float, total: float | None = None
     torch's clip_grad_norm_ needs every gradient to be a plain tensor or every one a DTensor on
     one mesh; under tensor parallelism the blocks' gradients are DTensors while the embeddings'
     are not (or live on another mesh). So norms are taken per group of like gradients, each
-    group's reduced to a plain number, then combined.
+    group's reduced to a plain number, then combined. Under a pipeline (`pipeline`), a rank
+    holds its stages' gradients only: the squares are summed over the pipeline's ranks, a
+    weight both the first and last stage hold counted once.
     """
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     if total is None:
+        skipped = pipeline.counted_elsewhere if pipeline is not None else set()
+        counted = [
+            p.grad for p in model.parameters() if p.grad is not None and id(p) not in skipped
+        ]
         groups: dict[object, list[torch.Tensor]] = {}
-        for grad in grads:
+        for grad in counted:
             groups.setdefault(getattr(grad, "device_mesh", None), []).append(grad)
         squares = torch.zeros((), dtype=torch.float64)
         for members in groups.values():
@@ -331,6 +388,8 @@ def clip_grad_norm(model: nn.Module, max_norm: float, total: float | None = None
             if hasattr(norm, "full_tensor"):  # a DTensor: partial over its shards until reduced
                 norm = norm.full_tensor()
             squares += norm.detach().double().cpu() ** 2
+        if pipeline is not None:
+            squares = pipeline.summed(squares)
         total = float(squares.sqrt())
     if max_norm > 0 and total > max_norm:
         coef = max_norm / (total + 1e-6)

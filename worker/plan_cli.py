@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from enum import Enum
 from pathlib import Path
 from typing import Annotated
@@ -17,8 +17,10 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from infra.capacity import PRECISIONS, Precision, Shape
+from infra.capacity import PRECISIONS, Pipelining, Precision, Shape
 from infra.capacity_hardware import Hardware, PlanError, load_hardware
+from infra.capacity_layouts import Candidate
+from infra.capacity_layouts import propose as layout_proposals
 from infra.capacity_plan import GIB, Budget, Layout, Plan, make_plan, what_would_fit
 from worker.cli_common import CliError, console
 from worker.specfile import SpecError, load_spec
@@ -106,6 +108,7 @@ def inputs_for(spec: RunSpec, hardware: Hardware, vocab: int | None, precision: 
             shard,
             tensor,
             spec.parallel.activation_checkpointing,
+            pipelining(spec),
         ),
         budget=Budget(
             spec.train.steps,
@@ -119,17 +122,38 @@ def inputs_for(spec: RunSpec, hardware: Hardware, vocab: int | None, precision: 
         notes={
             "vocab": f"{vocab_size:,} ({vocab_note})",
             "throughput": f"{r.world_size} GPUs × {hardware.peak_flops_per_gpu:.3g} FLOP/s × "
-            f"MFU {hardware.mfu:g}",
+            f"MFU {hardware.mfu:g}" + (" × (1 − bubble)" if spec.parallel.pipeline > 1 else ""),
             "mtbf": f"node MTBF {mtbf:g} h / {r.nodes} nodes"
             + ("" if hardware.node_mtbf_hours else " (recovery.node_mtbf_hours)"),
             "bandwidth": bandwidth,
             "interval": "Daly's (checkpoint_every = auto)"
             if every == "auto"
             else f"checkpoint_every = {every} steps",
-            "layout": f"replicate {replicate} × shard {shard} × tensor {tensor}"
+            "layout": _pipeline_note(spec)
+            + f"replicate {replicate} × shard {shard} × tensor {tensor}"
             + _recompute_note(spec.parallel.activation_checkpointing),
         },
     )
+
+
+def pipelining(spec: RunSpec) -> Pipelining:
+    """The spec's pipeline, with the micro-batches the ranks will split each batch into."""
+    parallel = spec.parallel
+    if parallel.pipeline == 1:
+        return Pipelining()
+    replicate, shard, _ = parallel.degrees(spec.resources.world_size)
+    local = spec.train.batch_size // (replicate * shard)
+    return Pipelining(
+        parallel.pipeline, parallel.virtual_stages, parallel.microbatches_for(local),
+        parallel.schedule,
+    )  # fmt: skip
+
+
+def _pipeline_note(spec: RunSpec) -> str:
+    parallel = spec.parallel
+    if parallel.pipeline == 1:
+        return ""
+    return f"pipeline {parallel.pipeline} ({parallel.schedule}) × "
 
 
 def _recompute_note(mode: str) -> str:
@@ -169,6 +193,7 @@ def _table(spec: RunSpec, plan: Plan, given: Inputs) -> Table:
             f"{p.per_param} B/param = weights + grads + master + moments = {per}",
         ),
         ("micro-batch per rank", f"{plan.micro_batch} × {spec.model.block_size} tokens", ""),
+        *_pipeline_rows(plan, given),
         ("placement", *_placement(spec)),
     ]
     rows += [(f"  {name} / GPU", _gib(v), "") for name, v in m.parts().items() if v]
@@ -202,6 +227,54 @@ def _table(spec: RunSpec, plan: Plan, given: Inputs) -> Table:
     ]
     for row in rows:
         table.add_row(*row)
+    return table
+
+
+def _micro(count: float) -> str:
+    return f"{count:g} micro-batch" + ("" if count == 1 else "es")
+
+
+def _pipeline_rows(plan: Plan, given: Inputs) -> list[tuple[str, str, str]]:
+    pipe = given.layout.pipeline
+    if pipe.ranks == 1:
+        return []
+    v = f" × {pipe.stages_per_rank} stages a rank" if pipe.stages_per_rank > 1 else ""
+    return [
+        (
+            "pipeline",
+            f"{pipe.ranks} ranks{v}, {_micro(pipe.microbatches)}",
+            f"{pipe.schedule}; activations of {_micro(pipe.in_flight())} held at once",
+        ),
+        ("  bubble", f"{plan.bubble:.1%}", "(P − 1)/(v·M + P − 1); zero-bubble: a third of it"),
+        (
+            "  point-to-point / step",
+            _bytes(plan.pipeline_bytes_per_step),
+            "activations forward, their gradients back, 16-bit, a rank",
+        ),
+    ]
+
+
+def proposed(given: Inputs) -> list[Candidate]:
+    layout = given.layout
+    return layout_proposals(given.shape, layout.world, layout.gpus_per_node,
+                            replace(given.budget, grad_accum_steps=1), given.precision,
+                            given.hardware)  # fmt: skip
+
+
+def _proposals_table(proposals: list[Candidate], given: Inputs) -> Table:
+    world = given.layout.world
+    table = Table(
+        title=f"layouts of {world:,} GPUs that fit, by estimated MFU (infra/capacity_layouts.py)"
+    )
+    for column in ("layout", "memory / GPU", "bubble", "TP / step", "DP exposed", "step", "MFU"):
+        table.add_column(column, overflow="fold")
+    for c in proposals:
+        table.add_row(
+            c.describe(), _gib(c.memory_bytes), f"{c.bubble:.1%}", _duration(c.tensor_s),
+            _duration(c.data_exposed_s), _duration(c.step_s), f"{c.mfu:.1%}",
+        )  # fmt: skip
+    if not proposals:
+        table.add_row("nothing fits: more GPUs, or a smaller model or batch", *[""] * 6)
     return table
 
 
@@ -295,6 +368,14 @@ def plan(
         PrecisionName, typer.Option(help="bf16-mixed: bf16 weights, fp32 master and moments")
     ] = PrecisionName["bf16-mixed"],  # type: ignore[assignment]
     as_json_: Annotated[bool, typer.Option("--json", help="the numbers as JSON")] = False,
+    propose: Annotated[
+        bool,
+        typer.Option(
+            "--propose",
+            help="also rank the layouts of the spec's GPUs that fit (tensor × pipeline × data "
+            "parallel, recomputation, schedule) by their estimated MFU",
+        ),
+    ] = False,
 ) -> None:
     """What a run needs: parameters, memory per GPU (fits or not), time, cost, failures,
     checkpoint interval and goodput, for the spec's layout on the assumed hardware."""
@@ -320,9 +401,15 @@ def plan(
     result = make_plan(
         given.shape, given.layout, given.budget, given.precision, hardware, given.node_mtbf_hours
     )
+    proposals = proposed(given) if propose else []
     if as_json_:
-        typer.echo(json.dumps(as_json(result, given), indent=2))
+        numbers = as_json(result, given)
+        if propose:
+            numbers["proposals"] = [_finite(asdict(c)) for c in proposals]
+        typer.echo(json.dumps(numbers, indent=2))
         return
     console.print(_table(spec, result, given))
+    if propose:
+        console.print(_proposals_table(proposals, given))
     for line in verdicts(result, given):
         console.print(line)

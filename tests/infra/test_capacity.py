@@ -14,14 +14,17 @@ from typer.testing import CliRunner
 
 from infra.capacity import (
     PRECISIONS,
+    Pipelining,
     Shape,
     flops_per_token,
     memory_per_gpu,
     model_state_bytes,
     non_embedding_params,
     param_count,
+    stage_params,
 )
 from infra.capacity_hardware import Hardware, PlanError, hardware_from_dict, load_hardware
+from infra.capacity_layouts import propose
 from infra.capacity_plan import (
     GIB,
     Budget,
@@ -34,6 +37,7 @@ from infra.capacity_plan import (
     young_interval_s,
 )
 from workflows.contracts.cluster_models import ClusterConfig
+from workflows.contracts.spec import ParallelSpec
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 MIXED = PRECISIONS["bf16-mixed"]
@@ -227,6 +231,11 @@ def test_the_plan_command(tmp_path: Path) -> None:
     assert numbers["cost_per_hour"] == 8192
     assert numbers["gang_mtbf_s"] / 3600 == pytest.approx(4380 / 512)
 
+    proposed = runner.invoke(app, ["plan", str(tmp_path / "big.toml"), "--json", "--propose"])
+    assert proposed.exit_code == 0, proposed.output
+    best = json.loads(proposed.output)["proposals"][0]
+    assert best["layout"]["pipeline"]["ranks"] > 1 and best["mfu"] > 0.25
+
     table = runner.invoke(app, ["plan", str(tmp_path / "big.toml")])
     assert "does NOT fit" in table.output and "would fit" in table.output
     assert "waits 15 min for one, then the fewest blocks" in table.output
@@ -235,3 +244,54 @@ def test_the_plan_command(tmp_path: Path) -> None:
     own = runner.invoke(app, ["plan", str(EXAMPLES / "byo" / "gru.toml")])
     assert isinstance(own.exception, CliError), own.output  # the CLI prints it as one line
     assert "runs your own code (train.entrypoint = 'train.py')" in str(own.exception)
+
+
+def test_a_pipeline_divides_the_state_and_idles_for_its_bubble() -> None:
+    one = memory_per_gpu(BIG, MIXED, shard=64, tensor=1, micro_batch=1, flash=True)
+    staged = Pipelining(ranks=8, stages_per_rank=1, microbatches=32, schedule="1F1B")
+    eight = memory_per_gpu(BIG, MIXED, 64, 1, 1, True, pipeline=staged)
+    # An eighth of the blocks, and the embeddings whole on the first stage.
+    assert eight.moments == pytest.approx(stage_params(BIG, 8) * 8 / 64)
+    assert one.moments / 8 < eight.moments < one.moments / 7
+    # 1F1B holds P micro-batches of activations, each for 1/P of the layers: one model's worth.
+    assert eight.activations == pytest.approx(one.activations)
+    assert staged.bubble() == pytest.approx(7 / 39)
+    interleaved = replace(staged, stages_per_rank=2, schedule="interleaved-1F1B")
+    assert interleaved.bubble() == pytest.approx(7 / 71)
+    assert interleaved.in_flight() == pytest.approx(8 * (1 + 7 / 16))
+    assert replace(interleaved, schedule="zero-bubble").bubble() == pytest.approx(7 / 71 / 3)
+
+    layout = Layout(512, 8, 1, 64, 8, "none", staged)
+    plan = make_plan(BIG, layout, Budget(10, 2048), MIXED, Hardware(), 4380)
+    flat = make_plan(BIG, replace(layout, pipeline=Pipelining()), Budget(10, 2048), MIXED,
+                     Hardware(), 4380)  # fmt: skip
+    assert plan.bubble == pytest.approx(7 / 39)
+    assert plan.step_s == pytest.approx(flat.step_s / (1 - 7 / 39))
+    # Each of 32 micro-batches of one 4,096-token sequence: 8,192 channels / 8, 16-bit, there
+    # and back.
+    assert plan.pipeline_bytes_per_step == 2 * 2 * 4096 * 8192 * 2 / 8 * 32
+
+
+def test_the_spec_and_the_planner_agree_on_the_bubble() -> None:
+    for schedule, per_rank in (("1F1B", 1), ("interleaved-1F1B", 2), ("zero-bubble", 4)):
+        parallel = ParallelSpec(pipeline=4, schedule=schedule, stages_per_rank=per_rank)
+        for m in (1, 4, 16):
+            ours = Pipelining(4, per_rank, m, schedule).bubble()
+            assert parallel.bubble(m) == pytest.approx(ours)
+
+
+def test_the_seed_job_is_proposed_a_layout_of_three_dimensions() -> None:
+    """70 B parameters of 4,096-token sequences on 4,096 H100s: no layout of data parallelism
+    alone fits; the best the estimate finds splits the model both ways."""
+    proposals = propose(BIG, 4096, 8, Budget(10, 1024), MIXED, Hardware())
+    assert proposals, "nothing fits"
+    usable = 80 * GIB * Hardware().usable_memory_fraction
+    assert all(c.memory_bytes <= usable for c in proposals)
+    best = proposals[0]
+    assert best.layout.pipeline.ranks > 1 and best.layout.tensor > 1
+    assert [c.mfu for c in proposals] == sorted((c.mfu for c in proposals), reverse=True)
+    assert 0.25 < best.mfu < Hardware().mfu
+    # Each of its costs is a share of the step the estimate names.
+    assert best.step_s == pytest.approx(
+        best.compute_s / (1 - best.bubble) + best.tensor_s + best.data_exposed_s
+    )

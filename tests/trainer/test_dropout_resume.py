@@ -21,10 +21,13 @@ TRAIN = TrainSpec(
     checkpoint_every=10, keep_checkpoints=10, seed=11,
 )  # fmt: skip
 DDP = {"replicate": 2, "shard": 1, "tensor": 1}
+PP = {"replicate": 1, "shard": 1, "tensor": 1, "pipeline": 2, "schedule": "1F1B",
+      "stages_per_rank": 1, "microbatches": 4}  # fmt: skip
 
 
 def _name(layout: dict | None) -> str:
-    return f"dropout-{(layout or {}).get('tensor', 1)}-{(layout or {}).get('shard', 1)}"
+    degrees = [(layout or {}).get(k, 1) for k in ("tensor", "shard", "pipeline")]
+    return "dropout-" + "-".join(map(str, degrees))
 
 
 def clean_run(trainer: Trainer, layout: dict | None) -> CommittedCheckpoint:
@@ -51,8 +54,13 @@ def assert_same_run(
 # resume without dropout stays in it (test_distributed_training.py, test_layouts.py).
 @pytest.mark.parametrize(
     "layout",
-    [None, pytest.param(FSDP, marks=pytest.mark.slow), pytest.param(TP, marks=pytest.mark.slow)],
-    ids=["ddp", "fsdp", "tp"],
+    [
+        None,
+        pytest.param(FSDP, marks=pytest.mark.slow),
+        pytest.param(TP, marks=pytest.mark.slow),
+        pytest.param(PP, marks=pytest.mark.slow),
+    ],
+    ids=["ddp", "fsdp", "tp", "pp"],
 )
 def test_a_run_with_dropout_resumes_bitwise(trainer: Trainer, layout: dict | None) -> None:
     clean = clean_run(trainer, layout)
@@ -76,8 +84,9 @@ def test_a_run_with_dropout_resumes_bitwise(trainer: Trainer, layout: dict | Non
         pytest.param(TP, "full", marks=pytest.mark.slow),
         pytest.param(TP, "selective", marks=pytest.mark.slow),
         pytest.param(FSDP, "full", marks=pytest.mark.slow),
+        pytest.param(PP, "selective", marks=pytest.mark.slow),
     ],
-    ids=["ddp-selective", "ddp-full", "tp-full", "tp-selective", "fsdp-full"],
+    ids=["ddp-selective", "ddp-full", "tp-full", "tp-selective", "fsdp-full", "pp-selective"],
 )
 def test_recomputed_activations_train_and_resume_bitwise(
     trainer: Trainer, layout: dict, mode: str

@@ -208,17 +208,31 @@ def test_a_script_s_blocks_recomputed_train_bitwise(
     assert all(torch.equal(ours[k], theirs[k]) for k in theirs)
 
 
-def test_recomputation_asked_of_a_script_that_names_no_blocks_is_refused(
-    trainer: Trainer,
+@pytest.mark.parametrize(
+    ("name", "layout", "said"),
+    [
+        (
+            "recompute",
+            {"replicate": 2, "shard": 1, "tensor": 1, "activation_checkpointing": "full"},
+            r'the spec asks for parallel\.activation_checkpointing = "full", but the script '
+            r"named no blocks to recompute: call run\.recompute_activations\(model\.blocks\)",
+        ),
+        (
+            "pipeline",
+            {"replicate": 1, "shard": 1, "tensor": 1, "pipeline": 2, "schedule": "1F1B",
+             "stages_per_rank": 1, "microbatches": 2},
+            r"the spec splits the model into a pipeline of 2 stages \(parallel\.pipeline\), "
+            r"but the script declared none: build a module for each of run\.stages and hand "
+            r"them to run\.pipeline\(\)",
+        ),
+    ],
+    ids=["recompute-without-blocks", "pipeline-without-stages"],
+)  # fmt: skip
+def test_what_the_spec_asks_of_a_script_that_does_not_declare_it_is_refused(
+    trainer: Trainer, name: str, layout: dict, said: str
 ) -> None:
-    layout = {"replicate": 2, "shard": 1, "tensor": 1, "activation_checkpointing": "full"}
-    job = user_job(trainer, "gru-recompute", GRU, user_train(GRU), layout=layout)
-    said = (
-        r"before its first step: SDKUsageError: the spec asks for "
-        r'parallel\.activation_checkpointing = "full", but the script named no blocks to '
-        r"recompute: call run\.recompute_activations\(model\.blocks\)"
-    )
-    with pytest.raises(UserCodeFailed, match=said):
+    job = user_job(trainer, f"gru-{name}", GRU, user_train(GRU), layout=layout)
+    with pytest.raises(UserCodeFailed, match=f"before its first step: SDKUsageError: {said}"):
         trainer.run(job, ranks=2)
 
 

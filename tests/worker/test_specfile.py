@@ -55,7 +55,59 @@ def test_sources_resolve_against_the_spec_folder(tmp_path: Path) -> None:
             {"resources": {"nodes": 3}, "parallel": {"tensor": 3}},
             "model.n_head (4) must be a multiple of parallel.tensor (3)",
         ),
-        ({"parallel": {"pipeline": 2}}, "parallel.pipeline: unknown key"),
+        ({"parallel": {"stages": 2}}, "parallel.stages: unknown key"),
+        (
+            {"resources": {"nodes": 3}, "parallel": {"pipeline": 3}},
+            "model.n_layer (4) must be a multiple of the pipeline's stages, parallel.pipeline (3) "
+            "× stages_per_rank (1) = 3",
+        ),
+        (
+            {
+                "resources": {"nodes": 2},
+                "parallel": {"pipeline": 2, "schedule": "zero-bubble"},
+                "model": {"n_layer": 6},
+            },
+            "model.n_layer (6) must be a multiple of the pipeline's stages, parallel.pipeline (2) "
+            "× stages_per_rank (2) = 4",
+        ),
+        (
+            {"resources": {"nodes": 4}, "parallel": {"pipeline": 4}, "train": {"batch_size": 2}},
+            "parallel.microbatches (2) is fewer than the pipeline's stages (4): 1F1B needs",
+        ),
+        (
+            {"resources": {"nodes": 2}, "parallel": {"pipeline": 2, "microbatches": 3}},
+            "parallel.microbatches (3) must divide each data-parallel rank's batch",
+        ),
+        (
+            {"resources": {"nodes": 2}, "parallel": {"pipeline": 2, "stages_per_rank": 2}},
+            "parallel.stages_per_rank (2) needs an interleaved schedule",
+        ),
+        (
+            {
+                "resources": {"nodes": 2},
+                "parallel": {"pipeline": 2},
+                "train": {"grad_accum_steps": 2},
+            },
+            "train.grad_accum_steps (2) under a pipeline: its micro-batches are the accumulation",
+        ),
+        (
+            {
+                "resources": {"nodes": 4},
+                "parallel": {"pipeline": 2},
+                "recovery": {"shadow_every": 5},
+            },
+            "recovery.shadow_every (5) recomputes a whole micro-batch on one rank",
+        ),
+        ({"parallel": {"microbatches": 4}}, "and parallel.pipeline is 1"),
+        (
+            {"resources": {"nodes": 4, "min_nodes": 2}, "parallel": {"pipeline": 2}},
+            "a pipeline's stages cannot shrink",
+        ),
+        (
+            {"resources": {"nodes": 2}, "model": {"n_layer": 3}, "parallel": {"pipeline": 3}},
+            "parallel.pipeline (3) × parallel.replicate (1) × parallel.shard (1) × "
+            "parallel.tensor (1) = 3, but the gang has",
+        ),
         (
             {"parallel": {"activation_checkpointing": "some"}},
             "parallel.activation_checkpointing: Input should be 'none', 'full' or 'selective'",

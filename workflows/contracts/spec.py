@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections.abc import Iterator
 from typing import Annotated, Literal
 
 from pydantic import (
@@ -429,14 +430,51 @@ class ResourcesSpec(_Strict):
         return self
 
 
-class ParallelSpec(_Strict):
-    """How the gang's ranks split the work; replicate × shard × tensor = the world size."""
+PIPELINE_SCHEDULES = ("1F1B", "interleaved-1F1B", "zero-bubble")
 
+
+class ParallelSpec(_Strict):
+    """How the gang's ranks split the work; pipeline × replicate × shard × tensor = the world."""
+
+    pipeline: int = Field(
+        1,
+        ge=1,
+        le=1024,
+        description="pipeline stages: the model's layers split in order, each stage's ranks "
+        "passing activations forward and gradients back every micro-batch",
+    )
     replicate: int | None = Field(
         None, ge=1, le=1 << 20, description="data-parallel replicas (DDP); None: what is left"
     )
     shard: int = Field(1, ge=1, le=1 << 20, description="fully sharded ranks (FSDP2, ZeRO-3)")
     tensor: int = Field(1, ge=1, le=1024, description="tensor-parallel ranks inside a block")
+    schedule: Literal["1F1B", "interleaved-1F1B", "zero-bubble"] = Field(
+        "1F1B",
+        description="how a pipeline orders its micro-batches: 1F1B (one stage a rank); "
+        "interleaved-1F1B (stages_per_rank stages a rank, a smaller bubble for more "
+        "point-to-point traffic); zero-bubble (interleaved, each backward split into its "
+        "input and weight halves to fill the bubble)",
+    )
+    stages_per_rank: int | None = Field(
+        None,
+        ge=1,
+        le=64,
+        description="stages each pipeline rank holds (virtual stages); None: 1 for 1F1B, 2 for "
+        "the interleaved schedules",
+    )
+    microbatches: int | None = Field(
+        None,
+        ge=1,
+        le=1 << 16,
+        description="micro-batches a pipeline step splits each data-parallel rank's batch "
+        "into; None: the fewest that keep the bubble at most max_bubble",
+    )
+    max_bubble: float = Field(
+        0.25,
+        gt=0,
+        lt=1,
+        description="microbatches = None: the largest share of a step the pipeline may idle",
+    )
     activation_checkpointing: Literal["none", "full", "selective"] = Field(
         "none",
         description='recompute activations in backward to hold less of them: "full" keeps '
@@ -447,17 +485,54 @@ class ParallelSpec(_Strict):
     )
 
     def degrees(self, world: int) -> tuple[int, int, int]:
-        """(replicate, shard, tensor) for a gang of `world` ranks; ValueError if they do not fit."""
-        inner = self.shard * self.tensor
+        """(replicate, shard, tensor) for a gang of `world` ranks, `pipeline` stages of them;
+        ValueError if they do not fit."""
+        inner = self.pipeline * self.shard * self.tensor
         replicate = self.replicate if self.replicate is not None else max(1, world // inner)
         if replicate * inner != world:
+            staged = f"parallel.pipeline ({self.pipeline}) × " if self.pipeline > 1 else ""
             raise ValueError(
-                f"parallel.replicate ({replicate}) × parallel.shard ({self.shard}) × "
+                f"{staged}parallel.replicate ({replicate}) × parallel.shard ({self.shard}) × "
                 f"parallel.tensor ({self.tensor}) = {replicate * inner}, but the gang has "
                 f"resources.nodes × resources.gpus_per_node = {world} ranks: make the product "
                 "equal the world size"
             )
         return replicate, self.shard, self.tensor
+
+    @property
+    def virtual_stages(self) -> int:
+        """Stages a pipeline rank holds."""
+        if self.stages_per_rank is not None:
+            return self.stages_per_rank
+        return 1 if self.schedule == "1F1B" else 2
+
+    @property
+    def stages(self) -> int:
+        """The pipeline's stages in all: its ranks × the stages each holds."""
+        return self.pipeline * self.virtual_stages if self.pipeline > 1 else 1
+
+    def bubble(self, microbatches: int) -> float:
+        """The share of a step a pipeline idles (Narayanan et al. 2021): (P − 1)/(v·M + P − 1)
+        for P ranks of v stages each over M micro-batches; zero-bubble fills most of it with
+        the weights' half of the backward, a third of the work, so a third of it is left."""
+        p, v = self.pipeline, self.virtual_stages
+        if p == 1:
+            return 0.0
+        idle = (p - 1) / (v * microbatches + p - 1)
+        return idle / 3 if self.schedule == "zero-bubble" else idle
+
+    def microbatches_for(self, local_batch: int) -> int:
+        """The spec's microbatches, else the fewest that divide this rank's batch (at least the
+        pipeline's ranks for 1F1B) and keep the bubble at most max_bubble (else the most there
+        can be: one sequence each)."""
+        if self.microbatches is not None or self.pipeline == 1:
+            return self.microbatches or 1
+        least = self.pipeline if self.schedule == "1F1B" else 1  # 1F1B: one in flight a stage
+        fitting = [m for m in range(least, local_batch + 1) if local_batch % m == 0]
+        for m in fitting:
+            if self.bubble(m) <= self.max_bubble:
+                return m
+        return fitting[-1] if fitting else local_batch
 
 
 class RecoverySpec(_Strict):
@@ -634,6 +709,22 @@ class RunSpec(_Strict):
         train = self.train.model_copy(update={"grad_accum_steps": self._accumulation_on(nodes)})
         return self.model_copy(update={"resources": resources, "train": train})
 
+    def job_layout(self) -> dict[str, int | str]:
+        """The layout the ranks build (`TrainJob.layout`): the degrees for this gang, the
+        pipeline's schedule and micro-batches, activation recomputation."""
+        parallel = self.parallel
+        replicate, shard, tensor = parallel.degrees(self.resources.world_size)
+        layout: dict[str, int | str] = {"replicate": replicate, "shard": shard, "tensor": tensor}
+        if parallel.pipeline > 1:
+            local = self.train.batch_size // (replicate * shard)
+            layout |= {
+                "pipeline": parallel.pipeline,
+                "schedule": parallel.schedule,
+                "stages_per_rank": parallel.virtual_stages,
+                "microbatches": parallel.microbatches_for(local),
+            }
+        return layout | {"activation_checkpointing": parallel.activation_checkpointing}
+
     def _accumulation_on(self, nodes: int) -> int:
         batch = self.train.batch_size
         full_replicate, full_shard, _ = self.parallel.degrees(self.resources.world_size)
@@ -677,6 +768,83 @@ class RunSpec(_Strict):
         return self
 
     @model_validator(mode="after")
+    def _pipeline_can_run(self) -> RunSpec:
+        parallel = self.parallel
+        if parallel.pipeline == 1:
+            if parallel.stages_per_rank not in (None, 1) or parallel.microbatches is not None:
+                raise ValueError(
+                    "parallel.stages_per_rank and parallel.microbatches split a pipeline, and "
+                    "parallel.pipeline is 1: set pipeline = 2 or more, or leave them out"
+                )
+            return self
+        for why in self._pipeline_refusals():
+            raise ValueError(why)
+        return self
+
+    def _pipeline_refusals(self) -> Iterator[str]:
+        """Each reason a pipelined spec cannot run, with its fix."""
+        parallel, train = self.parallel, self.train
+        p, v, stages = parallel.pipeline, parallel.virtual_stages, parallel.stages
+        if parallel.schedule == "1F1B" and v != 1:
+            yield (
+                f"parallel.stages_per_rank ({v}) needs an interleaved schedule: 1F1B holds one "
+                'stage a rank; set schedule = "interleaved-1F1B" or "zero-bubble"'
+            )
+        if parallel.schedule != "1F1B" and v < 2:
+            yield (
+                f'parallel.schedule = "{parallel.schedule}" interleaves stages_per_rank ≥ 2 '
+                'stages a rank: raise stages_per_rank, or use schedule = "1F1B"'
+            )
+        if not train.user_code and self.model.n_layer % stages:
+            yield (
+                f"model.n_layer ({self.model.n_layer}) must be a multiple of the pipeline's "
+                f"stages, parallel.pipeline ({p}) × stages_per_rank ({v}) = {stages}: every "
+                "stage holds as many blocks"
+            )
+        if train.grad_accum_steps != 1:
+            yield (
+                f"train.grad_accum_steps ({train.grad_accum_steps}) under a pipeline: its "
+                "micro-batches are the accumulation; set grad_accum_steps = 1 and "
+                "parallel.microbatches instead"
+            )
+        if train.checkpoints == "folder":
+            yield (
+                "parallel.pipeline splits the model through the SDK (run.pipeline()), which a "
+                'script that keeps its own checkpoints (train.checkpoints = "folder") does not '
+                "call: set pipeline = 1, or train through the SDK"
+            )
+        if self.recovery.shadow_every:
+            yield (
+                f"recovery.shadow_every ({self.recovery.shadow_every}) recomputes a whole "
+                "micro-batch on one rank, and a pipeline stage holds only its own layers: set "
+                "shadow_every = 0 under a pipeline (the non-finite and spike checks still "
+                "watch every stage)"
+            )
+        if self.resources.min_nodes is not None and self.resources.min_nodes < self.resources.nodes:
+            yield (
+                "resources.min_nodes: an elastic gang shrinks its data-parallel ranks, and a "
+                "pipeline's stages cannot shrink: leave min_nodes out under a pipeline"
+            )
+        try:
+            replicate, shard, _ = parallel.degrees(self.resources.world_size)
+        except ValueError:
+            return  # _layout_fits_the_gang names it
+        local = train.batch_size // (replicate * shard)
+        microbatches = parallel.microbatches_for(local)
+        if local % microbatches:
+            yield (
+                f"parallel.microbatches ({microbatches}) must divide each data-parallel rank's "
+                f"batch, train.batch_size ({train.batch_size}) / data-parallel ranks "
+                f"({replicate * shard}) = {local}: every micro-batch the same size"
+            )
+        if parallel.schedule == "1F1B" and microbatches < p:
+            yield (
+                f"parallel.microbatches ({microbatches}) is fewer than the pipeline's stages "
+                f"({p}): 1F1B needs one micro-batch in flight a stage; give each data-parallel "
+                f"rank a batch of {p} sequences or more, or use an interleaved schedule"
+            )
+
+    @model_validator(mode="after")
     def _layout_fits_the_gang(self) -> RunSpec:
         world = self.resources.world_size
         replicate, shard, tensor = self.parallel.degrees(world)
@@ -694,6 +862,11 @@ class RunSpec(_Strict):
                 f"data-parallel ranks ({replicate * shard}) × train.grad_accum_steps "
                 f"({self.train.grad_accum_steps}) = {split}; the data-parallel ranks are "
                 f"resources.nodes × resources.gpus_per_node ({world}) / parallel.tensor ({tensor})"
+                + (
+                    f" / parallel.pipeline ({self.parallel.pipeline})"
+                    if self.parallel.pipeline > 1
+                    else ""
+                )
             )
         return self
 

@@ -1,0 +1,199 @@
+"""Pipeline parallelism: which stages of a model a rank holds, the schedule that runs them, and
+what a pipeline needs beside it.
+
+A model of S stages (its layers split in order) runs on P pipeline ranks, each holding
+S / P of them (`torch.distributed.pipelining`). Stages are placed in a loop: rank r holds
+stages r, r + P, r + 2P, ..., so the first stage (the embeddings) is always on rank 0 and the
+last (the head and the loss) on rank P − 1. A step splits each data-parallel rank's batch into
+M micro-batches: rank 0 feeds them in, the last rank computes their losses, activations go
+forward and their gradients back between neighbouring ranks, and the schedule decides the
+order:
+
+- `1F1B` (Narayanan et al. 2021): one stage a rank; after P − 1 forwards to fill the
+  pipeline, each rank alternates one forward and one backward, so at most P micro-batches'
+  activations are held at once. It needs M ≥ P. Idle share of a step: (P − 1)/(M + P − 1).
+- `interleaved-1F1B`: v stages a rank; the idle share falls to (P − 1)/(v·M + P − 1), for v
+  times the point-to-point traffic.
+- `zero-bubble` (Qi et al. 2023): interleaved, each backward split into its input half (which
+  the previous stage waits for) and its weight half (which can wait), which fills the idle
+  slots.
+
+What a pipeline adds to a step: the weights that the first and last stages share (a tied
+embedding) get their gradients summed across the two ranks (`TiedGradients`), and the mean
+loss, known only to the last rank, is sent to every rank of the pipeline, so each reports the
+step's loss as a data-parallel rank does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
+)
+
+from infra.capacity import Pipelining
+
+_SCHEDULES = {
+    "1F1B": Schedule1F1B,
+    "interleaved-1F1B": ScheduleInterleaved1F1B,
+    "zero-bubble": ScheduleInterleavedZeroBubble,
+}
+
+
+class PipelineSplitError(ValueError):
+    """A model that cannot be split as the spec's pipeline asks; the message says why."""
+
+
+@dataclass(frozen=True)
+class PipelineSettings:
+    """The spec's pipeline as the job file carries it (`TrainJob.layout`)."""
+
+    ranks: int = 1  # parallel.pipeline
+    schedule: str = "1F1B"
+    stages_per_rank: int = 1
+    microbatches: int = 1
+
+    @classmethod
+    def from_layout(cls, layout: dict) -> PipelineSettings:
+        keys = {"pipeline": "ranks", "schedule": "schedule",
+                "stages_per_rank": "stages_per_rank", "microbatches": "microbatches"}  # fmt: skip
+        return cls(**{ours: layout[theirs] for theirs, ours in keys.items() if theirs in layout})
+
+    @property
+    def on(self) -> bool:
+        return self.ranks > 1
+
+    @property
+    def stages(self) -> int:
+        return self.ranks * self.stages_per_rank
+
+    def stages_of(self, pipeline_rank: int) -> list[int]:
+        """The stages a pipeline rank holds, in the loop placement every schedule here uses."""
+        return [pipeline_rank + k * self.ranks for k in range(self.stages_per_rank)]
+
+    def layers_of(self, stage: int, layers: int) -> range:
+        """The layers of `stage` when `layers` split evenly over the stages, in order."""
+        if layers % self.stages:
+            raise PipelineSplitError(
+                f"{layers} layers do not split evenly over {self.stages} stages "
+                f"(parallel.pipeline {self.ranks} × stages_per_rank {self.stages_per_rank}): "
+                "choose a pipeline whose stages divide the model's layers"
+            )
+        per = layers // self.stages
+        return range(stage * per, (stage + 1) * per)
+
+    def bubble(self) -> float:
+        """The schedule's idle share of a step, in theory (see the module's docstring)."""
+        shape = Pipelining(self.ranks, self.stages_per_rank, self.microbatches, self.schedule)
+        return shape.bubble()
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class Pipeline:
+    """This rank's stages and the schedule that runs them; `step(x, y)` is one optimizer
+    step's forward and backward over every micro-batch. Every rank of the pipeline calls it
+    with its data-parallel rank's batch (the first stage reads x, the last y)."""
+
+    def __init__(
+        self,
+        modules: Sequence[nn.Module],
+        settings: PipelineSettings,
+        mesh: DeviceMesh,
+        device: torch.device,
+        loss_fn: LossFn,
+        tied: Sequence[nn.Parameter] | None = None,
+    ) -> None:
+        """`tied`: None where the first and last stages share no weight (on every rank
+        alike), else this rank's copies of the shared weights (none on a middle rank)."""
+        self.settings = settings
+        self.group = mesh.get_group("pipeline")
+        self.rank = mesh.get_local_rank("pipeline")
+        self.ids = settings.stages_of(self.rank)
+        if len(modules) != len(self.ids):
+            raise PipelineSplitError(
+                f"pipeline rank {self.rank} holds stages {self.ids}: pass one module for each, "
+                f"not {len(modules)}"
+            )
+        stages = [
+            PipelineStage(module, stage, settings.stages, device, group=self.group)
+            for module, stage in zip(modules, self.ids, strict=True)
+        ]
+        schedule = _SCHEDULES[settings.schedule]
+        self._schedule = schedule(
+            stages[0] if len(stages) == 1 else stages,
+            n_microbatches=settings.microbatches,
+            loss_fn=loss_fn,
+        )
+        self.first = 0 in self.ids
+        self.last = settings.stages - 1 in self.ids
+        self._tied = TiedGradients(mesh, tied)
+        self._device = device
+        # The last rank's copies of tied weights: their norm is the first rank's.
+        self.counted_elsewhere = {id(p) for p in tied or ()} if not self.first else set()
+
+    def step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """Forward and backward of every micro-batch of (x, y); the gradients are those of the
+        mean loss over the batch, as one forward and backward of it would give. Returns that
+        mean loss on every rank of the pipeline."""
+        losses: list[torch.Tensor] = []
+        if self.first:
+            self._schedule.step(x)
+        elif self.last:
+            self._schedule.step(target=y, losses=losses)
+        else:
+            self._schedule.step()
+        self._tied.sum()
+        loss = (
+            torch.stack([part.detach() for part in losses]).mean()
+            if self.last
+            else torch.zeros((), device=self._device)
+        )
+        dist.broadcast(loss, group=self.group, group_src=self.settings.ranks - 1)
+        return loss
+
+    def summed(self, value: torch.Tensor) -> torch.Tensor:
+        """`value` summed over the pipeline's ranks (a norm's squares, each of its stages)."""
+        total = value.to(self._device)
+        dist.all_reduce(total, group=self.group)
+        return total.to(value.device)
+
+
+class TiedGradients:
+    """A weight held by both the first and the last stage (a tied embedding and head): each
+    rank's copy gets the gradient of its own use only, so the two are summed across the pair,
+    and both copies take the same optimizer step and stay equal."""
+
+    def __init__(self, mesh: DeviceMesh, params: Sequence[nn.Parameter] | None) -> None:
+        self.params = list(params or ())
+        self.group: dist.ProcessGroup | None = None
+        if params is None:
+            return
+        # One group per (replicate, shard, tensor) coordinate: its first and last pipeline
+        # ranks. Every rank creates every group, in the same order (new_group's rule).
+        grid = mesh.mesh.reshape(mesh.mesh.shape[0], -1)
+        pairs = [[int(grid[0, i]), int(grid[-1, i])] for i in range(grid.shape[1])]
+        self.group, _ = dist.new_subgroups_by_enumeration(pairs)
+
+    def sum(self) -> None:
+        if self.group is None or not self.params:
+            return
+        for param in self.params:
+            grad = param.grad
+            if grad is None:  # this stage took no gradient for it: add nothing
+                grad = param.grad = torch.zeros_like(param)
+            local = grad.to_local() if hasattr(grad, "to_local") else grad
+            dist.all_reduce(local, group=self.group)
