@@ -130,4 +130,5 @@ class Step:
         starts, so that wait is booked as the step's compute, not as the platform's share."""
         if self.loss is not None:
             self.own_loss = float(self.loss)
-        self.forward_s = self._forward.seconds()
+        pipeline = self.run._pipeline  # its stages time their own forwards, waits left out
+        self.forward_s = pipeline.take_forward_s() if pipeline else self._forward.seconds()

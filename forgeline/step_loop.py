@@ -86,9 +86,11 @@ class StepLoop:
         watch = SpikeWatch(SpikeSettings.from_dict(run.job.spikes), run.world)
         checks = run._checks = shadow_checks(run, run._shadow, run._loss_of, run._own_norms)
         self._health = HealthVerdicts(self.findings, self.progress, self.saves, self.clock, checks)
+        # Under a pipeline a rank is compared with the ranks of its own stage.
+        peers = run._pipeline.stage_of_each_rank(run.placement.mesh) if run._pipeline else None
         self._rules = StopRules(run.job.stragglers, self.findings, run.ranks_per_node,
                                 run._term, run._stop_file, watch,
-                                on_suspect=self._health.suspect_at)  # fmt: skip
+                                on_suspect=self._health.suspect_at, peers=peers)  # fmt: skip
         self._policy = CheckpointPolicy.from_train_config(run.job.train, run.job.mtbf_s)
         run._window = (time.perf_counter(), 0)
         run._sdk_s = 0.0

@@ -43,8 +43,9 @@ class StopRules:
         stop_file: Path | None,
         spikes: SpikeWatch,
         on_suspect: Callable[[int], None] | None = None,
+        peers: list[int] | None = None,
     ) -> None:
-        self.watch = StragglerWatch(**stragglers.get("watch", _DEFAULT_WATCH))
+        self.watch = StragglerWatch(**stragglers.get("watch", _DEFAULT_WATCH), peers=peers)
         self.action = stragglers.get("policy", "report")  # off | report | swap
         self._findings = findings
         self._ranks_per_node = ranks_per_node

@@ -376,8 +376,10 @@ class Run:
         """Wrap an evaluation inside the loop: its time is booked as evaluation in the goodput
         ledger, not as training throughput."""
         started = time.perf_counter()
+        untimed = self._pipeline.untimed() if self._pipeline else contextlib.nullcontext()
         try:
-            yield
+            with untimed:  # its forwards are not the step's
+                yield
         finally:
             spent = time.perf_counter() - started
             if self._clock is not None:

@@ -25,7 +25,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from trainer.model import GPT, GPTConfig
-from trainer.parallel import Layout, Placement, built_on_meta, fill, replicated, shard_in_place
+from trainer.parallel import Layout, Placement, built_on_meta, fill, shard_in_place
 from trainer.pipeline import Pipeline, PipelineSettings
 
 
@@ -82,7 +82,8 @@ class StagedGPT:
     """This rank's part of a pipelined GPT."""
 
     module: GPTStage  # every parameter of the rank's stages: what is checkpointed and optimized
-    parts: list[nn.Module]  # one module a stage (a GPTStage, or its DDP), for the schedule
+    parts: list[GPTStage]  # one module a stage, for the schedule (replicas average their
+    # gradients after it: trainer.pipeline.ReplicaGradients)
 
     @property
     def tied(self) -> list[nn.Parameter]:
@@ -119,7 +120,7 @@ def build_stages(
     staged = split(model, settings, placement.mesh.get_local_rank("pipeline"))
     shard_in_place(staged.module, layout, placement.mesh, roots=list(staged.parts))
     fill(staged.module, inits, device, parts=list(staged.parts))
-    return _replicated(staged, layout, placement)
+    return staged
 
 
 def stage_model(
@@ -128,14 +129,7 @@ def stage_model(
     """This rank's stages of a GPT built whole (fine-tuning: its weights loaded already)."""
     staged = split(model, settings, placement.mesh.get_local_rank("pipeline"))
     shard_in_place(staged.module, layout, placement.mesh, roots=list(staged.parts))
-    return _replicated(staged, layout, placement)
-
-
-def _replicated(staged: StagedGPT, layout: Layout, placement: Placement) -> StagedGPT:
-    """Each stage its own DDP where the layout replicates without sharding: the schedule
-    reduces a stage's gradients once, after its last micro-batch."""
-    parts = [replicated(part, layout, placement.mesh) for part in staged.parts]
-    return StagedGPT(staged.module, parts)
+    return staged
 
 
 class StagesInOrder(nn.Module):
@@ -149,7 +143,7 @@ class StagesInOrder(nn.Module):
         super().__init__()
         self.module = staged.module  # a child: eval() and train() reach its dropout
         self._pipeline = pipeline
-        self._stages = dict(zip(pipeline.ids, _unwrapped(staged.parts), strict=True))
+        self._stages = dict(zip(pipeline.ids, staged.parts, strict=True))
 
     def forward(self, x: torch.Tensor, y: torch.Tensor) -> tuple[None, torch.Tensor]:
         pipeline, width = self._pipeline, self.module.config.n_embd
@@ -169,8 +163,3 @@ class StagesInOrder(nn.Module):
         loss = stage_loss(hidden, y) if pipeline.last else torch.zeros((), device=x.device)
         dist.broadcast(loss, group=pipeline.group, group_src=settings.ranks - 1)
         return None, loss
-
-
-def _unwrapped(parts: Sequence[nn.Module]) -> list[nn.Module]:
-    return [getattr(part, "module", part) if not isinstance(part, GPTStage) else part
-            for part in parts]  # fmt: skip

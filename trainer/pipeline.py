@@ -26,7 +26,8 @@ step's loss as a data-parallel rank does.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 
 import torch
@@ -41,6 +42,7 @@ from torch.distributed.pipelining import (
 )
 
 from infra.capacity import Pipelining
+from trainer.stragglers import forward_timer
 
 _SCHEDULES = {
     "1F1B": Schedule1F1B,
@@ -132,6 +134,12 @@ class Pipeline:
             PipelineStage(module, stage, settings.stages, device, group=self.group)
             for module, stage in zip(modules, self.ids, strict=True)
         ]
+        # The stages' own forward time, without the waits for the neighbours: what the
+        # straggler watch compares among the ranks of a stage (trainer.stragglers).
+        self._timer = forward_timer(device)
+        for module in modules:
+            module.register_forward_pre_hook(lambda *_: self._timer.start())
+            module.register_forward_hook(lambda *_: self._timer.stop())
         schedule = _SCHEDULES[settings.schedule]
         self._schedule = schedule(
             stages[0] if len(stages) == 1 else stages,
@@ -141,6 +149,7 @@ class Pipeline:
         self.first = 0 in self.ids
         self.last = settings.stages - 1 in self.ids
         self._tied = TiedGradients(mesh, tied)
+        self._replicas = ReplicaGradients(mesh, modules)
         self._device = device
         # The last rank's copies of tied weights: their norm is the first rank's.
         self.counted_elsewhere = {id(p) for p in tied or ()} if not self.first else set()
@@ -157,6 +166,7 @@ class Pipeline:
         else:
             self._schedule.step()
         self._tied.sum()
+        self._replicas.average()
         loss = (
             torch.stack([part.detach() for part in losses]).mean()
             if self.last
@@ -164,6 +174,28 @@ class Pipeline:
         )
         dist.broadcast(loss, group=self.group, group_src=self.settings.ranks - 1)
         return loss
+
+    def take_forward_s(self) -> float:
+        """The stages' forward time since the last call (a step's), on this rank's clock."""
+        seconds = self._timer.seconds()
+        self._timer = forward_timer(self._device)
+        return seconds
+
+    @contextlib.contextmanager
+    def untimed(self) -> Iterator[None]:
+        """Forwards that are not the step's (an evaluation) leave the step's time as it was."""
+        kept, self._timer = self._timer, forward_timer(self._device)
+        try:
+            yield
+        finally:
+            self._timer = kept
+
+    def stage_of_each_rank(self, mesh: DeviceMesh) -> list[int]:
+        """Every global rank's pipeline rank (the mesh's first coordinate)."""
+        stage_of: dict[int, int] = {}
+        for position, ranks in enumerate(mesh.mesh.reshape(mesh.mesh.shape[0], -1).tolist()):
+            stage_of |= dict.fromkeys(ranks, position)
+        return [stage_of[rank] for rank in range(len(stage_of))]
 
     def summed(self, value: torch.Tensor) -> torch.Tensor:
         """`value` summed over the pipeline's ranks (a norm's squares, each of its stages)."""
@@ -197,3 +229,36 @@ class TiedGradients:
                 grad = param.grad = torch.zeros_like(param)
             local = grad.to_local() if hasattr(grad, "to_local") else grad
             dist.all_reduce(local, group=self.group)
+
+
+class ReplicaGradients:
+    """The replicas of a stage (`replicate` without FSDP, which reduces its own) average their
+    gradients after the schedule's step, in one all-reduce of them all flattened: DDP's
+    reducer cannot follow a schedule that runs backward once a micro-batch (it rebuilds its
+    buckets from the first step's order and finds every parameter twice), and one flat buffer
+    adds up in the same order every step of every attempt (exact resume)."""
+
+    def __init__(self, mesh: DeviceMesh, modules: Sequence[nn.Module]) -> None:
+        self.group = mesh.get_group("replicate") if mesh["replicate"].size() > 1 else None
+        self.size = mesh["replicate"].size()
+        seen: dict[int, nn.Parameter] = {}
+        for module in modules:
+            seen |= {id(p): p for p in module.parameters() if p.requires_grad}
+        self.params = list(seen.values())
+
+    def average(self) -> None:
+        if self.group is None:
+            return
+        # Sharded gradients (DTensors) are FSDP's, reduced over its mesh already.
+        grads = [
+            p.grad for p in self.params if p.grad is not None and not hasattr(p.grad, "to_local")
+        ]
+        if not grads:
+            return
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, group=self.group)
+        flat /= self.size
+        offset = 0
+        for grad in grads:
+            grad.copy_(flat[offset : offset + grad.numel()].view_as(grad))
+            offset += grad.numel()

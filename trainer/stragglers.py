@@ -13,7 +13,13 @@ medians, because one slow step (a page fault, a log flush) is not a slow machine
 matter where steps are short: twenty 25 ms steps are half a second, and a busy host starves a
 healthy rank for that long now and then (a process starting, a checkpoint upload); a window
 of seconds needs a slow-down that lasts most of it. A rank slower by `factor` in `windows`
-consecutive windows is a straggler. Every rank holds the same
+consecutive windows is a straggler.
+
+Under a pipeline the stages differ in their work (the first embeds, the last computes the
+loss), so a rank is compared with the ranks of its own stage only (`peers`: each rank's stage);
+its forward time is its stages' own compute, which `trainer.pipeline` times without the waits
+for its neighbours. A slow stage then shows as the rank its peers outpace: the one the whole
+gang waits for. Every rank holds the same
 gathered times, so every rank reaches the same verdict at the same step without talking.
 """
 
@@ -33,19 +39,31 @@ class Straggler:
     step: int
     ratio: float  # its median forward time over the others', in the last window
     evidence: list[list[float]]  # every rank's median forward time (s), one row per window
+    stage: int | None = None  # under a pipeline: the stage whose ranks it was compared with
 
     def describe(self, ranks_per_node: int) -> str:
+        others = "the rest of the gang" if self.stage is None else (
+            f"the other ranks of pipeline stage {self.stage}"
+        )  # fmt: skip
         return (
             f"rank {self.rank} (node index {self.rank // ranks_per_node}) is {self.ratio:.1f}× "
-            f"slower than the rest of the gang in {len(self.evidence)} windows in a row "
+            f"slower than {others} in {len(self.evidence)} windows in a row "
             f"(median forward time per window, s, rank by rank: "
             f"{[[round(t, 4) for t in row] for row in self.evidence]})"
         )
 
 
 class StragglerWatch:
-    def __init__(self, window: int, factor: float, windows: int, min_window_s: float = 0.0) -> None:
+    def __init__(
+        self,
+        window: int,
+        factor: float,
+        windows: int,
+        min_window_s: float = 0.0,
+        peers: list[int] | None = None,
+    ) -> None:
         self.window = window
+        self.peers = peers  # each rank's pipeline stage: compared within it; None: the gang
         self.min_window_s = min_window_s
         self.factor = factor
         self.windows = windows
@@ -74,7 +92,7 @@ class StragglerWatch:
         if len(self._samples) < self.window or self._span_s < self.min_window_s:
             return None
         medians = [median(column) for column in zip(*self._samples, strict=True)]
-        ratios = [mine / _others(medians, rank) for rank, mine in enumerate(medians)]
+        ratios = [self._ratio(medians, rank) for rank in range(len(medians))]
         # Had the slowest rank kept the others' pace, the window would have been this much
         # shorter: the gang's time lost to it.
         self.lost_s += self._window_s * (1 - 1 / max(max(ratios), 1.0))
@@ -85,15 +103,25 @@ class StragglerWatch:
         for rank, ratio in enumerate(ratios):
             self._streak[rank] = self._streak.get(rank, 0) + 1 if ratio >= self.factor else 0
             if self._streak[rank] >= self.windows and (worst is None or ratio > worst.ratio):
-                worst = Straggler(rank, step, ratio, [list(row) for row in self._history])
+                stage = self.peers[rank] if self.peers is not None else None
+                evidence = [list(row) for row in self._history]
+                worst = Straggler(rank, step, ratio, evidence, stage)
         if worst is not None:
             self._streak.clear()  # reported once per run of slow windows, not every window after
         return worst
 
-
-def _others(medians: list[float], rank: int) -> float:
-    """The median of every other rank's median (never zero: a ratio divides by it)."""
-    return max(median(medians[:rank] + medians[rank + 1 :]), 1e-9)
+    def _ratio(self, medians: list[float], rank: int) -> float:
+        """The rank's median over the median of its peers' (every other rank's, or those of
+        its pipeline stage); 1 where it has none."""
+        peers = self.peers
+        others = [
+            m
+            for r, m in enumerate(medians)
+            if r != rank and (peers is None or peers[r] == peers[rank])
+        ]
+        if not others:
+            return 1.0
+        return medians[rank] / max(median(others), 1e-9)  # never zero: a ratio divides by it
 
 
 class ForwardTimer:

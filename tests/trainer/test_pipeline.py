@@ -101,16 +101,18 @@ def test_two_stages_train_the_curve_of_data_parallelism(
     ("layout", "ranks"),
     [
         pytest.param(pipelined(stages=2, shard=2), 4, marks=pytest.mark.slow),
+        pytest.param(pipelined(stages=2, replicate=2), 4, marks=pytest.mark.slow),
         pytest.param(pipelined(stages=4), 4, marks=pytest.mark.slow),
         pytest.param(pipelined(stages=2, tensor=2), 4, marks=pytest.mark.slow),
         pytest.param(pipelined(stages=2, shard=2, tensor=2), 8, marks=pytest.mark.slow),
     ],
-    ids=["pp2-fsdp2", "pp4", "pp2-tp2", "pp2-fsdp2-tp2"],
+    ids=["pp2-fsdp2", "pp2-ddp2", "pp4", "pp2-tp2", "pp2-fsdp2-tp2"],
 )
 def test_a_pipeline_composes_with_sharding_and_tensor_parallelism(
     trainer: Trainer, data_parallel: CheckpointManifest, layout: dict, ranks: int
 ) -> None:
-    run = f"pp-{ranks}-{layout['pipeline']}-{layout['shard']}-{layout['tensor']}"
+    degrees = [layout[k] for k in ("pipeline", "replicate", "shard", "tensor")]
+    run = "pp-" + "-".join(map(str, degrees))
     trainer.run(job(trainer, run, layout), ranks=ranks)
     ours = finished(trainer, run)
     assert ours.world_size == ranks and ours.layout["pipeline"] == layout["pipeline"]

@@ -16,7 +16,9 @@ from infra.throttle import throttle
 from tests.trainer.conftest import Trainer
 from tests.trainer.test_layouts import TRAIN
 from trainer.attempt_clock import read_ledger
+from trainer.job import TrainJob
 from trainer.manifest import committed_steps
+from trainer.progress_tail import ProgressTail
 from trainer.stragglers import DeviceForwardTimer, ForwardTimer, StragglerWatch, forward_timer
 
 
@@ -61,6 +63,18 @@ def test_a_persistently_slow_rank_is_named_once_with_its_evidence() -> None:
     # Had it kept the others' pace (0.010 s), each window (0.4 s of steps) would have been 3.1×
     # shorter: the rest was waiting for it.
     assert watch.lost_s == pytest.approx(3 * 0.4 * (1 - 1 / 3.1))
+
+
+def test_under_a_pipeline_a_rank_is_compared_with_its_own_stage() -> None:
+    """Stage 1 (ranks 2 and 3) computes the loss and is slower than stage 0 by nature: no
+    straggler. Rank 3 slower than its stage's other rank is one, named with its stage."""
+    watch = StragglerWatch(window=4, factor=1.5, windows=2, peers=[0, 0, 1, 1])
+    assert feed(watch, [[0.010, 0.011, 0.030, 0.031]] * 16) == []
+    verdicts = feed(watch, [[0.010, 0.011, 0.030, 0.070]] * 8, start=17)
+    assert [(v.rank, v.stage, round(v.ratio, 1)) for v in verdicts] == [(3, 1, 2.3)]
+    assert "than the other ranks of pipeline stage 1" in verdicts[0].describe(ranks_per_node=1)
+    alone = StragglerWatch(window=4, factor=1.5, windows=1, peers=[0, 1])
+    assert feed(alone, [[0.010, 0.090]] * 8) == []  # a stage of one rank has no yardstick
 
 
 def test_a_window_of_short_steps_spans_its_seconds() -> None:
@@ -126,6 +140,42 @@ def rank_pid(workdir: Path, rank: int, timeout: float = 60) -> int:
     raise AssertionError(f"no rank {rank} for {workdir}")
 
 
+def with_a_slow_rank(
+    trainer: Trainer, job: TrainJob, ranks: int, slow: int, limit_s: float
+) -> ProgressTail:
+    """Run the job on `ranks` ranks, rank `slow` at a quarter of its speed once the first
+    checkpoint has committed (SIGSTOP/SIGCONT: nothing in the trainer knows)."""
+
+    async def run() -> ProgressTail:
+        task = await trainer.start_until_committed(job, ranks=ranks)
+        pid = rank_pid(Path(job.progress_file).parent, rank=slow)
+        stop = time.monotonic() + limit_s
+        thread = threading.Thread(target=throttle, args=([pid], 4.0, stop), daemon=True)
+        thread.start()
+        try:
+            return await asyncio.wait_for(task, limit_s)
+        finally:
+            thread.join()
+
+    return asyncio.run(run())
+
+
+@pytest.mark.slow
+def test_a_throttled_rank_of_a_pipeline_stage_is_named(trainer: Trainer) -> None:
+    """Two stages of two replicas each (4 ranks); rank 3, of stage 1, at a quarter of its
+    speed: its stage's other rank outpaces it, and it is named against that stage."""
+    long = TRAIN.model_copy(update={"steps": 100_000, "checkpoint_every": 50})
+    watch = {"window": 5, "factor": 2.0, "windows": 2}
+    layout = {"replicate": 2, "shard": 1, "tensor": 1, "pipeline": 2, "schedule": "1F1B",
+              "stages_per_rank": 1, "microbatches": 2}  # fmt: skip
+    job = trainer.job("slow-stage", long, layout=layout,
+                      stragglers={"policy": "swap", "watch": watch})  # fmt: skip
+    tail = with_a_slow_rank(trainer, job, ranks=4, slow=3, limit_s=150)
+    reason = tail.latest["stop_reason"]
+    assert tail.stopped and reason.startswith("straggler: rank 3 (node index 0) is"), reason
+    assert "slower than the other ranks of pipeline stage 1" in reason
+
+
 def test_a_throttled_rank_is_swapped_out_after_a_checkpoint(trainer: Trainer) -> None:
     """Rank 1 runs at a quarter of its speed (SIGSTOP/SIGCONT, nothing in the trainer knows): the
     gang names it, checkpoints, and stops with the evidence as its reason."""
@@ -133,20 +183,7 @@ def test_a_throttled_rank_is_swapped_out_after_a_checkpoint(trainer: Trainer) ->
     # Twice as slow: a busy CPU makes one rank 1.5× slower for a few steps now and then.
     watch = {"window": 5, "factor": 2.0, "windows": 2}
     job = trainer.job("slow", long, stragglers={"policy": "swap", "watch": watch})
-    workdir = Path(job.progress_file).parent
-
-    async def run_with_a_slow_rank():
-        task = await trainer.start_until_committed(job, ranks=2)
-        slow = rank_pid(workdir, rank=1)
-        stop = time.monotonic() + 120
-        thread = threading.Thread(target=throttle, args=([slow], 4.0, stop), daemon=True)
-        thread.start()
-        try:
-            return await asyncio.wait_for(task, 120)
-        finally:
-            thread.join()
-
-    tail = asyncio.run(run_with_a_slow_rank())
+    tail = with_a_slow_rank(trainer, job, ranks=2, slow=1, limit_s=120)
     reason = tail.latest["stop_reason"]
     assert tail.stopped and reason.startswith("straggler: rank 1 (node index 0)"), reason
     events = [json.loads(line) for line in Path(job.progress_file).read_text().splitlines()]
