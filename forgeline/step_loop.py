@@ -185,12 +185,16 @@ class StepLoop:
         call = STORE_SAVE if save_due else PEER_SAVE if peer_due else NO_SAVE
         shared = share_step(asked, call, step_s, grad_norm, step.forward_s, own_loss)
         stop, straggler_s = rules.judge(run.step, shared, step_s - run._stall_s, shared.stop)
+        # A pipeline's ranks idle for its bubble: booked at the schedule's share of the step
+        # that was neither waiting for a straggler nor checking.
+        working = step_s - run._stall_s - straggler_s - step.shadow_s
         self.clock.step_done(
             run.step,
             train_s=step_s - run._stall_s,
             stall_s=run._stall_s,
             straggler_s=straggler_s,
             shadow_s=step.shadow_s,
+            bubble_s=max(working, 0.0) * run.pipeline_settings.bubble(),
         )
         if stop == NON_FINITE:
             health.fail_non_finite(run.step, shared)

@@ -42,9 +42,12 @@ class Totals(BaseModel):
     eval_s: float = 0.0  # in-training evaluation
     straggler_s: float = 0.0  # part of train_s spent waiting for the slowest rank
     shadow_s: float = 0.0  # part of train_s spent on shadow checks (trainer.shadow_check)
+    # Part of train_s a pipeline's ranks idled (its schedule's share); left out where none,
+    # so a ledger written before pipelines is written back as it was.
+    bubble_s: float = Field(0.0, exclude_if=lambda seconds: seconds == 0.0)
 
     def plus(self, **seconds: float) -> Totals:
-        return Totals(**{k: v + seconds.get(k, 0) for k, v in self.model_dump().items()})
+        return Totals(**{k: getattr(self, k) + seconds.get(k, 0) for k in Totals.model_fields})
 
 
 class Mark(BaseModel):

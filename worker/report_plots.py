@@ -320,6 +320,7 @@ _CAUSE_COLORS = {
     "checkpoint stall": "steelblue",
     "evaluation": "orchid",
     "straggler": "sandybrown",
+    "pipeline bubble": "peru",
     "rework": "salmon",
     "failure detection": "firebrick",
     "teardown": "slategrey",

@@ -32,6 +32,7 @@ CAUSES = (
     "evaluation",
     "straggler",
     "shadow recompute",
+    "pipeline bubble",
     "rework",
     "failure detection",
     "teardown",
@@ -113,8 +114,9 @@ def _split(attempt: AttemptRecord, waited_from: datetime) -> dict[str, float]:
     secured = ready
     if kept is not None:
         secured = min(max(kept.at, ready), ended)
-        add("productive", kept.train_s - kept.straggler_s - kept.shadow_s)
+        add("productive", kept.train_s - kept.straggler_s - kept.shadow_s - kept.bubble_s)
         add("straggler", kept.straggler_s)
+        add("pipeline bubble", kept.bubble_s)
         add("shadow recompute", kept.shadow_s)
         add("checkpoint stall", kept.stall_s)
         add("evaluation", kept.eval_s)

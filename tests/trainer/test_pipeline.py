@@ -12,12 +12,14 @@ import torch
 
 from tests.trainer.conftest import MODEL, Trainer
 from tests.trainer.test_distributed_training import killed_and_resumed, weights
+from trainer.attempt_clock import read_ledger
 from trainer.checkpoint_manifest import CheckpointManifest
 from trainer.data import TokenStream
 from trainer.evaluate import held_out_loss
 from trainer.job import TrainJob
 from trainer.manifest import find_latest
 from trainer.model import GPT, GPTConfig
+from trainer.pipeline import PipelineSettings
 from workflows.contracts.spec import TrainSpec
 
 DEEP = MODEL.model_copy(update={"n_layer": 4})
@@ -83,6 +85,11 @@ def test_two_stages_train_the_curve_of_data_parallelism(
     assert ours.layout["pipeline"] == 2 and ours.layout["strategy"] == "pp"
     # The same mean gradient, added up in another order (micro-batches, a pipeline).
     close_curves(ours, data_parallel, 1e-4)
+    # Its bubble is booked as its own cause: the schedule's share of the working time.
+    totals = read_ledger(trainer.store, run, 1).last.totals
+    share = PipelineSettings.from_layout(layout).bubble()
+    working = totals.train_s - totals.straggler_s - totals.shadow_s
+    assert totals.bubble_s == pytest.approx(share * working, rel=1e-6) and totals.bubble_s > 0
     mine = weights(trainer, ours, run)
     # Scored through the stages in order: the whole model's held-out loss, as one process
     # scores the same weights on the same batches.

@@ -101,3 +101,15 @@ def test_shadow_checks_are_their_own_cause() -> None:
     assert goodput.lost_gpu_s["shadow recompute"] == pytest.approx(1.2)  # 0.6 s on 2 GPUs
     assert goodput.productive_gpu_s == pytest.approx(114 - 1.2)
     assert "shadow recompute" not in account(failed_then_completed()).lost_gpu_s
+
+
+def test_a_pipeline_s_bubble_is_its_own_cause() -> None:
+    """Seconds a pipeline's ranks idled in its schedule (part of their step time)."""
+    attempts = failed_then_completed()
+    completed = attempts[1].ledger
+    assert completed is not None
+    completed.kept = mark(100, 40, train_s=30, bubble_s=6.0)
+    goodput = account(attempts)
+    assert goodput is not None
+    assert goodput.lost_gpu_s["pipeline bubble"] == pytest.approx(12)  # 6 s on 2 GPUs
+    assert goodput.productive_gpu_s == pytest.approx(114 - 12)

@@ -240,6 +240,7 @@ class LedgerMark(BaseModel):
     eval_s: float
     straggler_s: float
     shadow_s: float = 0.0  # part of train_s: shadow checks (0 in ledgers from before them)
+    bubble_s: float = 0.0  # part of train_s: a pipeline's bubble (0 without one, or before)
 
 
 class AttemptLedger(BaseModel):
