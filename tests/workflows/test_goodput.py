@@ -90,26 +90,18 @@ def test_no_goodput_before_an_attempt_ends() -> None:
     assert account([running]) is None
 
 
-def test_shadow_checks_are_their_own_cause() -> None:
-    """Seconds the ranks spent on shadow checks (part of their step time) are not productive."""
+@pytest.mark.parametrize(
+    ("field", "cause"), [("shadow_s", "shadow recompute"), ("bubble_s", "pipeline bubble")]
+)
+def test_checks_and_a_pipeline_s_bubble_are_causes_of_their_own(field: str, cause: str) -> None:
+    """Seconds the ranks spent on shadow checks, or idled in a pipeline's schedule (part of
+    their step time), are not productive."""
     attempts = failed_then_completed()
     completed = attempts[1].ledger
     assert completed is not None
-    completed.kept = mark(100, 40, train_s=30, shadow_s=0.6)
+    completed.kept = mark(100, 40, train_s=30, **{field: 0.6})
     goodput = account(attempts)
     assert goodput is not None
-    assert goodput.lost_gpu_s["shadow recompute"] == pytest.approx(1.2)  # 0.6 s on 2 GPUs
+    assert goodput.lost_gpu_s[cause] == pytest.approx(1.2)  # 0.6 s on 2 GPUs
     assert goodput.productive_gpu_s == pytest.approx(114 - 1.2)
-    assert "shadow recompute" not in account(failed_then_completed()).lost_gpu_s
-
-
-def test_a_pipeline_s_bubble_is_its_own_cause() -> None:
-    """Seconds a pipeline's ranks idled in its schedule (part of their step time)."""
-    attempts = failed_then_completed()
-    completed = attempts[1].ledger
-    assert completed is not None
-    completed.kept = mark(100, 40, train_s=30, bubble_s=6.0)
-    goodput = account(attempts)
-    assert goodput is not None
-    assert goodput.lost_gpu_s["pipeline bubble"] == pytest.approx(12)  # 6 s on 2 GPUs
-    assert goodput.productive_gpu_s == pytest.approx(114 - 12)
+    assert cause not in account(failed_then_completed()).lost_gpu_s
