@@ -159,7 +159,9 @@ class Pipeline:
         mean loss over the batch, as one forward and backward of it would give. Returns that
         mean loss on every rank of the pipeline."""
         losses: list[torch.Tensor] = []
-        if self.first:
+        if self.first and self.last:  # one stage: no pipeline (a script run with pipeline = 1)
+            self._schedule.step(x, target=y, losses=losses)
+        elif self.first:
             self._schedule.step(x)
         elif self.last:
             self._schedule.step(target=y, losses=losses)

@@ -13,7 +13,14 @@ VALID = {"name": "r1", "data": {"sources": ["corpus.txt"]}}
 
 @pytest.mark.parametrize(
     "example",
-    ["tiny.toml", "tiny-fsdp.toml", "shakespeare-char.toml", "byo/gru.toml", "byo/convnet.toml"],
+    [
+        "tiny.toml",
+        "tiny-fsdp.toml",
+        "shakespeare-char.toml",
+        "byo/gru.toml",
+        "byo/convnet.toml",
+        "byo/staged.toml",
+    ],
 )
 def test_examples_are_valid(example: str) -> None:
     spec = load_spec(REPO / "examples" / example)
