@@ -160,6 +160,8 @@ def jobs_table(state: ClusterState) -> Table:
         )
         if len(allocation.nodes) > 1:  # a one-node job is inside every unit there is
             where += f" · {landed(allocation.nodes, levels)}"
+        if allocation.layout:
+            where += f" · {allocation.layout}"
         if allocation.preempting:
             what = f"preempting ({allocation.preempting.reason}) on {where}"
         else:

@@ -48,6 +48,7 @@ def gang_request(
         submitted_at=submitted_at,
         started_before=started_before,
         avoid=avoid or [],
+        layout=spec.layout_summary(),
     )
 
 

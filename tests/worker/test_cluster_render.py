@@ -8,6 +8,7 @@ from rich.console import Console
 from tests.workflows.scheduling.policy_fixtures import NOW, node, request, running
 from worker.cluster_render import jobs_table, nodes_table
 from workflows.contracts.cluster_models import ClusterConfig, ClusterState
+from workflows.contracts.spec import RunSpec
 from workflows.scheduling.cluster_ops import run_pass
 
 
@@ -49,6 +50,26 @@ def test_jobs_say_which_unit_a_gang_landed_in_and_which_one_it_waits_for() -> No
     assert "waiting" in jobs["later"] and "3 node(s) in one rack reserved" in jobs["later"]
     nodes = _rows(nodes_table(state))
     assert "b1/r2" in nodes["n5"]
+
+
+def test_jobs_show_the_layout_the_run_asked_for() -> None:
+    """The gang's layout goes from its spec (RunSpec.layout_summary) through its request to its
+    allocation: pipeline stages on neighbouring nodes of one unit, tensor inside a node."""
+    spec = RunSpec.model_validate({
+        "name": "three-d", "data": {"sources": ["x"]}, "model": {"n_layer": 4},
+        "resources": {"nodes": 4, "gpus_per_node": 2, "topology": "rack"},
+        "parallel": {"pipeline": 2, "shard": 2, "tensor": 2, "activation_checkpointing": "full"},
+    })  # fmt: skip
+    summary = spec.layout_summary()
+    assert summary == "pipeline 2 (1F1B) × shard 2 × tensor 2, full recompute"
+    state = ClusterState(config=ClusterConfig(levels=["rack"]))
+    for name in ("n1", "n2", "n3", "n4"):
+        each = node(name, gpus=2)
+        each.info.topology = {"rack": "r1"}
+        state.nodes.append(each)
+    state.queue = [request("three-d", nodes=4, gpus_per_node=2, topology="rack", layout=summary)]
+    run_pass(state, NOW)
+    assert f"n1, n2, n3, n4 · rack p0/r1 · {summary}" in _rows(jobs_table(state))["three-d"]
 
 
 def test_the_nodes_table_has_no_position_column_without_levels() -> None:

@@ -436,6 +436,9 @@ class GangRequest(BaseModel):
     )
     # Elastic: a recovering gang that cannot have `nodes` may be granted as few as this.
     min_nodes: int | None = None
+    layout: str = Field(
+        "", description="how the run splits its ranks (RunSpec.layout_summary), for people"
+    )
     submitted_at: datetime | None = None  # first submission: a requeued run keeps its age
     # Requeued after running (a failure, a preemption): its start deadline counts from when it
     # was requeued (`waiting_since`), not from its first submission: a victim given that
@@ -483,6 +486,7 @@ class Allocation(BaseModel):
         description="the run whose reserved nodes this gang was lent: it is preempted, with its "
         "grace, when that reservation can start",
     )
+    layout: str = Field("", description="the request's layout, as `forgeline jobs` shows it")
     devices: dict[str, list[int]] = Field(
         default={},
         description="node id -> which of that node's GPUs (by index, in PCI bus order) the gang "

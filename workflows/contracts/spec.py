@@ -709,6 +709,20 @@ class RunSpec(_Strict):
         train = self.train.model_copy(update={"grad_accum_steps": self._accumulation_on(nodes)})
         return self.model_copy(update={"resources": resources, "train": train})
 
+    def layout_summary(self) -> str:
+        """The layout in a few words ("pipeline 2 (1F1B) × shard 2 × tensor 2")."""
+        parallel = self.parallel
+        replicate, shard, tensor = parallel.degrees(self.resources.world_size)
+        parts = (
+            [f"pipeline {parallel.pipeline} ({parallel.schedule})"] if parallel.pipeline > 1 else []
+        )
+        degrees = (("replicate", replicate), ("shard", shard), ("tensor", tensor))
+        parts += [f"{name} {degree}" for name, degree in degrees if degree > 1]
+        summary = " × ".join(parts) or "one rank"
+        if parallel.activation_checkpointing != "none":
+            summary += f", {parallel.activation_checkpointing} recompute"
+        return summary
+
     def job_layout(self) -> dict[str, int | str]:
         """The layout the ranks build (`TrainJob.layout`): the degrees for this gang, the
         pipeline's schedule and micro-batches, activation recomputation."""

@@ -159,6 +159,7 @@ def apply(state: ClusterState, decisions: Decisions, now: datetime) -> list[Mess
             fleet_fail_stops=state.fail_stops,
             wanted=decisions.shrunk.get(request.run_id),
             yields_to=decisions.yielding.get(request.run_id),
+            layout=request.layout,
         )
         for granted in nodes:
             assert granted is not None
