@@ -56,6 +56,7 @@ RECORDS: dict[str, tuple[str, ...]] = {
     "shadow_drift": ("shadow_drift",),
     "ddp_compile_shadow": ("ddp_compile_shadow",),
     "fsdp_grad_watch": ("fsdp_grad_watch",),
+    "pipeline": ("pipeline",),
     "evaluate_sample": ("evaluate_sample",),
     "gpu_sh": ("gpu_sh",),
 }
@@ -1003,6 +1004,75 @@ def check_fsdp_grad_watch(ctx: Context, budget_s: float) -> list[Result]:
     return [Result("fsdp_grad_watch", ok=error is None, figures=figures, error=error)]
 
 
+# ---- 8b. a 2-stage pipeline ----------------------------------------------------------------
+
+PIPELINE_MICROBATCHES = 4
+
+
+def rank_pipeline(workdir: Path) -> None:
+    """The built-in GPT as a 2-stage 1F1B pipeline (trainer.gpt_stages, trainer.pipeline) on the
+    runtime's devices and process group, as a run's ranks build it: three steps; the first
+    step's loss against the whole model's on one device (same initial weights, same batch), and
+    the step time."""
+    import torch
+
+    from trainer import runtime
+    from trainer.gpt_stages import build_stages, stage_loss
+    from trainer.model import GPT, GPTConfig, adamw
+    from trainer.parallel import Layout, build_mesh
+    from trainer.pipeline import Pipeline, PipelineSettings
+
+    ctx = Context.from_env()
+    with reporting_rank(workdir) as data:
+        rt = runtime.start(0, 120)
+        shape = ctx.small
+        config = GPTConfig(**{**shape.config(), "n_layer": 2 * shape.n_layer})
+        layout = Layout(pipeline=rt.world)
+        settings = PipelineSettings(rt.world, "1F1B", 1, PIPELINE_MICROBATCHES)
+        placement = build_mesh(layout, rt.device.type)
+        staged = build_stages(config, 0, layout, placement, rt.device, settings)
+        pipeline = Pipeline(staged.parts, settings, placement.mesh, rt.device, stage_loss,
+                            staged.tied)  # fmt: skip
+        optimizer = adamw(staged.module, 1e-4, 0.1)
+        x, y = random_batch(shape, rt.device, seed=0)
+        losses, times = [], []
+        for _ in range(3):
+            started = time.perf_counter()
+            with rt.autocast():
+                loss = pipeline.step(x, y)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            losses.append(float(loss))  # the step's sync point
+            times.append(time.perf_counter() - started)
+        data["losses"] = losses
+        data["step_ms"] = round(min(times[1:]) * 1000, 2)
+        if rt.rank == 0:
+            torch.manual_seed(0)
+            whole = GPT(config).to(rt.device)
+            with torch.no_grad(), rt.autocast():
+                data["whole_loss"] = float(whole(x, y)[1])
+
+
+def check_pipeline(ctx: Context, budget_s: float) -> list[Result]:
+    world = ctx.world()
+    if world < 2:
+        return [skipped("pipeline", "needs 2 GPUs", ranks=world)]
+    rc, reports, log = launch_ranks(ctx, "pipeline", 2, ctx.work / "pipeline", budget_s - 5)
+    error = rank_errors(reports, rc, log)
+    first = reports[0] if reports else {}
+    figures = {"ranks": 2, "microbatches": PIPELINE_MICROBATCHES,
+               **{k: first.get(k) for k in ("losses", "whole_loss", "step_ms")}}  # fmt: skip
+    if error is None:
+        ours, whole = first["losses"][0], first["whole_loss"]
+        # The same weights and batch: equal up to float rounding (bf16 autocast on a GPU).
+        tolerance = 1e-4 if ctx.cpu else 2e-2
+        if abs(ours - whole) > tolerance * max(1.0, abs(whole)):
+            error = f"the pipeline's first loss {ours} is not the whole model's {whole}"
+        elif reports[1].get("losses") != first["losses"]:
+            error = f"the stages report different losses: {[r.get('losses') for r in reports]}"
+    return [Result("pipeline", ok=error is None, figures=figures, error=error)]
+
+
 # ---- 9. evaluation and sampling -------------------------------------------------------------
 
 
@@ -1112,6 +1182,7 @@ CHECKS: dict[str, Callable[[Context, float], list[Result]]] = {
     "shadow_drift": check_shadow_drift,
     "ddp_compile_shadow": check_ddp_compile_shadow,
     "fsdp_grad_watch": check_fsdp_grad_watch,
+    "pipeline": check_pipeline,
     "evaluate_sample": check_evaluate_sample,
 }
 RANKS: dict[str, Callable[[Path], None]] = {
@@ -1119,6 +1190,7 @@ RANKS: dict[str, Callable[[Path], None]] = {
     "process_groups": rank_process_groups,
     "checkpoint": rank_checkpoint,
     "fsdp": rank_fsdp,
+    "pipeline": rank_pipeline,
 }
 
 

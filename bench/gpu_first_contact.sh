@@ -27,6 +27,8 @@
 #                          two CPU ranks, since DDP needs two ranks)
 #    8 fsdp_grad_watch     FSDP2 (shard = GPU count), the gradient watch off and on: host syncs
 #                          per step (torch.cuda.set_sync_debug_mode) and step time
+#   8b pipeline            the built-in GPT as a 2-stage 1F1B pipeline on two GPUs (skipped with
+#                          one): three steps, the first loss against the whole model's
 #    9 evaluate_sample     the job's checkpoint through trainer/evaluate.py; held-out loss and
 #                          trainer/sampling.py with the model on the device; trainer/serving.py
 #   10 gpu_sh              bench/gpu.sh: tokens/s and MFU of a ~1 B GPT under FSDP + compile
@@ -35,7 +37,7 @@
 # to $OUT/first_contact.jsonl and prints it; its own output goes to $OUT/logs/CHECK.log. A
 # failing check (a rank that fails included) does not stop the later ones; the script exits
 # 1 at the end if any failed, after the summary table. Each step has its own timeout; on the
-# GPU machine they add up to 540 s. Large files go under $WORK (/tmp/forgeline-first-contact),
+# GPU machine they add up to 575 s. Large files go under $WORK (/tmp/forgeline-first-contact),
 # results under $OUT (default $WORK/out).
 #
 # The rehearsal (FIRST_CONTACT_CPU=1) hides any GPU and runs every check on CPU with two gloo
@@ -88,6 +90,7 @@ step checkpoint          40  60
 step shadow_drift        45  120
 step ddp_compile_shadow  70  150
 step fsdp_grad_watch     35  60
+step pipeline            35  60
 step evaluate_sample     25  60
 
 # 10: bench/gpu.sh under its own timeout; its torchrun's failure is its exit status.
