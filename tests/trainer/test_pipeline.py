@@ -13,6 +13,7 @@ import torch
 from tests.trainer.conftest import MODEL, Trainer
 from tests.trainer.test_distributed_training import killed_and_resumed, weights
 from trainer.attempt_clock import read_ledger
+from trainer.checkpoint import fetch_checkpoint
 from trainer.checkpoint_manifest import CheckpointManifest
 from trainer.data import TokenStream
 from trainer.evaluate import held_out_loss
@@ -160,3 +161,25 @@ def test_a_checkpoint_resumes_on_other_degrees(
     moved = killed_and_resumed(trainer, make, ranks=2).manifest
     assert moved.layout.get("pipeline", 1) == after.get("pipeline", 1)
     close_curves(moved, data_parallel, 1e-4)
+
+
+@pytest.mark.slow
+def test_a_pipeline_fine_tunes_from_a_whole_model_s_checkpoint(
+    trainer: Trainer, data_parallel: CheckpointManifest
+) -> None:
+    """Fine-tuning builds the whole model, loads the weights, then keeps this rank's stages."""
+    found = find_latest(trainer.store, "pp-ddp", max_generation=1)
+    assert found is not None
+    folder = fetch_checkpoint(trainer.store, found.manifest, trainer.root / "fetched" / "pp-init")
+    short = TRAIN.model_copy(update={"steps": 5, "warmup_steps": 1, "learning_rate": 1e-4,
+                                     "log_every": 1, "eval_every": 0})  # fmt: skip
+    job = trainer.job("pp-tuned", short, layout=pipelined(), model=DEEP, init_weights=str(folder))
+    trainer.run(job, ranks=2)
+    tuned = find_latest(trainer.store, "pp-tuned", max_generation=1)
+    assert tuned is not None and tuned.step == 5
+    scratch_first, trained_last = (
+        data_parallel.loss_history[0][1],
+        data_parallel.loss_history[-1][1],
+    )
+    # It starts where the whole model's run ended, far below where training from scratch starts.
+    assert tuned.manifest.loss_history[0][1] < trained_last + 0.2 < scratch_first - 0.3
