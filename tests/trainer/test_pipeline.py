@@ -5,6 +5,7 @@ resumes bitwise on the same degrees and on other degrees of pipeline and data pa
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,7 @@ from trainer.attempt_clock import read_ledger
 from trainer.checkpoint import fetch_checkpoint
 from trainer.checkpoint_manifest import CheckpointManifest
 from trainer.data import TokenStream
+from trainer.errors import RanksFailed
 from trainer.evaluate import held_out_loss
 from trainer.job import TrainJob
 from trainer.manifest import find_latest
@@ -183,3 +185,21 @@ def test_a_pipeline_fine_tunes_from_a_whole_model_s_checkpoint(
     )
     # It starts where the whole model's run ended, far below where training from scratch starts.
     assert tuned.manifest.loss_history[0][1] < trained_last + 0.2 < scratch_first - 0.3
+
+
+@pytest.mark.slow
+def test_a_stage_s_non_finite_gradients_stop_the_gang_and_name_its_rank(trainer: Trainer) -> None:
+    """NaN gradients on rank 0 (stage 0) at step 15: the gang stops before anything of that step
+    is saved, and the verdict names the rank whose own gradients went bad."""
+    corrupt = job(trainer, "pp-corrupt", pipelined())
+    corrupt.chaos_file = str(Path(corrupt.progress_file).parent / "CORRUPT_GRAD")
+    Path(corrupt.chaos_file).parent.mkdir(parents=True, exist_ok=True)
+    Path(corrupt.chaos_file).write_text("corrupt-grad 15\n")
+    with pytest.raises(RanksFailed, match=r"non-finite loss or gradients at step 15"):
+        trainer.run(corrupt, ranks=2)
+    progress = Path(corrupt.progress_file).read_text().splitlines()
+    events = [json.loads(line) for line in progress]
+    (health,) = [e for e in events if e["event"] == "health"]
+    assert (health["kind"], health["rank"], health["step"]) == ("corruption", 0, 15)
+    found = find_latest(trainer.store, "pp-corrupt", max_generation=1)
+    assert found is not None and found.step == 10
