@@ -42,10 +42,21 @@ def test_the_standby_becomes_torchrun_and_a_dead_one_costs_a_cold_start(
         workdir = Path(job.progress_file).parent
         rdzv = Rendezvous(f"127.0.0.1:{free_port()}", run_id, 1, 1)
         ranks: set[int] = set()
-        observe = (lambda _: ranks.update(children_running_ranks(watch))) if watch else None
-        tail = await run_ranks(
-            job, workdir, rdzv, on_progress=observe or (lambda _: None), launcher=launcher
-        )
+
+        async def observe() -> None:
+            # Every 20 ms, not at the progress reports: a job of six short steps can run between
+            # two reports.
+            while watch is not None:
+                ranks.update(children_running_ranks(watch))
+                await asyncio.sleep(0.02)
+
+        watching = asyncio.create_task(observe())
+        try:
+            tail = await run_ranks(
+                job, workdir, rdzv, on_progress=lambda _: None, launcher=launcher
+            )
+        finally:
+            watching.cancel()
         assert tail.finished and tail.latest["step"] == TRAIN.steps, tail.latest
         # The ranks' output went to the job's log, as with a cold start.
         assert f"step {TRAIN.steps}/{TRAIN.steps}" in (workdir / "torchrun.log").read_text()
