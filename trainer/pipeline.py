@@ -34,20 +34,16 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.pipelining import (
-    PipelineStage,
-    Schedule1F1B,
-    ScheduleInterleaved1F1B,
-    ScheduleInterleavedZeroBubble,
-)
 
 from infra.capacity import Pipelining
 from trainer.stragglers import forward_timer
 
+# torch.distributed.pipelining's schedules by the spec's names (imported when a pipeline is
+# made: its import takes 0.6 s, which every rank without a pipeline would pay at its start).
 _SCHEDULES = {
-    "1F1B": Schedule1F1B,
-    "interleaved-1F1B": ScheduleInterleaved1F1B,
-    "zero-bubble": ScheduleInterleavedZeroBubble,
+    "1F1B": "Schedule1F1B",
+    "interleaved-1F1B": "ScheduleInterleaved1F1B",
+    "zero-bubble": "ScheduleInterleavedZeroBubble",
 }
 
 
@@ -130,8 +126,10 @@ class Pipeline:
                 f"pipeline rank {self.rank} holds stages {self.ids}: pass one module for each, "
                 f"not {len(modules)}"
             )
+        from torch.distributed import pipelining
+
         stages = [
-            PipelineStage(module, stage, settings.stages, device, group=self.group)
+            pipelining.PipelineStage(module, stage, settings.stages, device, group=self.group)
             for module, stage in zip(modules, self.ids, strict=True)
         ]
         # The stages' own forward time, without the waits for the neighbours: what the
@@ -140,7 +138,7 @@ class Pipeline:
         for module in modules:
             module.register_forward_pre_hook(lambda *_: self._timer.start())
             module.register_forward_hook(lambda *_: self._timer.stop())
-        schedule = _SCHEDULES[settings.schedule]
+        schedule = getattr(pipelining, _SCHEDULES[settings.schedule])
         self._schedule = schedule(
             stages[0] if len(stages) == 1 else stages,
             n_microbatches=settings.microbatches,
