@@ -76,10 +76,12 @@ def test_a_run_with_dropout_resumes_bitwise(trainer: Trainer, layout: dict | Non
 
 # Under tensor parallelism attention dropout draws from each rank's sharded stream, which a
 # recompute must replay from where the block's forward found it (rng_streams.ShardedReplay).
+# All with the slow tests: make test keeps tests/trainer/test_activation_recompute.py, the same
+# bitwise equality in one process.
 @pytest.mark.parametrize(
     ("layout", "mode"),
     [
-        (DDP, "selective"),
+        pytest.param(DDP, "selective", marks=pytest.mark.slow),
         pytest.param(DDP, "full", marks=pytest.mark.slow),
         pytest.param(TP, "full", marks=pytest.mark.slow),
         pytest.param(TP, "selective", marks=pytest.mark.slow),

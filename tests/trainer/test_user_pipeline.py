@@ -48,6 +48,7 @@ def staged_reference(trainer: Trainer) -> CheckpointManifest:
     return found.manifest
 
 
+@pytest.mark.slow  # with test_pipeline's resumes: make test keeps its curve against DDP
 def test_a_staged_script_resumes_bitwise(
     trainer: Trainer, staged_reference: CheckpointManifest
 ) -> None:
