@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import statistics
 import time
@@ -149,7 +150,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     result = layout_steps(args) if args.layout else recompute_step(args)
-    if args.recompute or int(__import__("os").environ.get("RANK", "0")) == 0:
+    if args.recompute or int(os.environ.get("RANK", "0")) == 0:
         args.out.write_text(json.dumps(result))
 
 

@@ -87,7 +87,7 @@ class StepLoop:
         checks = run._checks = shadow_checks(run, run._shadow, run._loss_of, run._own_norms)
         self._health = HealthVerdicts(self.findings, self.progress, self.saves, self.clock, checks)
         # Under a pipeline a rank is compared with the ranks of its own stage.
-        peers = run._pipeline.stage_of_each_rank(run.placement.mesh) if run._pipeline else None
+        peers = run._pipeline.stage_of_each_rank if run._pipeline else None
         self._rules = StopRules(run.job.stragglers, self.findings, run.ranks_per_node,
                                 run._term, run._stop_file, watch,
                                 on_suspect=self._health.suspect_at, peers=peers)  # fmt: skip

@@ -46,10 +46,6 @@ class GPTStage(nn.Module):
             self.ln_f = model.ln_f
             self.lm_head = model.lm_head
 
-    @property
-    def block_list(self) -> list[nn.Module]:
-        return list(self.blocks.values())
-
     def tie_weights(self) -> None:
         if self.last:
             self.lm_head.weight = self.wte.weight

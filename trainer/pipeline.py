@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -94,9 +94,6 @@ class PipelineSettings:
         shape = Pipelining(self.ranks, self.stages_per_rank, self.microbatches, self.schedule)
         return shape.bubble()
 
-    def to_dict(self) -> dict:
-        return asdict(self)
-
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -146,6 +143,11 @@ class Pipeline:
         )
         self.first = 0 in self.ids
         self.last = settings.stages - 1 in self.ids
+        # Every global rank's pipeline rank (the mesh's first coordinate): the straggler watch
+        # compares a rank with those of its own stage.
+        grid = mesh.mesh.reshape(mesh.mesh.shape[0], -1).tolist()
+        stage_of = {rank: position for position, ranks in enumerate(grid) for rank in ranks}
+        self.stage_of_each_rank = [stage_of[rank] for rank in range(len(stage_of))]
         self._tied = TiedGradients(mesh, tied)
         self._replicas = ReplicaGradients(mesh, modules)
         self._device = device
@@ -189,13 +191,6 @@ class Pipeline:
             yield
         finally:
             self._timer = kept
-
-    def stage_of_each_rank(self, mesh: DeviceMesh) -> list[int]:
-        """Every global rank's pipeline rank (the mesh's first coordinate)."""
-        stage_of: dict[int, int] = {}
-        for position, ranks in enumerate(mesh.mesh.reshape(mesh.mesh.shape[0], -1).tolist()):
-            stage_of |= dict.fromkeys(ranks, position)
-        return [stage_of[rank] for rank in range(len(stage_of))]
 
     def summed(self, value: torch.Tensor) -> torch.Tensor:
         """`value` summed over the pipeline's ranks (a norm's squares, each of its stages)."""

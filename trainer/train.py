@@ -20,7 +20,7 @@ from trainer.evaluate import held_out_loss_while_training
 from trainer.gpt_stages import StagedGPT, StagesInOrder, build_stages, stage_loss, stage_model
 from trainer.metrics import flops_per_token
 from trainer.model import GPT, GPTConfig, adamw
-from trainer.parallel import build, parallelize, precision_for
+from trainer.parallel import blocks_of, build, parallelize, precision_for
 from trainer.pipeline import Pipeline
 from trainer.schedule import learning_rate
 
@@ -56,7 +56,7 @@ def main() -> None:
         # This rank's stages only; each its own module for the schedule, one for checkpoints.
         staged = pipelined(config, run)
         model, wrapped = staged.module, staged.module
-        run.recompute_activations(model.block_list)
+        run.recompute_activations(blocks_of(model))
         pipeline = run.pipeline(staged.parts, stage_loss, tied=staged.tied)
     else:
         if run.init_from is None:
