@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -26,15 +27,46 @@ def free_port() -> int:
 
 
 def free_ports(count: int) -> list[int]:
-    """`count` distinct TCP ports that the OS reports free on loopback right now. They are held
-    open together while chosen: asked for one at a time, the OS may hand out the same port
-    twice (it did in CI: `forgeline up --mlflow-port 33969 --api-port 33969`)."""
+    """`count` distinct TCP ports free on loopback right now, drawn from below the kernel's
+    ephemeral range. A port the OS hands out for `bind(0)` is an ephemeral one, and any process
+    may be handed it next for an outgoing connection or a listener of its own: in CI the
+    Temporal dev server took the UI port chosen for it for one of its internal services and
+    failed to start (`listen tcp 127.0.0.1:45771: bind: address already in use`). Ports below
+    the range are only ever taken by someone who asks for them by number. They are held open
+    together while chosen, so the same port is never handed out twice in one call."""
+    low, high = ephemeral_port_range()
+    # Below the range, and above it where a host set the range low.
+    candidates = [*range(_LOWEST_CHOSEN_PORT, low), *range(high + 1, 65536)]
+    random.SystemRandom().shuffle(candidates)
     with contextlib.ExitStack() as held:
-        socks = [held.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
-                 for _ in range(count)]  # fmt: skip
-        for sock in socks:
-            sock.bind(("127.0.0.1", 0))
-        return [sock.getsockname()[1] for sock in socks]
+        chosen: list[int] = []
+        for port in candidates:
+            sock = held.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue  # taken (or in TIME_WAIT): the next candidate
+            chosen.append(port)
+            if len(chosen) == count:
+                return chosen
+    raise StackError(
+        f"no {count} free TCP ports from {_LOWEST_CHOSEN_PORT} outside the ephemeral range "
+        f"{low}-{high}: stop servers you no longer need or narrow net.ipv4.ip_local_port_range"
+    )
+
+
+# Above the conventional ports of the stack's own servers (7233, 8080, 5000, 8000) and of most
+# services a host runs; the range up to the ephemeral ports is left to tests and benchmarks.
+_LOWEST_CHOSEN_PORT = 20000
+
+
+def ephemeral_port_range() -> tuple[int, int]:
+    """The kernel's range for ports handed out by number 0 (Linux's default where unreadable)."""
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999
 
 
 def port_is_open(host: str, port: int) -> bool:

@@ -7,7 +7,15 @@ from pathlib import Path
 import pytest
 
 from infra.errors import StackError
-from infra.processes import ManagedProcess, free_port, port_is_open, started_at, wait_until
+from infra.processes import (
+    ManagedProcess,
+    ephemeral_port_range,
+    free_port,
+    free_ports,
+    port_is_open,
+    started_at,
+    wait_until,
+)
 
 
 def test_start_find_and_stop_a_process_group(tmp_path: Path) -> None:
@@ -51,6 +59,15 @@ def test_a_recycled_pid_is_not_ours(tmp_path: Path) -> None:
 
 def test_free_port_is_free() -> None:
     assert not port_is_open("127.0.0.1", free_port())
+
+
+def test_chosen_ports_are_distinct_and_never_ephemeral() -> None:
+    # An ephemeral port may be handed to any process between our choice and our server's bind
+    # (the Temporal dev server took a chosen UI port for one of its own services in CI).
+    low, high = ephemeral_port_range()
+    ports = free_ports(8)
+    assert len(set(ports)) == 8
+    assert all(not low <= port <= high for port in ports)
 
 
 def _group_member(proc: Path, pgid: int) -> bool:
