@@ -97,12 +97,27 @@ def failures_of(
     handles: list[workflow.ActivityHandle],
     now: datetime,
     silent: frozenset[str] = frozenset(),
+    answered: frozenset[str] = frozenset(),
 ) -> list[Failure]:
     """One failure per node whose activity failed (cancellations are our own doing); a node
     that went silent (no heartbeat, or no answer to the probe of `tear_down`) is named as
-    suspect so the cluster drains it."""
+    suspect so the cluster drains it. A node whose activity timed out but whose agent then
+    answered the probe as granted (`answered`, from `answering_after_timeout`) is not: the
+    silence was the control plane's."""
     failures = []
     for node, handle in zip(allocation.nodes, handles, strict=True):
+        if node.node_id in answered:
+            failures.append(
+                Failure(
+                    generation=allocation.generation,
+                    node_id=None,
+                    reason=f"{node.node_id}: {describe(handle.exception())}, but its agent "
+                    "answers as granted: its heartbeats did not reach Temporal (a server or "
+                    "worker restart, a cut to the control plane); the node stays in service",
+                    at=now,
+                )
+            )
+            continue
         if node.node_id in silent:
             failures.append(
                 Failure(
@@ -201,6 +216,23 @@ async def tear_down(
     return silent
 
 
+async def answering_after_timeout(
+    allocation: Allocation, handles: list[workflow.ActivityHandle]
+) -> frozenset[str]:
+    """The nodes whose activity timed out (no heartbeat, or never picked up) and whose agent
+    answers the liveness probe as the incarnation it was granted as. A Temporal server that
+    restarts, or a control worker's outage, times out every gang's heartbeats at once: taken
+    for deaths, they took every node of the fleet out of service for good, as only a new
+    incarnation of an agent brings a dead node back (found by bench/soak.py)."""
+    timed_out = [
+        node
+        for node, handle in zip(allocation.nodes, handles, strict=True)
+        if handle.done() and _timed_out(handle.exception())
+    ]
+    alive = await asyncio.gather(*(_answers_as_granted(node) for node in timed_out))
+    return frozenset(n.node_id for n, ok in zip(timed_out, alive, strict=True) if ok)
+
+
 async def _answers_as_granted(node: NodeInfo) -> bool:
     """Whether the node's agent answers the probe as the incarnation it was granted as. An
     agent of a release without the probe fails it at once, which a live agent alone can do;
@@ -256,8 +288,11 @@ def _failed_its_check(err: BaseException) -> bool:
 def _node_is_suspect(err: BaseException) -> bool:
     """A node that stopped heartbeating or never picked up its work is presumed dead; one whose
     own health check failed says so."""
-    if _failed_its_check(err):
-        return True
+    return _failed_its_check(err) or _timed_out(err)
+
+
+def _timed_out(err: BaseException | None) -> bool:
+    """The activity stopped heartbeating or was never picked up."""
     cause = err.cause if isinstance(err, ActivityError) else None
     return isinstance(cause, TimeoutError) and cause.type in (
         TimeoutType.HEARTBEAT,

@@ -68,6 +68,7 @@ with workflow.unsafe.imports_passed_through():
         GangFailed,
         Preempted,
         StragglerSwap,
+        answering_after_timeout,
         cancel_all,
         describe,
         failures_of,
@@ -100,6 +101,9 @@ _PATIENT_RETRY = RetryPolicy(
 )
 # A gang attempt is never retried by Temporal: the workflow itself restarts the whole gang.
 _NO_RETRY = RetryPolicy(maximum_attempts=1)
+# A control activity beats every few seconds: one whose worker died is retried within this,
+# not at its start-to-close timeout (a run sat REGISTERING for 30 minutes: bench/soak.py).
+CONTROL_HEARTBEAT = timedelta(seconds=30)
 # A node agent that does not pick up its activity within this long is treated as down.
 _NODE_PICKUP_TIMEOUT = timedelta(seconds=60)
 
@@ -239,9 +243,10 @@ class TrainingRun:
         arg: object,
         result_type: type | None,
         timeout: timedelta,
-        heartbeat: timedelta | None = None,
+        heartbeat: timedelta | None = CONTROL_HEARTBEAT,
     ) -> Any:
-        """Run one activity on the control worker with the patient retry policy."""
+        """Run one activity on the control worker with the patient retry policy; it beats
+        (activities.heartbeat.beats_while_running) unless `heartbeat` is None."""
         return await workflow.execute_activity(
             activity,
             arg,
@@ -404,7 +409,8 @@ class TrainingRun:
             if offer.generation <= self._newest_confirmed:
                 continue  # stale, or a duplicate of one already used
             check = GrantCheck.of(offer)  # its nodes, their agents and addresses
-            if await self._control("confirm_grant", check, bool, timedelta(seconds=30)):
+            # Async and bounded by its own 30 s: it does not beat.
+            if await self._control("confirm_grant", check, bool, timedelta(seconds=30), None):
                 self._newest_confirmed = offer.generation
                 return offer
             nodes = ", ".join(n.node_id for n in offer.nodes)
@@ -589,7 +595,11 @@ class TrainingRun:
             # The script's own error: another attempt would fail the same way, and no node is
             # to blame. The run fails now, with the user's traceback, spending no restart.
             raise mistake
-        raise GangFailed(failures_of(allocation, handles, workflow.now(), silent))
+        answered: frozenset[str] = frozenset()
+        # Runs from before took every timed-out node for dead, control plane down or not.
+        if workflow.patched("probe-timed-out-nodes"):
+            answered = await answering_after_timeout(allocation, handles)
+        raise GangFailed(failures_of(allocation, handles, workflow.now(), silent, answered))
 
     async def _stop_gracefully(
         self, allocation: Allocation, handles: list, notice: PreemptNotice

@@ -1,0 +1,101 @@
+"""A gang whose heartbeats stop because the control plane went away (a Temporal server
+restart, a control worker's death), not its nodes: the run restarts, and the nodes stay in
+service. Found by bench/soak.py: after a Temporal restart every node of the fleet was taken
+for dead, and since only a restarted agent brings a dead node back, every run then waited for
+ever ("more than the cluster's schedulable nodes can ever give").
+
+The real TrainingRun and Cluster workflows on the dev server; the node agents' first
+generation stops heartbeating (as a live agent's heartbeats do while Temporal is down) but
+answers the liveness probe.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from pathlib import Path
+
+from temporalio import activity
+from temporalio.client import Client
+from temporalio.contrib.pydantic import pydantic_data_converter
+
+from tests.workflows.test_cluster_workflow import eventually, node
+from tests.workflows.test_training_run_history import (
+    STEPS,
+    Control,
+    _status,
+    record_histories,
+    stack_workers,
+    start_cluster_and_run,
+    terminated_after,
+)
+from worker.specfile import load_spec
+from workflows.cluster import ClusterWorkflow
+from workflows.contracts.cluster_models import ClusterState, Health
+from workflows.contracts.models import NodeTrainInput, NodeTrainResult, Phase
+
+REPO = Path(__file__).resolve().parents[2]
+HEARTBEAT_TIMEOUT_S = 2
+LABEL = "2026-12-07-silence"
+
+
+class LiveAgents:
+    """Agents that stay up: generation 1's activity beats once and then no more (its beats do
+    not reach the server), later generations train to the end; the probe always answers."""
+
+    def __init__(self) -> None:
+        self.step = 0  # what Control's latest_checkpoint reports
+
+    @activity.defn(name="train_on_node")
+    async def train_on_node(self, inp: NodeTrainInput) -> NodeTrainResult:
+        if inp.allocation.generation == 1:
+            activity.heartbeat()
+            await asyncio.sleep(HEARTBEAT_TIMEOUT_S * 10)  # cancelled when the server says so
+        self.step = STEPS
+        return NodeTrainResult(node_id=inp.node_id, generation=inp.allocation.generation,
+                               final_step=STEPS, final_loss=1.0)  # fmt: skip
+
+    @activity.defn(name="node_alive")
+    async def node_alive(self) -> str:
+        return "a"
+
+
+def test_heartbeats_lost_to_the_control_plane_leave_the_nodes_in_service(
+    temporal_address: str, task_queue: str
+) -> None:
+    spec = load_spec(REPO / "examples" / "tiny.toml")
+    spec = spec.model_copy(update={
+        "name": "silence",
+        "recovery": spec.recovery.model_copy(update={"heartbeat_timeout_s": HEARTBEAT_TIMEOUT_S}),
+    })  # fmt: skip
+
+    async def main() -> tuple[object, ClusterState]:
+        client = await Client.connect(temporal_address, data_converter=pydantic_data_converter)
+        agents = LiveAgents()
+        control = Control(agents)  # type: ignore[arg-type]  # it reads .step alone
+        acts = [agents.train_on_node, agents.node_alive]
+        workers = stack_workers(client, task_queue, control, dict.fromkeys(("n0", "n1"), acts))
+        async with contextlib.AsyncExitStack() as stack:
+            cluster, handle = await start_cluster_and_run(stack, client, workers, task_queue, spec)
+            async with terminated_after(handle, cluster):
+                for n in ("n0", "n1"):
+                    await cluster.signal(ClusterWorkflow.register_node, node(n))
+                final = await eventually(
+                    lambda: _status(handle),
+                    lambda s: s.phase == Phase.AWAITING_APPROVAL,
+                    timeout=60,
+                )
+                await record_histories(LABEL, handle, cluster)
+                return final, await cluster.query(ClusterWorkflow.state)
+
+    status, state = asyncio.run(main())
+    assert status.phase == Phase.AWAITING_APPROVAL, status
+    first, second = status.gang_attempts
+    assert first.outcome == "failed" and second.outcome == "completed", status.gang_attempts
+    # Only two nodes: the second gang ran on the same ones, which were never taken out.
+    assert all(n.health == Health.HEALTHY for n in state.nodes), state.nodes
+    assert state.fail_stops == 0
+    assert len(status.failures) == 2
+    for failure in status.failures:
+        assert failure.node_id is None, failure
+        assert "answers as granted" in failure.reason and "stays in service" in failure.reason
