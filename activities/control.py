@@ -16,7 +16,7 @@ from temporalio import activity
 from activities.decisions import DecisionActivities
 from activities.errors import domain_errors
 from activities.fetch import NodeCache, NodeCacheLease
-from activities.heartbeat import keep_alive
+from activities.heartbeat import beats_while_running, keep_alive
 from infra.code_version import code_version, installed_packages, packages_digest
 from infra.errors import IntegrityError, ObjectNotFound
 from infra.extras import require_extra
@@ -166,6 +166,7 @@ class ControlActivities:
         )
 
     @activity.defn(name="latest_checkpoint")
+    @beats_while_running
     def latest_checkpoint(self, inp: LatestCheckpointInput) -> CheckpointRef | None:
         # Read the store, never heartbeat details: the last beats before a crash are lost.
         skipped: list[str] = []
@@ -200,6 +201,7 @@ class ControlActivities:
         return resume.model_copy(update={"skipped": skipped})
 
     @activity.defn(name="fence_generation")
+    @beats_while_running
     def fence_generation(self, inp: FenceInput) -> None:
         """Record that a generation starts from a step: an older generation still running
         (a partitioned node, a frozen host) then commits nothing that counts past it.
@@ -209,6 +211,7 @@ class ControlActivities:
         )
 
     @activity.defn(name="attempt_ledger")
+    @beats_while_running
     def attempt_ledger(self, inp: AttemptLedgerInput) -> AttemptLedger | None:
         """What one generation's rank 0 recorded of its time (trainer.attempt_clock), reduced
         to the marks goodput needs: ready, the kept checkpoint's step, the last step heard of."""
@@ -237,6 +240,7 @@ class ControlActivities:
         )
 
     @activity.defn(name="resolve_init_from")
+    @beats_while_running
     def resolve_init_from(self, inp: InitFromInput) -> CheckpointRef:
         """Pin model.init_from to one verified checkpoint manifest, once, before training:
         a registered model is followed to the checkpoint it was made from."""
@@ -365,6 +369,7 @@ class ControlActivities:
             close_run(self.settings.mlflow_uri, inp.mlflow_run_id, inp.status, inp.error)
 
     @activity.defn(name="open_tracking_run")
+    @beats_while_running
     def open_tracking_run(self, inp: TrackingInput) -> str:
         """The MLflow run that tracks this training run from its start: the node agents stream
         the ranks' metrics into it, and registration logs the model into it."""
@@ -384,6 +389,7 @@ class ControlActivities:
         )
 
     @activity.defn(name="approval_policy")
+    @beats_while_running
     def approval_policy(self, inp: ApprovalPolicyInput) -> ApprovalPolicy:
         """The operators' rules for this model, read once when it waits for approval; an
         approvals file that does not parse is retried, so fixing it unblocks the run."""
@@ -396,6 +402,7 @@ class ControlActivities:
         )
 
     @activity.defn(name="register_model")
+    @beats_while_running
     def register_model(self, inp: RegisterInput) -> ModelVersionRef:
         info = activity.info()
         with (
@@ -513,6 +520,7 @@ class ControlActivities:
         return ModelFiles(manifest, artifacts, served_code())
 
     @activity.defn(name="record_decision")
+    @beats_while_running
     def record_decision(self, inp: DecisionInput) -> None:
         with domain_errors():
             record_version_decision(

@@ -9,11 +9,20 @@ which is where temporalio keeps the activity it belongs to.
 from __future__ import annotations
 
 import contextvars
+import functools
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import ParamSpec, TypeVar
 
 from temporalio import activity
+
+P = ParamSpec("P")
+R = TypeVar("R")
+# How often a control activity beats. The workflows give these activities a heartbeat timeout
+# of CONTROL_HEARTBEAT_TIMEOUT_S (workflows/training_run.py), so an activity whose worker was
+# killed is retried elsewhere within that, not at its start-to-close timeout (minutes).
+CONTROL_BEAT_S = 5.0
 
 
 @contextmanager
@@ -40,3 +49,17 @@ def keep_alive(every_s: float = 10.0) -> Iterator[Callable[[str], None]]:
     finally:
         stop.set()
         thread.join()
+
+
+def beats_while_running(fn: Callable[P, R]) -> Callable[P, R]:
+    """A synchronous activity that beats every CONTROL_BEAT_S while it runs: put under
+    `@activity.defn`. A control worker killed in the middle of registering a model left the run
+    REGISTERING for the activity's 30-minute timeout (found by bench/soak.py); beating, it is
+    retried on a live worker within the workflow's heartbeat timeout."""
+
+    @functools.wraps(fn)
+    def beating(*args: P.args, **kwargs: P.kwargs) -> R:
+        with keep_alive(CONTROL_BEAT_S):
+            return fn(*args, **kwargs)
+
+    return beating

@@ -190,7 +190,11 @@ class RunEnd:
         )
         try:
             checked = await self._control(
-                "verify_decision", check, DecisionCheck, timeout=timedelta(minutes=1)
+                "verify_decision",
+                check,
+                DecisionCheck,
+                timeout=timedelta(minutes=1),
+                heartbeat=None,  # one read of a key: bounded by its own minute
             )
         except ActivityError as err:  # the key is unreadable: no decision counts till it is
             cause = getattr(err.cause, "message", None) or str(err)
