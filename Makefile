@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 FL     := $(BIN)/forgeline
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test test-all up down lint format clean bench-dataprep bench-trainer bench-recovery bench-load bench-shadow bench-hot-start bench-door bench-byo bench-byo-start bench-pipeline
+.PHONY: demo test test-all up down lint format clean bench-dataprep bench-trainer bench-recovery bench-load bench-shadow bench-hot-start bench-door bench-byo bench-byo-start bench-pipeline bench-soak
 
 # torch first, pinned to the CPU wheel on this machine's disk: resolving `torch` through the
 # project's dependencies could pull a multi-GB CUDA build.
@@ -70,6 +70,13 @@ bench-pipeline: $(STAMP)
 
 bench-hot-start: $(STAMP)
 	$(BIN)/python -m bench.hot_start
+
+# Two teams' runs for an hour under a seeded schedule of mixed faults, a fault every 60 s on
+# average, then every 20 s (about 2 h 20 min in all): nothing lost or double-booked, recovery by
+# fault, goodput measured beside reported and predicted; each soak's record in soak-*.json.
+bench-soak: $(STAMP)
+	$(BIN)/python -m bench.soak --mean-interval 60 --out soak-60.json
+	$(BIN)/python -m bench.soak --mean-interval 20 --out soak-20.json
 
 # 50 small runs at once through one scheduler on a private stack (about 6 minutes).
 bench-load: $(STAMP)

@@ -42,6 +42,7 @@ from functools import partial
 from pathlib import Path
 from typing import TypeVar
 
+from bench.cluster_invariants import booking_violations
 from forgeline.client import Client
 from infra.settings import load_settings
 from infra.tokens import caller_token
@@ -94,20 +95,7 @@ def check(state: ClusterState, watch: Watch) -> None:
     watch.samples += 1
     watch.max_queue = max(watch.max_queue, len(state.queue))
     watch.max_running = max(watch.max_running, len(state.allocations))
-    listed: dict[str, set[str]] = {}
-    for allocation in state.allocations:
-        listed.setdefault(allocation.run_id, set())
-        if listed[allocation.run_id] & {n.node_id for n in allocation.nodes}:
-            watch.violations.append(f"{allocation.run_id} lists a node twice")
-        listed[allocation.run_id] |= {n.node_id for n in allocation.nodes}
-    runs = Counter(a.run_id for a in state.allocations)
-    watch.violations += [f"{run} holds {n} gangs" for run, n in runs.items() if n > 1]
-    for node in state.nodes:
-        if sum(node.jobs.values()) > node.info.gpus:
-            watch.violations.append(f"{node.info.node_id} double-booked: {node.jobs}")
-        for run in node.jobs:
-            if node.info.node_id not in listed.get(run, set()):
-                watch.violations.append(f"{node.info.node_id} held by {run}, not in its gang")
+    watch.violations += booking_violations(state)
     now = datetime.now(UTC)
     started = time.perf_counter()
     schedule(state, now)

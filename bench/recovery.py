@@ -34,69 +34,20 @@ The goodput breakdown of the run with the faults closes the report.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import itertools
-import json
 import os
 import random
 import re
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-from infra.settings import load_settings
+from bench.local_stack import LocalStack
 from worker.chaos import trainer_processes
 from worker.render import goodput_lines
-from worker.stack import free_port_flags
-from workflows.contracts.models import AttemptRecord, RunStatus
+from workflows.contracts.models import AttemptRecord
 
 REPO = Path(__file__).resolve().parent.parent
-FORGELINE = str(Path(sys.executable).parent / "forgeline")
-
-
-class LocalStack:
-    def __init__(self, home: Path, settings: dict[str, str]) -> None:
-        self.home = home
-        self.env = {**os.environ, "FORGELINE_HOME": str(home), **settings}
-
-    def cli(self, *args: str, timeout: float = 600) -> str:
-        done = subprocess.run(
-            [FORGELINE, *args], env=self.env, capture_output=True, text=True, timeout=timeout
-        )
-        if done.returncode != 0:
-            raise RuntimeError(f"forgeline {' '.join(args)}: {done.stdout}{done.stderr[-2000:]}")
-        return done.stdout
-
-    def up(self, nodes: int) -> None:
-        """`forgeline up` on free ports, once more on others if one was taken before the
-        server bound it (a free port is only free when asked: the stack before this one
-        still had processes exiting, and Temporal once failed on 'address already in use')."""
-        for attempt in (1, 2):
-            try:
-                self.cli("up", "--nodes", str(nodes), "--gpus-per-node", "1", *free_port_flags())
-                return
-            except RuntimeError:
-                self.cli("down")
-                if attempt == 2:
-                    raise
-
-    def events(self, run: str, generation: int) -> list[dict]:
-        found = []
-        for path in self.home.glob(f"nodes/*/runs/{run}/gen-{generation}/progress.jsonl"):
-            found += [json.loads(x) for x in path.read_text().splitlines() if x.endswith("}")]
-        return sorted(found, key=lambda e: e["time"])
-
-    def status(self, run: str) -> RunStatus:
-        return asyncio.run(_query_status(self.home, run))
-
-
-async def _query_status(home: Path, run: str) -> RunStatus:
-    from worker.temporal_client import connect
-
-    client = await connect(load_settings(home))
-    return await client.get_workflow_handle(run).query("status", result_type=RunStatus)
 
 
 def spec_file(

@@ -1,0 +1,267 @@
+"""What a soak cost and lost, worked out from the runs' own records (the workflow's attempts,
+the ranks' progress lines, the store), independently of the goodput Forgeline reports so the
+two can be compared:
+
+- per run: how it ended, restarts by cause, steps lost at each failure against half the
+  checkpoint interval, committed checkpoints lost (a generation that resumed from a step older
+  than the newest commit made before it started), goodput as reported and as measured (the
+  steps it kept, at its median step time, over its GPUs' time from the first request to the
+  end of its last gang; a median step includes the wait for the slowest rank, which Forgeline
+  books as straggler time, so that share is shown beside the two), the failure model's
+  prediction (`infra.capacity_plan.goodput` at the run's
+  checkpoint interval, fault rate and measured restart), and its final weights against the
+  fault-free reference of its kind, bitwise;
+- per fault kind: recovery, from the fault to the victim's first step after it;
+- for the soak: nodes double-booked, gangs that waited with nodes free, runs not ended.
+"""
+
+from __future__ import annotations
+
+import itertools
+import statistics
+from collections import Counter, defaultdict
+from pathlib import Path
+
+import torch
+
+from bench.local_stack import LocalStack
+from bench.soak_plan import (
+    CONTROL_PLANE,
+    FaultKind,
+    RunFigures,
+    SoakEvent,
+    SoakRecord,
+    SoakReport,
+)
+from infra.capacity_plan import goodput as modelled_goodput
+from infra.store.protocol import fetch_verified
+from trainer.evaluate import load_model
+from trainer.manifest import find_latest
+from workflows.contracts.models import AttemptCause, AttemptOutcome, Phase, RunStatus
+
+FAULT_KINDS = {k.value for k in FaultKind}
+GANG_ENDINGS = {AttemptOutcome.FAILED, AttemptOutcome.PREEMPTED, AttemptOutcome.SWAPPED}
+
+
+def _steps(events: list[dict]) -> dict[int, float]:
+    return {e["step"]: e["time"] for e in events if e["event"] == "step"}
+
+
+def _commits(events: list[dict]) -> list[tuple[float, int]]:
+    return [(e["time"], e["step"]) for e in events
+            if e["event"] == "checkpoint" and e.get("manifest_key")]  # fmt: skip
+
+
+def run_figures(stack: LocalStack, status: RunStatus, every: int) -> RunFigures:
+    """One run's restarts, lost steps, lost commits and goodput, from its records."""
+    attempts = sorted(status.gang_attempts, key=lambda a: a.generation)
+    events = {a.generation: stack.events(status.name, a.generation) for a in attempts}
+    steps = {g: _steps(e) for g, e in events.items()}
+    lost_steps: list[int] = []
+    lost_commits: list[str] = []
+    gaps: list[float] = []  # last step of a failed gang -> first step of the next
+    committed: list[tuple[float, int]] = []
+    for attempt, following in itertools.pairwise(attempts):
+        committed += _commits(events[attempt.generation])
+        ran, resumed = steps[attempt.generation], steps[following.generation]
+        if attempt.outcome not in GANG_ENDINGS or not resumed:
+            continue
+        resume_step, resumed_at = min(resumed) - 1, min(resumed.values())
+        if ran:
+            lost_steps.append(max(ran) - resume_step)
+            gaps.append(resumed_at - max(ran.values()))
+        newest = max((s for t, s in committed if t < resumed_at), default=0)
+        skipped = any(f"step-{newest}/" in why for why in status.skipped_checkpoints)
+        if resume_step < newest and not skipped:  # passed over as corrupt: said, not lost
+            lost_commits.append(f"gen {following.generation} resumed at {resume_step}, "
+                                f"step {newest} was committed")  # fmt: skip
+    every_step = [t for g in steps.values() for t in _intervals(g)]
+    step_s = statistics.median(every_step) if every_step else 0.0
+    kept = status.total_steps if status.phase not in {Phase.FAILED, Phase.CANCELLED} else 0
+    gpus = attempts[0].gpus if attempts else 0
+    # The GPUs' time as Forgeline counts it (the first request to the end of the last gang),
+    # so that only what is called productive differs between the two.
+    end = attempts[-1].ended_at if attempts else None
+    span = (end - attempts[0].requested_at).total_seconds() if end else 0.0
+    held = (end - attempts[0].granted_at).total_seconds() if end else 0.0
+    failures = sum(1 for a in attempts if a.outcome == AttemptOutcome.FAILED)
+    reported = status.goodput
+    figures = RunFigures(
+        phase=status.phase.value,
+        error=status.error or "",
+        restarts=Counter(a.after.value for a in attempts if a.after != AttemptCause.START),
+        lost_steps=lost_steps,
+        half_interval=every / 2,
+        lost_commits=lost_commits,
+        step_s=step_s,
+        gpus=gpus,
+        gpu_s=reported.gpu_s if reported else 0.0,
+        lost_gpu_s=reported.lost_gpu_s if reported else {},
+        goodput_reported=reported.goodput if reported else None,
+        goodput_measured=kept * step_s / span if span else None,
+    )
+    if failures and held and step_s:
+        restart_s = statistics.mean(gaps) if gaps else 0.0
+        figures.goodput_held_measured = kept * step_s / held
+        figures.goodput_predicted = modelled_goodput(
+            save_s=_save_s(reported.lost_gpu_s if reported else {}, gpus, kept // every),
+            interval_s=every * step_s, restart_s=restart_s, mtbf_s=held / failures,
+        )  # fmt: skip
+    return figures
+
+
+def _intervals(steps: dict[int, float]) -> list[float]:
+    return [steps[s] - steps[s - 1] for s in steps if s - 1 in steps]
+
+
+def _save_s(lost: dict[str, float], gpus: int, saves: int) -> float:
+    """A save's stall, from the run's own account of its checkpoint stalls."""
+    return lost.get("checkpoint stall", 0.0) / gpus / saves if gpus and saves else 0.0
+
+
+def recovery_by_kind(stack: LocalStack, record: SoakRecord) -> dict[str, list[float]]:
+    """Seconds from each fault that hit a gang to its run's first step after it (a stopped
+    rank: after it was let go), and each control-plane fault's outage (to its mend)."""
+    found: dict[str, list[float]] = defaultdict(list)
+    mends = [e for e in record.events if e.what == "mend"]
+    for event in record.events:
+        if event.what not in FAULT_KINDS or "passed over" in event.detail:
+            continue
+        kind = FaultKind(event.what)
+        if kind in CONTROL_PLANE:
+            back = next((m for m in mends if m.at_s >= event.at_s and m.target == event.target),
+                        None)  # fmt: skip
+            if back is not None:
+                found[kind.value].append(back.at_s - event.at_s)
+            continue
+        if event.run and (seconds := _next_step_after(stack, record, event)) is not None:
+            found[kind.value].append(seconds)
+    return found
+
+
+def _next_step_after(stack: LocalStack, record: SoakRecord, fault: SoakEvent) -> float | None:
+    """Seconds from the fault to its victim's first step in a later gang (a stopped rank: its
+    first step after it was let go, in any gang); None when the run never trained again."""
+    at = record.started_epoch + fault.at_s
+    stopped = fault.what == FaultKind.STOP_RANK
+    if stopped:
+        at += fault.hold_s
+    generations = sorted(
+        int(p.name.removeprefix("gen-")) for p in stack.home.glob(f"nodes/*/runs/{fault.run}/gen-*")
+    )
+    later = [
+        t
+        for g in generations
+        if g > fault.generation or (stopped and g == fault.generation)
+        for t in _steps(stack.events(fault.run, g)).values()
+        if t > at
+    ]
+    return min(later) - (record.started_epoch + fault.at_s) if later else None
+
+
+def same_weights(stack: LocalStack, run: str, reference: str, scratch: Path) -> bool | None:
+    """Whether two runs' last committed checkpoints hold bitwise the same model (None: one of
+    them has none)."""
+    store = stack.store()
+    loaded = []
+    for name in (run, reference):
+        found = find_latest(store, name, max_generation=10**9)
+        if found is None:
+            return None
+        folder = scratch / f"{name}-step-{found.step}"
+        prefix = found.key.rsplit("/", 1)[0] + "/"
+        for entry in found.manifest.files:
+            dest = folder / entry.key.removeprefix(prefix)
+            fetch_verified(store, entry.key, dest, entry.sha256, entry.bytes)
+        loaded.append(load_model(folder, found.manifest.network).state_dict())
+    mine, theirs = loaded
+    return mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in theirs)
+
+
+def build_report(
+    stack: LocalStack,
+    record: SoakRecord,
+    references: dict[str, str],
+    ended: dict[str, Phase],
+    scratch: Path,
+) -> SoakReport:
+    api = stack.api()
+    runs: dict[str, RunFigures] = {}
+    for planned in record.runs:
+        status = api.status(planned.name).status
+        figures = run_figures(stack, status, record.plan.checkpoint_every)
+        reference = references.get(planned.name)
+        if reference and reference != planned.name and status.phase != Phase.FAILED:
+            figures.bitwise = same_weights(stack, planned.name, reference, scratch)
+        runs[planned.name] = figures
+    fired = [e for e in record.events if e.what in FAULT_KINDS]
+    return SoakReport(
+        runs=runs,
+        not_ended=sorted(r.name for r in record.runs if r.name not in ended),
+        violations=[e.detail for e in record.events if e.what == "violation"],
+        waited_free=[f"{e.target}: {e.detail}" for e in record.events if e.what == "waited-free"],
+        recovery_s=recovery_by_kind(stack, record),
+        faults=Counter(e.what for e in fired if "passed over" not in e.detail),
+        passed_over=sum(1 for e in fired if "passed over" in e.detail),
+    )
+
+
+def _percentiles(values: list[float]) -> str:
+    if not values:
+        return "-"
+    ordered = sorted(values)
+    p50 = statistics.median(ordered)
+    p95 = ordered[min(len(ordered) - 1, round(0.95 * (len(ordered) - 1)))]
+    return f"{p50:.1f} / {p95:.1f} / {ordered[-1]:.1f} s (n={len(ordered)})"
+
+
+def _share(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1%}"
+
+
+def print_report(record: SoakRecord) -> int:
+    """The soak's tables; 1 when a target is missed (a run not ended, a node booked twice, a
+    committed checkpoint lost, weights not bitwise their reference's), else 0."""
+    report = record.report or SoakReport()
+    plan = record.plan
+    print(f"\nsoak: {plan.duration_s / 60:.0f} min, a fault every {plan.mean_interval_s:.0f} s on "
+          f"average (seed {plan.seed}), {plan.nodes} nodes; fired {sum(report.faults.values())}"
+          f" {dict(report.faults)}, passed over {report.passed_over}")  # fmt: skip
+    header = ("run", "ended", "restarts", "lost steps: mean of half the interval",
+              "goodput reported", "measured", "of the gap: straggler", "held: measured",
+              "predicted", "bitwise")  # fmt: skip
+    rows = [header]
+    for name, run in report.runs.items():
+        lost = f"{statistics.mean(run.lost_steps):.0f}" if run.lost_steps else "-"
+        rows.append((
+            name, run.phase, str(sum(run.restarts.values())) + f" {run.restarts or ''}",
+            f"{lost} of {run.half_interval:.0f} {run.lost_steps}",
+            _share(run.goodput_reported), _share(run.goodput_measured),
+            _share(run.lost_gpu_s.get("straggler", 0.0) / run.gpu_s if run.gpu_s else None),
+            _share(run.goodput_held_measured), _share(run.goodput_predicted),
+            {True: "yes", False: "NO", None: "-"}[run.bitwise],
+        ))  # fmt: skip
+    _table(rows)
+    print()
+    recovery = sorted(report.recovery_s.items())
+    _table([("fault", "recovery p50 / p95 / max"), *((k, _percentiles(s)) for k, s in recovery)])
+    lost = [c for run in report.runs.values() for c in run.lost_commits]
+    mismatched = [n for n, run in report.runs.items() if run.bitwise is False]
+    print()
+    _table([
+        ("check", "found"),
+        ("runs not ended", str(report.not_ended or 0)),
+        ("nodes or runs double-booked", str(len(report.violations))),
+        ("committed checkpoints lost", str(len(lost))),
+        ("gangs that waited > 10 s with nodes free", str(len(report.waited_free))),
+        ("runs not bitwise their reference", str(mismatched or 0)),
+    ])  # fmt: skip
+    for line in report.violations[:10] + lost[:10] + report.waited_free[:10]:
+        print("  ", line)
+    return 1 if report.not_ended or report.violations or lost or mismatched else 0
+
+
+def _table(rows: list[tuple[str, ...]]) -> None:
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    for row in rows:
+        print("  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)))
