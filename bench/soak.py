@@ -22,6 +22,7 @@ checkpoint lost, or a deterministic run's weights not bitwise its reference's.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import sys
 import tempfile
@@ -110,12 +111,18 @@ class Soak:
         print(f"{event.at_s:8.1f}  {what:<16} {target:<22} {detail}", flush=True)
 
     def submit(self, team: str, kind: RunKind | None = None) -> str:
+        """Submit the team's next run; raises what the API raised (Temporal or the API down:
+        the stream tries again at its next turn, under the next number)."""
         number = next(self.numbering)
         run = PlannedRun(
             name=f"soak-{team}-{number:02d}", team=team, kind=kind or KINDS[number % len(KINDS)],
             preemptible=team == BORROWER,
         )  # fmt: skip
-        self.stack.api().submit(run_spec(self.plan, run))
+        try:
+            self.stack.api().submit(run_spec(self.plan, run))
+        except Exception as refused:
+            self.note("submit-failed", run.name, str(refused)[-200:])
+            raise
         self.runs[run.name] = run
         self.record.runs.append(run)
         self.note("submit", run.name, f"{run.kind} team {team}")
@@ -158,7 +165,8 @@ class Soak:
         for team in (GUARANTEED, BORROWER):
             in_flight = [n for n, r in self.runs.items() if r.team == team and n not in self.ended]
             if not in_flight:
-                self.submit(team)
+                with contextlib.suppress(Exception):  # noted; tried again next turn
+                    self.submit(team)
 
     def fire(self, fault: Fault, state: ClusterState | None, injector: Injector) -> None:
         try:

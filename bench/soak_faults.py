@@ -68,7 +68,7 @@ class Injector:
             case FaultKind.MLFLOW_DOWN:
                 return self._kill(MLFLOW, signal.SIGTERM, fault.hold_s)
             case FaultKind.PREEMPT:
-                return Fired(self.submit_reclaimer(), "the guaranteed team asks for its nodes")
+                return self._reclaim()
             case FaultKind.DRAIN:
                 return self._drain(_gang_node(state, fault.pick), fault.hold_s)
         raise ValueError(f"no injector for {fault.kind}")
@@ -94,6 +94,13 @@ class Injector:
             self.stack.cli(*args, timeout=120)
         except RuntimeError as refused:
             raise PassedOver(str(refused).strip().splitlines()[-1][-300:]) from refused
+
+    def _reclaim(self) -> Fired:
+        try:
+            run = self.submit_reclaimer()
+        except Exception as refused:  # the API or Temporal is down at that moment
+            raise PassedOver(f"the reclaiming run was not accepted: {refused}") from refused
+        return Fired(run, "the guaranteed team asks for its nodes")
 
     def _kill_agent(self, node: str, repair_after_s: float) -> Fired:
         pid = ManagedProcess(self.stack.home, node).pid()

@@ -12,6 +12,7 @@ import dataclasses
 import getpass
 import os
 import sys
+import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -163,7 +164,7 @@ async def _up(
     if external := set_in_environment("temporal_address"):
         temporal_address, ui_url = external, recorded.temporal_ui_url
         say(f"temporal      external at {temporal_address} ({setting_label('temporal_address')})")
-    elif temporal.running():
+    elif temporal.running() and _settles(temporal, recorded.temporal_address):
         temporal_address, ui_url = recorded.temporal_address, recorded.temporal_ui_url
         say(f"temporal      running (pid {temporal.pid()}) at {temporal_address}")
     else:
@@ -295,6 +296,23 @@ async def _up(
     if spares is not None:
         await _hold_spares(client, state.config, spares, say)
     return settings
+
+
+def _settles(server: ManagedProcess, address: str, within_s: float = 20.0) -> bool:
+    """Whether a server we started and that still runs answers at `address` (waiting for it
+    while it is still starting), False once it has exited. A server stopped a moment ago may
+    still be on its way down: `up` then took it for running and failed to reach it ("cannot
+    reach Temporal ... connection refused", found by bench/soak.py); now it waits for the end
+    and starts it again."""
+    host, _, port = address.rpartition(":")
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        if not server.running():
+            return False
+        if port.isdigit() and port_is_open(host or "127.0.0.1", int(port)):
+            return True
+        time.sleep(0.2)
+    return True  # neither: reaching it fails below, naming the address
 
 
 def _local_confinement(say: Callable[[str], None]) -> list[str]:

@@ -1,11 +1,13 @@
 import socket
+import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
 from infra.errors import StackError
-from infra.processes import free_port, free_ports
-from worker.stack import _port, _port_of
+from infra.processes import ManagedProcess, free_port, free_ports
+from worker.stack import _port, _port_of, _settles
 
 
 @pytest.fixture
@@ -50,3 +52,25 @@ def test_ports_chosen_together_are_distinct(busy_port: int) -> None:
     assert _port(None, None, busy_port, temporal) not in (busy_port, temporal)
     with pytest.raises(StackError, match=f"port {temporal} is already in use"):
         _port(temporal, None, busy_port, temporal)
+
+
+def test_a_server_on_its_way_down_is_waited_for_not_taken_for_running(tmp_path: Path) -> None:
+    """`up` right after Temporal was stopped (an upgrade) found its process still alive, took it
+    for running and failed to reach it (found by bench/soak.py): a server that runs without
+    answering is waited for, and one that exits meanwhile is started again."""
+    closed = free_port()
+    exiting = ManagedProcess(tmp_path, "exiting")
+    exiting.start([sys.executable, "-c", "import time; time.sleep(1)"])
+    assert exiting.running()
+    assert _settles(exiting, f"127.0.0.1:{closed}") is False  # it ended: start another
+
+    with socket.socket() as listening:
+        listening.bind(("127.0.0.1", 0))
+        listening.listen()
+        port = listening.getsockname()[1]
+        serving = ManagedProcess(tmp_path, "serving")
+        serving.start([sys.executable, "-c", "import time; time.sleep(30)"])
+        try:
+            assert _settles(serving, f"127.0.0.1:{port}") is True  # it answers: running
+        finally:
+            serving.stop()
