@@ -19,12 +19,17 @@ from worker.stack import free_port_flags
 from workflows.contracts.models import RunStatus
 
 FORGELINE = str(Path(sys.executable).parent / "forgeline")
+_NOT_INHERITED = ("FORGELINE_", "AWS_", "MLFLOW_")
 
 
 class LocalStack:
     def __init__(self, home: Path, settings: dict[str, str]) -> None:
         self.home = home
-        self.env = {**os.environ, "FORGELINE_HOME": str(home), **settings}
+        # Private: none of the caller's Forgeline, store or MLflow settings. A test run after
+        # the e2e stack's had that stack's MLflow login in its environment, and the soak's
+        # control worker signed in to its own MLflow with it (401 on every registration).
+        own = {k: v for k, v in os.environ.items() if not k.startswith(_NOT_INHERITED)}
+        self.env = {**own, "FORGELINE_HOME": str(home), **settings}
 
     def cli(self, *args: str, timeout: float = 600) -> str:
         done = subprocess.run(

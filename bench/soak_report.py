@@ -84,7 +84,9 @@ def run_figures(stack: LocalStack, status: RunStatus, every: int) -> RunFigures:
     end = attempts[-1].ended_at if attempts else None
     span = (end - attempts[0].requested_at).total_seconds() if end else 0.0
     held = (end - attempts[0].granted_at).total_seconds() if end else 0.0
-    failures = sum(1 for a in attempts if a.outcome == AttemptOutcome.FAILED)
+    # Every gang that ended early costs what the model charges a failure: the steps since the
+    # last checkpoint (none for a preemption, which checkpoints first) and the restart.
+    interruptions = sum(1 for a in attempts if a.outcome in GANG_ENDINGS)
     reported = status.goodput
     figures = RunFigures(
         phase=status.phase.value,
@@ -100,12 +102,12 @@ def run_figures(stack: LocalStack, status: RunStatus, every: int) -> RunFigures:
         goodput_reported=reported.goodput if reported else None,
         goodput_measured=kept * step_s / span if span else None,
     )
-    if failures and held and step_s:
+    if interruptions and held and step_s:
         restart_s = statistics.mean(gaps) if gaps else 0.0
         figures.goodput_held_measured = kept * step_s / held
         figures.goodput_predicted = modelled_goodput(
             save_s=_save_s(reported.lost_gpu_s if reported else {}, gpus, kept // every),
-            interval_s=every * step_s, restart_s=restart_s, mtbf_s=held / failures,
+            interval_s=every * step_s, restart_s=restart_s, mtbf_s=held / interruptions,
         )  # fmt: skip
     return figures
 
