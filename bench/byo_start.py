@@ -4,7 +4,7 @@ image (issue 46's benchmark; bench/byo.py times the environment alone, node-side
 
     python -m bench.byo_start [--repeats 3]
 
-Starts a private stack in a temporary FORGELINE_HOME (bench.recovery.LocalStack: Temporal dev
+Starts a private stack in a temporary FORGELINE_HOME (bench.local_stack.LocalStack: Temporal dev
 server, MLflow, control worker, one node agent of one rank slot, on free ports), its data roots
 at examples/data, podman on runc (tests/e2e/containers.conf) and uv's cache in an empty folder
 of its own (UV_CACHE_DIR). Each subject is examples/byo/plain (the plain torchrun script, as
@@ -49,7 +49,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench.recovery import REPO, LocalStack, wait_for
+from bench.local_stack import LocalStack
+from bench.recovery import REPO, wait_for
 from bench.trainer import table
 from infra.user_envs import built
 from tests.e2e.images import ensure_test_image
