@@ -34,7 +34,7 @@ from bench.soak_plan import (
     SoakReport,
 )
 from infra.capacity_plan import goodput as modelled_goodput
-from infra.store.protocol import fetch_verified
+from trainer.checkpoint import fetch_checkpoint
 from trainer.evaluate import load_model
 from trainer.manifest import find_latest
 from workflows.contracts.models import AttemptCause, AttemptOutcome, Phase, RunStatus
@@ -170,11 +170,7 @@ def same_weights(stack: LocalStack, run: str, reference: str, scratch: Path) -> 
         found = find_latest(store, name, max_generation=10**9)
         if found is None:
             return None
-        folder = scratch / f"{name}-step-{found.step}"
-        prefix = found.key.rsplit("/", 1)[0] + "/"
-        for entry in found.manifest.files:
-            dest = folder / entry.key.removeprefix(prefix)
-            fetch_verified(store, entry.key, dest, entry.sha256, entry.bytes)
+        folder = fetch_checkpoint(store, found.manifest, scratch / f"{name}-step-{found.step}")
         loaded.append(load_model(folder, found.manifest.network).state_dict())
     mine, theirs = loaded
     return mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in theirs)

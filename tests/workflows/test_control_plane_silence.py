@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from pathlib import Path
 
 from temporalio import activity
 from temporalio.client import Client
@@ -28,13 +27,12 @@ from tests.workflows.test_training_run_history import (
     stack_workers,
     start_cluster_and_run,
     terminated_after,
+    tiny_spec,
 )
-from worker.specfile import load_spec
 from workflows.cluster import ClusterWorkflow
 from workflows.contracts.cluster_models import ClusterState, Health
 from workflows.contracts.models import NodeTrainInput, NodeTrainResult, Phase
 
-REPO = Path(__file__).resolve().parents[2]
 HEARTBEAT_TIMEOUT_S = 2
 LABEL = "2026-12-07-silence"
 
@@ -63,11 +61,7 @@ class LiveAgents:
 def test_heartbeats_lost_to_the_control_plane_leave_the_nodes_in_service(
     temporal_address: str, task_queue: str
 ) -> None:
-    spec = load_spec(REPO / "examples" / "tiny.toml")
-    spec = spec.model_copy(update={
-        "name": "silence",
-        "recovery": spec.recovery.model_copy(update={"heartbeat_timeout_s": HEARTBEAT_TIMEOUT_S}),
-    })  # fmt: skip
+    spec = tiny_spec("silence", HEARTBEAT_TIMEOUT_S)
 
     async def main() -> tuple[object, ClusterState]:
         client = await Client.connect(temporal_address, data_converter=pydantic_data_converter)

@@ -32,8 +32,8 @@ from tests.workflows.test_training_run_history import (
     stack_workers,
     start_cluster_and_run,
     terminated_after,
+    tiny_spec,
 )
-from worker.specfile import load_spec
 from workflows.cluster import ClusterWorkflow
 from workflows.contracts.cluster_models import ClusterConfig
 from workflows.contracts.models import CheckpointRef, NodeTrainInput, NodeTrainResult, Phase
@@ -76,11 +76,7 @@ class Survivors:
 def test_a_dead_node_is_left_behind_without_waiting_for_its_heartbeat_timeout(
     temporal_address: str, task_queue: str, tmp_path: Path
 ) -> None:
-    spec = load_spec(REPO / "examples" / "tiny.toml")
-    spec = spec.model_copy(update={
-        "name": "dead-node",
-        "recovery": spec.recovery.model_copy(update={"heartbeat_timeout_s": HEARTBEAT_TIMEOUT_S}),
-    })  # fmt: skip
+    spec = tiny_spec("dead-node", HEARTBEAT_TIMEOUT_S)
     started = tmp_path / "n1-started"
     doomed = subprocess.Popen(
         [sys.executable, "-m", "tests.workflows.doomed_agent", temporal_address, "n1", "a",

@@ -256,6 +256,14 @@ def one_node_spec(name: str) -> RunSpec:
     })  # fmt: skip
 
 
+def tiny_spec(name: str, heartbeat_timeout_s: float) -> RunSpec:
+    """examples/tiny.toml as run `name`, its gang given up on after `heartbeat_timeout_s`
+    without a heartbeat."""
+    spec = load_spec(REPO / "examples" / "tiny.toml")
+    recovery = spec.recovery.model_copy(update={"heartbeat_timeout_s": heartbeat_timeout_s})
+    return spec.model_copy(update={"name": name, "recovery": recovery})
+
+
 async def _preempt_many_times(client: Client, task_queue: str) -> tuple[RunStatus, list[str], str]:
     spec = one_node_spec("flapping")
     agent = Node()
