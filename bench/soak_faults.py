@@ -16,6 +16,7 @@ import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 from bench.local_stack import LocalStack
 from bench.soak_plan import Fault, FaultKind, PlannedRun, RunKind
@@ -27,7 +28,6 @@ from workflows.contracts.cluster_models import ClusterState
 
 SHADOW_EVERY = 10  # the shadow-checked runs' recovery.shadow_every
 GRADIENT_SCALE = 1.5  # finite, wrong: only a shadow check can tell
-SCALE_AHEAD_STEPS = 100  # a multiple of SHADOW_EVERY
 
 
 @dataclass
@@ -136,18 +136,42 @@ class Injector:
         run = checked[pick % len(checked)]
         allocation = next(a for a in state.allocations if a.run_id == run)
         node = allocation.nodes[pick // len(checked) % len(allocation.nodes)].node_id
-        step = max(
-            (e["step"] for e in self.stack.events(run, allocation.generation) if "step" in e),
+        # Held still while the step is read and the order written: the command takes a second
+        # or more and the tiny model trains dozens of steps a second, so an order aimed ahead
+        # of a moving run could arrive after its step and land on an unchecked one, changing
+        # the weights unseen (2 of 13 runs of a 20-minute soak; a run of the short soak in CI).
+        held = [pid for pid in trainer_processes(self.stack.home, run=run) if not _stopped(pid)]
+        for pid in held:
+            _signal(pid, signal.SIGSTOP)
+        try:
+            step = self._latest_step(run, allocation.generation)
+            # The checked step after the next: a rank may be one step past its last line.
+            at = (step // SHADOW_EVERY + 2) * SHADOW_EVERY
+            self._cli("chaos", "corrupt-grad", node, "--finite", "--scale", str(GRADIENT_SCALE),
+                      "--at-step", str(at), "--run", run)  # fmt: skip
+        finally:
+            for pid in held:
+                _signal(pid, signal.SIGCONT)
+        return Fired(f"{run}@{node}", f"gradients ×{GRADIENT_SCALE} at step {at}")
+
+    def _latest_step(self, run: str, generation: int) -> int:
+        """The furthest step `run`'s ranks logged in this generation or a later one (the gang
+        may have been replaced since the cluster state was read: a resumed gang starts at or
+        before where its predecessor got to)."""
+        generations = {
+            int(folder.name.removeprefix("gen-"))
+            for folder in self.stack.home.glob(f"nodes/*/runs/{run}/gen-*")
+        }
+        return max(
+            (
+                event["step"]
+                for g in generations
+                if g >= generation
+                for event in self.stack.events(run, g)
+                if "step" in event
+            ),
             default=0,
         )
-        # A checked step well ahead: the order must reach the rank before its step comes (the
-        # command takes a second or two; the tiny model trains dozens of steps a second), so
-        # the corruption lands on a step the shadow check recomputes. Two checked steps ahead
-        # was too close: it landed on unchecked steps and changed the weights unseen.
-        at = (step // SHADOW_EVERY + 1) * SHADOW_EVERY + SCALE_AHEAD_STEPS
-        self._cli("chaos", "corrupt-grad", node, "--finite", "--scale", str(GRADIENT_SCALE),
-                  "--at-step", str(at))  # fmt: skip
-        return Fired(f"{run}@{node}", f"gradients ×{GRADIENT_SCALE} at step {at}")
 
     def _fail_health(self, node: str, hold_s: float) -> Fired:
         folder = self.stack.home / "nodes" / node
@@ -181,6 +205,14 @@ def _gang_node(state: ClusterState, pick: int) -> str:
     if not nodes:
         raise PassedOver("no gang is running")
     return nodes[pick % len(nodes)]
+
+
+def _stopped(pid: int) -> bool:
+    """Whether the process is stopped already (by a stop-rank fault, which mends it later)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "T"
+    except OSError:
+        return False
 
 
 def _signal(pid: int, how: signal.Signals) -> None:

@@ -44,6 +44,10 @@ chaos_app = typer.Typer(
 )
 _JOB_FILE = re.compile(r"[^\0 ]+/job\.json")
 NodeArg = Annotated[str, typer.Argument(help="the node id, as `forgeline nodes` shows it")]
+# A node with several GPUs can hold several runs' jobs at once; an order for one of them only.
+RunOpt = Annotated[
+    str | None, typer.Option("--run", help="only this run's ranks on the node (default: all)")
+]
 
 commands = typer.Typer()
 commands.add_typer(chaos_app, name="chaos")
@@ -83,10 +87,13 @@ def _job_folders(pids: list[int]) -> set[Path]:
     return folders
 
 
-def _ranks_of(node: str) -> list[int]:
-    pids = trainer_processes(get_settings().home, node)
+def _ranks_of(node: str, run: str | None = None) -> list[int]:
+    if run is not None:
+        check_name(run)  # it becomes part of a path pattern
+    pids = trainer_processes(get_settings().home, node, run)
     if not pids:
-        raise CliError(f"node {node} runs no training ranks now: nothing to do")
+        of_run = f" of run {run}" if run else ""
+        raise CliError(f"node {node} runs no training ranks{of_run} now: nothing to do")
     return pids
 
 
@@ -175,6 +182,7 @@ def corrupt_grad(
     scale: Annotated[
         float, typer.Option(help="with --finite: multiply this rank's gradients by this")
     ] = 1.02,
+    run: RunOpt = None,
 ) -> None:
     """Make the node's ranks poison their gradients once, at their next step (or `--at-step`):
     a NaN, or with `--finite` the gradients times `--scale`, as a device that is wrong rather
@@ -187,7 +195,7 @@ def corrupt_grad(
             ExitCode.BAD_INPUT,
         )
     words = ["corrupt-grad", str(at_step or 0)] + ([repr(scale)] if finite else [])
-    jobs = _order(node, words)
+    jobs = _order(node, words, run)
     how = f"scaled by {scale}" if finite else "corrupted (NaN)"
     console.print(f"{node}: gradients will be {how} {_when(at_step)} ({jobs} job(s))")
 
@@ -199,12 +207,13 @@ def flip_bit(
         int | None,
         typer.Option(min=1, help="flip before this step (or the next, if it has passed)"),
     ] = None,
+    run: RunOpt = None,
 ) -> None:
     """Flip the lowest bit of one weight on the node's first rank, before its next step (or
     `--at-step`): a finite error that stays in that rank's copy of the model. Only a shadow
     check (recovery.shadow_every) sees it: it names the node at the next checked step."""
     check_name(node, "node id")
-    jobs = _order(node, ["flip-bit", str(at_step or 0)])
+    jobs = _order(node, ["flip-bit", str(at_step or 0)], run)
     console.print(f"{node}: one weight's lowest bit will flip {_when(at_step)} ({jobs} job(s))")
 
 
@@ -212,10 +221,10 @@ def _when(at_step: int | None) -> str:
     return f"at step {at_step}" if at_step else "at the next step"
 
 
-def _order(node: str, words: list[str]) -> int:
-    """Leave a fault for the node's running jobs' first ranks (trainer.grad_watch.chaos_order);
-    how many jobs got it."""
-    folders = _job_folders(_ranks_of(node))
+def _order(node: str, words: list[str], run: str | None) -> int:
+    """Leave a fault for the node's running jobs' first ranks (trainer.grad_watch.chaos_order),
+    or one run's only; how many jobs got it."""
+    folders = _job_folders(_ranks_of(node, run))
     for folder in folders:
         # Written whole, then renamed: a rank reading a half-written file would act at once.
         partial = folder / f".{CHAOS_FILE}.partial"
