@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -34,16 +35,26 @@ def test_the_twin_serves_resume_and_evaluation_while_the_primary_is_down(
     )  # fmt: skip
     stack.cli("run", str(spec), "--detach")
     twin = stack.twin()
-    # Strike as soon as the twin holds a checkpoint, with no CLI call in between: 300 tiny steps
-    # take a few seconds, and a status or replication call first let the run finish untouched.
+    primary = stack.primary()
     _generation, nodes = wait_for(
         lambda: (gang := gang_of(stack, "tiny-twin"))[0] and gang, 120, "a gang"
     )
     agent = int((stack.home / "run" / f"{nodes[1]}.pid").read_text().split()[0])
-    wait_for(lambda: committed_steps(twin, "tiny-twin"), 120, "a checkpoint on the twin", 0.02)
+    # 300 tiny steps take a few seconds, and the replicator copies a checkpoint within a few:
+    # unheld, the run committed its last step on the primary before the cut (and there was no
+    # outage left to survive). So the gang is held still (SIGSTOP) from its first commit until
+    # the twin holds that checkpoint and the primary is cut off.
+    wait_for(lambda: committed_steps(primary, "tiny-twin"), 120, "a checkpoint", 0.02)
+    held = ranks_of(stack.home, "tiny-twin")
+    for pid in held:
+        os.kill(pid, signal.SIGSTOP)
+    wait_for(lambda: committed_steps(twin, "tiny-twin"), 120, "a checkpoint on the twin")
     stack.sites.partition.cut()
     try:
         os.kill(agent, signal.SIGKILL)
+        for pid in held:  # those of the dead node are gone already
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
         wait_for(lambda: not any(map(alive, ranks_of(stack.home, "tiny-twin"))), 60, "the gang")
         stack.cli("up", "--nodes", "3")
         followed = stack.cli("run", str(spec), timeout=240)  # under pytest's 300 s: logs shown
@@ -71,7 +82,7 @@ def test_the_twin_serves_resume_and_evaluation_while_the_primary_is_down(
     assert re.search(r"evaluation +val_loss [\d.]+", status), status
     # The later checkpoints were committed during the outage: on the twin, not the primary.
     assert 300 in committed_steps(twin, "tiny-twin")
-    assert 300 not in committed_steps(stack.primary(), "tiny-twin")
+    assert 300 not in committed_steps(primary, "tiny-twin")
     store = stack.store()
     final = find_latest(store, "tiny-twin", max_generation=10**9)
     expected = find_latest(store, reference, max_generation=10**9)
