@@ -6,6 +6,7 @@ the workflow.
 from __future__ import annotations
 
 import asyncio
+import builtins
 from datetime import datetime, timedelta
 
 from temporalio import workflow
@@ -177,6 +178,52 @@ def stopped_early(
         for r in results
         if r.stopped and not reached_the_end(train, r)
     ]
+
+
+def ended_at_the_end(train: TrainSpec, handle: workflow.ActivityHandle) -> bool:
+    """The node's activity returned with its ranks at the run's end."""
+    return handle.done() and handle.exception() is None and reached_the_end(train, handle.result())
+
+
+async def stop_left_behind(
+    allocation: Allocation,
+    handles: list[workflow.ActivityHandle],
+    train: TrainSpec,
+    grace: timedelta,
+) -> tuple[list[workflow.ActivityHandle], list[HealthEvent]]:
+    """Once one node's ranks have ended at the run's end, the others' end within seconds. A
+    rank stuck in its own teardown never does (a script's process group freed with its peer
+    gone, seen with gloo): its node's activity runs on, the gang is never done, and the run
+    waited in TRAINING for ever. Past `grace` those nodes' ranks are stopped and reported; the
+    gang has ended all the same (its checkpoints are committed; the node is not blamed).
+    Returns the activities stopped, and what is reported of them."""
+    if all(h.done() for h in handles) or not any(ended_at_the_end(train, h) for h in handles):
+        return [], []
+
+    def over() -> bool:  # all ended, or one failed meanwhile (then the gang failed after all)
+        return all(h.done() for h in handles) or any(
+            h.done() and h.exception() is not None for h in handles
+        )
+
+    try:
+        await workflow.wait_condition(over, timeout=grace)
+        return [], []
+    except builtins.TimeoutError:
+        pass
+    left = [(node, h) for node, h in zip(allocation.nodes, handles, strict=True) if not h.done()]
+    await cancel_all([h for _, h in left])
+    reported = [
+        HealthEvent(
+            generation=allocation.generation,
+            node_id=node.node_id,
+            kind="left-behind",
+            evidence=f"its ranks had not exited {grace.total_seconds():g} s after another "
+            "node's ended at the run's end (stuck in their teardown?): stopped",
+            at=workflow.now(),
+        )
+        for node, _ in left
+    ]
+    return [h for _, h in left], reported
 
 
 def _request_cancel(handles: list[workflow.ActivityHandle]) -> None:

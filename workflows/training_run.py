@@ -71,8 +71,10 @@ with workflow.unsafe.imports_passed_through():
         answering_after_timeout,
         cancel_all,
         describe,
+        ended_at_the_end,
         failures_of,
         reached_the_end,
+        stop_left_behind,
         stopped_early,
         straggler_swap,
         swap_refused,
@@ -554,21 +556,31 @@ class TrainingRun:
             )
             for node in allocation.nodes
         ]
+        # Runs from before waited for every node, even one whose ranks never exit.
+        lingering = workflow.patched("stop-ranks-left-behind")
+        train = self._spec.train
         try:
             await workflow.wait_condition(
                 lambda: (
                     self._preempt is not None
                     or all(h.done() for h in handles)
                     or any(h.done() and h.exception() is not None for h in handles)
+                    or (lingering and any(ended_at_the_end(train, h) for h in handles))
                 )
             )
         except asyncio.CancelledError:
             await cancel_all(handles)
             raise
+        left: list[workflow.ActivityHandle] = []
+        if lingering and self._preempt is None:
+            grace = timedelta(seconds=self._spec.recovery.exit_grace_s)
+            left, reported = await stop_left_behind(allocation, handles, train, grace)
+            self._status.health = newest(self._status.health, reported)
         if self._preempt is not None and not all(h.done() for h in handles):
             await self._stop_gracefully(allocation, handles, self._preempt)
-        if all(h.done() and h.exception() is None for h in handles):
-            results = [h.result() for h in handles]
+        ended = [h for h in handles if h not in left]
+        if all(h.done() and h.exception() is None for h in ended):
+            results = [h.result() for h in ended]
             # A peer-tier checkpoint the gang could not assemble, and why (the ranks said).
             add_skipped(self._status, [why for r in results for why in r.skipped])
             if self._preempt is not None and not reached_the_end(self._spec.train, results[0]):

@@ -545,6 +545,13 @@ class RecoverySpec(_Strict):
         20.0, gt=1, le=10_000, description="no progress for this × the median report gap: hung"
     )
     hang_min_s: float = Field(60.0, ge=1, description="never call a hang sooner than this")
+    exit_grace_s: float = Field(
+        120.0,
+        ge=1,
+        le=3600,
+        description="once one node's ranks have ended at the run's end, how long the other "
+        "nodes' may take to exit before they are stopped (a rank stuck in its teardown)",
+    )
     start_limit_s: float = Field(
         1800.0,
         ge=1,
