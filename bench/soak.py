@@ -137,7 +137,7 @@ class Soak:
     def watch(self, state: ClusterState) -> None:
         for violation in booking_violations(state):
             self.note("violation", detail=violation)
-        free = sum(1 for n in state.nodes if n.schedulable and not n.spare and n.free >= 1)
+        free = _free_nodes(state)
         now = self.now()
         queued = {r.run_id: r for r in state.queue}
         for run_id, since in list(self.waiting_free_since.items()):
@@ -177,6 +177,7 @@ class Soak:
             self.note(fault.kind.value, detail=f"passed over: {why}")
             return
         self.note(fault.kind.value, fired.target, fired.detail, hold_s=fault.hold_s,
+                  free_nodes=_free_nodes(state) if state else None,
                   **_victim(fired.target, state))  # fmt: skip
         if fired.mend is not None:
             self.mends.append((self.now() + fired.mend_after_s, fault, fired))
@@ -194,6 +195,11 @@ class Soak:
             self.note("mend", fired.target, f"{fault.kind.value}: {fired.mend()}")
         except Exception as error:  # mended again by the final `up`
             self.note("mend-failed", fired.target, str(error)[-300:])
+
+
+def _free_nodes(state: ClusterState) -> int:
+    """Nodes a gang could be granted now (in service, not held back as spares, a GPU free)."""
+    return sum(1 for n in state.nodes if n.schedulable and not n.spare and n.free >= 1)
 
 
 def _victim(target: str, state: ClusterState | None) -> dict[str, Any]:

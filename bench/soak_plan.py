@@ -74,6 +74,15 @@ class SoakEvent(BaseModel):
     run: str = ""  # the run whose gang a fault hit, and its generation then
     generation: int = 0
     hold_s: float = 0.0  # how long the fault was to last
+    free_nodes: int | None = None  # nodes free for a gang when a fault fired (a spare to move to)
+
+
+class Interruption(BaseModel):
+    """A gang that ended early (failed, preempted, swapped out), and what it cost its run."""
+
+    outcome: str  # AttemptOutcome: failed, preempted, swapped
+    lost_steps: int  # trained again by the next gang that trained
+    restart_s: float  # its last step to the next gang's first, less any wait for nodes to free
 
 
 class RunFigures(BaseModel):
@@ -82,7 +91,7 @@ class RunFigures(BaseModel):
     phase: str
     error: str = ""
     restarts: dict[str, int] = {}  # by what the new gang followed: failure, preemption, swap
-    lost_steps: list[int] = []  # steps trained again after each gang that ended early
+    interruptions: list[Interruption] = []
     half_interval: float
     lost_commits: list[str] = []  # must stay empty
     step_s: float = 0.0  # median
@@ -91,9 +100,17 @@ class RunFigures(BaseModel):
     lost_gpu_s: dict[str, float] = {}  # as reported, by cause
     goodput_reported: float | None = None
     goodput_measured: float | None = None
-    goodput_held_measured: float | None = None  # from the first grant: what the model predicts
+    # The failure model's own terms, measured: the kept steps' work, the saves' stalls, the
+    # steps trained again and the restarts, in seconds of the run's gangs (`scope_s`); the
+    # model (infra.capacity_plan.goodput) predicts the share of work in them.
+    scope_s: float = 0.0
+    goodput_scope_measured: float | None = None
     goodput_predicted: float | None = None
     bitwise: bool | None = None  # final weights against the fault-free reference of its kind
+
+    @property
+    def lost_steps(self) -> list[int]:
+        return [i.lost_steps for i in self.interruptions]
 
 
 class SoakReport(BaseModel):

@@ -8,9 +8,11 @@ two can be compared:
   steps it kept, at its median step time, over its GPUs' time from the first request to the
   end of its last gang; a median step includes the wait for the slowest rank, which Forgeline
   books as straggler time, so that share is shown beside the two), the failure model's
-  prediction (`infra.capacity_plan.goodput` at the run's
-  checkpoint interval, fault rate and measured restart), and its final weights against the
-  fault-free reference of its kind, bitwise;
+  terms measured (the kept work, the saves' stalls, the work done again and the restarts:
+  what `infra.capacity_plan.goodput` charges, and nothing it leaves out, such as the queue,
+  the first start or evaluation) against what the model predicts from the run's checkpoint
+  interval, failure and preemption rates and measured restart, and its final weights against
+  the fault-free reference of its kind, bitwise; and the same over every run together;
 - per fault kind: recovery, from the fault to the victim's first step after it;
 - for the soak: nodes double-booked, gangs that waited with nodes free, runs not ended.
 """
@@ -18,6 +20,7 @@ two can be compared:
 from __future__ import annotations
 
 import itertools
+import math
 import statistics
 from collections import Counter, defaultdict
 from pathlib import Path
@@ -28,6 +31,7 @@ from bench.local_stack import LocalStack
 from bench.soak_plan import (
     CONTROL_PLANE,
     FaultKind,
+    Interruption,
     RunFigures,
     SoakEvent,
     SoakRecord,
@@ -37,9 +41,16 @@ from infra.capacity_plan import goodput as modelled_goodput
 from trainer.checkpoint import fetch_checkpoint
 from trainer.evaluate import load_model
 from trainer.manifest import find_latest
-from workflows.contracts.models import AttemptCause, AttemptOutcome, Phase, RunStatus
+from workflows.contracts.models import (
+    AttemptCause,
+    AttemptOutcome,
+    AttemptRecord,
+    Phase,
+    RunStatus,
+)
 
 FAULT_KINDS = {k.value for k in FaultKind}
+NODE_LOSSES = {FaultKind.KILL_AGENT, FaultKind.FAIL_HEALTH, FaultKind.DRAIN}
 GANG_ENDINGS = {AttemptOutcome.FAILED, AttemptOutcome.PREEMPTED, AttemptOutcome.SWAPPED}
 
 
@@ -57,24 +68,6 @@ def run_figures(stack: LocalStack, status: RunStatus, every: int) -> RunFigures:
     attempts = sorted(status.gang_attempts, key=lambda a: a.generation)
     events = {a.generation: stack.events(status.name, a.generation) for a in attempts}
     steps = {g: _steps(e) for g, e in events.items()}
-    lost_steps: list[int] = []
-    lost_commits: list[str] = []
-    gaps: list[float] = []  # last step of a failed gang -> first step of the next
-    committed: list[tuple[float, int]] = []
-    for attempt, following in itertools.pairwise(attempts):
-        committed += _commits(events[attempt.generation])
-        ran, resumed = steps[attempt.generation], steps[following.generation]
-        if attempt.outcome not in GANG_ENDINGS or not resumed:
-            continue
-        resume_step, resumed_at = min(resumed) - 1, min(resumed.values())
-        if ran:
-            lost_steps.append(max(ran) - resume_step)
-            gaps.append(resumed_at - max(ran.values()))
-        newest = max((s for t, s in committed if t < resumed_at), default=0)
-        skipped = any(f"step-{newest}/" in why for why in status.skipped_checkpoints)
-        if resume_step < newest and not skipped:  # passed over as corrupt: said, not lost
-            lost_commits.append(f"gen {following.generation} resumed at {resume_step}, "
-                                f"step {newest} was committed")  # fmt: skip
     every_step = [t for g in steps.values() for t in _intervals(g)]
     step_s = statistics.median(every_step) if every_step else 0.0
     kept = status.total_steps if status.phase not in {Phase.FAILED, Phase.CANCELLED} else 0
@@ -83,18 +76,14 @@ def run_figures(stack: LocalStack, status: RunStatus, every: int) -> RunFigures:
     # so that only what is called productive differs between the two.
     end = attempts[-1].ended_at if attempts else None
     span = (end - attempts[0].requested_at).total_seconds() if end else 0.0
-    held = (end - attempts[0].granted_at).total_seconds() if end else 0.0
-    # Every gang that ended early costs what the model charges a failure: the steps since the
-    # last checkpoint (none for a preemption, which checkpoints first) and the restart.
-    interruptions = sum(1 for a in attempts if a.outcome in GANG_ENDINGS)
     reported = status.goodput
     figures = RunFigures(
         phase=status.phase.value,
         error=status.error or "",
         restarts=Counter(a.after.value for a in attempts if a.after != AttemptCause.START),
-        lost_steps=lost_steps,
+        interruptions=interruptions(attempts, steps),
         half_interval=every / 2,
-        lost_commits=lost_commits,
+        lost_commits=_lost_commits(status, attempts, events, steps),
         step_s=step_s,
         gpus=gpus,
         gpu_s=reported.gpu_s if reported else 0.0,
@@ -102,23 +91,114 @@ def run_figures(stack: LocalStack, status: RunStatus, every: int) -> RunFigures:
         goodput_reported=reported.goodput if reported else None,
         goodput_measured=kept * step_s / span if span else None,
     )
-    if interruptions and held and step_s:
-        restart_s = statistics.mean(gaps) if gaps else 0.0
-        figures.goodput_held_measured = kept * step_s / held
-        figures.goodput_predicted = modelled_goodput(
-            save_s=_save_s(reported.lost_gpu_s if reported else {}, gpus, kept // every),
-            interval_s=every * step_s, restart_s=restart_s, mtbf_s=held / interruptions,
-        )  # fmt: skip
+    if kept and step_s:
+        _model_scope(figures, kept, every)
     return figures
+
+
+def interruptions(
+    attempts: list[AttemptRecord], steps: dict[int, dict[int, float]]
+) -> list[Interruption]:
+    """Each gang that trained and ended early, with the steps the next gang that trained did
+    again and the time between the two (gangs that failed before a step between them are
+    part of that restart). A wait for nodes to free is not the restart's: after a failure the
+    run waits for a spare or a mended node (the model's restart), after a preemption or a swap
+    it queues like any run."""
+    trained = [a for a in attempts if steps[a.generation]]
+    found = []
+    for before, after in itertools.pairwise(trained):
+        if before.outcome not in GANG_ENDINGS:
+            continue
+        ran, resumed = steps[before.generation], steps[after.generation]
+        queued = sum(
+            (a.granted_at - a.requested_at).total_seconds()
+            for a in attempts
+            if before.generation < a.generation <= after.generation
+            and a.after not in (AttemptCause.FAILURE, AttemptCause.GROW)
+        )
+        found.append(Interruption(
+            outcome=before.outcome.value,
+            lost_steps=max(ran) - (min(resumed) - 1),
+            restart_s=min(resumed.values()) - max(ran.values()) - queued,
+        ))  # fmt: skip
+    return found
+
+
+def _lost_commits(
+    status: RunStatus,
+    attempts: list[AttemptRecord],
+    events: dict[int, list[dict]],
+    steps: dict[int, dict[int, float]],
+) -> list[str]:
+    """Gangs that resumed from a step older than the newest commit made before they trained
+    (a commit passed over as corrupt is said, not lost)."""
+    lost = []
+    committed: list[tuple[float, int]] = []
+    for attempt, following in itertools.pairwise(attempts):
+        committed += _commits(events[attempt.generation])
+        resumed = steps[following.generation]
+        if attempt.outcome not in GANG_ENDINGS or not resumed:
+            continue
+        resume_step, resumed_at = min(resumed) - 1, min(resumed.values())
+        newest = max((s for t, s in committed if t < resumed_at), default=0)
+        skipped = any(f"step-{newest}/" in why for why in status.skipped_checkpoints)
+        if resume_step < newest and not skipped:
+            lost.append(f"gen {following.generation} resumed at {resume_step}, "
+                        f"step {newest} was committed")  # fmt: skip
+    return lost
+
+
+def _model_scope(figures: RunFigures, kept: int, every: int) -> None:
+    """The failure model's terms of the run, measured, and what the model makes of them: the
+    kept steps' work at the median step, each save's stall (as the run reported its saves),
+    the steps trained again and each restart. The model charges a failure half an interval of
+    work; the soak measures what each lost."""
+    step_s, found = figures.step_s, figures.interruptions
+    work_s = kept * step_s
+    stall_s = figures.lost_gpu_s.get("checkpoint stall", 0.0) / max(figures.gpus, 1)
+    failed = [i.restart_s for i in found if i.outcome == AttemptOutcome.FAILED]
+    saved = [i.restart_s for i in found if i.outcome != AttemptOutcome.FAILED]  # saved first
+    scope_s = work_s + stall_s + sum(i.lost_steps for i in found) * step_s
+    scope_s += sum(failed) + sum(saved)
+    saves = kept // every + len(saved)
+    figures.scope_s = scope_s
+    figures.goodput_scope_measured = work_s / scope_s
+    figures.goodput_predicted = modelled_goodput(
+        save_s=stall_s / saves if saves else 0.0,
+        interval_s=every * step_s,
+        restart_s=statistics.mean(failed) if failed else 0.0,
+        mtbf_s=scope_s / len(failed) if failed else math.inf,
+        mtbp_s=scope_s / len(saved) if saved else math.inf,
+        resume_s=statistics.mean(saved) if saved else None,
+    )
+
+
+def fleet_goodput(report: SoakReport) -> dict[str, float | None]:
+    """Every run together: goodput reported and measured over all their GPU-time, and the
+    failure model's scope measured and predicted (each run weighted by its own scope)."""
+    runs = list(report.runs.values())
+    gpu_s = sum(r.gpu_s for r in runs if r.goodput_measured is not None)
+    scoped = [r for r in runs if r.goodput_predicted is not None and r.scope_s]
+    scope_s = sum(r.scope_s * r.gpus for r in scoped)
+
+    def weighted(pairs: list[tuple[float, float]], total: float) -> float | None:
+        return sum(v * w for v, w in pairs) / total if total else None
+
+    measured = [r for r in runs if r.goodput_measured is not None]
+    return {
+        "reported": weighted([(r.goodput_reported or 0.0, r.gpu_s) for r in measured], gpu_s),
+        "measured": weighted([(r.goodput_measured or 0.0, r.gpu_s) for r in measured], gpu_s),
+        "scope measured": weighted(
+            [(r.goodput_scope_measured or 0.0, r.scope_s * r.gpus) for r in scoped], scope_s
+        ),
+        "predicted": weighted(
+            [(r.goodput_predicted or 0.0, r.scope_s * r.gpus) for r in scoped], scope_s
+        ),
+    }
 
 
 def _intervals(steps: dict[int, float]) -> list[float]:
     return [steps[s] - steps[s - 1] for s in steps if s - 1 in steps]
-
-
-def _save_s(lost: dict[str, float], gpus: int, saves: int) -> float:
-    """A save's stall, from the run's own account of its checkpoint stalls."""
-    return lost.get("checkpoint stall", 0.0) / gpus / saves if gpus and saves else 0.0
 
 
 def recovery_by_kind(stack: LocalStack, record: SoakRecord) -> dict[str, list[float]]:
@@ -137,8 +217,16 @@ def recovery_by_kind(stack: LocalStack, record: SoakRecord) -> dict[str, list[fl
                 found[kind.value].append(back.at_s - event.at_s)
             continue
         if event.run and (seconds := _next_step_after(stack, record, event)) is not None:
-            found[kind.value].append(seconds)
+            found[_recovery_key(kind, event)].append(seconds)
     return found
+
+
+def _recovery_key(kind: FaultKind, event: SoakEvent) -> str:
+    """A node lost under a gang is recovered from in seconds where another node is free to
+    take its place, and only once it is mended where none is: the two apart."""
+    if kind not in NODE_LOSSES or event.free_nodes is None:
+        return kind.value
+    return f"{kind.value}, {'a node free' if event.free_nodes else 'none free'}"
 
 
 def _next_step_after(stack: LocalStack, record: SoakRecord, fault: SoakEvent) -> float | None:
@@ -226,8 +314,8 @@ def print_report(record: SoakRecord) -> int:
           f"average (seed {plan.seed}), {plan.nodes} nodes; fired {sum(report.faults.values())}"
           f" {dict(report.faults)}, passed over {report.passed_over}")  # fmt: skip
     header = ("run", "ended", "restarts", "lost steps: mean of half the interval",
-              "goodput reported", "measured", "of the gap: straggler", "held: measured",
-              "predicted", "bitwise")  # fmt: skip
+              "goodput reported", "measured", "of the gap: straggler",
+              "model's terms: measured", "predicted", "bitwise")  # fmt: skip
     rows = [header]
     for name, run in report.runs.items():
         lost = f"{statistics.mean(run.lost_steps):.0f}" if run.lost_steps else "-"
@@ -236,9 +324,12 @@ def print_report(record: SoakRecord) -> int:
             f"{lost} of {run.half_interval:.0f} {run.lost_steps}",
             _share(run.goodput_reported), _share(run.goodput_measured),
             _share(run.lost_gpu_s.get("straggler", 0.0) / run.gpu_s if run.gpu_s else None),
-            _share(run.goodput_held_measured), _share(run.goodput_predicted),
+            _share(run.goodput_scope_measured), _share(run.goodput_predicted),
             {True: "yes", False: "NO", None: "-"}[run.bitwise],
         ))  # fmt: skip
+    fleet = fleet_goodput(report)
+    rows.append(("all runs", "", "", "", _share(fleet["reported"]), _share(fleet["measured"]),
+                 "", _share(fleet["scope measured"]), _share(fleet["predicted"]), ""))  # fmt: skip
     _table(rows)
     print()
     recovery = sorted(report.recovery_s.items())

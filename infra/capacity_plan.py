@@ -72,11 +72,22 @@ def daly_interval_s(save_s: float, mtbf_s: float) -> float:
     return mtbf_s if save_s >= mtbf_s / 2 else young_interval_s(save_s, mtbf_s) - save_s
 
 
-def goodput(save_s: float, interval_s: float, restart_s: float, mtbf_s: float) -> float:
+def goodput(
+    save_s: float,
+    interval_s: float,
+    restart_s: float,
+    mtbf_s: float,
+    mtbp_s: float = math.inf,
+    resume_s: float | None = None,
+) -> float:
     """Useful fraction of wall time, first order: each period of τ work plus a C-second save
-    loses C to saving; a failure, once per M on average, loses half a period and the restart."""
+    loses C to saving; a failure, once per M on average, loses half a period and the restart.
+    A preemption, once per `mtbp_s`, loses no work (the ranks save first, on notice): the save
+    and the resume (`resume_s`, else the restart), not counting the wait for nodes again."""
     period = interval_s + save_s
-    return max(0.0, 1 - save_s / period - (period / 2 + restart_s) / mtbf_s)
+    resume = restart_s if resume_s is None else resume_s
+    lost = save_s / period + (period / 2 + restart_s) / mtbf_s + (save_s + resume) / mtbp_s
+    return max(0.0, 1 - lost)
 
 
 def save_seconds(checkpoint_bytes: float, nodes: int, hardware: Hardware) -> float:

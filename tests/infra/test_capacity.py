@@ -77,6 +77,20 @@ def test_daly_interval_is_the_best_goodput() -> None:
         assert goodput(save, factor * daly_interval_s(save, mtbf), restart, mtbf) < best
 
 
+def test_a_preemption_costs_its_save_and_resume_but_no_work() -> None:
+    """A preemption once an hour costs (save + resume) / hour; a failure as often costs half a
+    period more, the work since the last checkpoint."""
+    save, interval, restart, hour = 10.0, 590.0, 60.0, 3600.0
+    quiet = goodput(save, interval, restart, math.inf)
+    preempted = goodput(save, interval, restart, math.inf, mtbp_s=hour, resume_s=20.0)
+    failing = goodput(save, interval, restart, hour)
+    assert quiet - preempted == pytest.approx((save + 20.0) / hour)
+    assert quiet - failing == pytest.approx((300.0 + restart) / hour)
+    assert goodput(save, interval, restart, math.inf, mtbp_s=hour) == pytest.approx(
+        quiet - (save + restart) / hour
+    )
+
+
 @pytest.mark.parametrize(
     "shape",
     [
