@@ -188,6 +188,9 @@ def fleet_goodput(report: SoakReport) -> dict[str, float | None]:
     return {
         "reported": weighted([(r.goodput_reported or 0.0, r.gpu_s) for r in measured], gpu_s),
         "measured": weighted([(r.goodput_measured or 0.0, r.gpu_s) for r in measured], gpu_s),
+        "straggler": sum(r.lost_gpu_s.get("straggler", 0.0) for r in measured) / gpu_s
+        if gpu_s
+        else None,
         "scope measured": weighted(
             [(r.goodput_scope_measured or 0.0, r.scope_s * r.gpus) for r in scoped], scope_s
         ),
@@ -329,7 +332,8 @@ def print_report(record: SoakRecord) -> int:
         ))  # fmt: skip
     fleet = fleet_goodput(report)
     rows.append(("all runs", "", "", "", _share(fleet["reported"]), _share(fleet["measured"]),
-                 "", _share(fleet["scope measured"]), _share(fleet["predicted"]), ""))  # fmt: skip
+                 _share(fleet["straggler"]), _share(fleet["scope measured"]),
+                 _share(fleet["predicted"]), ""))  # fmt: skip
     _table(rows)
     print()
     recovery = sorted(report.recovery_s.items())
