@@ -32,6 +32,9 @@ def test_the_limit_follows_the_gang_s_own_pace() -> None:
     assert watch.stuck_s(14.0) is None
 
 
+# With the slow tests, to keep `make test` within 15 minutes (20 s: a gang, a rank frozen
+# past the limit, its stacks dumped); the limit itself is unit-tested above.
+@pytest.mark.slow
 def test_a_stopped_rank_is_called_a_hang_and_every_rank_is_stopped(trainer: Trainer) -> None:
     job = trainer.job("hung", TRAIN.model_copy(update={"steps": 100_000}))
     workdir = Path(job.progress_file).parent

@@ -129,6 +129,9 @@ def test_changing_data_parallel_ranks_neither_skips_nor_repeats_a_sample(
     assert max(every.values()) == 1, "a sample repeated inside one epoch"
 
 
+# With the slow tests, to keep `make test` within 15 minutes (19 s); a SIGTERM agreed at one
+# step is tested fast in tests/trainer/test_library_saves.py.
+@pytest.mark.slow
 def test_sigterm_finishes_the_step_commits_and_stops(trainer: Trainer) -> None:
     long = TRAIN.model_copy(update={"steps": 100_000, "checkpoint_every": 100_000})
     job = trainer.job("sigterm", long)
