@@ -52,6 +52,11 @@ class LocalStack:
                 if attempt == 2:
                     raise
 
+    def generations(self, run: str) -> list[int]:
+        """The generations of `run` whose ranks ran on some node of this stack, oldest first."""
+        found = self.home.glob(f"nodes/*/runs/{run}/gen-*")
+        return sorted({int(folder.name.removeprefix("gen-")) for folder in found})
+
     def events(self, run: str, generation: int) -> list[dict]:
         """The progress lines the ranks of one generation of `run` wrote, on every node, in
         time order (a line being written is left out)."""

@@ -158,10 +158,7 @@ class Injector:
         """The furthest step `run`'s ranks logged in this generation or a later one (the gang
         may have been replaced since the cluster state was read: a resumed gang starts at or
         before where its predecessor got to)."""
-        generations = {
-            int(folder.name.removeprefix("gen-"))
-            for folder in self.stack.home.glob(f"nodes/*/runs/{run}/gen-*")
-        }
+        generations = self.stack.generations(run)
         return max(
             (
                 event["step"]

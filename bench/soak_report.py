@@ -239,9 +239,7 @@ def _next_step_after(stack: LocalStack, record: SoakRecord, fault: SoakEvent) ->
     stopped = fault.what == FaultKind.STOP_RANK
     if stopped:
         at += fault.hold_s
-    generations = sorted(
-        int(p.name.removeprefix("gen-")) for p in stack.home.glob(f"nodes/*/runs/{fault.run}/gen-*")
-    )
+    generations = stack.generations(fault.run)
     later = [
         t
         for g in generations

@@ -12,25 +12,15 @@ answers the liveness probe.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 
 from temporalio import activity
-from temporalio.client import Client
-from temporalio.contrib.pydantic import pydantic_data_converter
 
-from tests.workflows.test_cluster_workflow import eventually, node
 from tests.workflows.test_training_run_history import (
     STEPS,
-    Control,
-    _status,
-    record_histories,
-    stack_workers,
-    start_cluster_and_run,
-    terminated_after,
+    run_on_two_nodes,
     tiny_spec,
 )
-from workflows.cluster import ClusterWorkflow
-from workflows.contracts.cluster_models import ClusterState, Health
+from workflows.contracts.cluster_models import Health
 from workflows.contracts.models import NodeTrainInput, NodeTrainResult, Phase
 
 HEARTBEAT_TIMEOUT_S = 2
@@ -63,26 +53,7 @@ def test_heartbeats_lost_to_the_control_plane_leave_the_nodes_in_service(
 ) -> None:
     spec = tiny_spec("silence", HEARTBEAT_TIMEOUT_S)
 
-    async def main() -> tuple[object, ClusterState]:
-        client = await Client.connect(temporal_address, data_converter=pydantic_data_converter)
-        agents = LiveAgents()
-        control = Control(agents)  # type: ignore[arg-type]  # it reads .step alone
-        acts = [agents.train_on_node, agents.node_alive]
-        workers = stack_workers(client, task_queue, control, dict.fromkeys(("n0", "n1"), acts))
-        async with contextlib.AsyncExitStack() as stack:
-            cluster, handle = await start_cluster_and_run(stack, client, workers, task_queue, spec)
-            async with terminated_after(handle, cluster):
-                for n in ("n0", "n1"):
-                    await cluster.signal(ClusterWorkflow.register_node, node(n))
-                final = await eventually(
-                    lambda: _status(handle),
-                    lambda s: s.phase == Phase.AWAITING_APPROVAL,
-                    timeout=60,
-                )
-                await record_histories(LABEL, handle, cluster)
-                return final, await cluster.query(ClusterWorkflow.state)
-
-    status, state = asyncio.run(main())
+    status, state = run_on_two_nodes(temporal_address, task_queue, spec, LiveAgents(), LABEL)
     assert status.phase == Phase.AWAITING_APPROVAL, status
     first, second = status.gang_attempts
     assert first.outcome == "failed" and second.outcome == "completed", status.gang_attempts

@@ -12,25 +12,15 @@ workflow stops the ranks).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 
 from temporalio import activity
-from temporalio.client import Client
-from temporalio.contrib.pydantic import pydantic_data_converter
 
-from tests.workflows.test_cluster_workflow import eventually, node
 from tests.workflows.test_training_run_history import (
     STEPS,
-    Control,
-    _status,
-    record_histories,
-    stack_workers,
-    start_cluster_and_run,
-    terminated_after,
+    run_on_two_nodes,
     tiny_spec,
 )
-from workflows.cluster import ClusterWorkflow
-from workflows.contracts.cluster_models import ClusterState, Health
+from workflows.contracts.cluster_models import Health
 from workflows.contracts.models import NodeTrainInput, NodeTrainResult, Phase
 
 EXIT_GRACE_S = 3
@@ -71,26 +61,9 @@ def test_a_rank_that_never_exits_after_the_end_is_stopped_and_the_run_goes_on(
     recovery = spec.recovery.model_copy(update={"exit_grace_s": EXIT_GRACE_S})
     spec = spec.model_copy(update={"recovery": recovery})
 
-    async def main() -> tuple[object, ClusterState, list[str]]:
-        client = await Client.connect(temporal_address, data_converter=pydantic_data_converter)
-        agents = OneStuckAgent()
-        control = Control(agents)  # type: ignore[arg-type]  # it reads .step alone
-        acts = [agents.train_on_node, agents.node_alive]
-        workers = stack_workers(client, task_queue, control, dict.fromkeys(("n0", "n1"), acts))
-        async with contextlib.AsyncExitStack() as stack:
-            cluster, handle = await start_cluster_and_run(stack, client, workers, task_queue, spec)
-            async with terminated_after(handle, cluster):
-                for n in ("n0", "n1"):
-                    await cluster.signal(ClusterWorkflow.register_node, node(n))
-                final = await eventually(
-                    lambda: _status(handle),
-                    lambda s: s.phase == Phase.AWAITING_APPROVAL,
-                    timeout=60,
-                )
-                await record_histories(LABEL, handle, cluster)
-                return final, await cluster.query(ClusterWorkflow.state), agents.cancelled
-
-    status, state, cancelled = asyncio.run(main())
+    agents = OneStuckAgent()
+    status, state = run_on_two_nodes(temporal_address, task_queue, spec, agents, LABEL)
+    cancelled = agents.cancelled
     assert status.phase == Phase.AWAITING_APPROVAL, status
     # One attempt, completed: no restart spent, no failure, no node blamed or drained.
     assert [a.outcome for a in status.gang_attempts] == ["completed"], status.gang_attempts

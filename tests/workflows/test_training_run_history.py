@@ -256,6 +256,35 @@ def one_node_spec(name: str) -> RunSpec:
     })  # fmt: skip
 
 
+def run_on_two_nodes(
+    temporal_address: str, task_queue: str, spec: RunSpec, agents: object, label: str
+) -> tuple[RunStatus, ClusterState]:
+    """`spec` on nodes n0 and n1, whose agents' activities are `agents`' `train_on_node` and
+    `node_alive` (and its `.step` what Control's latest_checkpoint reports), to
+    AWAITING_APPROVAL; the histories recorded under `label`. The run's final status and the
+    cluster's state."""
+
+    async def main() -> tuple[RunStatus, ClusterState]:
+        client = await Client.connect(temporal_address, data_converter=pydantic_data_converter)
+        control = Control(agents)  # type: ignore[arg-type]  # it reads .step alone
+        acts = [agents.train_on_node, agents.node_alive]  # type: ignore[attr-defined]
+        workers = stack_workers(client, task_queue, control, dict.fromkeys(("n0", "n1"), acts))
+        async with contextlib.AsyncExitStack() as stack:
+            cluster, handle = await start_cluster_and_run(stack, client, workers, task_queue, spec)
+            async with terminated_after(handle, cluster):
+                for n in ("n0", "n1"):
+                    await cluster.signal(ClusterWorkflow.register_node, node(n))
+                final = await eventually(
+                    lambda: _status(handle),
+                    lambda s: s.phase == Phase.AWAITING_APPROVAL,
+                    timeout=60,
+                )
+                await record_histories(label, handle, cluster)
+                return final, await cluster.query(ClusterWorkflow.state)
+
+    return asyncio.run(main())
+
+
 def tiny_spec(name: str, heartbeat_timeout_s: float) -> RunSpec:
     """examples/tiny.toml as run `name`, its gang given up on after `heartbeat_timeout_s`
     without a heartbeat."""
