@@ -47,6 +47,7 @@ from bench.soak_plan import (
     draw_faults,
 )
 from bench.soak_report import build_report, print_report
+from bench.stuck_runs import diagnose
 from workflows.contracts.cluster_models import ClusterState
 from workflows.contracts.models import Phase
 
@@ -54,6 +55,7 @@ REPO = Path(__file__).resolve().parent.parent
 FINAL = {Phase.APPROVED, Phase.REJECTED, Phase.EXPIRED, Phase.FAILED, Phase.CANCELLED}
 GUARANTEED, BORROWER = "nlp", "vision"
 KINDS = (RunKind.DDP, RunKind.SHADOW, RunKind.FSDP)
+MEND_TRIES, MEND_AGAIN_S = 6, 5.0  # a mend refused while a server is down is sent again
 # Teams as queues: nlp may reclaim every GPU, vision only borrows; preemption at once (no
 # shield, no patience) so a reclaim happens within the soak, with a short grace to checkpoint.
 CLUSTER_FILE = """pods = ["local"]
@@ -190,11 +192,17 @@ class Soak:
             pending.append(repairs.submit(self._mend, fault, fired))
 
     def _mend(self, fault: Fault, fired: Fired) -> None:
+        """Mended as an operator would: again a little later while it fails. An undrain sent
+        while another fault had Temporal down failed once and nothing sent it again: the node
+        stayed drained for the rest of the soak."""
         assert fired.mend is not None
-        try:
-            self.note("mend", fired.target, f"{fault.kind.value}: {fired.mend()}")
-        except Exception as error:  # mended again by the final `up`
-            self.note("mend-failed", fired.target, str(error)[-300:])
+        for attempt in range(1, MEND_TRIES + 1):
+            try:
+                self.note("mend", fired.target, f"{fault.kind.value}: {fired.mend()}")
+                return
+            except Exception as error:
+                self.note("mend-failed", fired.target, f"try {attempt}: {str(error)[-300:]}")
+                time.sleep(MEND_AGAIN_S)
 
 
 def _free_nodes(state: ClusterState) -> int:
@@ -238,6 +246,10 @@ def drive(soak: Soak, injector: Injector, wait_s: float) -> None:
             soak.watch(state)
         soak.follow_runs()
         time.sleep(1)
+    if stuck := sorted(set(soak.runs) - set(soak.ended)):
+        # Said now, while the stack that holds them is still up to be read.
+        soak.note("stuck", ", ".join(stuck), f"not ended {wait_s:.0f} s after the faults "
+                  "stopped:\n" + diagnose(soak.stack, stuck))  # fmt: skip
 
 
 def run_soak(stack: LocalStack, plan: SoakPlan, out: Path, wait_s: float = 1800) -> SoakRecord:
@@ -250,7 +262,9 @@ def run_soak(stack: LocalStack, plan: SoakPlan, out: Path, wait_s: float = 1800)
     injector = Injector(stack, plan.nodes, lambda: soak.submit(GUARANTEED))
     try:
         drive(soak, injector, wait_s)
-        refs = run_references(soak, wait_s)
+        # A stack that left runs stuck is no place for references: it would strand them too.
+        stuck = len(soak.ended) < len(soak.runs)
+        refs = {} if stuck else run_references(soak, wait_s)
         record.report = build_report(stack, soak.record, refs, soak.ended, out.parent)
     finally:
         record.save(out)

@@ -50,6 +50,17 @@ class Findings:
             f"back to a checkpoint from before step {since}"
         )
 
+    def shadow_unattributed(self, verdict: Verdict) -> str:
+        """A shadow check disagreed and named no rank: reported, and returns why this attempt
+        fails (the step is wrong; which device made it so is not known, so none is blamed)."""
+        self.health("shadow-mismatch", verdict.step, None, "rollback", verdict.evidence)
+        return (
+            f"a shadow recompute at step {verdict.step} disagreed and no rank could be named "
+            f"({verdict.evidence}): rolling back to the last committed checkpoint, no node "
+            "blamed. Again at the same step after the rollback, it is the kernels, not a "
+            "device: raise recovery.shadow_rtol; three nodes or more name the rank"
+        )
+
     def non_finite(self, step: int, grad_norms: list[float]) -> str:
         """The gang saw NaN or inf at `step`: name the ranks whose own gradients made it (to
         be quarantined), and return why this attempt fails."""

@@ -52,12 +52,15 @@ class HealthVerdicts:
     def act_on(self, verdict: Verdict, step: int) -> None:
         """A shadow check disagreed. Ranks named: the attempt fails, their nodes are
         quarantined and the run rolls back past the last passed check (rank 0 keeps the
-        checkpoints from before it). None named: reported, and the gang goes on."""
+        checkpoints from before it). None named (two ranks, or a third that agrees with
+        neither): the step is known wrong, not whose it is, so the attempt fails all the same
+        and the run resumes from its last committed checkpoint, no node blamed. Trained on, the
+        wrong step would be averaged into every replica for good."""
         assert self.checks is not None  # only a check reaches a verdict
         since = self.checks.unverified_since
         if not verdict.ranks:
-            self.findings.health("shadow-mismatch", verdict.step, None, "report", verdict.evidence)
-            return
+            reason = self.findings.shadow_unattributed(verdict)
+            self.fail(step, "a shadow recompute disagreed", reason)
         if (points := self.saves.checkpointer.rollback_points) is not None:  # rank 0's
             points.suspect_at(since)
         reason = self.findings.shadow_verdict(verdict, since)

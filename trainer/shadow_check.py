@@ -23,7 +23,8 @@ Who is wrong: a device that computes wrong makes its own gradients and its recom
 rank's disagree, so a rank in two disagreeing pairs is named. Where one pair alone disagrees
 (a fault in one of the two computations), a third rank, on a third node where there is one,
 computes the owner's micro-batch again and the majority decides. With two ranks there is no
-majority: the mismatch is reported, naming both ranks, and the run goes on.
+majority: the step is known to be wrong but not by whom, so the gang rolls back to its last
+committed checkpoint all the same, blaming no node (forgeline.health_verdicts).
 
 What a check cannot see: a corruption of one step that the all-reduce averaged into every
 replica alike leaves nothing to compare once that step is over, so it is caught only on a

@@ -162,3 +162,24 @@ def test_a_flipped_low_bit_in_one_weight_is_named_at_the_next_check(trainer: Tra
     evidence = corruption["evidence"]
     assert "rank 0's own gradients" in evidence and "from rank 1's recompute" in evidence
     assert "rank 2's recompute agrees with rank 1's" in evidence
+
+
+def test_two_ranks_that_disagree_roll_back_without_blaming_either(trainer: Trainer) -> None:
+    """With two ranks nobody can say whose computation was wrong, but the step is known to be
+    wrong: the attempt fails before anything of it is saved (the run resumes from its last
+    committed checkpoint, as the soak's scaled-gradient runs showed it must: reported and
+    trained on, their weights were not their fault-free twin's), and no node is named."""
+    name = "shadow-two"
+    job = trainer.job(name, TRAIN, shadow=SHADOW, nodes=2,
+                      layout={"replicate": 2, "shard": 1, "tensor": 1})  # fmt: skip
+    job.chaos_file = str(Path(job.progress_file).parent / "CORRUPT_GRAD")
+    Path(job.chaos_file).parent.mkdir(parents=True, exist_ok=True)
+    Path(job.chaos_file).write_text("corrupt-grad 30 1.5\n")
+    with pytest.raises(RanksFailed, match=r"no rank could be named .* rolling back to the last"):
+        trainer.run(job, ranks=2)
+    (mismatch,) = events(job, "health")
+    assert (mismatch["kind"], mismatch["action"], mismatch["step"]) == (
+        "shadow-mismatch", "rollback", 30,
+    )  # fmt: skip
+    assert mismatch["rank"] is None and "no third" in mismatch["evidence"]
+    assert sorted(c.step for c in commits(trainer.store, name)) == [10, 20]
