@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from temporalio import activity
+from temporalio.common import RawValue
 from temporalio.exceptions import ApplicationError
 
 from activities.errors import domain_errors
@@ -29,6 +30,7 @@ from activities.node_confinement import (
     quoted_output,
     refuse_what_this_node_cannot_run,
 )
+from activities.node_work import read_train_input
 from activities.script_folders import keeps_its_own, script_folder_watch
 from infra import node_health
 from infra.containers import ContainerBox, ContainerRuntime
@@ -139,7 +141,10 @@ class NodeActivities:
         )
 
     @activity.defn(name="train_on_node")
-    async def train_on_node(self, inp: NodeTrainInput) -> NodeTrainResult:
+    async def train_on_node(self, work: RawValue) -> NodeTrainResult:
+        # Read here, not by the SDK (it passes a RawValue through only where the hint is that
+        # alone): an agent older than the control plane says so (activities.node_work).
+        inp = read_train_input(work, self.workdir)
         # What the job uses (shards, checkpoint, code) is pinned until it ends: another job's
         # fetch on this node never evicts the files under these ranks.
         self._training.add(inp.run_id)
