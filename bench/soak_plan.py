@@ -85,6 +85,20 @@ class Interruption(BaseModel):
     restart_s: float  # its last step to the next gang's first, less any wait for nodes to free
 
 
+class RecoveryPhases(BaseModel):
+    """Where one node death's recovery went, in seconds (bench/recovery_phases.py)."""
+
+    detect: float  # the fault to the workflow's end of the gang it hit
+    regrant: float  # that end to the next gang's grant
+    launch: float  # the grant to the script's start on the new gang
+    restore: float  # the script's start to its checkpoint restored
+    first_step: float  # restored to the first step
+
+    @property
+    def total(self) -> float:
+        return self.detect + self.regrant + self.launch + self.restore + self.first_step
+
+
 class RunFigures(BaseModel):
     """One run of a soak, from its own records (bench/soak_report.py)."""
 
@@ -119,6 +133,8 @@ class SoakReport(BaseModel):
     violations: list[str] = []  # nodes or runs booked twice
     waited_free: list[str] = []  # gangs that waited over 10 s with enough nodes free
     recovery_s: dict[str, list[float]] = {}  # fault kind -> seconds to the victim's next step
+    # The node losses' recoveries by part, keyed as recovery_s (a node free, or none).
+    recovery_phases: dict[str, list[RecoveryPhases]] = {}
     faults: dict[str, int] = {}  # fired, by kind
     passed_over: int = 0  # faults that found nothing to hit
 

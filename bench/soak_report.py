@@ -13,7 +13,8 @@ two can be compared:
   the first start or evaluation) against what the model predicts from the run's checkpoint
   interval, failure and preemption rates and measured restart, and its final weights against
   the fault-free reference of its kind, bitwise; and the same over every run together;
-- per fault kind: recovery, from the fault to the victim's first step after it;
+- per fault kind: recovery, from the fault to the victim's first step after it, and for a node
+  lost under a gang, where those seconds went (bench/recovery_phases.py);
 - for the soak: nodes double-booked, gangs that waited with nodes free, runs not ended.
 """
 
@@ -28,10 +29,12 @@ from pathlib import Path
 import torch
 
 from bench.local_stack import LocalStack
+from bench.recovery_phases import PARTS, medians, phases
 from bench.soak_plan import (
     CONTROL_PLANE,
     FaultKind,
     Interruption,
+    RecoveryPhases,
     RunFigures,
     SoakEvent,
     SoakRecord,
@@ -51,6 +54,7 @@ from workflows.contracts.models import (
 
 FAULT_KINDS = {k.value for k in FaultKind}
 NODE_LOSSES = {FaultKind.KILL_AGENT, FaultKind.FAIL_HEALTH, FaultKind.DRAIN}
+NODE_LOSS_KINDS = {k.value for k in NODE_LOSSES}
 GANG_ENDINGS = {AttemptOutcome.FAILED, AttemptOutcome.PREEMPTED, AttemptOutcome.SWAPPED}
 
 
@@ -224,6 +228,25 @@ def recovery_by_kind(stack: LocalStack, record: SoakRecord) -> dict[str, list[fl
     return found
 
 
+def phases_by_kind(
+    stack: LocalStack, record: SoakRecord, statuses: dict[str, RunStatus]
+) -> dict[str, list[RecoveryPhases]]:
+    """Each node loss under a gang, its recovery by part (bench/recovery_phases.py)."""
+    found: dict[str, list[RecoveryPhases]] = defaultdict(list)
+    for event in record.events:
+        if event.what not in NODE_LOSS_KINDS or "passed over" in event.detail:
+            continue
+        if (status := statuses.get(event.run)) is None:
+            continue
+        attempts = status.gang_attempts
+        events = {a.generation: stack.events(event.run, a.generation) for a in attempts
+                  if a.generation >= event.generation}  # fmt: skip
+        found_at = record.started_epoch + event.at_s
+        if parts := phases(found_at, event.generation, attempts, events):
+            found[_recovery_key(FaultKind(event.what), event)].append(parts)
+    return found
+
+
 def _recovery_key(kind: FaultKind, event: SoakEvent) -> str:
     """A node lost under a gang is recovered from in seconds where another node is free to
     take its place, and only once it is mended where none is: the two apart."""
@@ -274,8 +297,9 @@ def build_report(
 ) -> SoakReport:
     api = stack.api()
     runs: dict[str, RunFigures] = {}
+    statuses: dict[str, RunStatus] = {}
     for planned in record.runs:
-        status = api.status(planned.name).status
+        status = statuses[planned.name] = api.status(planned.name).status
         figures = run_figures(stack, status, record.plan.checkpoint_every)
         reference = references.get(planned.name)
         if reference and reference != planned.name and status.phase != Phase.FAILED:
@@ -288,6 +312,7 @@ def build_report(
         violations=[e.detail for e in record.events if e.what == "violation"],
         waited_free=[f"{e.target}: {e.detail}" for e in record.events if e.what == "waited-free"],
         recovery_s=recovery_by_kind(stack, record),
+        recovery_phases=phases_by_kind(stack, record, statuses),
         faults=Counter(e.what for e in fired if "passed over" not in e.detail),
         passed_over=sum(1 for e in fired if "passed over" in e.detail),
     )
@@ -336,6 +361,14 @@ def print_report(record: SoakRecord) -> int:
     print()
     recovery = sorted(report.recovery_s.items())
     _table([("fault", "recovery p50 / p95 / max"), *((k, _percentiles(s)) for k, s in recovery)])
+    if report.recovery_phases:
+        print("\nnode losses, where the seconds went (median of each part):")
+        rows = [("fault", "n", *PARTS, "sum")]
+        for key, found in sorted(report.recovery_phases.items()):
+            parts = medians(found)
+            rows.append((key, str(len(found)), *(f"{parts[p]:.1f}" for p in PARTS),
+                         f"{sum(parts.values()):.1f}"))  # fmt: skip
+        _table(rows)
     lost = [c for run in report.runs.values() for c in run.lost_commits]
     mismatched = [n for n, run in report.runs.items() if run.bitwise is False]
     print()
