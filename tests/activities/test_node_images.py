@@ -10,13 +10,13 @@ from pathlib import Path
 
 import pytest
 from temporalio.exceptions import ApplicationError
-from temporalio.testing import ActivityEnvironment
 
 from activities.node import NodeActivities
 from infra.containers import ContainerRuntime
 from infra.errors import ObjectNotFound
 from infra.settings import load_settings
 from tests.activities.test_node_health_check import train_input
+from tests.activities.test_node_work import environment, sent
 from workflows.contracts.models import NodeTrainInput
 
 IMAGE = "registry.lab/team/trainer:1"
@@ -31,7 +31,7 @@ def imaged() -> NodeTrainInput:
 def test_a_node_without_a_container_runtime_refuses_an_image_for_good(tmp_path: Path) -> None:
     agent = NodeActivities(load_settings(tmp_path / "home"), "n1", container_runtime=None)
     with pytest.raises(ApplicationError) as refused:
-        asyncio.run(ActivityEnvironment().run(agent.train_on_node, imaged()))
+        asyncio.run(environment().run(agent.train_on_node, sent(imaged())))
     assert refused.value.type == "NodeRefusesImage" and refused.value.non_retryable
     assert f"cannot run train.image {IMAGE!r}" in str(refused.value)
     assert "install podman" in str(refused.value)
@@ -42,4 +42,4 @@ def test_a_node_with_one_goes_on_to_the_job(tmp_path: Path) -> None:
     agent = NodeActivities(load_settings(tmp_path / "home"), "n1", container_runtime=runtime)
     # It goes on to fetch the job's dataset, which this test's store does not hold.
     with pytest.raises(ObjectNotFound, match="store/k"):
-        asyncio.run(ActivityEnvironment().run(agent.train_on_node, imaged()))
+        asyncio.run(environment().run(agent.train_on_node, sent(imaged())))

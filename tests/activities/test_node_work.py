@@ -16,13 +16,15 @@ from temporalio.testing import ActivityEnvironment
 from activities.node_work import read_train_input
 from infra import node_health
 from tests.activities.test_node_health_check import train_input
+from workflows.contracts.models import NodeTrainInput
 from workflows.gang_outcome import NODE_UNHEALTHY
 
 CONVERTER = pydantic_data_converter.payload_converter
 
 
-def sent(work: dict) -> RawValue:
-    """The work as the control plane's workflow puts it on the wire."""
+def sent(work: dict | NodeTrainInput) -> RawValue:
+    """The work as the control plane's workflow puts it on the wire (how the agent's worker
+    hands it to `train_on_node`)."""
     return RawValue(CONVERTER.to_payloads([work])[0])
 
 

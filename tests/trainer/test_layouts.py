@@ -104,6 +104,9 @@ def test_a_sharded_checkpoint_resumes_on_one_plain_rank(
         assert loss == pytest.approx(theirs[step], abs=1e-4), step
 
 
+# With the slow tests, to keep `make test` within 15 minutes (12 s); resharding to another
+# world size stays here (tests/trainer/test_distributed_training.py).
+@pytest.mark.slow
 def test_changing_data_parallel_ranks_neither_skips_nor_repeats_a_sample(
     trainer: Trainer, ddp: CheckpointManifest
 ) -> None:
