@@ -34,6 +34,9 @@ def children_running_ranks(parent: int) -> set[int]:
     return pids
 
 
+# With the slow tests, to keep `make test` within 15 minutes (10 s): every job of the e2e
+# stack in `make test` starts on its node's standby; a dead standby's cold start is here.
+@pytest.mark.slow
 def test_the_standby_becomes_torchrun_and_a_dead_one_costs_a_cold_start(
     trainer: Trainer, tmp_path: Path
 ) -> None:

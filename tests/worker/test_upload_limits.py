@@ -59,14 +59,21 @@ def test_uploads_past_the_limit_are_refused_with_retry_after(tmp_path: Path) -> 
 
     async def main() -> tuple[list[int], object, int]:
         arrived = asyncio.Event()
+        reading = 0  # uploads whose handler holds a slot and reads the body
 
         async def slow(n: int) -> AsyncIterator[bytes]:
+            nonlocal reading
+            reading += 1
             await arrived.wait()  # the client sends nothing until the test says so
             yield _tar({"train.py": f"print({n})\n".encode()})
 
         held = [asyncio.create_task(call(app, "POST", "/v1/code", headers, slow(n)))
                 for n in range(MAX_UPLOADS_AT_ONCE)]  # fmt: skip
-        await asyncio.sleep(0.1)  # each is in, waiting on its body
+        # Each is in, holding its slot, waiting on its body. Waited for, not slept on: on a
+        # busy machine 0.1 s once let the fifth take a slot before the fourth had its own.
+        async with asyncio.timeout(30):
+            while reading < MAX_UPLOADS_AT_ONCE:
+                await asyncio.sleep(0.01)
         refused = await call(app, "POST", "/v1/code", headers, [_tar({"train.py": b"x\n"})])
         arrived.set()
         statuses = [answer.status for answer in await asyncio.gather(*held)]
