@@ -4,10 +4,12 @@ is)."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from temporalio.client import Client
 
 from infra.local_servers import temporal_dev_server_argv
 from infra.processes import ManagedProcess, free_port, port_is_open, wait_until
@@ -46,7 +48,21 @@ def temporal_address(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     )
     server.start(argv)
     try:
-        wait_until(lambda: port_is_open("127.0.0.1", port), 60, "Temporal dev server", server)
+        # Its frontend answers, not just its port: a client that connected the moment the port
+        # opened was told "Frontend is not healthy yet" (the first test of a slow run).
+        wait_until(lambda: _answers(f"127.0.0.1:{port}"), 60, "Temporal dev server", server)
         yield f"127.0.0.1:{port}"
     finally:
         server.stop()
+
+
+def _answers(address: str) -> bool:
+    """The dev server at `address` accepts a client (its port open and its frontend healthy)."""
+    host, port = address.rsplit(":", 1)
+    if not port_is_open(host, int(port)):
+        return False
+    try:
+        asyncio.run(Client.connect(address))
+    except RuntimeError:  # "Failed client connect: ... Frontend is not healthy yet"
+        return False
+    return True

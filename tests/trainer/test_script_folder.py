@@ -126,9 +126,6 @@ def test_a_plain_script_runs_as_it_is_and_its_folder_is_committed(
     assert tail.exited == {0, 1}  # both ranks returned
 
 
-# With the slow tests, to keep `make test` within 15 minutes (13 s): a plain script's folder
-# committed, and its stop at a commit, stay here; the SIGKILL and exact resume run with them.
-@pytest.mark.slow
 def test_a_sigkilled_plain_script_resumes_from_its_last_commit_exactly(
     trainer: Trainer, uninterrupted: tuple[ProgressTail, int, dict]
 ) -> None:
