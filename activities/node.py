@@ -142,9 +142,7 @@ class NodeActivities:
 
     @activity.defn(name="train_on_node")
     async def train_on_node(self, work: RawValue) -> NodeTrainResult:
-        # Read here, not by the SDK (it passes a RawValue through only where the hint is that
-        # alone): an agent older than the control plane says so (activities.node_work).
-        inp = read_train_input(work, self.workdir)
+        inp = read_train_input(work, self.workdir)  # not by the SDK: see activities.node_work
         # What the job uses (shards, checkpoint, code) is pinned until it ends: another job's
         # fetch on this node never evicts the files under these ranks.
         self._training.add(inp.run_id)

@@ -15,7 +15,6 @@ control plane reads everything an older one sends (new fields have defaults).
 
 from __future__ import annotations
 
-from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 from pydantic import ValidationError
@@ -24,6 +23,7 @@ from temporalio.common import RawValue
 from temporalio.exceptions import ApplicationError
 
 from infra import node_health
+from infra.installed import forgeline_version
 from workflows.contracts.models import NodeTrainInput
 from workflows.gang_outcome import NODE_UNHEALTHY
 
@@ -56,10 +56,7 @@ def too_old(err: ValidationError) -> str:
 
 
 def agent_version() -> str:
-    try:
-        return version("forgeline")
-    except PackageNotFoundError:
-        return "from an uninstalled checkout"
+    return forgeline_version() or "from an uninstalled checkout"
 
 
 def _dotted(loc: tuple[int | str, ...]) -> str:

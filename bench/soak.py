@@ -220,8 +220,9 @@ def _victim(target: str, state: ClusterState | None) -> dict[str, Any]:
     return {}
 
 
-def drive(soak: Soak, injector: Injector, wait_s: float) -> None:
-    """The soak's loop, then everything mended and every run followed to its end."""
+def drive(soak: Soak, injector: Injector, wait_s: float) -> list[str]:
+    """The soak's loop, then everything mended and every run followed to its end; returns the
+    runs that did not end within `wait_s`."""
     faults = list(soak.plan.faults)
     pending: list[Future] = []
     with ThreadPoolExecutor(max_workers=1) as repairs:  # one `up` at a time
@@ -250,6 +251,7 @@ def drive(soak: Soak, injector: Injector, wait_s: float) -> None:
         # Said now, while the stack that holds them is still up to be read.
         soak.note("stuck", ", ".join(stuck), f"not ended {wait_s:.0f} s after the faults "
                   "stopped:\n" + diagnose(soak.stack, stuck))  # fmt: skip
+    return stuck
 
 
 def run_soak(stack: LocalStack, plan: SoakPlan, out: Path, wait_s: float = 1800) -> SoakRecord:
@@ -261,9 +263,8 @@ def run_soak(stack: LocalStack, plan: SoakPlan, out: Path, wait_s: float = 1800)
     soak = Soak(stack, plan, record)  # its clock starts now, with record.started_epoch
     injector = Injector(stack, plan.nodes, lambda: soak.submit(GUARANTEED))
     try:
-        drive(soak, injector, wait_s)
+        stuck = drive(soak, injector, wait_s)
         # A stack that left runs stuck is no place for references: it would strand them too.
-        stuck = len(soak.ended) < len(soak.runs)
         refs = {} if stuck else run_references(soak, wait_s)
         record.report = build_report(stack, soak.record, refs, soak.ended, out.parent)
     finally:

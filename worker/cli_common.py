@@ -48,12 +48,10 @@ class CliError(Exception):
 def print_version(asked: bool) -> None:
     """`forgeline --version`: the installed distribution's version, then exit."""
     if asked:
-        from importlib.metadata import PackageNotFoundError, version
+        from infra.installed import forgeline_version
 
-        try:
-            typer.echo(f"forgeline {version('forgeline')}")
-        except PackageNotFoundError:  # run from a checkout that was never installed
-            typer.echo("forgeline (not installed: pip install -e .)")
+        found = forgeline_version()
+        typer.echo(f"forgeline {found or '(not installed: pip install -e .)'}")
         raise typer.Exit()
 
 
