@@ -17,7 +17,7 @@ from trainer.folder_checkpoint import CommitTarget, clear_folder, restore_folder
 from trainer.folder_watch import SETTLE_S, FolderWatcher
 from trainer.job import TrainJob
 from trainer.manifest import read_manifest
-from trainer.script_folder import ScriptFolder
+from trainer.script_folder import POLL_S, ScriptFolder
 from workflows.contracts.models import NodeTrainInput
 
 SCRIPT_FOLDER = "checkpoint"  # in the generation's folder on the node
@@ -54,11 +54,13 @@ def script_folder_watch(
     job: TrainJob,
     staging: Path,
     settle_s: float = SETTLE_S,
+    poll_s: float = POLL_S,
 ) -> ScriptFolder:
     """The watch over the job's folder: committing on the gang's first node, restoring only
     on the others. `staging` is the agent's own, outside the ranks' box: a file is hashed
     there and uploaded from there, where the script cannot change it in between. `settle_s`:
-    how long the folder is quiet before a commit (a test's small script saves more often)."""
+    how long the folder is quiet before a commit, `poll_s` how often it is looked at (a test's
+    small script saves more often, and its whole run lasts a few polls of a node's)."""
     watcher = None
     start_step = inp.resume.step if inp.resume else 0
     if inp.allocation.nodes[0].node_id == job.node_id:
@@ -80,4 +82,5 @@ def script_folder_watch(
         watcher,
         Path(job.stop_file),
         start_step,
+        poll_s,
     )

@@ -4,6 +4,7 @@ run makes.
 
     python -m bench.soak [--minutes 60] [--mean-interval 60] [--seed 7] [--nodes 5]
                          [--steps 1500] [--checkpoint-every 100] [--outage 60] [--out soak.json]
+                         [--only kill-agent,drain]
 
 Team `nlp` (guaranteed every GPU) and team `vision` (guaranteed none: it borrows) each keep a
 run in flight, cycling through the built-in GPT under DDP, FSDP and DDP with shadow checks;
@@ -38,7 +39,9 @@ from bench.local_stack import LocalStack
 from bench.soak_faults import SHADOW_EVERY, Fired, Injector, PassedOver
 from bench.soak_plan import (
     CONTROL_PLANE,
+    DEFAULT_MIX,
     Fault,
+    FaultKind,
     PlannedRun,
     RunKind,
     SoakEvent,
@@ -295,6 +298,17 @@ def run_references(soak: Soak, wait_s: float) -> dict[str, str]:
     return {name: of_kind[run.kind] for name, run in soak.runs.items()}
 
 
+def _kinds(text: str) -> dict[FaultKind, float]:
+    """`--only`'s kinds, with their shares of the default mix."""
+    try:
+        return {FaultKind(k.strip()): DEFAULT_MIX[FaultKind(k.strip())] for k in text.split(",")}
+    except ValueError:
+        known = ", ".join(k.value for k in FaultKind)
+        raise argparse.ArgumentTypeError(
+            f"unknown fault kind in {text!r}; known: {known}"
+        ) from None
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--minutes", type=float, default=60)
@@ -305,12 +319,18 @@ def main() -> int:
     parser.add_argument("--checkpoint-every", type=int, default=100)
     parser.add_argument("--outage", type=float, default=60, help="MLflow down, a node unhealthy")
     parser.add_argument("--out", type=Path, default=Path("soak.json"))
+    parser.add_argument(
+        "--only", type=_kinds, default=None, metavar="KIND[,KIND]",
+        help="draw only these fault kinds, in the default mix's shares (e.g. kill-agent to "
+        "measure node deaths' recovery alone)",
+    )  # fmt: skip
     args = parser.parse_args()
     plan = SoakPlan(
         seed=args.seed, duration_s=args.minutes * 60, mean_interval_s=args.mean_interval,
         outage_s=args.outage, steps=args.steps, checkpoint_every=args.checkpoint_every,
         nodes=args.nodes,
-        faults=draw_faults(args.seed, args.minutes * 60, args.mean_interval, args.outage),
+        faults=draw_faults(args.seed, args.minutes * 60, args.mean_interval, args.outage,
+                           mix=args.only),
     )  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="forgeline-soak-") as tmp:
         stack = LocalStack(Path(tmp) / "home", {})

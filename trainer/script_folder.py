@@ -78,8 +78,10 @@ class ScriptFolder:
         watcher: FolderWatcher | None,
         stop_file: Path,
         start_step: int = 0,
+        poll_s: float = POLL_S,
     ) -> None:
         self.folder = folder
+        self.poll_s = poll_s  # how often the watch looks at the folder while the ranks run
         self.watcher = watcher  # None: another node of the gang commits
         self.stop_file = stop_file
         self.progress_file = progress_file
@@ -140,11 +142,11 @@ class ScriptFolder:
     def fenced(self) -> bool:
         return self.watcher is not None and self.watcher.fenced
 
-    def start(self, every_s: float = POLL_S) -> None:
+    def start(self) -> None:
         """Commit the folder each time it is quiet, from now until `stop` (the ranks' life)."""
         if self.watcher is not None:
             self._stopping = asyncio.Event()
-            self._task = asyncio.create_task(self._watch(self._stopping, every_s))
+            self._task = asyncio.create_task(self._watch(self._stopping, self.poll_s))
 
     async def stop(self) -> None:
         if self._task is not None:

@@ -76,7 +76,8 @@ def a_busy_folder(tmp_path: Path) -> tuple[ScriptFolder, LocalStore, Path]:
     watcher = FolderWatcher(folder, tmp_path / "staging", store, CommitTarget("lib", 1, ""),
                             last_step=0, settle_s=3600)  # fmt: skip
     progress = tmp_path / "progress.jsonl"
-    return ScriptFolder(folder, progress, watcher, tmp_path / "STOP"), store, progress
+    script = ScriptFolder(folder, progress, watcher, tmp_path / "STOP", poll_s=0.05)
+    return script, store, progress
 
 
 def test_a_save_said_complete_is_committed_at_once_at_its_step(tmp_path: Path) -> None:
@@ -91,7 +92,7 @@ def test_a_save_said_complete_is_committed_at_once_at_its_step(tmp_path: Path) -
         tail = ProgressTail(progress, world=1)
         tail.poll()
         script.heard(tail)
-        script.start(every_s=0.05)
+        script.start()
         await asyncio.sleep(0.5)
         await script.stop()
 
@@ -120,7 +121,7 @@ def test_a_save_said_complete_is_tried_once_then_the_settle_period_decides(
             file.write(b"b" * 100)
             if not writing:
                 file.close()
-            script.start(every_s=0.05)
+            script.start()
             await asyncio.sleep(0.4)
             await script.stop()
 

@@ -38,16 +38,17 @@ def plain_spec(steps: int = STEPS) -> TrainSpec:
         code=str(PLAIN),
         entrypoint="train.py",
         checkpoints="folder",
-        # Batches of 32 make a step long enough that the folder is quiet between saves for
-        # the watch to commit early: with the default 8, a fast machine ran all 400 steps
-        # before the first commit, and the kill test found the run already done.
+        # A save every 100 steps of batches of 32, watched every 0.05 s (plain_job): the
+        # folder is quiet for a settle period between saves long before the run's end. With a
+        # save every 40 and a node's 1 s polls, a run of a few seconds sometimes showed the
+        # watch no quiet folder before its end, and the kill test found the run already done.
         argv=[
             "--out",
             "{checkpoint_dir}",
             "--steps",
             str(steps),
             "--save-every",
-            "40",
+            "100",
             "--batch",
             "32",
         ],
@@ -91,10 +92,10 @@ def plain_job(
     workdir = Path(job.progress_file).parent
     job.stop_file = str(workdir / "STOP")  # as activities.node sets it
     restore_script_folder(trainer.store, inp, job)
-    # Shorter than a node's settle period (SETTLE_S): the kill and stop tests strike at the
-    # first commit, which must come while the script, quick to save, is still far from its end.
+    # Shorter than a node's settle period (SETTLE_S) and poll (POLL_S): the kill and stop tests
+    # strike at the first commit, which must come while the script is still far from its end.
     folder = script_folder_watch(
-        trainer.store, inp, job, workdir / "staging-of-folder", settle_s=0.2
+        trainer.store, inp, job, workdir / "staging-of-folder", settle_s=0.2, poll_s=0.05
     )
     return job, folder
 
