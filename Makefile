@@ -20,11 +20,16 @@ demo: $(STAMP)
 	$(FL) up --nodes 2 --gpus-per-node 1
 	$(FL) run examples/shakespeare-char.toml
 
+# Two workers (pytest-xdist): most tests wait on processes they started, and one worker kept a
+# 2-core machine less than half busy. tests/conftest.py says which tests stay together.
+WORKERS ?= 2
+PARALLEL := -n $(WORKERS) --dist loadgroup
+
 test: $(STAMP)
-	$(BIN)/pytest
+	$(BIN)/pytest $(PARALLEL)
 
 test-all: $(STAMP)
-	$(BIN)/pytest -m ''
+	$(BIN)/pytest $(PARALLEL) -m ''
 
 up: $(STAMP)
 	$(FL) up --nodes 2 --gpus-per-node 1

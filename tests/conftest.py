@@ -16,8 +16,25 @@ from infra.processes import ManagedProcess, free_port, port_is_open, wait_until
 from workflows.search_attributes import SEARCH_ATTRIBUTE_TYPES
 
 CONTINUE_AS_NEW_AFTER = 300  # events
+# `make test` and CI run the tests on two workers (pytest-xdist, `--dist loadgroup`): a file's
+# tests stay together (its module fixtures are made once), and the files below, which share
+# something of this machine's beyond their own folders, stay on one worker together.
+ONE_WORKER = {
+    # podman's image store: the test image is built once per machine, under one name.
+    "podman": ("tests/e2e/test_image.py", "tests/infra/test_containers.py",
+               "tests/security/test_hostile_script.py", "tests/worker/test_image_submission.py",
+               "tests/activities/test_node_images.py"),
+    "network-namespaces": ("tests/hosts/",),  # a bridge and hosts in 198.18.0.0/15
+}  # fmt: skip
 REPO = Path(__file__).resolve().parent.parent
 SHAKESPEARE = REPO / "examples" / "data" / "tinyshakespeare.txt"
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        path = item.path.relative_to(REPO).as_posix()
+        group = next((g for g, files in ONE_WORKER.items() if path.startswith(files)), path)
+        item.add_marker(pytest.mark.xdist_group(group))
 
 
 @pytest.fixture

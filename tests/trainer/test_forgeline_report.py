@@ -170,7 +170,7 @@ def reported_run(
 ) -> tuple[ProgressTail, Path]:
     """The reporting copy of the plain script run to its end: the tail, the progress file."""
     code = plain_script_that_reports(tmp_path_factory.mktemp("code"))
-    spec = plain_spec(steps=60).model_copy(update={"code": str(code)})
+    spec = plain_spec(steps=60, save_every=40).model_copy(update={"code": str(code)})
     job, folder = plain_job(trainer, "plain-reports", spec=spec)
     job.code_dir = str(code)
     return trainer.run(job, ranks=2, script_folder=folder), Path(job.progress_file)

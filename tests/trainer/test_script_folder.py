@@ -33,7 +33,7 @@ PLAIN = REPO / "examples" / "byo" / "plain"
 STEPS = 400
 
 
-def plain_spec(steps: int = STEPS) -> TrainSpec:
+def plain_spec(steps: int = STEPS, save_every: int = 100) -> TrainSpec:
     return TrainSpec(
         code=str(PLAIN),
         entrypoint="train.py",
@@ -48,7 +48,7 @@ def plain_spec(steps: int = STEPS) -> TrainSpec:
             "--steps",
             str(steps),
             "--save-every",
-            "100",
+            str(save_every),
             "--batch",
             "32",
         ],
