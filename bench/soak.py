@@ -107,6 +107,13 @@ class Soak:
     mends: list[tuple[float, Fault, Fired]] = field(default_factory=list)
     waiting_free_since: dict[str, float] = field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        # The events count seconds from this clock's start, and the recoveries are read against
+        # the runs' own records (epoch seconds) as `started_epoch + at_s`: the two start
+        # together. Stamped when the record was made, before `cluster apply` (seconds of CLI),
+        # every recovery of the soaks before 2026-12-07's last was that much too long.
+        self.record.started_epoch = time.time() - (time.monotonic() - self.started)
+
     def now(self) -> float:
         return round(time.monotonic() - self.started, 2)
 
@@ -259,11 +266,11 @@ def drive(soak: Soak, injector: Injector, wait_s: float) -> list[str]:
 
 def run_soak(stack: LocalStack, plan: SoakPlan, out: Path, wait_s: float = 1800) -> SoakRecord:
     """The whole soak on a stack that is up: returns (and saves to `out`) its record."""
-    record = SoakRecord(plan=plan, started_epoch=time.time())
+    record = SoakRecord(plan=plan)
     cluster = out.parent / "soak-cluster.toml"
     cluster.write_text(CLUSTER_FILE.format(nodes=plan.nodes))
     stack.cli("cluster", "apply", str(cluster))
-    soak = Soak(stack, plan, record)  # its clock starts now, with record.started_epoch
+    soak = Soak(stack, plan, record)  # its clock starts now, and record.started_epoch
     injector = Injector(stack, plan.nodes, lambda: soak.submit(GUARANTEED))
     try:
         stuck = drive(soak, injector, wait_s)
