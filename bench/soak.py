@@ -51,7 +51,7 @@ from bench.soak_plan import (
 )
 from bench.soak_report import build_report, print_report
 from bench.stuck_runs import diagnose
-from workflows.contracts.cluster_models import ClusterState
+from workflows.contracts.cluster_models import ClusterState, GangRequest
 from workflows.contracts.models import Phase
 
 REPO = Path(__file__).resolve().parent.parent
@@ -106,6 +106,7 @@ class Soak:
     numbering: itertools.count = field(default_factory=itertools.count)
     mends: list[tuple[float, Fault, Fired]] = field(default_factory=list)
     waiting_free_since: dict[str, float] = field(default_factory=dict)
+    waiting_why: dict[str, str] = field(default_factory=dict)  # what the cluster said of it
 
     def __post_init__(self) -> None:
         # The events count seconds from this clock's start, and the recoveries are read against
@@ -155,12 +156,14 @@ class Soak:
         for run_id, since in list(self.waiting_free_since.items()):
             if run_id not in queued or queued[run_id].nodes > free:
                 if now - since > 10:
-                    reason = next((w.reason for w in state.waiting if w.run_id == run_id), "")
-                    self.note("waited-free", run_id, f"{now - since:.1f} s: {reason}")
+                    why = self.waiting_why.get(run_id, "")
+                    self.note("waited-free", run_id, f"{now - since:.1f} s: {why}")
                 del self.waiting_free_since[run_id]
         for run_id, request in queued.items():
             if request.nodes <= free:
                 self.waiting_free_since.setdefault(run_id, now)
+                # Said while it waits: by the time it stops, the preemption is over.
+                self.waiting_why[run_id] = _why_waiting(state, run_id, request)
 
     def follow_runs(self) -> None:
         try:
@@ -217,7 +220,29 @@ class Soak:
 
 def _free_nodes(state: ClusterState) -> int:
     """Nodes a gang could be granted now (in service, not held back as spares, a GPU free)."""
-    return sum(1 for n in state.nodes if n.schedulable and not n.spare and n.free >= 1)
+    return len(_free_ids(state))
+
+
+def _free_ids(state: ClusterState) -> list[str]:
+    return [n.info.node_id for n in state.nodes if n.schedulable and not n.spare and n.free >= 1]
+
+
+def _why_waiting(state: ClusterState, run_id: str, request: GangRequest) -> str:
+    """What the cluster's state says of a run that waited with nodes free: the scheduler's
+    reason, or (it gives none for a run it reclaims for) the gang it preempts for it, and which
+    nodes were free and which the run's ranks had reported (a run avoids those)."""
+    reason = next((w.reason for w in state.waiting if w.run_id == run_id), "")
+    victims = [
+        a.run_id for a in state.allocations if a.preempting and a.preempting.for_run == run_id
+    ]
+    free = _free_ids(state)
+    said = [reason or "no reason given"]
+    if victims:
+        said.append(f"preempting {', '.join(victims)} for it")
+    said.append(f"free {', '.join(free) or 'none'} now")
+    if request.avoid:
+        said.append(f"avoids {', '.join(request.avoid)}")
+    return "; ".join(said)
 
 
 def _victim(target: str, state: ClusterState | None) -> dict[str, Any]:
