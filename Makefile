@@ -23,7 +23,7 @@ demo: $(STAMP)
 # Two workers (pytest-xdist): most tests wait on processes they started, and one worker kept a
 # 2-core machine less than half busy. tests/conftest.py says which tests stay together.
 WORKERS ?= 2
-PARALLEL := -n $(WORKERS) --dist loadgroup
+PARALLEL := -n $(WORKERS) --dist loadfile
 
 test: $(STAMP)
 	$(BIN)/pytest $(PARALLEL)

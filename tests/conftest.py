@@ -10,15 +10,16 @@ from pathlib import Path
 
 import pytest
 from temporalio.client import Client
+from xdist.scheduler import LoadScopeScheduling
 
 from infra.local_servers import temporal_dev_server_argv
 from infra.processes import ManagedProcess, free_port, port_is_open, wait_until
 from workflows.search_attributes import SEARCH_ATTRIBUTE_TYPES
 
 CONTINUE_AS_NEW_AFTER = 300  # events
-# `make test` and CI run the tests on two workers (pytest-xdist, `--dist loadgroup`): a file's
-# tests stay together (its module fixtures are made once), and the files below, which share
-# something of this machine's beyond their own folders, stay on one worker together.
+# `make test` and CI run the tests on two workers (pytest-xdist): a file's tests stay together
+# (its module fixtures are made once), and the files below, which share something of this
+# machine's beyond their own folders, stay on one worker together (_ByFileOrShared).
 ONE_WORKER = {
     # podman's image store: the test image is built once per machine, under one name.
     "podman": ("tests/e2e/test_image.py", "tests/infra/test_containers.py",
@@ -30,11 +31,19 @@ REPO = Path(__file__).resolve().parent.parent
 SHAKESPEARE = REPO / "examples" / "data" / "tinyshakespeare.txt"
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    for item in items:
-        path = item.path.relative_to(REPO).as_posix()
-        group = next((g for g, files in ONE_WORKER.items() if path.startswith(files)), path)
-        item.add_marker(pytest.mark.xdist_group(group))
+class _ByFileOrShared(LoadScopeScheduling):
+    """A file's tests go to one worker together, as do the files of a group in ONE_WORKER.
+    (xdist's `loadgroup` marks do not work with pytest 9: xdist tags a test's old `_nodeid`,
+    which pytest no longer reads, and every test went its own way.)"""
+
+    def _split_scope(self, nodeid: str) -> str:
+        path = nodeid.split("::", 1)[0]
+        return next((g for g, files in ONE_WORKER.items() if path.startswith(files)), path)
+
+
+@pytest.hookimpl(tryfirst=True, optionalhook=True)  # optional: pytest -p no:xdist runs too
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> LoadScopeScheduling:
+    return _ByFileOrShared(config, log)
 
 
 @pytest.fixture

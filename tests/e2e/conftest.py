@@ -312,8 +312,11 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Itera
 def stack(tmp_path_factory: pytest.TempPathFactory, s3_sites: Sites) -> Iterator[Stack]:
     home = tmp_path_factory.mktemp("forgeline-home")
     env = {**os.environ, "FORGELINE_HOME": str(home)}
+    # Nothing of another stack's: a test run in this process before (a CLI called in-process
+    # signs in to its stack's MLflow through os.environ) left its MLflow login there, and this
+    # stack's control worker sent it to its own MLflow: 401 (make test on two workers).
     for name in list(env):
-        if name.startswith(("FORGELINE_", "AWS_")) and name != "FORGELINE_HOME":
+        if name.startswith(("FORGELINE_", "AWS_", "MLFLOW_")) and name != "FORGELINE_HOME":
             del env[name]
     env |= s3_sites.env | {
         # The stack reads the corpora of examples/ wherever pytest was started.
@@ -329,6 +332,8 @@ def stack(tmp_path_factory: pytest.TempPathFactory, s3_sites: Sites) -> Iterator
         s.cli("up", "--nodes", "3", "--gpus-per-node", "1", *free_port_flags(), timeout=240)
         # The tests' own MLflow clients sign in as Forgeline's processes do (its MLflow answers
         # to nobody else); the environment is restored for the packages after this one.
+        for name in [n for n in os.environ if n.startswith("MLFLOW_TRACKING_")]:
+            del os.environ[name]  # another stack's login would win (use_local_login keeps it)
         use_local_login(home, s.settings.mlflow_uri)
         yield s
     finally:

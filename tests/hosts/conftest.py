@@ -181,7 +181,12 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         moto.start()
         endpoint = f"http://{gateway}:{moto_port}"
         env = {
-            **{k: v for k, v in os.environ.items() if not k.startswith(("FORGELINE_", "AWS_"))},
+            # Nothing of another stack's (an MLflow login a test before left in os.environ).
+            **{
+                k: v
+                for k, v in os.environ.items()
+                if not k.startswith(("FORGELINE_", "AWS_", "MLFLOW_"))
+            },
             **_CREDENTIALS,
             "AWS_ENDPOINT_URL_S3": endpoint,
             "FORGELINE_STORE": f"s3://{BUCKET}/ci?endpoint={endpoint}",
