@@ -20,7 +20,7 @@ from temporalio.exceptions import (
 )
 
 from workflows.contracts.cluster_models import Allocation, NodeInfo, PreemptNotice
-from workflows.contracts.models import Failure, HealthEvent, NodeTrainResult
+from workflows.contracts.models import Failure, HealthEvent, NodeStopInput, NodeTrainResult
 from workflows.contracts.names import node_task_queue
 from workflows.contracts.spec import RecoverySpec, TrainSpec
 
@@ -28,6 +28,7 @@ from workflows.contracts.spec import RecoverySpec, TrainSpec
 # queue for one of the agent's idle pollers (milliseconds), the answer is a constant. A node
 # that says nothing within this long is dead or cut off.
 PROBE_TIMEOUT = timedelta(seconds=2)
+STOP_ORDER_TIMEOUT = timedelta(seconds=30)  # a stop order not taken within this is dropped
 
 
 class Preempted(Exception):
@@ -296,6 +297,25 @@ async def _answers_as_granted(node: NodeInfo) -> bool:
     except ActivityError as err:
         return not isinstance(err.cause, TimeoutError)
     return answer in ("", node.incarnation)
+
+
+def order_stops(stop: NodeStopInput, allocation: Allocation) -> None:
+    """Tell every node of the gang at once to checkpoint and stop, and wait for none of the
+    orders: the gang's own activities say when each node stopped. A node whose agent died
+    after the grant never takes its order; its training activity ends at its heartbeat
+    timeout, and the gang's end is then a failure of that node, not of the run. Before, the
+    orders went one after another and one not taken within 30 s failed the whole run, while
+    the run that reclaimed the nodes waited for them (bench/soak.py: a reclaim while an agent
+    of the victim's gang was dead)."""
+    for node in allocation.nodes:
+        order = workflow.start_activity(
+            "stop_training",
+            stop,
+            task_queue=node_task_queue(node.node_id),
+            schedule_to_close_timeout=STOP_ORDER_TIMEOUT,
+            retry_policy=RetryPolicy(maximum_attempts=1),
+        )
+        order.add_done_callback(_observe)
 
 
 def _observe(handle: asyncio.Future) -> None:

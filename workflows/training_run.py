@@ -65,6 +65,7 @@ with workflow.unsafe.imports_passed_through():
         node_task_queue,
     )
     from workflows.gang_outcome import (
+        STOP_ORDER_TIMEOUT,
         GangFailed,
         Preempted,
         StragglerSwap,
@@ -73,6 +74,7 @@ with workflow.unsafe.imports_passed_through():
         describe,
         ended_at_the_end,
         failures_of,
+        order_stops,
         reached_the_end,
         stop_left_behind,
         stopped_early,
@@ -617,14 +619,18 @@ class TrainingRun:
         self, allocation: Allocation, handles: list, notice: PreemptNotice
     ) -> None:
         """Ask every node's ranks to checkpoint and exit; after the grace period, stop them."""
-        for node in allocation.nodes:
-            await workflow.execute_activity(
-                "stop_training",
-                NodeStopInput(run_id=self._spec.name, generation=allocation.generation),
-                task_queue=node_task_queue(node.node_id),
-                schedule_to_close_timeout=timedelta(seconds=30),
-                retry_policy=_NO_RETRY,
-            )
+        stop = NodeStopInput(run_id=self._spec.name, generation=allocation.generation)
+        if workflow.patched("stop-orders-unawaited"):
+            order_stops(stop, allocation)
+        else:  # runs from before: one order after another, and one not taken failed the run
+            for node in allocation.nodes:
+                await workflow.execute_activity(
+                    "stop_training",
+                    stop,
+                    task_queue=node_task_queue(node.node_id),
+                    schedule_to_close_timeout=STOP_ORDER_TIMEOUT,
+                    retry_policy=_NO_RETRY,
+                )
         try:
             await workflow.wait_condition(
                 lambda: all(h.done() for h in handles), timeout=timedelta(seconds=notice.grace_s)

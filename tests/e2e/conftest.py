@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import boto3
+import mlflow
 import pytest
 import torch
 
@@ -335,6 +336,11 @@ def stack(tmp_path_factory: pytest.TempPathFactory, s3_sites: Sites) -> Iterator
         for name in [n for n in os.environ if n.startswith("MLFLOW_TRACKING_")]:
             del os.environ[name]  # another stack's login would win (use_local_login keeps it)
         use_local_login(home, s.settings.mlflow_uri)
+        # And this process's MLflow points here: registry code a test ran in-process before
+        # (registry.tracking) left its own SQLite file as the registry of every client made
+        # with a tracking URI alone ("Registered Model with name=tiny not found").
+        mlflow.set_tracking_uri(s.settings.mlflow_uri)
+        mlflow.set_registry_uri(s.settings.mlflow_uri)
         yield s
     finally:
         os.environ.clear()

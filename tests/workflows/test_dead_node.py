@@ -1,4 +1,5 @@
-"""A node that dies mid-attempt costs the run seconds, not its heartbeat timeout.
+"""A node that dies mid-attempt costs the run seconds, not its heartbeat timeout; nor does it
+cost the run itself when the gang is preempted while the node is dead.
 
 The real TrainingRun and Cluster workflows on the dev server. Node n1's agent is a process of
 its own (tests/workflows/doomed_agent.py) that the test SIGKILLs while it trains; n0's agent
@@ -35,12 +36,22 @@ from tests.workflows.test_training_run_history import (
     tiny_spec,
 )
 from workflows.cluster import ClusterWorkflow
-from workflows.contracts.cluster_models import ClusterConfig
-from workflows.contracts.models import CheckpointRef, NodeTrainInput, NodeTrainResult, Phase
+from workflows.contracts.cluster_models import ClusterConfig, PreemptNotice
+from workflows.contracts.models import (
+    CheckpointRef,
+    NodeStopInput,
+    NodeTrainInput,
+    NodeTrainResult,
+    Phase,
+    RunStatus,
+)
+from workflows.contracts.names import PREEMPT_SIGNAL
+from workflows.gang_outcome import STOP_ORDER_TIMEOUT
 
 REPO = Path(__file__).resolve().parents[2]
 HEARTBEAT_TIMEOUT_S = 60
 LABEL = "2026-12-03-requeue"
+LABEL_PREEMPTED = "2026-12-07-stop-orders"
 
 
 class Survivors:
@@ -135,3 +146,88 @@ def test_a_dead_node_is_left_behind_without_waiting_for_its_heartbeat_timeout(
     assert second.granted_at.timestamp() < killed_at + HEARTBEAT_TIMEOUT_S / 2, (second, killed_at)
     # The first failure retries at once: no backoff timer.
     assert 1.0 not in seen["timers"], seen["timers"]
+
+
+class Yielders:
+    """n0 and n2's agents: generation 1 trains until told to stop (a preemption) and stops at
+    its checkpoint; later generations train to the end."""
+
+    def __init__(self) -> None:
+        self.stop = asyncio.Event()
+        self.step = 0  # what Control's latest_checkpoint reports
+
+    @activity.defn(name="train_on_node")
+    async def train_on_node(self, inp: NodeTrainInput) -> NodeTrainResult:
+        generation = inp.allocation.generation
+        if generation == 1:
+            while not self.stop.is_set():
+                activity.heartbeat()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self.stop.wait(), 0.2)
+            self.step = 1
+            return NodeTrainResult(
+                node_id=inp.node_id, generation=1, final_step=1, final_loss=1.0, stopped=True,
+                stop_reason="asked to stop",
+            )  # fmt: skip
+        self.step = STEPS
+        return NodeTrainResult(node_id=inp.node_id, generation=generation, final_step=STEPS,
+                               final_loss=1.0)  # fmt: skip
+
+    @activity.defn(name="stop_training")
+    async def stop_training(self, inp: NodeStopInput) -> None:
+        self.stop.set()
+
+    @activity.defn(name="node_alive")
+    async def node_alive(self) -> str:
+        return "a"
+
+
+def test_a_gang_preempted_while_one_of_its_nodes_is_dead_fails_that_node_not_the_run(
+    temporal_address: str, task_queue: str, tmp_path: Path
+) -> None:
+    """A node-deaths soak: a team reclaimed a borrowed gang while an agent of it was dead. Its
+    stop order sat in the dead node's queue for 30 s while the reclaiming run waited, then the
+    victim failed ("Not enough time to schedule next retry before activity ScheduleToClose
+    timeout"). Now every node is told at once and no order is waited for: the dead node's
+    activity ends at its heartbeat timeout (5 s here), the gang fails as a node failure, and the
+    run resumes on the live node and the new one, well within those 30 s."""
+    spec = tiny_spec("preempted-dead", 5)
+    started = tmp_path / "n1-started"
+    doomed = subprocess.Popen(
+        [sys.executable, "-m", "tests.workflows.doomed_agent", temporal_address, "n1", "a",
+         str(started)], cwd=REPO,
+    )  # fmt: skip
+
+    async def main() -> RunStatus:
+        client = await Client.connect(temporal_address, data_converter=pydantic_data_converter)
+        agents = Yielders()
+        control = Control(agents)  # type: ignore[arg-type]  # it reads .step alone
+        acts = [agents.train_on_node, agents.stop_training, agents.node_alive]
+        workers = stack_workers(client, task_queue, control, dict.fromkeys(("n0", "n2"), acts))
+        async with contextlib.AsyncExitStack() as stack:
+            cluster, handle = await start_cluster_and_run(stack, client, workers, task_queue, spec)
+            async with terminated_after(handle, cluster):
+                for n in ("n0", "n1"):
+                    await cluster.signal(ClusterWorkflow.register_node, node(n))
+                await eventually(lambda: asyncio.to_thread(started.exists), bool, timeout=60)
+                doomed.send_signal(signal.SIGKILL)
+                doomed.wait()
+                await cluster.signal(ClusterWorkflow.register_node, node("n2"))
+                notice = PreemptNotice(generation=1, grace_s=60, reason="a team reclaims")
+                await handle.signal(PREEMPT_SIGNAL, notice)
+                final = await eventually(
+                    lambda: _status(handle),
+                    lambda s: s.phase in (Phase.AWAITING_APPROVAL, Phase.FAILED),
+                    timeout=STOP_ORDER_TIMEOUT.total_seconds() - 5,
+                )
+                await record_histories(LABEL_PREEMPTED, handle, cluster)
+                return final
+
+    try:
+        status = asyncio.run(main())
+    finally:
+        doomed.kill()
+    assert status.phase == Phase.AWAITING_APPROVAL, status
+    first, second = status.gang_attempts
+    assert (first.outcome, second.outcome) == ("failed", "completed"), status.gang_attempts
+    assert [f.node_id for f in status.failures] == ["n1"], status.failures
