@@ -28,7 +28,9 @@ from tests.workflows.test_cluster_workflow import eventually, node
 from tests.workflows.test_training_run_history import (
     STEPS,
     Control,
+    StopsWhenTold,
     _status,
+    heartbeat_until,
     record_histories,
     stack_workers,
     start_cluster_and_run,
@@ -39,7 +41,6 @@ from workflows.cluster import ClusterWorkflow
 from workflows.contracts.cluster_models import ClusterConfig, PreemptNotice
 from workflows.contracts.models import (
     CheckpointRef,
-    NodeStopInput,
     NodeTrainInput,
     NodeTrainResult,
     Phase,
@@ -68,10 +69,7 @@ class Survivors:
     async def train_on_node(self, inp: NodeTrainInput) -> NodeTrainResult:
         self.resumes.append(inp.resume)
         if inp.allocation.generation == 1:
-            while not self.peer_dead.is_set():
-                activity.heartbeat()
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self.peer_dead.wait(), 0.2)
+            await heartbeat_until(self.peer_dead)
             raise ApplicationError(
                 f"ranks on node {inp.node_id}: Connection closed by peer", type="RanksFailed"
             )
@@ -148,22 +146,15 @@ def test_a_dead_node_is_left_behind_without_waiting_for_its_heartbeat_timeout(
     assert 1.0 not in seen["timers"], seen["timers"]
 
 
-class Yielders:
+class Yielders(StopsWhenTold):
     """n0 and n2's agents: generation 1 trains until told to stop (a preemption) and stops at
     its checkpoint; later generations train to the end."""
-
-    def __init__(self) -> None:
-        self.stop = asyncio.Event()
-        self.step = 0  # what Control's latest_checkpoint reports
 
     @activity.defn(name="train_on_node")
     async def train_on_node(self, inp: NodeTrainInput) -> NodeTrainResult:
         generation = inp.allocation.generation
         if generation == 1:
-            while not self.stop.is_set():
-                activity.heartbeat()
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self.stop.wait(), 0.2)
+            await heartbeat_until(self.stop)
             self.step = 1
             return NodeTrainResult(
                 node_id=inp.node_id, generation=1, final_step=1, final_loss=1.0, stopped=True,
@@ -172,14 +163,6 @@ class Yielders:
         self.step = STEPS
         return NodeTrainResult(node_id=inp.node_id, generation=generation, final_step=STEPS,
                                final_loss=1.0)  # fmt: skip
-
-    @activity.defn(name="stop_training")
-    async def stop_training(self, inp: NodeStopInput) -> None:
-        self.stop.set()
-
-    @activity.defn(name="node_alive")
-    async def node_alive(self) -> str:
-        return "a"
 
 
 def test_a_gang_preempted_while_one_of_its_nodes_is_dead_fails_that_node_not_the_run(

@@ -21,8 +21,10 @@ from tests.workflows.test_cluster_workflow import eventually, node
 from tests.workflows.test_training_run_history import (
     STEPS,
     Control,
+    StopsWhenTold,
     _status,
     awaiting_approval,
+    heartbeat_until,
     record_histories,
     stack_workers,
     start_cluster_and_run,
@@ -30,20 +32,19 @@ from tests.workflows.test_training_run_history import (
 )
 from worker.specfile import load_spec
 from workflows.cluster import ClusterWorkflow
-from workflows.contracts.models import NodeStopInput, NodeTrainInput, NodeTrainResult, RunStatus
+from workflows.contracts.models import NodeTrainInput, NodeTrainResult, RunStatus
 
 REPO = Path(__file__).resolve().parents[2]
 LABEL = "2026-12-03-elastic"
 SHRUNK_STOPS_AT = 40  # the step the one-node gang checkpoints at when asked to grow back
 
 
-class Agents:
+class Agents(StopsWhenTold):
     """n0, n1 and n2's agents. Generation 1: n1's health check fails, n0's ranks lose their
     peer. The one-node generation trains until it is asked to stop; the last one finishes."""
 
     def __init__(self) -> None:
-        self.step = 0  # what Control's latest_checkpoint reports
-        self.stop = asyncio.Event()
+        super().__init__()
         self.seen: list[NodeTrainInput] = []
 
     @activity.defn(name="train_on_node")
@@ -55,23 +56,12 @@ class Agents:
                 raise ApplicationError("n1: health check failed: ECC errors", type="NodeUnhealthy")
             raise ApplicationError(f"ranks on {inp.node_id}: peer vanished", type="RanksFailed")
         if len(inp.allocation.nodes) == 1:
-            while not self.stop.is_set():
-                activity.heartbeat()
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self.stop.wait(), 0.2)
+            await heartbeat_until(self.stop)
             self.step = SHRUNK_STOPS_AT
         else:
             self.step = STEPS
         return NodeTrainResult(node_id=inp.node_id, generation=generation, final_step=self.step,
                                final_loss=1.0)  # fmt: skip
-
-    @activity.defn(name="stop_training")
-    async def stop_training(self, inp: NodeStopInput) -> None:
-        self.stop.set()
-
-    @activity.defn(name="node_alive")
-    async def node_alive(self) -> str:
-        return "a"
 
 
 def test_a_run_shrinks_after_a_failure_and_grows_back_when_a_node_joins(

@@ -99,6 +99,30 @@ class Node:
         self.stop[inp.generation].set()
 
 
+async def heartbeat_until(event: asyncio.Event) -> None:
+    """A stand-in's ranks training (beating) until `event` is set."""
+    while not event.is_set():
+        activity.heartbeat()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(event.wait(), 0.2)
+
+
+class StopsWhenTold:
+    """A stand-in agent's stop order (sets `stop`) and its answer to the liveness probe."""
+
+    def __init__(self) -> None:
+        self.stop = asyncio.Event()
+        self.step = 0  # what Control's latest_checkpoint reports
+
+    @activity.defn(name="stop_training")
+    async def stop_training(self, inp: NodeStopInput) -> None:
+        self.stop.set()
+
+    @activity.defn(name="node_alive")
+    async def node_alive(self) -> str:
+        return "a"
+
+
 class Control:
     """The control worker's activities, as a healthy store and MLflow would answer."""
 
