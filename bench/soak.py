@@ -150,7 +150,8 @@ class Soak:
     def watch(self, state: ClusterState) -> None:
         for violation in booking_violations(state):
             self.note("violation", detail=violation)
-        free = _free_nodes(state)
+        free_ids = _free_ids(state)
+        free = len(free_ids)
         now = self.now()
         queued = {r.run_id: r for r in state.queue}
         for run_id, since in list(self.waiting_free_since.items()):
@@ -163,7 +164,7 @@ class Soak:
             if request.nodes <= free:
                 self.waiting_free_since.setdefault(run_id, now)
                 # Said while it waits: by the time it stops, the preemption is over.
-                self.waiting_why[run_id] = _why_waiting(state, run_id, request)
+                self.waiting_why[run_id] = _why_waiting(state, run_id, request, free_ids)
 
     def follow_runs(self) -> None:
         try:
@@ -227,7 +228,7 @@ def _free_ids(state: ClusterState) -> list[str]:
     return [n.info.node_id for n in state.nodes if n.schedulable and not n.spare and n.free >= 1]
 
 
-def _why_waiting(state: ClusterState, run_id: str, request: GangRequest) -> str:
+def _why_waiting(state: ClusterState, run_id: str, request: GangRequest, free: list[str]) -> str:
     """What the cluster's state says of a run that waited with nodes free: the scheduler's
     reason, or (it gives none for a run it reclaims for) the gang it preempts for it, and which
     nodes were free and which the run's ranks had reported (a run avoids those)."""
@@ -235,7 +236,6 @@ def _why_waiting(state: ClusterState, run_id: str, request: GangRequest) -> str:
     victims = [
         a.run_id for a in state.allocations if a.preempting and a.preempting.for_run == run_id
     ]
-    free = _free_ids(state)
     said = [reason or "no reason given"]
     if victims:
         said.append(f"preempting {', '.join(victims)} for it")
@@ -333,12 +333,13 @@ def run_references(soak: Soak, wait_s: float) -> dict[str, str]:
 def _kinds(text: str) -> dict[FaultKind, float]:
     """`--only`'s kinds, with their shares of the default mix."""
     try:
-        return {FaultKind(k.strip()): DEFAULT_MIX[FaultKind(k.strip())] for k in text.split(",")}
+        kinds = [FaultKind(k.strip()) for k in text.split(",")]
     except ValueError:
         known = ", ".join(k.value for k in FaultKind)
         raise argparse.ArgumentTypeError(
             f"unknown fault kind in {text!r}; known: {known}"
         ) from None
+    return {kind: DEFAULT_MIX[kind] for kind in kinds}
 
 
 def main() -> int:
