@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import textwrap
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -23,6 +24,22 @@ from trainer.launch import Rendezvous, printed_stacks, run_ranks
 from trainer.manifest import committed_steps
 from trainer.progress_tail import ProgressTail
 from workflows.contracts.spec import ModelSpec, RecoverySpec, TrainSpec
+
+_UNTIL_EVERY_RANK_WROTE = """
+import os as _os, time as _time
+_ours = out.name.rsplit("-", 1)[0] + "-*" + out.suffix
+while len(list(out.parent.glob(_ours))) < int(_os.environ["WORLD_SIZE"]):
+    _time.sleep(0.02)
+"""
+
+
+def returns_when_every_rank_wrote(script: str) -> str:
+    """A rank script that writes what it saw to `out` (beside its job file) and never trains,
+    made to return only once every rank's file of the same name is there. The first rank to
+    return ends the whole gang, so on a busy machine another rank could be stopped before it
+    wrote (it happened in CI, on two test workers)."""
+    return textwrap.dedent(script) + _UNTIL_EVERY_RANK_WROTE
+
 
 MODEL = ModelSpec(n_layer=2, n_head=2, n_embd=32, block_size=32)
 

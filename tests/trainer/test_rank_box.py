@@ -13,14 +13,13 @@ import logging
 import os
 import shutil
 import stat
-import textwrap
 from pathlib import Path
 
 import pytest
 
 from infra import sandbox
 from infra.processes import free_port
-from tests.trainer.conftest import Trainer
+from tests.trainer.conftest import Trainer, returns_when_every_rank_wrote
 from tests.workflows.scheduling.policy_fixtures import NOW, node, request
 from trainer.device_env import GrantedDevices
 from trainer.errors import UserCodeFailed
@@ -47,7 +46,7 @@ pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None, reason="needs bwr
 
 SECRET = "tk-agent-secret-5f2d"
 # The script tries each door and writes what it found where its run may write (its job folder).
-HOSTILE = textwrap.dedent(
+HOSTILE = returns_when_every_rank_wrote(
     """
     import json, os, pathlib, sys
     probe = json.loads(pathlib.Path(__file__).with_name("probe.json").read_text())
@@ -256,16 +255,13 @@ def test_a_host_without_bwrap_refuses_user_code_saying_why(
 
 
 # Each rank says which GPUs it was told it has and which GPU files it can open.
-SAYS_ITS_GPUS = textwrap.dedent(
+SAYS_ITS_GPUS = returns_when_every_rank_wrote(
     """
-    import json, os, pathlib, time
+    import json, os, pathlib
     seen = {"visible": os.environ.get("CUDA_VISIBLE_DEVICES"),
             "files": sorted(n for n in os.listdir("/dev") if n.startswith("nvidia"))}
     out = pathlib.Path(os.environ["FORGELINE_JOB"]).with_name(f"gpus-{os.environ['RANK']}.json")
     out.write_text(json.dumps(seen))
-    # The first rank to return ends the job (the script never trains): wait for the others.
-    while len(list(out.parent.glob("gpus-*.json"))) < int(os.environ["WORLD_SIZE"]):
-        time.sleep(0.01)
     """
 )
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import json
 import shutil
-import textwrap
 from pathlib import Path
 
 import pytest
@@ -18,7 +17,7 @@ import torch
 from activities.fetch import NodeCache
 from infra.processes import free_port
 from infra.store.local import LocalStore
-from tests.trainer.conftest import Trainer
+from tests.trainer.conftest import Trainer, returns_when_every_rank_wrote
 from trainer.errors import UserCodeFailed
 from trainer.launch import Rendezvous, run_ranks
 from trainer.rank_box import rank_box, standby_box
@@ -27,7 +26,7 @@ from workflows.contracts.spec import TrainSpec
 
 # What the rank sees, written beside its job file; then it returns without training (the run
 # fails as the user's error, which is all this script needs of it).
-LOOKS = textwrap.dedent(
+LOOKS = returns_when_every_rank_wrote(
     """
     import json, os, pathlib, sys
     import tomli_w, torch
