@@ -1,7 +1,7 @@
 """Recovery from a dead node on the local stack, phase by phase, against a fresh start.
 
     python -m bench.recovery [--kills 3] [--steps 600] [--checkpoint-every 100]
-                             [--heartbeat-timeout 10] [--seed 6]
+                             [--heartbeat-timeout 10] [--seed 6] [--only cold|warm|peer ...]
 
 Three times: node agents that start torchrun cold (as before warm restarts), with their warm
 standby (trainer/warm_launch.py), and warm with the peer tier (`peer_every = 10`: a failure
@@ -147,10 +147,11 @@ def start_split(attempt: AttemptRecord) -> dict[str, float]:
 
 # The ways of restarting compared, each on a stack of its own, one after the other in one run.
 # Each variant: the node agents' settings, and [train] keys the runs add to the spec.
-VARIANTS: dict[str, tuple[dict[str, str], dict[str, int]]] = {
-    "cold torchrun (before)": ({"FORGELINE_NODE_WARM_STANDBY": "false"}, {}),
-    "warm standby": ({"FORGELINE_NODE_WARM_STANDBY": "true"}, {}),
-    "warm + peer tier": ({"FORGELINE_NODE_WARM_STANDBY": "true"}, {"peer_every": 10}),
+# --only's name -> (the table's label, the stack's settings, the spec's extra [train] keys)
+VARIANTS: dict[str, tuple[str, dict[str, str], dict[str, int]]] = {
+    "cold": ("cold torchrun (before)", {"FORGELINE_NODE_WARM_STANDBY": "false"}, {}),
+    "warm": ("warm standby", {"FORGELINE_NODE_WARM_STANDBY": "true"}, {}),
+    "peer": ("warm + peer tier", {"FORGELINE_NODE_WARM_STANDBY": "true"}, {"peer_every": 10}),
 }
 
 
@@ -161,9 +162,14 @@ def main() -> None:
     parser.add_argument("--checkpoint-every", type=int, default=100)
     parser.add_argument("--heartbeat-timeout", type=int, default=10)
     parser.add_argument("--seed", type=int, default=6)
+    parser.add_argument(
+        "--only", choices=VARIANTS, action="append",
+        help="measure only this variant (repeat for more); all three by default",
+    )  # fmt: skip
     args = parser.parse_args()
     means = {}
-    for label, (settings, extra) in VARIANTS.items():
+    for name in args.only or VARIANTS:
+        label, settings, extra = VARIANTS[name]
         rows, fresh_start = measure(args, settings, extra)
         print(f"\n== {label}")
         report(rows, fresh_start, args, extra.get("peer_every", args.checkpoint_every))

@@ -127,6 +127,13 @@ class RunFigures(BaseModel):
         return [i.lost_steps for i in self.interruptions]
 
 
+class ProbeAnswers(BaseModel):
+    """The liveness probes of every run (bench/probe_answers.py)."""
+
+    answered_ms: list[float] = []  # scheduled to completed, each probe an agent answered
+    unanswered: int = 0  # timed out: a dead agent, or a live one too slow (a node lost)
+
+
 class SoakReport(BaseModel):
     runs: dict[str, RunFigures] = {}
     not_ended: list[str] = []
@@ -137,6 +144,7 @@ class SoakReport(BaseModel):
     recovery_phases: dict[str, list[RecoveryPhases]] = {}
     faults: dict[str, int] = {}  # fired, by kind
     passed_over: int = 0  # faults that found nothing to hit
+    probes: ProbeAnswers | None = None
 
 
 class SoakRecord(BaseModel):

@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 
 from bench.local_stack import LocalStack
+from bench.probe_answers import read_probe_answers
 from bench.recovery_phases import PARTS, medians, phases
 from bench.soak_plan import (
     CONTROL_PLANE,
@@ -315,6 +316,7 @@ def build_report(
         recovery_phases=phases_by_kind(stack, record, statuses),
         faults=Counter(e.what for e in fired if "passed over" not in e.detail),
         passed_over=sum(1 for e in fired if "passed over" in e.detail),
+        probes=read_probe_answers(stack.home),
     )
 
 
@@ -369,6 +371,12 @@ def print_report(record: SoakRecord) -> int:
             rows.append((key, str(len(found)), *(f"{parts[p]:.1f}" for p in PARTS),
                          f"{sum(parts.values()):.1f}"))  # fmt: skip
         _table(rows)
+    if (probes := report.probes) is not None and probes.answered_ms:
+        answered = sorted(probes.answered_ms)
+        p99 = answered[min(len(answered) - 1, round(0.99 * (len(answered) - 1)))]
+        print(f"\nliveness probes: {len(answered)} answered in {statistics.median(answered):.0f}"
+              f" / {p99:.0f} / {answered[-1]:.0f} ms (p50 / p99 / max), {probes.unanswered} "
+              "unanswered")  # fmt: skip
     lost = [c for run in report.runs.values() for c in run.lost_commits]
     mismatched = [n for n, run in report.runs.items() if run.bitwise is False]
     print()

@@ -31,6 +31,7 @@ with workflow.unsafe.imports_passed_through():
         JoinRequest,
         Node,
         NodeAdmin,
+        NodeAnswered,
         NodeFailure,
         NodeHealthReport,
         NodeInfo,
@@ -222,6 +223,27 @@ class ClusterWorkflow:
         else:
             node.admin = Admin.CORDONED
         node.down_reason = failure.reason
+        self._dirty = True
+
+    @workflow.signal
+    def node_answered(self, found: NodeAnswered) -> None:
+        """A node a run reported dead answered its probe after all (`NodeAnswered`). Only
+        that report is undone: the node is back if it is still down for exactly that reason,
+        as the same incarnation, with its own health check passing; its death is not counted.
+        Down for anything since (another run's report, its check failing, its agent stopped),
+        it stays down."""
+        node = self._node(found.node_id)
+        if (
+            node is None
+            or node.info.incarnation != found.incarnation
+            or node.health != Health.DOWN
+            or node.down_reason != found.reason
+            or node.health_reason is not None
+        ):
+            return
+        node.health = Health.HEALTHY
+        node.down_reason = None
+        self._state.fail_stops = max(0, self._state.fail_stops - 1)
         self._dirty = True
 
     def _reported(

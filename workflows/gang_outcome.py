@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import builtins
 from datetime import datetime, timedelta
+from typing import TYPE_CHECKING
 
 from temporalio import workflow
 from temporalio.common import RetryPolicy
@@ -23,6 +24,9 @@ from workflows.contracts.cluster_models import Allocation, NodeInfo, PreemptNoti
 from workflows.contracts.models import Failure, HealthEvent, NodeStopInput, NodeTrainResult
 from workflows.contracts.names import node_task_queue
 from workflows.contracts.spec import RecoverySpec, TrainSpec
+
+if TYPE_CHECKING:
+    from workflows.silent_nodes import Confirmation
 
 # How long a live node agent takes at most to answer the liveness probe: the task waits in its
 # queue for one of the agent's idle pollers (milliseconds), the answer is a constant. A node
@@ -41,11 +45,15 @@ class Preempted(Exception):
 
 
 class GangFailed(Exception):
-    """One attempt of the gang ended in failure; carries what was learned about the nodes."""
+    """One attempt of the gang ended in failure; carries what was learned about the nodes, and
+    the probes still out for nodes taken for dead (workflows.silent_nodes)."""
 
-    def __init__(self, failures: list[Failure]) -> None:
+    def __init__(
+        self, failures: list[Failure], confirmations: list[Confirmation] | None = None
+    ) -> None:
         super().__init__("; ".join(f.reason for f in failures))
         self.failures = failures
+        self.confirmations = confirmations or []
 
 
 class StragglerSwap(Exception):
@@ -100,6 +108,7 @@ def failures_of(
     now: datetime,
     silent: frozenset[str] = frozenset(),
     answered: frozenset[str] = frozenset(),
+    silent_within: timedelta = PROBE_TIMEOUT,
 ) -> list[Failure]:
     """One failure per node whose activity failed (cancellations are our own doing); a node
     that went silent (no heartbeat, or no answer to the probe of `tear_down`) is named as
@@ -125,8 +134,7 @@ def failures_of(
                 Failure(
                     generation=allocation.generation,
                     node_id=node.node_id,
-                    reason=f"{node.node_id}: its agent did not answer a liveness probe within "
-                    f"{PROBE_TIMEOUT.total_seconds():g} s after its peers failed (presumed dead)",
+                    reason=silent_reason(node.node_id, silent_within),
                     at=now,
                     kind="fail-stop",
                 )
@@ -152,6 +160,14 @@ def failures_of(
             at=now,
         )
     ]
+
+
+def silent_reason(node_id: str, within: timedelta) -> str:
+    """What the run tells the cluster of a node that did not answer its probe in time."""
+    return (
+        f"{node_id}: its agent did not answer a liveness probe within "
+        f"{within.total_seconds():g} s after its peers failed (presumed dead)"
+    )
 
 
 def reached_the_end(train: TrainSpec, result: NodeTrainResult) -> bool:
@@ -227,14 +243,14 @@ async def stop_left_behind(
     return [h for _, h in left], reported
 
 
-def _request_cancel(handles: list[workflow.ActivityHandle]) -> None:
+def request_cancel(handles: list[workflow.ActivityHandle]) -> None:
     for handle in handles:
         if not handle.done():
             handle.cancel()
 
 
 async def cancel_all(handles: list[workflow.ActivityHandle]) -> None:
-    _request_cancel(handles)
+    request_cancel(handles)
     await asyncio.gather(*handles, return_exceptions=True)
 
 
@@ -251,13 +267,13 @@ async def tear_down(
     not given back while its ranks may run); one that does not, or that answers as a restarted
     agent (the old one's ranks died with it), is left behind and returned, to be drained. Its
     activity's late end is observed and dropped."""
-    _request_cancel(handles)
+    request_cancel(handles)
     running = [(n, h) for n, h in zip(allocation.nodes, handles, strict=True) if not h.done()]
-    alive = await asyncio.gather(*(_answers_as_granted(node) for node, _ in running))
+    alive = await asyncio.gather(*(answers_as_granted(node) for node, _ in running))
     silent = frozenset(node.node_id for (node, _), ok in zip(running, alive, strict=True) if not ok)
     for node, handle in running:
         if node.node_id in silent:
-            handle.add_done_callback(_observe)
+            handle.add_done_callback(observe)
     await asyncio.gather(
         *(h for n, h in running if n.node_id not in silent), return_exceptions=True
     )
@@ -277,11 +293,11 @@ async def answering_after_timeout(
         for node, handle in zip(allocation.nodes, handles, strict=True)
         if handle.done() and _timed_out(handle.exception())
     ]
-    alive = await asyncio.gather(*(_answers_as_granted(node) for node in timed_out))
+    alive = await asyncio.gather(*(answers_as_granted(node) for node in timed_out))
     return frozenset(n.node_id for n, ok in zip(timed_out, alive, strict=True) if ok)
 
 
-async def _answers_as_granted(node: NodeInfo) -> bool:
+async def answers_as_granted(node: NodeInfo) -> bool:
     """Whether the node's agent answers the probe as the incarnation it was granted as. An
     agent of a release without the probe fails it at once, which a live agent alone can do;
     one that answers without an incarnation (a test's) is taken at its word."""
@@ -315,10 +331,10 @@ def order_stops(stop: NodeStopInput, allocation: Allocation) -> None:
             schedule_to_close_timeout=STOP_ORDER_TIMEOUT,
             retry_policy=RetryPolicy(maximum_attempts=1),
         )
-        order.add_done_callback(_observe)
+        order.add_done_callback(observe)
 
 
-def _observe(handle: asyncio.Future) -> None:
+def observe(handle: asyncio.Future) -> None:
     """Retrieve an abandoned activity's outcome, so it is not reported as never retrieved."""
     if not handle.cancelled():
         handle.exception()

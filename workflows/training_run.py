@@ -7,7 +7,6 @@ workflow decides order, timeouts, retries and waiting; the activities do the wor
 from __future__ import annotations
 
 import asyncio
-import builtins
 from datetime import timedelta
 from typing import Any
 
@@ -46,8 +45,6 @@ with workflow.unsafe.imports_passed_through():
         HealthEvent,
         InitFromInput,
         LatestCheckpointInput,
-        NodeStopInput,
-        NodeTrainInput,
         NodeTrainResult,
         Phase,
         PreemptionRecord,
@@ -62,26 +59,13 @@ with workflow.unsafe.imports_passed_through():
         HEALTH_SIGNAL,
         PREEMPT_SIGNAL,
         dataset_workflow_id,
-        node_task_queue,
     )
+    from workflows.gang_attempt import run_gang
     from workflows.gang_outcome import (
-        STOP_ORDER_TIMEOUT,
         GangFailed,
         Preempted,
         StragglerSwap,
-        answering_after_timeout,
-        cancel_all,
         describe,
-        ended_at_the_end,
-        failures_of,
-        order_stops,
-        reached_the_end,
-        stop_left_behind,
-        stopped_early,
-        straggler_swap,
-        swap_refused,
-        tear_down,
-        user_code_failure,
     )
     from workflows.run_end import RunEnd
     from workflows.run_records import (
@@ -95,6 +79,7 @@ with workflow.unsafe.imports_passed_through():
         rewound,
     )
     from workflows.scheduling.node_reports import RANK_REPORTED
+    from workflows.silent_nodes import Confirmation, confirm
     from workflows.suspect_rollback import rollback_step
 
 # Activities that only talk to the store or MLflow retry until they succeed: an outage of the
@@ -103,13 +88,9 @@ with workflow.unsafe.imports_passed_through():
 _PATIENT_RETRY = RetryPolicy(
     initial_interval=timedelta(seconds=1), maximum_interval=timedelta(minutes=1)
 )
-# A gang attempt is never retried by Temporal: the workflow itself restarts the whole gang.
-_NO_RETRY = RetryPolicy(maximum_attempts=1)
 # A control activity beats every few seconds: one whose worker died is retried within this,
 # not at its start-to-close timeout (a run sat REGISTERING for 30 minutes: bench/soak.py).
 CONTROL_HEARTBEAT = timedelta(seconds=30)
-# A node agent that does not pick up its activity within this long is treated as down.
-_NODE_PICKUP_TIMEOUT = timedelta(seconds=60)
 
 
 @workflow.defn(name="TrainingRun")
@@ -148,6 +129,8 @@ class TrainingRun:
         # What the next attempt follows: start, failure, preemption, swap.
         self._after = carried.after if carried else AttemptCause.START
         self._queued_with_release = False  # the last release queued the next attempt
+        # The probes of nodes taken for dead that may yet answer (workflows.silent_nodes).
+        self._confirming: list[asyncio.Task[bool]] = []
         # Where the first gang starts, when a person asked (forgeline resume --from); None
         # once it has been fenced there, and the newest checkpoint is this lineage's again.
         self._resume_from = inp.resume_from_step
@@ -172,6 +155,7 @@ class TrainingRun:
             evaluation = await self._end.evaluate(dataset, checkpoint)
             version = await self._end.register(dataset, checkpoint, evaluation, results)
             await self._end.await_decision(version)
+            await self._settle_confirmations()
         except asyncio.CancelledError:
             self._set_phase(Phase.CANCELLED)
             await self._release_gang()
@@ -185,6 +169,7 @@ class TrainingRun:
             self._status.error = describe(err)
             self._set_phase(Phase.FAILED)
             await self._release_gang()
+            await self._settle_confirmations()
             await self._end.close_tracking(tracking, "FAILED")
             raise ApplicationError(f"run {self._spec.name} failed: {self._status.error}") from err
         return self._status
@@ -277,7 +262,7 @@ class TrainingRun:
 
     async def _train(self, dataset: DatasetRef) -> tuple[CheckpointRef, list[NodeTrainResult]]:
         while True:
-            self._continue_as_new_if_due()
+            await self._continue_as_new_if_due()
             self._set_phase(Phase.QUEUED if self._status.attempts == 0 else Phase.RECOVERING)
             allocation = await self._acquire_gang()
             # Fenced: from here on, older generations' late commits do not count (nor, after
@@ -289,10 +274,12 @@ class TrainingRun:
             self._status.last_checkpoint = resume
             self._set_phase(Phase.TRAINING)
             try:
-                results = await self._run_gang(allocation, dataset, resume)
+                results = await run_gang(
+                    self._input, self._status, allocation, dataset, resume, lambda: self._preempt
+                )
             except GangFailed as failed:
                 await self._close_attempt(AttemptOutcome.FAILED, kept_step=None)
-                await self._recover(allocation, failed.failures)
+                await self._recover(allocation, failed.failures, failed.confirmations)
                 continue
             except StragglerSwap as swap:
                 # Not a failure either: the gang checkpointed; its slow node is cordoned and
@@ -526,120 +513,9 @@ class TrainingRun:
             add_skipped(self._status, found.skipped)
         return found
 
-    async def _run_gang(
-        self, allocation: Allocation, dataset: DatasetRef, resume: CheckpointRef | None
-    ) -> list[NodeTrainResult]:
-        """One attempt: a training activity on every node of the gang, all or nothing."""
-        handles = [
-            workflow.start_activity(
-                "train_on_node",
-                NodeTrainInput(
-                    run_id=self._spec.name,
-                    # Elastic: a gang granted fewer nodes trains the same global batch.
-                    spec=self._spec.after_swaps(self._status.swaps).on_nodes(len(allocation.nodes)),
-                    dataset=dataset,
-                    allocation=allocation,
-                    node_id=node.node_id,
-                    resume=resume,
-                    init_from=self._status.init_from,
-                    mlflow_run_id=self._status.mlflow_run_id,
-                    code=self._input.code,
-                    run_uid=self._input.run_uid,
-                ),
-                result_type=NodeTrainResult,
-                task_queue=node_task_queue(node.node_id),
-                activity_id=f"train-g{allocation.generation}-{node.node_id}",
-                schedule_to_start_timeout=_NODE_PICKUP_TIMEOUT,
-                start_to_close_timeout=timedelta(days=30),
-                heartbeat_timeout=timedelta(seconds=self._spec.recovery.heartbeat_timeout_s),
-                retry_policy=_NO_RETRY,
-                # Wait for the ranks to be gone before the nodes are released to someone else.
-                cancellation_type=workflow.ActivityCancellationType.WAIT_CANCELLATION_COMPLETED,
-            )
-            for node in allocation.nodes
-        ]
-        # Runs from before waited for every node, even one whose ranks never exit.
-        lingering = workflow.patched("stop-ranks-left-behind")
-        train = self._spec.train
-        try:
-            await workflow.wait_condition(
-                lambda: (
-                    self._preempt is not None
-                    or all(h.done() for h in handles)
-                    or any(h.done() and h.exception() is not None for h in handles)
-                    or (lingering and any(ended_at_the_end(train, h) for h in handles))
-                )
-            )
-        except asyncio.CancelledError:
-            await cancel_all(handles)
-            raise
-        left: list[workflow.ActivityHandle] = []
-        if lingering and self._preempt is None:
-            grace = timedelta(seconds=self._spec.recovery.exit_grace_s)
-            left, reported = await stop_left_behind(allocation, handles, train, grace)
-            self._status.health = newest(self._status.health, reported)
-        if self._preempt is not None and not all(h.done() for h in handles):
-            await self._stop_gracefully(allocation, handles, self._preempt)
-        ended = [h for h in handles if h not in left]
-        if all(h.done() and h.exception() is None for h in ended):
-            results = [h.result() for h in ended]
-            # A peer-tier checkpoint the gang could not assemble, and why (the ranks said).
-            add_skipped(self._status, [why for r in results for why in r.skipped])
-            if self._preempt is not None and not reached_the_end(self._spec.train, results[0]):
-                raise Preempted(self._preempt, results[0].final_step)
-            if swap := straggler_swap(results):
-                refused = swap_refused(
-                    swap, self._spec.recovery, self._status.swaps, allocation.generation,
-                    workflow.now(),
-                )  # fmt: skip
-                # Runs from before cordoned whatever the ranks named, as often as they asked.
-                if refused is not None and workflow.patched("swaps-bounded"):
-                    raise GangFailed([refused])
-                raise swap
-            early = stopped_early(results, self._spec.train, allocation.generation, workflow.now())
-            if early:
-                raise GangFailed(early)
-            return results
-        silent: frozenset[str] = frozenset()
-        if workflow.patched("probe-silent-nodes"):  # a dead node is not waited for
-            silent = await tear_down(allocation, handles)
-        else:
-            await cancel_all(handles)
-        if mistake := user_code_failure(handles):
-            # The script's own error: another attempt would fail the same way, and no node is
-            # to blame. The run fails now, with the user's traceback, spending no restart.
-            raise mistake
-        answered: frozenset[str] = frozenset()
-        # Runs from before took every timed-out node for dead, control plane down or not.
-        if workflow.patched("probe-timed-out-nodes"):
-            answered = await answering_after_timeout(allocation, handles)
-        raise GangFailed(failures_of(allocation, handles, workflow.now(), silent, answered))
-
-    async def _stop_gracefully(
-        self, allocation: Allocation, handles: list, notice: PreemptNotice
+    async def _recover(
+        self, allocation: Allocation, failures: list[Failure], out: list[Confirmation]
     ) -> None:
-        """Ask every node's ranks to checkpoint and exit; after the grace period, stop them."""
-        stop = NodeStopInput(run_id=self._spec.name, generation=allocation.generation)
-        if workflow.patched("stop-orders-unawaited"):
-            order_stops(stop, allocation)
-        else:  # runs from before: one order after another, and one not taken failed the run
-            for node in allocation.nodes:
-                await workflow.execute_activity(
-                    "stop_training",
-                    stop,
-                    task_queue=node_task_queue(node.node_id),
-                    schedule_to_close_timeout=STOP_ORDER_TIMEOUT,
-                    retry_policy=_NO_RETRY,
-                )
-        try:
-            await workflow.wait_condition(
-                lambda: all(h.done() for h in handles), timeout=timedelta(seconds=notice.grace_s)
-            )
-        except builtins.TimeoutError:
-            await cancel_all(handles)
-            raise Preempted(notice, None) from None
-
-    async def _recover(self, allocation: Allocation, failures: list[Failure]) -> None:
         """Drain the nodes at fault, give the gang back, and back off if failures repeat."""
         self._set_phase(Phase.RECOVERING)
         self._after = AttemptCause.FAILURE
@@ -647,6 +523,12 @@ class TrainingRun:
         generation = allocation.generation
         blamed = nodes_at_fault(failures, self._status.health, generation)
         await report_nodes(self._spec.name, generation, blamed)
+        # Reported down first, so an answer that comes later is what brings the node back.
+        reported = {node: reason for node, reason, _ in blamed}
+        self._confirming += [
+            asyncio.create_task(confirm(self._spec.name, generation, c, reported[c.node.node_id]))
+            for c in out
+        ]
         add_suspects(self._status, [node for node, _, kind in blamed if kind in RANK_REPORTED])
         before = rollback_step(self._status.health, blamed, generation)
         if before is not None and workflow.patched("rollback-before-suspect"):
@@ -686,7 +568,15 @@ class TrainingRun:
             add_suspects(self._status, [event.node_id])
         await self._release_gang(requeue=workflow.patched("requeue-with-release"))
 
-    def _continue_as_new_if_due(self) -> None:
+    async def _settle_confirmations(self) -> None:
+        """Wait for the probes still out for nodes taken for dead (workflows.silent_nodes):
+        before the history is handed on or the run ends, so no node is left down that
+        answered."""
+        if self._confirming:
+            await asyncio.gather(*self._confirming)
+            self._confirming = []
+
+    async def _continue_as_new_if_due(self) -> None:
         """Between gang attempts (no gang held), start a fresh history once the server
         suggests it: every attempt adds activities, signals and timers, and a run preempted or
         restarted often enough would reach Temporal's history limit. The status, already
@@ -697,6 +587,7 @@ class TrainingRun:
             return
         if not workflow.info().is_continue_as_new_suggested():
             return
+        await self._settle_confirmations()
         self._status.continued += 1
         carry = RunCarry(
             status=self._status,

@@ -43,6 +43,7 @@ def test_a_short_soak_loses_nothing(tmp_path: Path) -> None:
     assert SoakRecord.load(tmp_path / "soak.json") == record
 
     assert sum(report.faults.values()) >= 5, report.faults
+    assert report.probes is not None  # read from the stack's histories
     assert report.not_ended == []
     assert report.violations == []
     assert [c for run in report.runs.values() for c in run.lost_commits] == []

@@ -35,6 +35,7 @@ from workflows.contracts.cluster_models import (
     JoinRequest,
     Node,
     NodeAdmin,
+    NodeAnswered,
     NodeFailure,
     NodeHealthReport,
     NodeInfo,
@@ -261,6 +262,51 @@ def test_a_death_reported_after_the_agent_restarted_leaves_the_new_one_up(
         await h.cluster.signal(ClusterWorkflow.report_failure, died)
         state = await h.state(lambda s: s.fail_stops == 1)
         assert all(n.health == Health.HEALTHY for n in state.nodes)
+
+    run_scenario(temporal_address, task_queue, scenario)
+
+
+def test_a_node_taken_for_dead_that_answers_after_all_is_back_and_not_counted(
+    temporal_address: str, task_queue: str
+) -> None:
+    """A run reported n0 dead because its probe went unanswered for half a second; the probe
+    went on, n0 answered as the same agent, and the run says so (workflows.silent_nodes).
+    Only that report is undone: not a report of another reason, nor an agent since restarted,
+    nor a node whose own check fails."""
+
+    async def scenario(h: Harness) -> None:
+        grant = await h.gang_of_two()
+        reason = "n0: its agent did not answer a liveness probe within 0.5 s"
+        died = NodeFailure(run_id="run-a", generation=grant.generation, node_id="n0",
+                           reason=reason)  # fmt: skip
+        await h.cluster.signal(ClusterWorkflow.report_failure, died)
+        await h.state(lambda s: s.fail_stops == 1)
+
+        def answered(**changed: str) -> NodeAnswered:
+            fields = {"run_id": "run-a", "generation": grant.generation, "node_id": "n0",
+                      "incarnation": "a", "reason": reason, **changed}  # fmt: skip
+            return NodeAnswered.model_validate(fields)
+
+        for other in (answered(reason="n0: heartbeat"), answered(incarnation="b")):
+            await h.cluster.signal(ClusterWorkflow.node_answered, other)
+        # Signals are handled in order: a query that sees the next one's effect saw these.
+        failing = NodeHealthReport(node_id="n1", incarnation="a", healthy=False, reason="disk")
+        await h.cluster.signal(ClusterWorkflow.node_health, failing)
+        state = await h.state(lambda s: s.nodes[1].health == Health.DOWN)
+        assert (state.nodes[0].health, state.fail_stops) == (Health.DOWN, 1)
+
+        await h.cluster.signal(ClusterWorkflow.node_answered, answered())
+        state = await h.state(lambda s: s.nodes[0].health == Health.HEALTHY)
+        assert (state.nodes[0].down_reason, state.fail_stops) == (None, 0)
+
+        # n1 is down for its own check: a run's report and its answer leave it down.
+        n1_died = died.model_copy(update={"node_id": "n1", "reason": "n1: silent"})
+        await h.cluster.signal(ClusterWorkflow.report_failure, n1_died)
+        n1_back = answered(node_id="n1", reason="n1: silent")
+        await h.cluster.signal(ClusterWorkflow.node_answered, n1_back)
+        await h.cluster.signal(ClusterWorkflow.report_failure, died)  # n0 again: the marker
+        state = await h.state(lambda s: s.nodes[0].health == Health.DOWN)
+        assert state.nodes[1].health == Health.DOWN, state.nodes[1]
 
     run_scenario(temporal_address, task_queue, scenario)
 

@@ -16,7 +16,7 @@ import asyncio
 from temporalio import activity
 
 from tests.workflows.test_training_run_history import (
-    STEPS,
+    StopsWhenTold,
     run_on_two_nodes,
     tiny_spec,
 )
@@ -27,25 +27,16 @@ HEARTBEAT_TIMEOUT_S = 2
 LABEL = "2026-12-07-silence"
 
 
-class LiveAgents:
+class LiveAgents(StopsWhenTold):
     """Agents that stay up: generation 1's activity beats once and then no more (its beats do
     not reach the server), later generations train to the end; the probe always answers."""
-
-    def __init__(self) -> None:
-        self.step = 0  # what Control's latest_checkpoint reports
 
     @activity.defn(name="train_on_node")
     async def train_on_node(self, inp: NodeTrainInput) -> NodeTrainResult:
         if inp.allocation.generation == 1:
             activity.heartbeat()
             await asyncio.sleep(HEARTBEAT_TIMEOUT_S * 10)  # cancelled when the server says so
-        self.step = STEPS
-        return NodeTrainResult(node_id=inp.node_id, generation=inp.allocation.generation,
-                               final_step=STEPS, final_loss=1.0)  # fmt: skip
-
-    @activity.defn(name="node_alive")
-    async def node_alive(self) -> str:
-        return "a"
+        return self.to_the_end(inp)
 
 
 def test_heartbeats_lost_to_the_control_plane_leave_the_nodes_in_service(

@@ -15,6 +15,7 @@ import contextlib
 import os
 from collections import defaultdict
 from collections.abc import AsyncIterator
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -122,6 +123,12 @@ class StopsWhenTold:
     async def node_alive(self) -> str:
         return "a"
 
+    def to_the_end(self, inp: NodeTrainInput) -> NodeTrainResult:
+        """What a node's activity returns when its ranks trained the run to its end."""
+        self.step = STEPS
+        return NodeTrainResult(node_id=inp.node_id, generation=inp.allocation.generation,
+                               final_step=STEPS, final_loss=1.0)  # fmt: skip
+
 
 class Control:
     """The control worker's activities, as a healthy store and MLflow would answer."""
@@ -191,7 +198,10 @@ def stack_workers(
         Worker(client, task_queue=task_queue, workflows=[ClusterWorkflow]),
         Worker(client, task_queue=CONTROL_TASK_QUEUE, workflows=[TrainingRun, PreparedDataset],
                activities=control.all()),
-        *(Worker(client, task_queue=node_task_queue(n), activities=acts)
+        # Heartbeats reach the server within a second, as the node agent's do
+        # (worker.processes_main): a cancellation reaches the activity as soon.
+        *(Worker(client, task_queue=node_task_queue(n), activities=acts,
+                 max_heartbeat_throttle_interval=timedelta(seconds=1))
           for n, acts in nodes.items()),
     ]  # fmt: skip
 

@@ -590,6 +590,18 @@ class NodeFailure(BaseModel):
     kind: str = "fail-stop"
 
 
+class NodeAnswered(BaseModel):
+    """A run took the node for dead (it did not answer the liveness probe at once, so the
+    next gang went without it) and then its agent answered after all, as the incarnation
+    granted, and its ranks have stopped: the node was only slow, and is back in service."""
+
+    run_id: str
+    generation: int
+    node_id: str
+    incarnation: str
+    reason: str  # what the run reported it down for (NodeFailure.reason), matched exactly
+
+
 class NodeHealthReport(BaseModel):
     """A node agent's own health check changed its verdict (infra.node_health)."""
 
