@@ -1,11 +1,10 @@
 """How fast live node agents answered the liveness probe, read from the runs' own histories.
 
 When a gang fails, the workflow probes every node whose activity has not ended
-(`workflows.gang_outcome.PROBE_TIMEOUT`, 2 s): one that does not answer in time is taken for
-dead and leaves the fleet until its agent restarts. The probe's timeout is most of a node
-death's detection (about 2 of 2.5 s alone), so shortening it is the obvious saving, and a live
-agent that answers late costs a node: the answers' tail under a soak's load says how far it
-could go. Every probe in every TrainingRun execution (continued ones included) is counted.
+(`workflows.gang_outcome.PROBE_TIMEOUT`, 2 s). The next gang waits `SILENT_AFTER` (0.5 s) for
+the answers (workflows.silent_nodes): a live agent slower than that costs its place in that
+gang. The answers' tail under a soak's load says whether the wait can be shorter. Every probe
+in every TrainingRun execution (continued ones included) is counted.
 """
 
 from __future__ import annotations

@@ -324,9 +324,13 @@ def _percentiles(values: list[float]) -> str:
     if not values:
         return "-"
     ordered = sorted(values)
-    p50 = statistics.median(ordered)
-    p95 = ordered[min(len(ordered) - 1, round(0.95 * (len(ordered) - 1)))]
+    p50, p95 = statistics.median(ordered), _at(ordered, 0.95)
     return f"{p50:.1f} / {p95:.1f} / {ordered[-1]:.1f} s (n={len(ordered)})"
+
+
+def _at(ordered: list[float], share: float) -> float:
+    """The value `share` of the way up sorted values (nearest rank)."""
+    return ordered[min(len(ordered) - 1, round(share * (len(ordered) - 1)))]
 
 
 def _share(value: float | None) -> str:
@@ -373,9 +377,9 @@ def print_report(record: SoakRecord) -> int:
         _table(rows)
     if (probes := report.probes) is not None and probes.answered_ms:
         answered = sorted(probes.answered_ms)
-        p99 = answered[min(len(answered) - 1, round(0.99 * (len(answered) - 1)))]
         print(f"\nliveness probes: {len(answered)} answered in {statistics.median(answered):.0f}"
-              f" / {p99:.0f} / {answered[-1]:.0f} ms (p50 / p99 / max), {probes.unanswered} "
+              f" / {_at(answered, 0.99):.0f} / {answered[-1]:.0f} ms (p50 / p99 / max), "
+              f"{probes.unanswered} "
               "unanswered")  # fmt: skip
     lost = [c for run in report.runs.values() for c in run.lost_commits]
     mismatched = [n for n, run in report.runs.items() if run.bitwise is False]
